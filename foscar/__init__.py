@@ -1,0 +1,26 @@
+"""foscar: decode attention over 2- and 4-bit paged KV caches through affine folding.
+
+Public API (shapes in each docstring):
+
+- formats: :class:`QuantFormat`, :class:`KVFormat`, :class:`GroupAxis`, :class:`OperandMapping`
+- cache: :class:`QuantizedKVCache`, :class:`DecodeBatch`, :func:`effective_bits`
+- decode: :func:`decode_attention`
+- references: :mod:`foscar.reference`
+"""
+
+from .cache import DecodeBatch, QuantizedKVCache, effective_bits
+from .decode import decode_attention
+from .formats import GroupAxis, KVFormat, OperandMapping, QuantFormat
+
+__all__ = [
+    "DecodeBatch",
+    "GroupAxis",
+    "KVFormat",
+    "OperandMapping",
+    "QuantFormat",
+    "QuantizedKVCache",
+    "decode_attention",
+    "effective_bits",
+]
+
+__version__ = "0.1.0"

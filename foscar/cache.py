@@ -1,0 +1,631 @@
+"""Paged quantized KV cache with BF16 sink and recent windows.
+
+Logical layout of one sequence (oscar.md Sec. 4)::
+
+    [ sink: first S tokens, BF16 | quantized history: Lq tokens, paged | tail: BF16 ]
+
+* The **quantized history** holds tokens ``S .. S+Lq-1`` in pages of ``page_size`` tokens from a
+  fixed pool shared by all sequences; a sequence's pages are listed in FlashInfer's CSR
+  convention (``kv_indptr``, ``kv_indices``, ``kv_last_page_len``, int32). Pages are shared by
+  all layers (one page table per sequence); each layer has its own pool tensors.
+* The **tail** holds the last ``L - S - Lq`` tokens in BF16: the recent window (``W`` tokens)
+  plus, for channel-wise groups, the tokens of the not-yet-complete group. It is a ring of
+  ``W + quantum`` slots per sequence (position ``p`` lives in slot ``(p - S) % (W + quantum)``).
+  Tokens are demoted into the history ``quantum`` at a time (1 for token-wise K and V; the
+  channel-wise group size otherwise), so ``Lq = max(0, floor((L - S - W) / quantum)) * quantum``.
+
+Pool tensors of one layer (``H`` KV heads, ``D`` head_dim, ``P`` pages of ``ps`` tokens)::
+
+    k_words:  [P, H, ps, D * bits_k // 32] int32    packed codes (layout: foscar.formats)
+    k_scale:  [P, H, ps * D // g_k] float32         folded scale s'
+    k_offset: [P, H, ps * D // g_k] float32         folded offset z'
+    (v_* likewise)
+    k_sink:   [max_seqs, H, S, D] bfloat16          first S tokens
+    k_tail:   [max_seqs, H, W + quantum, D] bfloat16 ring of the last tokens
+
+Scale layout: a sequence's scales, flattened in group order (token-wise: ``[Lq, D/g]``
+row-major; channel-wise: ``[Lq/g, D]`` row-major), are cut into chunks of ``E = ps * D / g``
+entries, chunk ``i`` stored in the sequence's ``i``-th page. Both axes store ``D/g`` entries per
+token, so no space is wasted; for token-wise groups chunk ``i`` belongs exactly to the tokens of
+page ``i``, and a channel-wise group with ``g > ps`` spreads its ``D`` scales over its ``g/ps``
+pages.
+
+Bad input raises ``ValueError``/``TypeError`` naming the argument; every check runs before the
+first write, so a rejected call leaves pages, tables and counters exactly as they were.
+Values are rounded to ``window_dtype`` (BF16) on entry, so a token quantizes to the same bits
+whether it is demoted from the tail or written straight into the history by a prefill.
+
+NaN/Inf rule: K and V must be finite; a call with a non-finite value is rejected (one
+device-to-host sync per call; pass ``check_finite=False`` to the cache to skip it, and then a
+non-finite value poisons its whole group, as it would a BF16 attention).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .formats import GroupAxis, KVFormat, QuantFormat, fold_scale_offset, pack_codes, words_per_row
+from .quantize import quantize
+
+__all__ = ["QuantizedKVCache", "LayerStorage", "DecodeBatch", "effective_bits"]
+
+_ALLOWED_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+@dataclass
+class LayerStorage:
+    """The pool tensors of one layer (shapes in the module docstring)."""
+
+    k_words: torch.Tensor
+    k_scale: torch.Tensor
+    k_offset: torch.Tensor
+    v_words: torch.Tensor
+    v_scale: torch.Tensor
+    v_offset: torch.Tensor
+    k_sink: torch.Tensor
+    v_sink: torch.Tensor
+    k_tail: torch.Tensor
+    v_tail: torch.Tensor
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return dict(vars(self))
+
+
+@dataclass
+class DecodeBatch:
+    """Where each sequence of a decode batch lives in the cache, as the kernels read it.
+
+    Device tensors (int32), ``B`` sequences::
+
+        kv_indptr:        [B + 1]  CSR offsets into kv_indices
+        kv_indices:       [nnz]    pages of the quantized history, in order
+        kv_last_page_len: [B]      tokens in the last page (1..page_size; 0 if no pages)
+        seq_lens:         [B]      total tokens L (sink + history + tail)
+        num_quantized:    [B]      tokens in the quantized history Lq
+        slots:            [B]      row of the sequence in the sink/tail buffers
+
+    The sink holds ``min(L, sink_tokens)`` tokens; the tail holds positions
+    ``sink_tokens + Lq .. L - 1`` at ring slots ``(p - sink_tokens) % tail_capacity``.
+    ``*_host`` lists mirror the device tensors for host-side planning.
+    """
+
+    seq_ids: tuple
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_page_len: torch.Tensor
+    seq_lens: torch.Tensor
+    num_quantized: torch.Tensor
+    slots: torch.Tensor
+    seq_lens_host: list[int]
+    num_quantized_host: list[int]
+    pages_host: list[list[int]]
+    slots_host: list[int]
+    page_size: int
+    sink_tokens: int
+    tail_capacity: int
+    layer: int
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_ids)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_host, default=0)
+
+    def sink_len(self, i: int) -> int:
+        return min(self.seq_lens_host[i], self.sink_tokens)
+
+    def tail_range(self, i: int) -> tuple[int, int]:
+        """Positions ``[start, end)`` of sequence ``i``'s BF16 tail."""
+        start = self.sink_tokens + self.num_quantized_host[i]
+        return min(start, self.seq_lens_host[i]), self.seq_lens_host[i]
+
+
+@dataclass
+class _Sequence:
+    slot: int
+    pages: list[int]
+    lengths: list[int]  # total tokens per layer
+
+
+def _num_quantized(length: int, fmt: KVFormat) -> int:
+    """Tokens of a length-``length`` sequence that live in the quantized history."""
+    past_window = length - fmt.sink_tokens - fmt.recent_tokens
+    if past_window <= 0:
+        return 0
+    quantum = fmt.demotion_quantum
+    return past_window // quantum * quantum
+
+
+def effective_bits(
+    num_tokens: int,
+    fmt: KVFormat,
+    *,
+    scale_bits: int = 32,
+) -> float:
+    """Stored bits per K/V element of one sequence, scales, offsets and BF16 windows included.
+
+    ``(bf16_tokens * 16 + Lq * (bits + 2 * scale_bits / g)) / num_tokens``, averaged over K and
+    V. With ``scale_bits=16``, INT2, g=128, L=131072 and S+W=320 this is oscar.md's 2.2836.
+    """
+    if num_tokens <= 0:
+        raise ValueError(f"num_tokens must be positive, got {num_tokens}")
+    lq = _num_quantized(num_tokens, fmt)
+    bf16 = num_tokens - lq
+    per_tensor = [
+        (bf16 * 16 + lq * (f.bits + 2 * scale_bits / f.group_size)) / num_tokens
+        for f in (fmt.key, fmt.value)
+    ]
+    return sum(per_tensor) / 2
+
+
+def _check_int(value, name: str, *, low: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    return value
+
+
+class QuantizedKVCache:
+    """A fixed pool of quantized KV pages for ``num_layers`` layers, with BF16 windows.
+
+    Parameters
+    ----------
+    fmt : KVFormat
+        K/V quantization, operand mapping and BF16 windows.
+    num_kv_heads, head_dim : int
+    num_pages : int
+        Pages in the pool (shared by all sequences; one page holds ``page_size`` tokens of every
+        layer).
+    max_seqs : int
+        Sequences alive at once (rows of the BF16 window buffers).
+    num_layers : int
+    page_size : int
+        A power of two from 16 to 256 (default 64).
+    device : torch.device or str
+    window_dtype : torch.dtype
+        Storage of the BF16 sink/tail (default ``torch.bfloat16``).
+    check_finite : bool
+        Reject K/V containing NaN or Inf (default True; see the module docstring).
+
+    Example
+    -------
+    >>> fmt = KVFormat(QuantFormat(2, "token", 128), QuantFormat(2, "token", 128))
+    >>> cache = QuantizedKVCache(fmt, num_kv_heads=8, head_dim=128, num_pages=64, max_seqs=4)
+    >>> sid = cache.add_sequence()
+    >>> k = v = torch.randn(300, 8, 128, dtype=torch.bfloat16)
+    >>> cache.append([sid], k, v)                 # prefill 300 tokens into layer 0
+    >>> batch = cache.plan([sid])                 # page tables for decode_attention
+    """
+
+    def __init__(
+        self,
+        fmt: KVFormat,
+        *,
+        num_kv_heads: int,
+        head_dim: int,
+        num_pages: int,
+        max_seqs: int,
+        num_layers: int = 1,
+        page_size: int = 64,
+        device: torch.device | str = "cpu",
+        window_dtype: torch.dtype = torch.bfloat16,
+        check_finite: bool = True,
+    ) -> None:
+        if not isinstance(fmt, KVFormat):
+            raise TypeError(f"fmt must be a KVFormat, got {type(fmt).__name__}")
+        _check_int(num_kv_heads, "num_kv_heads", low=1)
+        _check_int(head_dim, "head_dim", low=1)
+        _check_int(num_pages, "num_pages", low=1)
+        _check_int(max_seqs, "max_seqs", low=1)
+        _check_int(num_layers, "num_layers", low=1)
+        _check_int(page_size, "page_size", low=1)
+        if page_size < 16 or page_size > 256 or page_size & (page_size - 1):
+            raise ValueError(f"page_size must be a power of two from 16 to 256, got {page_size}")
+        fmt.check_head_dim(head_dim)
+        if window_dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+            raise TypeError(f"window_dtype must be a floating dtype, got {window_dtype}")
+        self.fmt = fmt
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.num_pages = num_pages
+        self.max_seqs = max_seqs
+        self.num_layers = num_layers
+        self.page_size = page_size
+        self.device = torch.device(device)
+        self.window_dtype = window_dtype
+        self.check_finite = check_finite
+        self.layers = [self._allocate_layer() for _ in range(num_layers)]
+        self._free_pages: list[int] = list(range(num_pages - 1, -1, -1))  # pop() gives 0 first
+        self._free_slots: list[int] = list(range(max_seqs - 1, -1, -1))
+        self._seqs: dict[object, _Sequence] = {}
+        self._next_id = 0
+
+    # ------------------------------------------------------------------ storage
+    def scale_entries_per_page(self, f: QuantFormat) -> int:
+        return self.page_size * self.head_dim // f.group_size
+
+    def _allocate_layer(self) -> LayerStorage:
+        p, h, d, ps = self.num_pages, self.num_kv_heads, self.head_dim, self.page_size
+        fk, fv = self.fmt.key, self.fmt.value
+        dev = self.device
+
+        def words(f):
+            return torch.zeros(p, h, ps, words_per_row(d, f.bits), dtype=torch.int32, device=dev)
+
+        def scales(f):
+            return torch.zeros(p, h, self.scale_entries_per_page(f), dtype=torch.float32, device=dev)
+
+        s, r = self.fmt.sink_tokens, self.fmt.tail_capacity
+        wd = self.window_dtype
+        return LayerStorage(
+            k_words=words(fk),
+            k_scale=scales(fk),
+            k_offset=scales(fk),
+            v_words=words(fv),
+            v_scale=scales(fv),
+            v_offset=scales(fv),
+            k_sink=torch.zeros(self.max_seqs, h, s, d, dtype=wd, device=dev),
+            v_sink=torch.zeros(self.max_seqs, h, s, d, dtype=wd, device=dev),
+            k_tail=torch.zeros(self.max_seqs, h, r, d, dtype=wd, device=dev),
+            v_tail=torch.zeros(self.max_seqs, h, r, d, dtype=wd, device=dev),
+        )
+
+    # ------------------------------------------------------------------ sequences
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free_pages)
+
+    @property
+    def sequences(self) -> tuple:
+        return tuple(self._seqs)
+
+    def seq_len(self, seq_id, layer: int = 0) -> int:
+        return self._lookup(seq_id, "seq_id").lengths[self._check_layer(layer)]
+
+    def pages_of(self, seq_id) -> list[int]:
+        return list(self._lookup(seq_id, "seq_id").pages)
+
+    def add_sequence(self, seq_id=None, *, pages: Sequence[int] | None = None):
+        """Start an empty sequence and return its id.
+
+        ``pages`` optionally hands the sequence specific pool pages (e.g. from a serving
+        engine's block manager); they are used first, in order, and more come from the free
+        list as the sequence grows. They must be in ``[0, num_pages)``, distinct, and not held by
+        another sequence.
+        """
+        if seq_id is None:
+            while self._next_id in self._seqs:
+                self._next_id += 1
+            seq_id = self._next_id
+        elif seq_id in self._seqs:
+            raise ValueError(f"seq_id {seq_id!r} is already a live sequence")
+        if not self._free_slots:
+            raise ValueError(f"max_seqs ({self.max_seqs}) sequences are already live")
+        pages = self._check_pages(pages)
+        self._free_pages = [p for p in self._free_pages if p not in set(pages)]
+        slot = self._free_slots.pop()
+        self._seqs[seq_id] = _Sequence(
+            slot=slot, pages=list(pages), lengths=[0] * self.num_layers
+        )
+        return seq_id
+
+    def _check_pages(self, pages) -> list[int]:
+        if pages is None:
+            return []
+        if isinstance(pages, torch.Tensor):
+            pages = pages.tolist()
+        pages = list(pages)
+        for i, p in enumerate(pages):
+            if isinstance(p, bool) or not isinstance(p, int):
+                raise TypeError(f"pages[{i}] must be an int, got {type(p).__name__}")
+            if not 0 <= p < self.num_pages:
+                raise ValueError(
+                    f"pages[{i}] = {p} points outside the pool (expected 0 <= page < "
+                    f"{self.num_pages})"
+                )
+        if len(set(pages)) != len(pages):
+            raise ValueError(f"pages lists a page twice: {pages}")
+        free = set(self._free_pages)
+        for i, p in enumerate(pages):
+            if p not in free:
+                owner = next((s for s, q in self._seqs.items() if p in q.pages), None)
+                raise ValueError(
+                    f"pages[{i}] = {p} overlaps the pages of sequence {owner!r}"
+                )
+        return pages
+
+    def free(self, seq_id) -> None:
+        """End a sequence: its pages and window slot return to the pool for reuse."""
+        seq = self._lookup(seq_id, "seq_id")
+        del self._seqs[seq_id]
+        self._free_pages.extend(reversed(seq.pages))
+        self._free_slots.append(seq.slot)
+
+    def _lookup(self, seq_id, name: str) -> _Sequence:
+        try:
+            return self._seqs[seq_id]
+        except (KeyError, TypeError):
+            raise ValueError(
+                f"{name} {seq_id!r} is not a live sequence (unknown or already freed)"
+            ) from None
+
+    def _check_layer(self, layer) -> int:
+        _check_int(layer, "layer")
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
+        return layer
+
+    # ------------------------------------------------------------------ append
+    def append(
+        self,
+        seq_ids: Sequence,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        num_new_tokens: Sequence[int] | None = None,
+        *,
+        layer: int = 0,
+    ) -> None:
+        """Append tokens to sequences of one layer: a prefill (many each) or a decode step (one).
+
+        Parameters
+        ----------
+        seq_ids : live sequence ids, distinct.
+        k, v : [num_tokens, num_kv_heads, head_dim], floating, on the cache's device; the tokens
+            of ``seq_ids[0]`` first, then ``seq_ids[1]``'s, ... (a ragged batch).
+        num_new_tokens : tokens per sequence (default: one each, a decode step).
+        layer : which layer's pool to write.
+        """
+        layer = self._check_layer(layer)
+        seq_ids = list(seq_ids)
+        seqs = [self._lookup(s, f"seq_ids[{i}]") for i, s in enumerate(seq_ids)]
+        if len(set(map(id, seqs))) != len(seqs):
+            raise ValueError(f"seq_ids must be distinct, got {seq_ids}")
+        if num_new_tokens is None:
+            num_new_tokens = [1] * len(seq_ids)
+        if isinstance(num_new_tokens, torch.Tensor):
+            num_new_tokens = num_new_tokens.tolist()
+        num_new_tokens = list(num_new_tokens)
+        if len(num_new_tokens) != len(seq_ids):
+            raise ValueError(
+                f"num_new_tokens has {len(num_new_tokens)} entries, expected one per sequence "
+                f"({len(seq_ids)})"
+            )
+        for i, n in enumerate(num_new_tokens):
+            _check_int(n, f"num_new_tokens[{i}]", low=1)
+        total = sum(num_new_tokens)
+        h, d = self.num_kv_heads, self.head_dim
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype not in _ALLOWED_INPUT_DTYPES:
+                raise TypeError(
+                    f"{name} must be bfloat16, float16, float32 or float64, got {t.dtype}"
+                )
+            if t.device != self.device:
+                raise ValueError(f"{name} is on {t.device}, expected the cache's device {self.device}")
+            if tuple(t.shape) != (total, h, d):
+                raise ValueError(
+                    f"{name} must have shape [num_tokens={total}, num_kv_heads={h}, "
+                    f"head_dim={d}], got {list(t.shape)}"
+                )
+        if self.check_finite:
+            for name, t in (("k", k), ("v", v)):
+                if not bool(torch.isfinite(t).all()):
+                    raise ValueError(f"{name} contains NaN or Inf (the cache stores finite values)")
+        # Pages this call needs, checked before anything is written.
+        new_lengths = [s.lengths[layer] + n for s, n in zip(seqs, num_new_tokens)]
+        need = [
+            max(0, math.ceil(_num_quantized(n, self.fmt) / self.page_size) - len(s.pages))
+            for s, n in zip(seqs, new_lengths)
+        ]
+        if sum(need) > len(self._free_pages):
+            raise ValueError(
+                f"page pool exhausted: this append needs {sum(need)} more pages, "
+                f"{len(self._free_pages)} of {self.num_pages} are free"
+            )
+        # ---- nothing below can fail for a reason of the caller's
+        for s, n in zip(seqs, need):
+            for _ in range(n):
+                s.pages.append(self._free_pages.pop())
+        self._write(layer, seqs, new_lengths, num_new_tokens, k, v)
+        for s, n in zip(seqs, new_lengths):
+            s.lengths[layer] = n
+
+    def _write(self, layer, seqs, new_lengths, counts, k, v) -> None:
+        """Scatter new tokens to the sink, the history (quantized) and the tail ring.
+
+        Index tensors are built per sequence with ``arange`` (no per-token Python), so a
+        100K-token prefill costs a few tensor ops.
+        """
+        fmt = self.fmt
+        st = self.layers[layer]
+        sink, cap, ps = fmt.sink_tokens, fmt.tail_capacity, self.page_size
+        ar = torch.arange
+        sink_src, sink_slot, sink_pos = [], [], []
+        tail_src, tail_slot, tail_pos = [], [], []
+        old_slot, old_ring, old_dst = [], [], []  # demoted tokens read back from the tail ring
+        new_src, new_dst = [], []  # demoted tokens taken straight from this call's input
+        hist_page, hist_row = [], []  # destination of each demoted token, in demotion order
+        segments = []  # (pages of the sequence, first quantized index, count)
+        offset = n_demoted = 0
+        for seq, l1, n in zip(seqs, new_lengths, counts):
+            l0 = l1 - n
+            lq0, lq1 = _num_quantized(l0, fmt), _num_quantized(l1, fmt)
+            pages = torch.tensor(seq.pages, dtype=torch.long)
+            if l0 < sink:
+                p = ar(l0, min(l1, sink))
+                sink_src.append(offset + p - l0)
+                sink_pos.append(p)
+                sink_slot.append(torch.full_like(p, seq.slot))
+            if lq1 > lq0:
+                split = min(max(l0 - sink, lq0), lq1)  # history indices below it come from the ring
+                t_old, t_new = ar(lq0, split), ar(split, lq1)
+                old_slot.append(torch.full_like(t_old, seq.slot))
+                old_ring.append(t_old % cap)
+                old_dst.append(n_demoted + t_old - lq0)
+                new_src.append(offset + sink + t_new - l0)
+                new_dst.append(n_demoted + t_new - lq0)
+                t = ar(lq0, lq1)
+                hist_page.append(pages[t // ps])
+                hist_row.append(t % ps)
+                segments.append((pages, lq0, lq1 - lq0))
+                n_demoted += lq1 - lq0
+            first_tail = max(l0, sink + lq1)
+            p = ar(first_tail, max(first_tail, l1))
+            tail_src.append(offset + p - l0)
+            tail_pos.append((p - sink) % cap)
+            tail_slot.append(torch.full_like(p, seq.slot))
+            offset += n
+
+        dev = self.device
+
+        def cat(parts):
+            return torch.cat(parts).to(dev) if parts else torch.empty(0, dtype=torch.long, device=dev)
+
+        if n_demoted:
+            old_slot, old_ring, old_dst = cat(old_slot), cat(old_ring), cat(old_dst)
+            new_src, new_dst = cat(new_src), cat(new_dst)
+            hist_page, hist_row = cat(hist_page), cat(hist_row)
+            for name, src in (("k", k), ("v", v)):
+                # Every token is rounded to the window dtype on entry, so the quantizer sees the
+                # same values whether a token is demoted from the tail or arrives in a prefill.
+                tail = getattr(st, f"{name}_tail")
+                demoted = torch.empty(
+                    n_demoted, self.num_kv_heads, self.head_dim, dtype=tail.dtype, device=dev
+                )
+                demoted[old_dst] = tail[old_slot, :, old_ring]
+                demoted[new_dst] = src[new_src].to(tail.dtype)
+                self._write_history(st, name, demoted, segments, hist_page, hist_row)
+        wd = self.window_dtype
+        if sink_src:
+            src, slot, pos = cat(sink_src), cat(sink_slot), cat(sink_pos)
+            st.k_sink[slot, :, pos] = k[src].to(wd)
+            st.v_sink[slot, :, pos] = v[src].to(wd)
+        src, slot, pos = cat(tail_src), cat(tail_slot), cat(tail_pos)
+        if src.numel():
+            st.k_tail[slot, :, pos] = k[src].to(wd)
+            st.v_tail[slot, :, pos] = v[src].to(wd)
+
+    def _write_history(self, st: LayerStorage, name, demoted, segments, hist_page, hist_row):
+        """Quantize the demoted tokens ``[n, H, D]`` of K or V; store codes, s' and z'."""
+        f: QuantFormat = self.fmt.key if name == "k" else self.fmt.value
+        mapping = self.fmt.mapping
+        x = demoted.transpose(0, 1)  # [H, n, D]: channel-wise groups run along tokens
+        codes, scale, offset = quantize(x, f)
+        scale, offset = fold_scale_offset(scale, offset, f.bits, mapping)
+        words = pack_codes(codes, f.bits, mapping)  # [H, n, W]
+        getattr(st, f"{name}_words")[hist_page, :, hist_row] = words.transpose(0, 1)
+        # Scales in flat group order per sequence (see the module docstring) -> (page, entry).
+        per_page = self.scale_entries_per_page(f)
+        d, g = self.head_dim, f.group_size
+        flat_page, flat_entry = [], []
+        for pages, lq0, count in segments:
+            if f.axis is GroupAxis.TOKEN:
+                e = torch.arange(lq0 * d // g, (lq0 + count) * d // g)
+            else:
+                e = torch.arange(lq0 // g * d, (lq0 + count) // g * d)
+            flat_page.append(pages[e // per_page])
+            flat_entry.append(e % per_page)
+        fp = torch.cat(flat_page).to(self.device)
+        fe = torch.cat(flat_entry).to(self.device)
+        # token-wise scale [H, n, D/g], channel-wise [H, n/g, D]: both flatten to flat order.
+        h = self.num_kv_heads
+        getattr(st, f"{name}_scale")[fp, :, fe] = scale.reshape(h, -1).transpose(0, 1)
+        getattr(st, f"{name}_offset")[fp, :, fe] = offset.reshape(h, -1).transpose(0, 1)
+
+    # ------------------------------------------------------------------ planning
+    def plan(self, seq_ids: Sequence, layer: int = 0) -> DecodeBatch:
+        """Page tables and window descriptors of ``seq_ids`` (in that order) for decoding."""
+        layer = self._check_layer(layer)
+        seq_ids = tuple(seq_ids)
+        if not seq_ids:
+            raise ValueError("seq_ids must name at least one sequence")
+        seqs = [self._lookup(s, f"seq_ids[{i}]") for i, s in enumerate(seq_ids)]
+        lens, nq, pages = [], [], []
+        for i, s in enumerate(seqs):
+            n = s.lengths[layer]
+            if n == 0:
+                raise ValueError(f"seq_ids[{i}] = {seq_ids[i]!r} has no tokens in layer {layer}")
+            q = _num_quantized(n, self.fmt)
+            lens.append(n)
+            nq.append(q)
+            pages.append(s.pages[: math.ceil(q / self.page_size)])
+        indptr = [0]
+        for p in pages:
+            indptr.append(indptr[-1] + len(p))
+        last = [(q - 1) % self.page_size + 1 if q else 0 for q in nq]
+        dev = self.device
+
+        def i32(values):
+            return torch.tensor(values, dtype=torch.int32, device=dev)
+
+        return DecodeBatch(
+            seq_ids=seq_ids,
+            kv_indptr=i32(indptr),
+            kv_indices=i32([p for ps in pages for p in ps]),
+            kv_last_page_len=i32(last),
+            seq_lens=i32(lens),
+            num_quantized=i32(nq),
+            slots=i32([s.slot for s in seqs]),
+            seq_lens_host=lens,
+            num_quantized_host=nq,
+            pages_host=pages,
+            slots_host=[s.slot for s in seqs],
+            page_size=self.page_size,
+            sink_tokens=self.fmt.sink_tokens,
+            tail_capacity=self.fmt.tail_capacity,
+            layer=layer,
+        )
+
+    # ------------------------------------------------------------------ accounting
+    def pool_bytes(self) -> int:
+        """Bytes allocated by every layer's pool and window buffers."""
+        return sum(t.numel() * t.element_size() for st in self.layers for t in st.tensors().values())
+
+    def memory_stats(self) -> dict:
+        """Bytes the live sequences occupy and their effective bits per K/V element.
+
+        ``used_bytes`` counts what the live tokens need (codes, scales and offsets of the
+        quantized history, BF16 sink and tail tokens) over all layers; ``page_bytes`` counts
+        whole pages held (the last page of a sequence is partly empty); ``bf16_bytes`` is the
+        same tokens in a BF16 cache.
+        """
+        h, d = self.num_kv_heads, self.head_dim
+        fk, fv = self.fmt.key, self.fmt.value
+        bytes_per_quant_token = h * (
+            d * (fk.bits + fv.bits) / 8 + 8 * (d / fk.group_size + d / fv.group_size)
+        )
+        bf16_bytes_per_token = 2 * h * d * 2
+        window_bytes_per_token = 2 * h * d * torch.tensor([], dtype=self.window_dtype).element_size()
+        used = quant_tokens = window_tokens = tokens = 0
+        for s in self._seqs.values():
+            for n in s.lengths:
+                q = _num_quantized(n, self.fmt)
+                used += q * bytes_per_quant_token + (n - q) * window_bytes_per_token
+                quant_tokens += q
+                window_tokens += n - q
+                tokens += n
+        page_bytes = (
+            sum(len(s.pages) for s in self._seqs.values())
+            * self.page_size
+            * bytes_per_quant_token
+            * self.num_layers
+        )
+        return {
+            "tokens": tokens,
+            "quantized_tokens": quant_tokens,
+            "window_tokens": window_tokens,
+            "used_bytes": int(used),
+            "page_bytes": int(page_bytes),
+            "bf16_bytes": tokens * bf16_bytes_per_token,
+            "effective_bits": (used * 8 / (tokens * 2 * h * d)) if tokens else float("nan"),
+            "pool_bytes": self.pool_bytes(),
+            "free_pages": len(self._free_pages),
+        }

@@ -1,0 +1,81 @@
+"""Reference quantizers: per-token percentile clipping, min-max affine INT2/INT4, dequantization.
+
+``x ~= s * q + z`` with ``s = max(max - min, 1e-8) / (2**bits - 1)``, ``z = min`` and
+``q = clamp(floor((x - min) / s + 0.5), 0, 2**bits - 1)`` over each group, computed in fp32
+(OSCAR's released quantizer, oscar.md Sec. 3, written in foscar's ``x = s*q + z`` convention).
+Clipping (``QuantFormat.clip = p``) clamps each token to ``[-tau, tau]`` first, with ``tau`` the
+``min(floor(p*d), d-1)``-th smallest ``|x|`` of its ``d`` channels.
+
+Shapes: token-wise groups quantize rows ``x: [..., D]`` into ``scale: [..., D/g]``; channel-wise
+groups quantize ``x: [..., T, D]`` (``T`` a multiple of ``g``) into ``scale: [..., T/g, D]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .formats import GroupAxis, QuantFormat
+
+__all__ = ["clip_per_token", "quantize", "dequantize", "SCALE_FLOOR"]
+
+#: Smallest ``max - min`` a group may have, so that every scale is positive and finite.
+SCALE_FLOOR = 1e-8
+
+
+def clip_per_token(x: torch.Tensor, ratio: float) -> torch.Tensor:
+    """Clamp every row of ``x: [..., d]`` to ``[-tau, tau]``, ``tau`` its percentile of ``|x|``."""
+    d = x.shape[-1]
+    index = min(int(ratio * d), d - 1)
+    tau = x.abs().sort(dim=-1).values[..., index : index + 1]
+    return torch.maximum(torch.minimum(x, tau), -tau)
+
+
+def quantize(x: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` in ``fmt``; returns ``(codes uint8, scale fp32, offset fp32)`` (unfolded).
+
+    Token-wise: ``x: [..., D]`` -> codes ``[..., D]``, scale/offset ``[..., D/g]``.
+    Channel-wise: ``x: [..., T, D]`` with ``T % g == 0`` -> codes ``[..., T, D]``,
+    scale/offset ``[..., T/g, D]``.
+    """
+    xf = x.to(torch.float32)
+    if fmt.clip is not None:
+        xf = clip_per_token(xf, fmt.clip)
+    g = fmt.group_size
+    if fmt.axis is GroupAxis.TOKEN:
+        d = xf.shape[-1]
+        grouped = xf.reshape(*xf.shape[:-1], d // g, g)
+        reduce_dim = -1
+    else:
+        t, d = xf.shape[-2:]
+        if t % g:
+            raise ValueError(f"channel-wise groups need a multiple of {g} tokens, got {t}")
+        grouped = xf.reshape(*xf.shape[:-2], t // g, g, d)
+        reduce_dim = -2
+    lo = grouped.amin(dim=reduce_dim, keepdim=True)
+    hi = grouped.amax(dim=reduce_dim, keepdim=True)
+    scale = (hi - lo).clamp_min(SCALE_FLOOR) / fmt.levels
+    codes = torch.floor((grouped - lo) / scale + 0.5).clamp_(0, fmt.levels)
+    codes = codes.reshape(xf.shape).to(torch.uint8)
+    return codes, scale.squeeze(reduce_dim), lo.squeeze(reduce_dim)
+
+
+def dequantize(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor,
+    fmt: QuantFormat,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``s * q + z`` elementwise, broadcasting each group's ``(s, z)`` over its values.
+
+    Works with unfolded ``(s, z)`` on codes ``q`` or with folded ``(s', z')`` on operand values
+    ``y`` (pass ``codes = operand_values(q)``): the arithmetic is the same.
+    """
+    g = fmt.group_size
+    if fmt.axis is GroupAxis.TOKEN:
+        s = scale.to(dtype).repeat_interleave(g, dim=-1)
+        z = offset.to(dtype).repeat_interleave(g, dim=-1)
+    else:
+        s = scale.to(dtype).repeat_interleave(g, dim=-2)
+        z = offset.to(dtype).repeat_interleave(g, dim=-2)
+    return codes.to(dtype) * s + z

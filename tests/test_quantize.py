@@ -1,0 +1,76 @@
+"""Quantizer round trip (error source (a)): min-max and clipped, both axes."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from foscar.formats import QuantFormat
+from foscar.quantize import clip_per_token, dequantize, quantize
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("axis", ["token", "channel"])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_min_max_round_trip_within_half_step(bits, axis, group_size):
+    fmt = QuantFormat(bits, axis, group_size)
+    x = torch.randn(3, 256, 128) * torch.linspace(0.1, 10, 128)
+    codes, s, z = quantize(x, fmt)
+    assert codes.dtype == torch.uint8 and int(codes.max()) <= fmt.levels
+    if axis == "token":
+        assert s.shape == (3, 256, 128 // group_size)
+    else:
+        assert s.shape == (3, 256 // group_size, 128)
+    xh = dequantize(codes, s, z, fmt, dtype=torch.float64)
+    half_step = dequantize(torch.ones_like(codes), s, torch.zeros_like(z), fmt, torch.float64) / 2
+    assert torch.all((xh - x.double()).abs() <= half_step * (1 + 1e-5) + 1e-6)
+    # min-max uses the whole range: every group has its min at code 0 and its max at the top
+    groups = codes.reshape(3, 256, 128 // group_size, group_size) if axis == "token" else (
+        codes.reshape(3, 256 // group_size, group_size, 128).transpose(-1, -2)
+    )
+    assert torch.all(groups.amin(-1) == 0) and torch.all(groups.amax(-1) == fmt.levels)
+
+
+def test_constant_group_is_exact_and_finite():
+    fmt = QuantFormat(2, "token", 32)
+    x = torch.full((4, 64), 0.75)
+    codes, s, z = quantize(x, fmt)
+    assert torch.all(torch.isfinite(s)) and torch.all(s > 0)
+    assert torch.allclose(dequantize(codes, s, z, fmt), x)
+
+
+@settings(max_examples=40, deadline=None)
+@given(p=st.floats(0.5, 1.0), d=st.sampled_from([64, 128]), seed=st.integers(0, 2**31))
+def test_clip_per_token_counts(p, d, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(16, d, generator=g, dtype=torch.float64)
+    y = clip_per_token(x, p)
+    index = min(int(p * d), d - 1)
+    tau = x.abs().sort(dim=-1).values[:, index]
+    assert torch.all(y.abs() <= tau[:, None])
+    # exactly d - 1 - index values of each row exceed tau and are clipped (continuous data)
+    changed = (y != x).sum(-1)
+    assert torch.all(changed == d - 1 - index)
+
+
+def test_oscar_clip_ratios_clip_5_and_10_of_128():
+    x = torch.randn(8, 128, dtype=torch.float64)
+    assert torch.all((clip_per_token(x, 0.96) != x).sum(-1) == 5)
+    assert torch.all((clip_per_token(x, 0.92) != x).sum(-1) == 10)
+
+
+def test_clipped_quantizer_applies_the_clip_first():
+    fmt = QuantFormat(2, "token", 128, clip=0.96)
+    x = torch.randn(32, 128)
+    x[:, 7] = 50.0  # an outlier channel
+    codes, s, z = quantize(x, fmt)
+    ref_codes, ref_s, ref_z = quantize(clip_per_token(x, 0.96), QuantFormat(2, "token", 128))
+    assert torch.equal(codes, ref_codes) and torch.equal(s, ref_s) and torch.equal(z, ref_z)
+    # the clip shrinks the step a lot compared with min-max over the outlier
+    _, s_minmax, _ = quantize(x, QuantFormat(2, "token", 128))
+    assert torch.all(s < s_minmax / 5)
+
+
+def test_channel_wise_needs_whole_groups():
+    with pytest.raises(ValueError, match="multiple of 32 tokens"):
+        quantize(torch.randn(40, 64), QuantFormat(2, "channel", 32))
