@@ -16,10 +16,11 @@ Logical layout of one sequence (oscar.md Sec. 4)::
 
 Pool tensors of one layer (``H`` KV heads, ``D`` head_dim, ``P`` pages of ``ps`` tokens)::
 
-    k_words:  [P, H, ps, D * bits_k // 32] int32    packed codes (layout: foscar.formats)
-    k_scale:  [P, H, ps * D // g_k] float32         folded scale s'
-    k_offset: [P, H, ps * D // g_k] float32         folded offset z'
-    (v_* likewise)
+    k_words:  [P, H, ps, D * bits_k // 32] int32    packed codes (layout and channel order:
+                                                    foscar.formats, role "key")
+    k_scales: [P, H, ps * D // g_k, 2] float32      folded (s', z') pairs, interleaved so that
+                                                    one load brings both
+    (v_* likewise, channel order of role "value")
     k_sink:   [max_seqs, H, S, D] bfloat16          first S tokens
     k_tail:   [max_seqs, H, W + quantum, D] bfloat16 ring of the last tokens
 
@@ -48,7 +49,16 @@ from dataclasses import dataclass
 
 import torch
 
-from .formats import GroupAxis, KVFormat, QuantFormat, fold_scale_offset, pack_codes, words_per_row
+from .formats import (
+    GroupAxis,
+    KVFormat,
+    QuantFormat,
+    Role,
+    channel_order,
+    fold_scale_offset,
+    pack_codes,
+    words_per_row,
+)
 from .quantize import quantize
 
 __all__ = ["QuantizedKVCache", "LayerStorage", "DecodeBatch", "effective_bits"]
@@ -61,11 +71,9 @@ class LayerStorage:
     """The pool tensors of one layer (shapes in the module docstring)."""
 
     k_words: torch.Tensor
-    k_scale: torch.Tensor
-    k_offset: torch.Tensor
+    k_scales: torch.Tensor
     v_words: torch.Tensor
-    v_scale: torch.Tensor
-    v_offset: torch.Tensor
+    v_scales: torch.Tensor
     k_sink: torch.Tensor
     v_sink: torch.Tensor
     k_tail: torch.Tensor
@@ -251,6 +259,12 @@ class QuantizedKVCache:
     def scale_entries_per_page(self, f: QuantFormat) -> int:
         return self.page_size * self.head_dim // f.group_size
 
+    def channel_order(self, name: str) -> torch.Tensor:
+        """Channel order of the packed rows of ``"k"`` or ``"v"`` (foscar.formats)."""
+        f = self.fmt.key if name == "k" else self.fmt.value
+        role = Role.KEY if name == "k" else Role.VALUE
+        return channel_order(role, f.bits, self.head_dim, self.fmt.mapping)
+
     def _allocate_layer(self) -> LayerStorage:
         p, h, d, ps = self.num_pages, self.num_kv_heads, self.head_dim, self.page_size
         fk, fv = self.fmt.key, self.fmt.value
@@ -260,17 +274,16 @@ class QuantizedKVCache:
             return torch.zeros(p, h, ps, words_per_row(d, f.bits), dtype=torch.int32, device=dev)
 
         def scales(f):
-            return torch.zeros(p, h, self.scale_entries_per_page(f), dtype=torch.float32, device=dev)
+            e = self.scale_entries_per_page(f)
+            return torch.zeros(p, h, e, 2, dtype=torch.float32, device=dev)
 
         s, r = self.fmt.sink_tokens, self.fmt.tail_capacity
         wd = self.window_dtype
         return LayerStorage(
             k_words=words(fk),
-            k_scale=scales(fk),
-            k_offset=scales(fk),
+            k_scales=scales(fk),
             v_words=words(fv),
-            v_scale=scales(fv),
-            v_offset=scales(fv),
+            v_scales=scales(fv),
             k_sink=torch.zeros(self.max_seqs, h, s, d, dtype=wd, device=dev),
             v_sink=torch.zeros(self.max_seqs, h, s, d, dtype=wd, device=dev),
             k_tail=torch.zeros(self.max_seqs, h, r, d, dtype=wd, device=dev),
@@ -520,7 +533,7 @@ class QuantizedKVCache:
         x = demoted.transpose(0, 1)  # [H, n, D]: channel-wise groups run along tokens
         codes, scale, offset = quantize(x, f)
         scale, offset = fold_scale_offset(scale, offset, f.bits, mapping)
-        words = pack_codes(codes, f.bits, mapping)  # [H, n, W]
+        words = pack_codes(codes, f.bits, mapping, self.channel_order(name))  # [H, n, W]
         getattr(st, f"{name}_words")[hist_page, :, hist_row] = words.transpose(0, 1)
         # Scales in flat group order per sequence (see the module docstring) -> (page, entry).
         per_page = self.scale_entries_per_page(f)
@@ -537,8 +550,8 @@ class QuantizedKVCache:
         fe = torch.cat(flat_entry).to(self.device)
         # token-wise scale [H, n, D/g], channel-wise [H, n/g, D]: both flatten to flat order.
         h = self.num_kv_heads
-        getattr(st, f"{name}_scale")[fp, :, fe] = scale.reshape(h, -1).transpose(0, 1)
-        getattr(st, f"{name}_offset")[fp, :, fe] = offset.reshape(h, -1).transpose(0, 1)
+        pairs = torch.stack([scale.reshape(h, -1), offset.reshape(h, -1)], dim=-1)  # [H, n_e, 2]
+        getattr(st, f"{name}_scales")[fp, :, fe] = pairs.transpose(0, 1)
 
     # ------------------------------------------------------------------ planning
     def plan(self, seq_ids: Sequence, layer: int = 0) -> DecodeBatch:

@@ -36,7 +36,24 @@ the word) lie 16 bits apart and ``((w >> 2k) & 0x00030003) | 0x43004300`` (INT2)
 ``((w >> 4k) & 0x000F000F) | 0x43004300`` (INT4) builds both in one shift and one LOP3.
 For e4m3/e2m1 it is the paper's Appendix A.2 layout (``w & 0x33333333``, ``(w >> 2) &
 0x33333333`` for INT2 in E2M1; ``w & 0x0F0F0F0F``, ``(w >> 4) & 0x0F0F0F0F`` for INT4 in E4M3).
-``tests/test_formats.py`` pins this bit-exactly.
+
+Channel order. Which channel sits at value position ``p = w * (32 // bits) + i`` is a
+permutation chosen per role so that each thread of the Hopper kernels owns whole words of its
+wgmma register fragment (m64 x k16 bf16, kWidth 2: thread ``(warp, lane)`` holds rows
+``lane//4 + 8*i + 16*warp`` and columns ``16*kb + 8*i' + 2*(lane%4) + j``):
+
+* K (A operand of ``S^T = K Q^T``: rows tokens, columns channels). With ``U = words/4`` and
+  ``PAIRS = 16 // bits``, channel ``c`` (``j = c%2, T = (c//2)%4, r = c//8``) lives in word
+  ``T*U + r//PAIRS`` at bit ``bits*(r%PAIRS) + 16*j``.
+* V (A operand of ``O^T = V^T P``: rows channels, columns token pairs). A *piece* of
+  ``PB = bits*D/32`` bits holds the channels ``g + 8a + 16w + 64b`` of one ``(w, g)``; channel
+  ``c`` (``g = c%8, a = (c//8)%2, w = (c//16)%4, b = c//64``) lives in piece ``8w + g``, i.e.
+  word ``(8w+g) // (32/PB)`` at bit ``((8w+g) % (32/PB))*PB + bits*(2b + a)``. The kernel joins
+  the same piece of two consecutive tokens with one PRMT.
+
+These orders apply to the bf16 mapping when ``head_dim`` is a multiple of 64 up to 256 (K: and
+``head_dim*bits`` a multiple of 128); otherwise, and for e4m3/e2m1, channels are in natural order.
+``tests/test_formats.py`` pins every layout bit-exactly.
 """
 
 from __future__ import annotations
@@ -58,6 +75,9 @@ __all__ = [
     "operand_values",
     "fold_scale_offset",
     "words_per_row",
+    "Role",
+    "channel_order",
+    "kernel_bit_location",
 ]
 
 SUPPORTED_BITS = (2, 4)
@@ -269,34 +289,100 @@ def _bit_offsets(bits: int, mapping: OperandMapping) -> torch.Tensor:
     return lane_bits * (i % lanes) + bits * (i // lanes)
 
 
-def pack_codes(codes: torch.Tensor, bits: int, mapping: OperandMapping | str = "bf16") -> torch.Tensor:
+class Role(str, enum.Enum):
+    """Which operand a packed row feeds: K (``S = Q K^T``) or V (``O = P V``)."""
+
+    KEY = "key"
+    VALUE = "value"
+
+
+def kernel_bit_location(role: Role | str, channel: int, head_dim: int, bits: int) -> tuple[int, int]:
+    """``(word, bit)`` of ``channel`` in the Hopper kernels' layout (module docstring)."""
+    role = Role(role)
+    c = channel
+    if role is Role.KEY:
+        u_per_t = head_dim * bits // 32 // 4
+        pairs = 16 // bits
+        j, t, r = c % 2, (c // 2) % 4, c // 8
+        return t * u_per_t + r // pairs, bits * (r % pairs) + 16 * j
+    piece_bits = bits * head_dim // 32
+    per_word = 32 // piece_bits
+    g, a, w, b = c % 8, (c // 8) % 2, (c // 16) % 4, c // 64
+    piece = 8 * w + g
+    return piece // per_word, (piece % per_word) * piece_bits + bits * (2 * b + a)
+
+
+def has_kernel_order(role: Role | str, head_dim: int, bits: int) -> bool:
+    """Whether the Hopper kernel layout exists for this row shape (module docstring)."""
+    if Role(role) is Role.KEY:
+        return head_dim % 16 == 0 and (head_dim * bits) % 128 == 0
+    return head_dim % 64 == 0 and head_dim <= 256
+
+
+def channel_order(
+    role: Role | str, bits: int, head_dim: int, mapping: OperandMapping | str = "bf16"
+) -> torch.Tensor:
+    """Permutation ``order[p] = channel`` of the packed value positions (module docstring).
+
+    Returns a LongTensor ``[head_dim]``; the identity where no kernel layout applies.
+    """
+    mapping = OperandMapping(mapping)
+    if mapping is not OperandMapping.BF16 or not has_kernel_order(role, head_dim, bits):
+        return torch.arange(head_dim)
+    per_word = 32 // bits
+    position_of_bit = {int(b): i for i, b in enumerate(_bit_offsets(bits, mapping))}
+    order = torch.empty(head_dim, dtype=torch.long)
+    for c in range(head_dim):
+        word, bit = kernel_bit_location(role, c, head_dim, bits)
+        order[word * per_word + position_of_bit[bit]] = c
+    return order
+
+
+def pack_codes(
+    codes: torch.Tensor,
+    bits: int,
+    mapping: OperandMapping | str = "bf16",
+    order: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Pack codes along the last axis into int32 words (layout in the module docstring).
 
     codes: [..., head_dim] integer tensor with values in ``0 .. 2**bits - 1``.
+    order: optional ``[head_dim]`` channel order (:func:`channel_order`); natural if omitted.
     Returns words: [..., head_dim * bits // 32] int32 (bit patterns; the sign bit is just a bit).
     """
     mapping = OperandMapping(mapping)
     mapping.check_bits(bits)
+    if order is not None:
+        codes = codes[..., order.to(codes.device)]
     head_dim = codes.shape[-1]
     nw = words_per_row(head_dim, bits)
     per_word = 32 // bits
-    c = codes.to(torch.int64).reshape(*codes.shape[:-1], nw, per_word)
-    shifts = _bit_offsets(bits, mapping).to(codes.device)
-    words = (c << shifts).sum(dim=-1)  # fields are disjoint, so the sum is an OR
-    words = torch.where(words >= 2**31, words - 2**32, words)
-    return words.to(torch.int32)
+    c = codes.to(torch.int32).reshape(*codes.shape[:-1], nw, per_word)
+    shifts = _bit_offsets(bits, mapping).to(device=codes.device, dtype=torch.int32)
+    # The fields are disjoint, so their sum is their OR (no carries; int32 wraps two's
+    # complement, so bit 31 is just a bit).
+    return (c << shifts).sum(dim=-1, dtype=torch.int32)
 
 
 def unpack_codes(
-    words: torch.Tensor, bits: int, mapping: OperandMapping | str = "bf16"
+    words: torch.Tensor,
+    bits: int,
+    mapping: OperandMapping | str = "bf16",
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Inverse of :func:`pack_codes`: words [..., W] int32 -> codes [..., W * 32 // bits] uint8."""
     mapping = OperandMapping(mapping)
     mapping.check_bits(bits)
-    shifts = _bit_offsets(bits, mapping).to(words.device)
-    w = words.to(torch.int64) & 0xFFFFFFFF
-    codes = (w.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    return codes.reshape(*words.shape[:-1], -1).to(torch.uint8)
+    if order is not None:
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel())
+        return unpack_codes(words, bits, mapping)[..., inverse.to(words.device)]
+    w = words.to(torch.int32)
+    mask = (1 << bits) - 1
+    # int32 shifts are arithmetic, but the mask keeps only the field's own bits. One op per field
+    # with a Python shift amount: torch's tensor-by-tensor shift is ~4x slower on the CPU.
+    fields = [(w >> int(b)) & mask for b in _bit_offsets(bits, mapping)]
+    return torch.stack(fields, dim=-1).reshape(*words.shape[:-1], -1).to(torch.uint8)
 
 
 def build_operands(words: torch.Tensor, bits: int, mapping: OperandMapping | str = "bf16"):
@@ -319,11 +405,16 @@ def build_operands(words: torch.Tensor, bits: int, mapping: OperandMapping | str
     return torch.where(u >= 2**31, u - 2**32, u).to(torch.int32)
 
 
-def operand_values(codes: torch.Tensor, bits: int, mapping: OperandMapping | str = "bf16"):
-    """The exact operand value ``y = alpha * q + beta`` the matrix unit sees, as float64."""
+def operand_values(
+    codes: torch.Tensor,
+    bits: int,
+    mapping: OperandMapping | str = "bf16",
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """The operand value ``y = alpha * q + beta`` the matrix unit sees (exact in fp32 and fp64)."""
     mapping = OperandMapping(mapping)
     alpha, beta = mapping.alpha_beta(bits)
-    return codes.to(torch.float64) * alpha + beta
+    return codes.to(dtype) * alpha + beta
 
 
 def fold_scale_offset(

@@ -26,7 +26,7 @@ def clip_per_token(x: torch.Tensor, ratio: float) -> torch.Tensor:
     """Clamp every row of ``x: [..., d]`` to ``[-tau, tau]``, ``tau`` its percentile of ``|x|``."""
     d = x.shape[-1]
     index = min(int(ratio * d), d - 1)
-    tau = x.abs().sort(dim=-1).values[..., index : index + 1]
+    tau = torch.kthvalue(x.abs(), index + 1, dim=-1, keepdim=True).values
     return torch.maximum(torch.minimum(x, tau), -tau)
 
 

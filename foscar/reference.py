@@ -35,11 +35,19 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------- reading the cache
-def _history_operands(cache: QuantizedKVCache, batch: DecodeBatch, i: int, name: str, t0: int, t1: int):
+def _history_operands(
+    cache: QuantizedKVCache,
+    batch: DecodeBatch,
+    i: int,
+    name: str,
+    t0: int,
+    t1: int,
+    dtype: torch.dtype = torch.float64,
+):
     """Operands ``y`` and folded ``(s', z')`` of history tokens ``[t0, t1)`` of sequence ``i``.
 
-    Reads pages through ``batch.kv_indices`` exactly as a kernel does. Returns
-    ``y: [H, n, D]`` float64, and scales of the groups overlapping the range:
+    Reads pages through ``batch.kv_indices`` exactly as a kernel does. Returns, in ``dtype``,
+    ``y: [H, n, D]`` and the scales of the groups overlapping the range:
     token-wise ``[H, n, D/g]``; channel-wise ``[H, n_groups, D]`` for groups
     ``t0 // g .. (t1 - 1) // g``.
     """
@@ -50,8 +58,8 @@ def _history_operands(cache: QuantizedKVCache, batch: DecodeBatch, i: int, name:
     pages = batch.kv_indices[start : int(batch.kv_indptr[i + 1])].long()
     t = torch.arange(t0, t1, device=pages.device)
     words = getattr(st, f"{name}_words")[pages[t // ps], :, t % ps]  # [n, H, W]
-    codes = unpack_codes(words, f.bits, cache.fmt.mapping)
-    y = operand_values(codes, f.bits, cache.fmt.mapping).transpose(0, 1)  # [H, n, D]
+    codes = unpack_codes(words, f.bits, cache.fmt.mapping, cache.channel_order(name))
+    y = operand_values(codes, f.bits, cache.fmt.mapping, dtype).transpose(0, 1)  # [H, n, D]
     per_page = batch.page_size * d // g
     if f.axis is GroupAxis.TOKEN:
         e = torch.arange(t0 * d // g, t1 * d // g, device=pages.device)
@@ -60,10 +68,9 @@ def _history_operands(cache: QuantizedKVCache, batch: DecodeBatch, i: int, name:
         g0, g1 = t0 // g, (t1 - 1) // g + 1
         e = torch.arange(g0 * d, g1 * d, device=pages.device)
         shape = (g1 - g0, d)
-    s = getattr(st, f"{name}_scale")[pages[e // per_page], :, e % per_page]  # [entries, H]
-    z = getattr(st, f"{name}_offset")[pages[e // per_page], :, e % per_page]
-    s = s.transpose(0, 1).reshape(-1, *shape).to(torch.float64)
-    z = z.transpose(0, 1).reshape(-1, *shape).to(torch.float64)
+    sz = getattr(st, f"{name}_scales")[pages[e // per_page], :, e % per_page]  # [entries, H, 2]
+    s = sz[..., 0].transpose(0, 1).reshape(-1, *shape).to(dtype)
+    z = sz[..., 1].transpose(0, 1).reshape(-1, *shape).to(dtype)
     return y, s, z
 
 
@@ -308,11 +315,11 @@ def attend_folded(
             state = _OnlineSoftmax(h, hq, d, dtype, q.device)
             for t0 in range(a, b, block_n):
                 t1 = min(b, t0 + block_n)
-                yk, sk, zk = _history_operands(cache, batch, i, "k", t0, t1)
-                yv, sv, zv = _history_operands(cache, batch, i, "v", t0, t1)
-                s = _qk_tile(qi, yk.to(dtype), sk.to(dtype), zk.to(dtype), fk, t0, t1, operand_dtype)
+                yk, sk, zk = _history_operands(cache, batch, i, "k", t0, t1, dtype)
+                yv, sv, zv = _history_operands(cache, batch, i, "v", t0, t1, dtype)
+                s = _qk_tile(qi, yk, sk, zk, fk, t0, t1, operand_dtype)
                 p = state.update(s * sm_scale)
-                state.acc += _pv_tile(p, yv.to(dtype), sv.to(dtype), zv.to(dtype), fv, t0, t1, operand_dtype)
+                state.acc += _pv_tile(p, yv, sv, zv, fv, t0, t1, operand_dtype)
             o, lse = state.finish()
             parts_o.append(o)
             parts_lse.append(lse)

@@ -11,6 +11,8 @@ from foscar.formats import (
     OperandMapping,
     QuantFormat,
     build_operands,
+    channel_order,
+    kernel_bit_location,
     fold_scale_offset,
     operand_values,
     pack_codes,
@@ -175,3 +177,35 @@ def test_demotion_quantum():
     assert KVFormat(tok, tok).demotion_quantum == 1
     assert KVFormat(QuantFormat(2, "channel", 32), tok).demotion_quantum == 32
     assert KVFormat(QuantFormat(2, "channel", 32), QuantFormat(2, "channel", 64)).demotion_quantum == 64
+
+
+@pytest.mark.parametrize("role", ["key", "value"])
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_kernel_channel_order_puts_each_channel_where_the_kernel_reads_it(role, bits, head_dim):
+    order = channel_order(role, bits, head_dim)
+    assert sorted(order.tolist()) == list(range(head_dim))
+    codes = torch.randint(0, 1 << bits, (7, head_dim), dtype=torch.uint8)
+    words = pack_codes(codes, bits, "bf16", order).to(torch.int64) & 0xFFFFFFFF
+    for c in range(head_dim):
+        w, b = kernel_bit_location(role, c, head_dim, bits)
+        assert torch.equal((words[:, w] >> b) & ((1 << bits) - 1), codes[:, c].to(torch.int64))
+    assert torch.equal(unpack_codes(pack_codes(codes, bits, "bf16", order), bits, "bf16", order), codes)
+
+
+def test_kernel_layout_pinned_literals():
+    # K, INT2, D=128: word 0 holds channels 8k + j at bits 2k + 16j (k = 0..7, j = 0..1) and
+    # word 1 holds 64 + 8k + j; lane T of a quad owns words 2T, 2T+1 (channels 2T + ...).
+    assert kernel_bit_location("key", 9, 128, 2) == (0, 2 + 16)
+    assert kernel_bit_location("key", 64 + 8 * 3 + 1, 128, 2) == (1, 6 + 16)
+    assert kernel_bit_location("key", 2 * 3 + 8 * 5, 128, 2) == (6, 10)
+    # V, INT2, D=128: byte p of word W is piece 4W + p = 8w + g and holds channels
+    # g + 8a + 16w + 64b at bits 8p + 2(2b + a).
+    assert [kernel_bit_location("value", c, 128, 2) for c in (1, 9, 65, 73)] == [
+        (0, 8), (0, 10), (0, 12), (0, 14)]
+    assert kernel_bit_location("value", 16 + 5, 128, 2) == (3, 8)
+    # V, INT4, D=128: half-word p of word W is piece 2W + p
+    assert kernel_bit_location("value", 3 + 64 + 8, 128, 4) == (1, 16 + 12)
+    # natural order for the Blackwell mappings and for rows no kernel layout covers
+    assert torch.equal(channel_order("key", 2, 128, "e2m1"), torch.arange(128))
+    assert torch.equal(channel_order("value", 2, 96, "bf16"), torch.arange(96))

@@ -1,0 +1,23 @@
+"""The ``foscar`` command line: ``foscar demo`` (more subcommands join as they land)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import demo
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="foscar", description="FOSCAR decode attention over "
+                                     "2- and 4-bit KV caches")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("demo", help="every KV format on the paper's stress input (CPU, < 1 min)")
+    demo.add_arguments(p)
+    p.set_defaults(run=demo.run)
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
