@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import reference
+from .backends import triton as triton_backend
 from .cache import DecodeBatch, QuantizedKVCache
 
 __all__ = ["decode_attention", "default_backend", "BACKENDS"]
 
-BACKENDS = ("auto", "reference")
+#: ``"triton-reconstruct"`` is the per-value reconstruction baseline (benchmarks only).
+BACKENDS = ("auto", "triton", "reference", "triton-reconstruct")
 
 
 def default_backend(cache: QuantizedKVCache, q: torch.Tensor) -> str:
-    """The backend ``"auto"`` picks for this cache and query."""
+    """The backend ``"auto"`` picks: the Triton kernel on a GPU when it covers the format."""
+    if q.is_cuda and triton_backend.available(q.device) and triton_backend.supports(
+        cache, q.shape[1]) is None and q.dtype == torch.bfloat16:
+        return "triton"
     return "reference"
 
 
@@ -25,24 +32,34 @@ def decode_attention(
     sm_scale: float | None = None,
     backend: str = "auto",
     return_lse: bool = False,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ):
     """Attention of one query token per sequence over the quantized cache.
 
     Parameters
     ----------
     q : [batch, num_q_heads, head_dim]
-        Queries; query head ``h`` attends to KV head ``h // (num_q_heads // num_kv_heads)``.
+        Queries (bfloat16 for the Triton kernel); query head ``h`` attends to KV head
+        ``h // (num_q_heads // num_kv_heads)``.
     cache : QuantizedKVCache
     batch : DecodeBatch
         From ``cache.plan(seq_ids, layer)``; row ``i`` of ``q`` belongs to ``batch.seq_ids[i]``.
+        It also holds the kernels' split workspace, so reusing one plan across layers and
+        CUDA-graph replays allocates nothing.
     sm_scale : float, optional
         Logit scale (default ``1 / sqrt(head_dim)``).
-    backend : ``"auto"`` or ``"reference"``
-        ``"reference"`` is the folded torch computation (:func:`foscar.reference.attend_folded`)
-        in fp32 (fp64 for fp64 queries).
+    backend : ``"auto"``, ``"triton"``, ``"reference"`` or ``"triton-reconstruct"``
+        ``"auto"`` takes the Triton kernel for bf16 queries on a GPU when it covers the format
+        (bf16 mapping, head_dim 64 or 128, at most 16 query heads per KV head), else the
+        reference, the folded torch computation (:func:`foscar.reference.attend_folded`) in
+        fp32 (fp64 for fp64 queries). ``"triton-reconstruct"`` dequantizes every value before
+        the products (the baseline folding is measured against).
     return_lse : bool
-        Also return ``lse: [batch, num_q_heads]`` float32, the natural log of each head's softmax
-        denominator over the scaled logits.
+        Also return ``lse: [batch, num_q_heads]`` float32, the natural log of each head's
+        softmax denominator over the scaled logits.
+    out, lse : optional preallocated outputs (``[batch, num_q_heads, head_dim]`` in q's dtype,
+        ``[batch, num_q_heads]`` float32) for CUDA-graph capture.
 
     Returns
     -------
@@ -65,9 +82,37 @@ def decode_attention(
         raise ValueError(f"q is on {q.device}, expected the cache's device {cache.device}")
     if not q.is_floating_point():
         raise TypeError(f"q must be a floating tensor (bfloat16 for the kernels), got {q.dtype}")
+    reference._check_q(q, cache, batch)
+    sm_scale = 1.0 / math.sqrt(cache.head_dim) if sm_scale is None else float(sm_scale)
     if backend == "auto":
         backend = default_backend(cache, q)
+    if backend.startswith("triton"):
+        if not triton_backend.available(q.device):
+            raise ValueError(
+                f"backend {backend!r} needs Triton and a CUDA device (or TRITON_INTERPRET=1 on "
+                f"the CPU); q is on {q.device}"
+            )
+        reason = triton_backend.supports(cache, q.shape[1])
+        if reason:
+            raise ValueError(f"backend {backend!r} does not cover this cache: {reason}")
+        if q.dtype != torch.bfloat16:
+            raise TypeError(f"backend {backend!r} needs bfloat16 queries, got {q.dtype}")
+        if out is not None and (out.shape != q.shape or out.dtype != q.dtype
+                                or out.device != q.device):
+            raise ValueError(f"out must be a {q.dtype} tensor of shape {list(q.shape)} on "
+                             f"{q.device}")
+        return triton_backend.decode(q, cache, batch, sm_scale, out=out, lse=lse,
+                                     return_lse=return_lse,
+                                     reconstruct=backend == "triton-reconstruct")
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    o, lse = reference.attend_folded(q, cache, batch, sm_scale, block_n=256, dtype=dtype)
+    o, lse_ref = reference.attend_folded(q, cache, batch, sm_scale, block_n=256, dtype=dtype)
     o = o.to(q.dtype)
-    return (o, lse.to(torch.float32)) if return_lse else o
+    if out is not None:
+        out.copy_(o)
+        o = out
+    if not return_lse:
+        return o
+    if lse is not None:
+        lse.copy_(lse_ref)
+        return o, lse
+    return o, lse_ref.to(torch.float32)

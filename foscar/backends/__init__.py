@@ -1,0 +1,1 @@
+"""Launchers: validate kernel-specific constraints, allocate/cache workspaces, compute grids."""

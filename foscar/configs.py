@@ -1,0 +1,63 @@
+"""Launch configurations of the decode kernels and the heuristics that pick them.
+
+Knobs live in frozen dataclasses; :func:`triton_decode_config` and :func:`num_splits` own the
+heuristics. TUNING (H200, `foscar bench`; benchmarks/NOTES.md has the measurements):
+    block_n=128, num_warps=4, num_stages=1 for single-block QK/PV columns (token-wise g = D);
+    block_n=64 when a product needs more than 16 columns (more registers per token).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["TritonDecodeConfig", "triton_decode_config", "num_splits", "column_widths"]
+
+
+@dataclass(frozen=True)
+class TritonDecodeConfig:
+    block_n: int = 128  # tokens per tile of the quantized history
+    num_warps: int = 4  # one warpgroup: tokens are the wgmma M dimension
+    num_stages: int = 1  # loads are issued a tile ahead by occupancy, not by cp.async stages
+    block_window: int = 64  # tokens per tile of the BF16 sink/tail
+    min_tiles_per_split: int = 2
+
+
+def column_widths(fmt, head_dim: int, heads_per_kv: int, block_n: int, reconstruct: bool):
+    """``(HS, HPK, HPV)``: padded heads and the column counts of the QK and PV products.
+
+    A product's columns are (block, head) pairs: channel groups for token-wise folds, token
+    groups of a tile for channel-wise ones; at least 16 (the smallest wgmma N Triton uses).
+    """
+    hs = max(8, 1 << (heads_per_kv - 1).bit_length())
+
+    def width(blocks: int) -> int:
+        return max(16, blocks * hs)
+
+    if reconstruct:
+        return hs, width(1), width(1)
+
+    def blocks(f) -> int:
+        if f.axis.value == "token":
+            return head_dim // f.group_size
+        return max(1, block_n // f.group_size)
+
+    return hs, width(blocks(fmt.key)), width(blocks(fmt.value))
+
+
+def triton_decode_config(fmt, head_dim: int, heads_per_kv: int) -> TritonDecodeConfig:
+    _, hpk, hpv = column_widths(fmt, head_dim, heads_per_kv, 128, reconstruct=False)
+    if hpk > 16 or hpv > 16:
+        return TritonDecodeConfig(block_n=64)
+    return TritonDecodeConfig()
+
+
+def num_splits(batch: int, num_kv_heads: int, max_tokens: int, cfg: TritonDecodeConfig,
+               num_sms: int) -> int:
+    """Splits per (sequence, KV head): enough CTAs for two waves, each with a few tiles."""
+    tiles = math.ceil(max_tokens / cfg.block_n)
+    if tiles == 0:
+        return 1
+    ctas = batch * num_kv_heads
+    wanted = math.ceil(2 * num_sms / ctas)
+    return max(1, min(wanted, tiles // cfg.min_tiles_per_split, tiles))

@@ -1,0 +1,1 @@
+"""``@triton.jit`` bodies only; launchers live in :mod:`foscar.backends`."""

@@ -1,0 +1,635 @@
+"""Split-KV paged decode attention over INT2/INT4 KV caches with affine folding (Triton).
+
+Math, for one sequence, one KV head and its H query heads, in the log2 domain (c = sm_scale*log2 e):
+    S[n, h] = c * sum_d Q[h, d] * (s'_K * y_K + z'_K)[n, d]      y = q + 128, built from the bits
+    P = exp2(S - m);   O[h, :] = sum_n P[n, h] * (s'_V * y_V + z'_V)[n, :] / sum_n P[n, h]
+The scales and offsets are never applied per value (design.md): token-wise K acc-folds into the
+QK partials, channel-wise K operand-folds into Q, token-wise V operand-folds into P, channel-wise
+V acc-folds into group-local PV partials; every offset correction is computed from the operand
+the matrix unit consumed (Note [offset cancellation]).
+
+Formulation (benchmarks/NOTES.md has the SASS study behind it): tokens are the M dimension of
+both products and the K and V^T operands are built in registers as the wgmma A operand,
+    part[n, (j, h)]  = K_op[n, :] @ Qx[:, (j, h)]        Qx: Q spread over column blocks
+    acc[c, (j, h)]  += V_op^T[c, :] @ P'[:, (j, h)]      P': P folded and rounded to bf16
+where a column block ``j`` is a channel group (token-wise K / V) or a token group of the tile
+(channel-wise K / V) and ``h`` a query head padded to HS >= 8, so that one MMA computes every
+group-local partial product at once.
+
+Data contract (foscar.cache, foscar.formats):
+    q:        [B, Hq, D] bf16
+    k_words:  [pages, Hkv, PAGE, D*K_BITS/32] int32, channel order of role "key"
+    k_scales: [pages, Hkv, PAGE*D/K_GROUP, 2] fp32 (s', z') pairs
+    v_*:      likewise (role "value")
+    k_sink:   [slots, Hkv, SINK, D] bf16; k_tail: [slots, Hkv, TAIL, D] bf16 (ring)
+    o_part:   [B, Hq, num_splits + HAS_WINDOWS, D] fp32, normalised partial outputs
+    lse_part: [B, Hq, num_splits + HAS_WINDOWS] fp32, log2-domain LSE (-inf when empty)
+Supports: K_BITS, V_BITS in {2, 4}; D in {64, 128}; any group size the cache stores; any
+H <= 16; BLOCK_N in {64, 128} with PAGE a multiple or divisor of BLOCK_N. INTERP runs the same
+code under TRITON_INTERPRET=1 with fp32 operands (the interpreter's bf16 arithmetic is wrong).
+RECONSTRUCT builds bf16(s*y + z) for every value instead of folding: the baseline that
+KIVI/BitDecoding/OSCAR-style kernels use, kept in the same kernel to measure what folding gains.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+# ---------------------------------------------------------------------------- bits -> operands
+@triton.jit
+def _round_bf16(x, INTERP: tl.constexpr):
+    """Round fp32 to the nearest bf16 (ties to even), returned as fp32 values."""
+    if INTERP:
+        u = x.to(tl.int32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & -65536
+        return u.to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
+def _to_operand(x, INTERP: tl.constexpr):
+    """fp32 values already exact in bf16 -> the matrix-unit operand dtype."""
+    if INTERP:
+        return x
+    else:
+        return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _bf16_halves(x, INTERP: tl.constexpr):
+    """int32 holding two bf16 (low, high) -> the two halves; free register views in SASS."""
+    if INTERP:
+        lo = (x << 16).to(tl.float32, bitcast=True)
+        hi = (x & -65536).to(tl.float32, bitcast=True)
+    else:
+        lo = (x & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        hi = (x >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _inject(x, magic, FIELDS: tl.constexpr, BITS: tl.constexpr):
+    """``[A, B] int32 -> [A, B, FIELDS] int32``: ``((x >> BITS*f) & mask) | magic``.
+
+    One SHF and one LOP3 per two bf16 operands (``magic = 0x43004300`` arrives as a runtime
+    argument so that the mask-and-merge is a single LOP3).
+    """
+    f = tl.arange(0, FIELDS)
+    mask = ((1 << BITS) - 1) * 0x00010001
+    return ((tl.expand_dims(x, 2) >> (f * BITS)[None, None, :]) & mask) | magic
+
+
+@triton.jit
+def _k_operand(words, magic, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+               INTERP: tl.constexpr):
+    """K operand ``[BLOCK_N, D]`` (natural channel order) from words ``[BLOCK_N, D*BITS/32]``.
+
+    Channel ``8*(u*PAIRS + k) + 2*T + j`` sits in word ``T*U + u`` at bit ``BITS*k + 16*j``.
+    """
+    WORDS: tl.constexpr = D * BITS // 32
+    PAIRS: tl.constexpr = 16 // BITS
+    U: tl.constexpr = WORDS // 4
+    x = _inject(words, magic, PAIRS, BITS)  # [N, WORDS, PAIRS]
+    lo, hi = _bf16_halves(x, INTERP)
+    y = tl.join(lo, hi).reshape(BLOCK_N, 4, U, PAIRS, 2)  # [N, T, u, k, j]
+    return tl.permute(y, (0, 2, 3, 1, 4)).reshape(BLOCK_N, D)
+
+
+@triton.jit
+def _prmt(a, b, X, CB: tl.constexpr, INTERP: tl.constexpr):
+    """Container ``X`` (CB = 8 or 16 bits) of ``a`` into the low half, of ``b`` into the high."""
+    if INTERP:
+        cmask = (1 << CB) - 1
+        return ((a >> (X * CB)) & cmask) | (((b >> (X * CB)) & cmask) << 16)
+    else:
+        if CB == 8:
+            sel = X | (X << 4) | ((X + 4) << 8) | ((X + 4) << 12)
+        else:
+            sel = (2 * X) | ((2 * X + 1) << 4) | ((2 * X + 4) << 8) | ((2 * X + 5) << 12)
+        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _vt_operand(words, magic, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+                INTERP: tl.constexpr):
+    """V^T operand ``[D, BLOCK_N]`` (natural order) from words ``[BLOCK_N, D*BITS/32]``.
+
+    The wgmma fragment pairs two consecutive tokens of one channel in a register, so one PRMT
+    joins the same container of an even and an odd token before the shift-and-merge.
+    """
+    WORDS: tl.constexpr = D * BITS // 32
+    PB: tl.constexpr = BITS * D // 32  # bits of one piece (the D/32 channels of one (w, g))
+    CB: tl.constexpr = 16 if PB == 16 else 8  # PRMT container: a byte or a half-word
+    NX: tl.constexpr = 32 // CB
+    F: tl.constexpr = CB // BITS
+    w2 = tl.permute(words.reshape(BLOCK_N // 2, 2, WORDS), (0, 2, 1))
+    even, odd = tl.split(w2)  # [N/2, WORDS]
+    x = _prmt(even[:, :, None], odd[:, :, None], tl.arange(0, NX)[None, None, :], CB, INTERP)
+    x = _inject(x.reshape(BLOCK_N // 2, WORDS * NX), magic, F, BITS)  # [m, containers, F]
+    lo, hi = _bf16_halves(x, INTERP)
+    # (container, field) enumerates (piece 8w + g, field 2b + a) row-major; J = token parity
+    y = tl.join(lo, hi).reshape(BLOCK_N // 2, 4, 8, D // 64, 2, 2)  # [m, w, g, b, a, J]
+    y = tl.permute(y, (3, 1, 4, 2, 0, 5))  # [b, w, a, g, m, J]
+    return y.reshape(D, BLOCK_N)
+
+
+# ---------------------------------------------------------------------------- column helpers
+@triton.jit
+def _first_half_cols(x):
+    """``[R, 2C] -> [R, C]``: columns ``0..C-1`` (the high column bit is a register bit)."""
+    R: tl.constexpr = x.shape[0]
+    C: tl.constexpr = x.shape[1] // 2
+    a, _ = tl.split(tl.permute(x.reshape(R, 2, C), (0, 2, 1)))
+    return a
+
+
+@triton.jit
+def _pad_cols(x, WIDTH: tl.constexpr, fill: tl.constexpr):
+    """``[R, C] -> [R, WIDTH]`` with ``WIDTH`` = C or 2C, new columns set to ``fill``."""
+    R: tl.constexpr = x.shape[0]
+    C: tl.constexpr = x.shape[1]
+    if WIDTH == C:
+        return x
+    else:
+        tl.static_assert(WIDTH == 2 * C)
+        return tl.permute(tl.join(x, tl.zeros_like(x) + fill), (0, 2, 1)).reshape(R, WIDTH)
+
+
+@triton.jit
+def _pick_block(x, block, NB: tl.constexpr, HS: tl.constexpr):
+    """``x: [R, W]`` with columns ``(j, h)`` -> ``[R, HS]`` taking block ``block[r]`` of row r."""
+    R: tl.constexpr = x.shape[0]
+    if NB == 1:
+        if x.shape[1] == HS:
+            return x
+        else:
+            return _first_half_cols(x)
+    else:
+        x3 = x.reshape(R, NB, HS)
+        sel = tl.arange(0, NB)[None, :, None] == block[:, None, None]
+        return tl.sum(tl.where(sel, x3, 0.0), axis=1)
+
+
+@triton.jit
+def _spread_cols(x, y, NB: tl.constexpr, HS: tl.constexpr, WIDTH: tl.constexpr):
+    """``x: [R, HS], y: [R, NB] -> [R, WIDTH]`` with column ``(j, h) = x[:, h] * y[:, j]``."""
+    R: tl.constexpr = x.shape[0]
+    z = (x[:, None, :] * y[:, :, None]).reshape(R, NB * HS)
+    return _pad_cols(z, WIDTH, 0.0)
+
+
+# ---------------------------------------------------------------------------- loads
+@triton.jit
+def _token_pages(kv_indices_ptr, page_base, t, n_pages,
+                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """Pages of tile ``t`` and its first row in them.
+
+    ``BLOCK_N <= PAGE``: one page (a scalar, so addresses stay on the uniform datapath);
+    otherwise the ``BLOCK_N / PAGE`` pages as a vector (the masked tile stops at the last one).
+    """
+    if BLOCK_N <= PAGE:
+        pages = tl.load(kv_indices_ptr + page_base + (t * BLOCK_N) // PAGE)
+        row0 = (t * BLOCK_N) % PAGE
+    else:
+        idx = t * (BLOCK_N // PAGE) + tl.arange(0, BLOCK_N // PAGE)
+        row0 = 0
+        if MASKED:
+            pages = tl.load(kv_indices_ptr + page_base + idx, mask=idx < n_pages, other=0)
+        else:
+            pages = tl.load(kv_indices_ptr + page_base + idx)
+    return pages.to(tl.int64), row0
+
+
+@triton.jit
+def _load_words(words_ptr, pages, row0, stride_page, head_off,
+                WORDS: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Packed rows ``[BLOCK_N, WORDS]`` of one tile (16-byte loads along the words)."""
+    offs_w = tl.arange(0, WORDS)
+    if BLOCK_N <= PAGE:
+        offs_n = tl.arange(0, BLOCK_N)
+        base = words_ptr + head_off + pages * stride_page + row0 * WORDS
+        return tl.load(base + offs_n[:, None] * WORDS + offs_w[None, :])
+    else:
+        rows = tl.arange(0, PAGE)
+        off = pages[:, None, None] * stride_page + rows[None, :, None] * WORDS + offs_w[None, None, :]
+        return tl.load(words_ptr + head_off + off).reshape(BLOCK_N, WORDS)
+
+
+@triton.jit
+def _load_token_scales(scales_ptr, pages, row0, stride_page, head_off,
+                       NG: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Token-wise ``(s', z')``: two ``[BLOCK_N, NG]`` tensors (entry ``row*NG + g`` of a page)."""
+    offs_g = tl.arange(0, NG)
+    pair = tl.arange(0, 2)
+    if BLOCK_N <= PAGE:
+        offs_n = tl.arange(0, BLOCK_N)
+        base = scales_ptr + head_off + pages * stride_page + row0 * NG * 2
+        off = (offs_n[:, None, None] * NG + offs_g[None, :, None]) * 2 + pair[None, None, :]
+        sz = tl.load(base + off)
+    else:
+        rows = tl.arange(0, PAGE)
+        off = (pages[:, None, None, None] * stride_page
+               + ((rows[None, :, None, None] * NG + offs_g[None, None, :, None]) * 2
+                  + pair[None, None, None, :]))
+        sz = tl.load(scales_ptr + head_off + off).reshape(BLOCK_N, NG, 2)
+    return tl.split(sz)
+
+
+@triton.jit
+def _load_channel_scales(scales_ptr, kv_indices_ptr, page_base, t, n_q, stride_page, head_off,
+                         D: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
+                         BLOCK_N: tl.constexpr, NTG: tl.constexpr):
+    """Channel-wise ``(s', z')`` of the ``NTG`` token groups of tile ``t``: two ``[NTG, D]``.
+
+    A sequence's scales, flattened as ``[groups, D]``, are cut into pages of ``PAGE*D/GROUP``
+    entries (foscar.cache); groups past the history read ``(1, 0)``.
+    """
+    PER_PAGE: tl.constexpr = PAGE * D // GROUP
+    j = (t * BLOCK_N) // GROUP + tl.arange(0, NTG)
+    valid = j * GROUP < n_q
+    flat = j[:, None] * D + tl.arange(0, D)[None, :]
+    page = tl.load(kv_indices_ptr + page_base + flat // PER_PAGE, mask=valid[:, None], other=0)
+    off = head_off + page.to(tl.int64) * stride_page + (flat % PER_PAGE) * 2
+    s = tl.load(scales_ptr + off, mask=valid[:, None], other=1.0)
+    z = tl.load(scales_ptr + off + 1, mask=valid[:, None], other=0.0)
+    return s, z
+
+
+# ---------------------------------------------------------------------------- one tile
+@triton.jit
+def _quantized_tile(
+    t, state, n_q, page_base, n_pages, kvh, magic, qk_scale, q, qx, qsum_g,
+    kv_indices_ptr, k_words_ptr, k_scales_ptr, v_words_ptr, v_scales_ptr,
+    stride_kw_page, stride_kw_head, stride_ks_page, stride_ks_head,
+    stride_vw_page, stride_vw_head, stride_vs_page, stride_vs_head,
+    HS: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_CHANNEL: tl.constexpr, V_CHANNEL: tl.constexpr,
+    K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, HPK: tl.constexpr, HPV: tl.constexpr,
+    RECONSTRUCT: tl.constexpr, MASKED: tl.constexpr, INTERP: tl.constexpr,
+):
+    m_i, l2, z2, acc = state
+    offs_n = tl.arange(0, BLOCK_N)
+    valid = t * BLOCK_N + offs_n < n_q
+    pages, row0 = _token_pages(kv_indices_ptr, page_base, t, n_pages, PAGE, BLOCK_N, MASKED)
+    kw = _load_words(k_words_ptr, pages, row0, stride_kw_page, kvh * stride_kw_head,
+                     D * K_BITS // 32, PAGE, BLOCK_N)
+    vw = _load_words(v_words_ptr, pages, row0, stride_vw_page, kvh * stride_vw_head,
+                     D * V_BITS // 32, PAGE, BLOCK_N)
+    NGK: tl.constexpr = D // K_GROUP
+    NGV: tl.constexpr = D // V_GROUP
+    NTK: tl.constexpr = BLOCK_N // K_GROUP if BLOCK_N > K_GROUP else 1
+    NTV: tl.constexpr = BLOCK_N // V_GROUP if BLOCK_N > V_GROUP else 1
+    tok_k = offs_n // K_GROUP if BLOCK_N > K_GROUP else offs_n * 0  # token group within tile
+    tok_v = offs_n // V_GROUP if BLOCK_N > V_GROUP else offs_n * 0
+
+    # ---- scales (the masked tile replaces scales of rows past the history by (1, 0))
+    if K_CHANNEL:
+        ks, kz = _load_channel_scales(k_scales_ptr, kv_indices_ptr, page_base, t, n_q,
+                                      stride_ks_page, kvh * stride_ks_head,
+                                      D, K_GROUP, PAGE, BLOCK_N, NTK)
+    else:
+        ks, kz = _load_token_scales(k_scales_ptr, pages, row0, stride_ks_page,
+                                    kvh * stride_ks_head, NGK, PAGE, BLOCK_N)
+        if MASKED:
+            ks = tl.where(valid[:, None], ks, 1.0)
+            kz = tl.where(valid[:, None], kz, 0.0)
+    if V_CHANNEL:
+        vs, vz = _load_channel_scales(v_scales_ptr, kv_indices_ptr, page_base, t, n_q,
+                                      stride_vs_page, kvh * stride_vs_head,
+                                      D, V_GROUP, PAGE, BLOCK_N, NTV)
+    else:
+        vs, vz = _load_token_scales(v_scales_ptr, pages, row0, stride_vs_page,
+                                    kvh * stride_vs_head, NGV, PAGE, BLOCK_N)
+        if MASKED:
+            vs = tl.where(valid[:, None], vs, 1.0)
+            vz = tl.where(valid[:, None], vz, 0.0)
+
+    # ---- S = Q K^T
+    k_op = _k_operand(kw, magic, BLOCK_N, D, K_BITS, INTERP)  # [N, D] operand values y
+    if RECONSTRUCT:
+        kf = k_op.to(tl.float32)
+        if K_CHANNEL:
+            kf = (kf.reshape(NTK, BLOCK_N // NTK, D) * ks[:, None, :] + kz[:, None, :])
+        else:
+            kf = (kf.reshape(BLOCK_N, NGK, K_GROUP) * ks[:, :, None] + kz[:, :, None])
+        k_op = _to_operand(_round_bf16(kf.reshape(BLOCK_N, D), INTERP), INTERP)
+        s_cols = tl.dot(k_op, qx)  # qx = Q^T * qk_scale, padded to HPK columns
+        s = _pick_block(s_cols, offs_n * 0, 1, HS)
+    elif K_CHANNEL:
+        # operand-fold into Q per token group j: Qx[:, (j,h)] = bf16(c * Q[h] * s'_j), and
+        # the offset correction sum_d Qx[d,(j,h)] * z'_j[d] / s'_j[d] from the rounded Qx
+        qs = q[:, None, :] * ks[None, :, :]  # [HS, NTK, D]
+        qs = _round_bf16(qs, INTERP)
+        corr = tl.sum(qs * (kz / ks)[None, :, :], axis=2)  # [HS, NTK]
+        qs_t = tl.permute(qs, (2, 1, 0)).reshape(D, NTK * HS)
+        part = tl.dot(k_op, _to_operand(_pad_cols(qs_t, HPK, 0.0), INTERP))  # [N, HPK]
+        corr_cols = _pad_cols(tl.trans(corr).reshape(1, NTK * HS), HPK, 0.0)
+        s = _pick_block(part + corr_cols, tok_k, NTK, HS)
+    else:
+        # acc-fold: S = sum_g s'[n,g] * (Q_g . y[n,g]) + z'[n,g] * sum(Q_g), c folded in
+        part = tl.dot(k_op, qx)  # [N, HPK], columns (g, h)
+        ks = ks * qk_scale
+        if NGK == 1:
+            s = _pick_block(part, offs_n * 0, 1, HS) * ks + kz * qsum_g
+        else:
+            s = tl.sum(part.reshape(BLOCK_N, NGK, HS) * ks[:, :, None], axis=1)
+            s += tl.sum(kz[:, :, None] * qsum_g[None, :, :], axis=1)
+    if MASKED:
+        s = tl.where(valid[:, None], s, -float("inf"))
+
+    # ---- online softmax (row sums deferred: l2 keeps one per row, reduced after the loop)
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[None, :])  # [N, HS]
+    l2 = l2 * alpha[None, :] + p
+
+    # ---- O += P V
+    offs_d_v = tl.arange(0, D)
+    vt_op = _vt_operand(vw, magic, BLOCK_N, D, V_BITS, INTERP)  # [D, N]
+    if RECONSTRUCT:
+        vf = vt_op.to(tl.float32)
+        if V_CHANNEL:
+            vf = vf.reshape(D, NTV, BLOCK_N // NTV) * tl.trans(vs)[:, :, None] + tl.trans(vz)[:, :, None]
+        else:
+            vf = vf.reshape(NGV, V_GROUP, BLOCK_N) * tl.trans(vs)[:, None, :] + tl.trans(vz)[:, None, :]
+        vt_op = _to_operand(_round_bf16(vf.reshape(D, BLOCK_N), INTERP), INTERP)
+        p_op = _pad_cols(_round_bf16(p, INTERP), HPV, 0.0)
+        acc = acc * _pad_cols(alpha[None, :], HPV, 1.0)
+        acc = tl.dot(vt_op, _to_operand(p_op, INTERP), acc)
+    elif V_CHANNEL:
+        # acc-fold per token group j: acc += s'_j * (P_j . y_j) + rowsum(P_j) * z'_j, with P
+        # rounded as the matrix unit sees it and the row sums taken from the rounded P
+        p_r = _round_bf16(p, INTERP)
+        onehot = (tok_v[:, None] == tl.arange(0, NTV)[None, :]).to(tl.float32)  # [N, NTV]
+        p_cols = _spread_cols(p_r, onehot, NTV, HS, HPV)  # [N, HPV]
+        part = tl.dot(vt_op, _to_operand(p_cols, INTERP))  # [D, HPV]
+        rowsum = tl.sum(p_cols, axis=0)  # [HPV]
+        if NTV == 1:
+            fold = (_pick_block(part, offs_d_v * 0, 1, HS) * tl.trans(vs)
+                    + _pick_block(rowsum[None, :], tl.zeros([1], tl.int32), 1, HS) * tl.trans(vz))
+        else:
+            part3 = part.reshape(D, NTV, HS) * tl.trans(vs)[:, :, None]
+            corr3 = rowsum.reshape(1, NTV, HS) * tl.trans(vz)[:, :, None]
+            fold = tl.sum(part3 + corr3, axis=1)
+        acc = acc * alpha[None, :] + fold
+    else:
+        # operand-fold into P per channel group g: P'[n,(g,h)] = bf16(P[n,h] * s'[n,g]), and
+        # the offset correction sum_n P'[n,(g,h)] * z'[n,g] / s'[n,g] from the rounded P'
+        p_cols = _round_bf16(_spread_cols(p, vs, NGV, HS, HPV), INTERP)  # [N, HPV]
+        ratio = _spread_cols(tl.full([BLOCK_N, HS], 1.0, tl.float32), vz / vs, NGV, HS, HPV)
+        alpha_cols = _pad_cols(tl.reshape(alpha[None, None, :] + tl.zeros([1, NGV, 1], tl.float32),
+                                          (1, NGV * HS)), HPV, 1.0)
+        z2 = z2 * alpha_cols + p_cols * ratio
+        acc = tl.dot(vt_op, _to_operand(p_cols, INTERP), acc * alpha_cols)
+    return m_new, l2, z2, acc
+
+
+# ---------------------------------------------------------------------------- BF16 windows
+@triton.jit
+def _window_tile(state, k_ptr, v_ptr, rows, valid, qt, qk_scale, D: tl.constexpr,
+                 INTERP: tl.constexpr):
+    m_i, l_i, acc = state
+    offs_d = tl.arange(0, D)
+    k = tl.load(k_ptr + rows[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
+    v = tl.load(v_ptr + rows[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
+    if INTERP:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(k, qt) * qk_scale  # [BW, HP]
+    s = tl.where(valid[:, None], s, -float("inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[None, :])
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+    acc = tl.dot(tl.trans(v), _to_operand(_round_bf16(p, INTERP), INTERP), acc * alpha[None, :])
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _windows_partial(q, b, kvh, qk_scale, n_q, seq_lens_ptr, slots_ptr,
+                     k_sink_ptr, v_sink_ptr, k_tail_ptr, v_tail_ptr,
+                     stride_sink_slot, stride_sink_head, stride_tail_slot, stride_tail_head,
+                     HP: tl.constexpr, D: tl.constexpr, SINK: tl.constexpr, TAIL: tl.constexpr,
+                     BLOCK_W: tl.constexpr, INTERP: tl.constexpr):
+    """Attention over the BF16 sink and tail of one sequence: ``(o [D, HP], lse2 [HP])``."""
+    length = tl.load(seq_lens_ptr + b)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    sink_len = tl.minimum(length, SINK)
+    tail_start = tl.minimum(SINK + n_q, length)
+    qt = _to_operand(tl.trans(q), INTERP)  # [D, HP]
+    state = (tl.full([HP], -float("inf"), tl.float32), tl.zeros([HP], tl.float32),
+             tl.zeros([D, HP], tl.float32))
+    offs = tl.arange(0, BLOCK_W)
+    k_sink = k_sink_ptr + slot * stride_sink_slot + kvh * stride_sink_head
+    v_sink = v_sink_ptr + slot * stride_sink_slot + kvh * stride_sink_head
+    for t in range(0, tl.cdiv(sink_len, BLOCK_W)):
+        rows = t * BLOCK_W + offs
+        state = _window_tile(state, k_sink, v_sink, rows, rows < sink_len, qt, qk_scale, D, INTERP)
+    k_tail = k_tail_ptr + slot * stride_tail_slot + kvh * stride_tail_head
+    v_tail = v_tail_ptr + slot * stride_tail_slot + kvh * stride_tail_head
+    for t in range(0, tl.cdiv(length - tail_start, BLOCK_W)):
+        pos = tail_start + t * BLOCK_W + offs
+        state = _window_tile(state, k_tail, v_tail, (pos - SINK) % TAIL, pos < length, qt,
+                             qk_scale, D, INTERP)
+    m_i, l_i, acc = state
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[None, :]
+    lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), -float("inf"))
+    return o, lse
+
+
+# ---------------------------------------------------------------------------- kernels
+@triton.jit
+def decode_split_kernel(
+    # pointers
+    q_ptr,  # [B, Hq, D] bf16
+    k_words_ptr,  # [pages, Hkv, PAGE, D*K_BITS/32] int32
+    k_scales_ptr,  # [pages, Hkv, PAGE*D/K_GROUP, 2] fp32
+    v_words_ptr,  # [pages, Hkv, PAGE, D*V_BITS/32] int32
+    v_scales_ptr,  # [pages, Hkv, PAGE*D/V_GROUP, 2] fp32
+    k_sink_ptr,  # [slots, Hkv, SINK, D] bf16
+    v_sink_ptr,
+    k_tail_ptr,  # [slots, Hkv, TAIL, D] bf16
+    v_tail_ptr,
+    kv_indptr_ptr,  # [B + 1] int32
+    kv_indices_ptr,  # [nnz] int32
+    num_quantized_ptr,  # [B] int32
+    seq_lens_ptr,  # [B] int32
+    slots_ptr,  # [B] int32
+    o_part_ptr,  # [B, Hq, num_splits + HAS_WINDOWS, D] fp32
+    lse_part_ptr,  # [B, Hq, num_splits + HAS_WINDOWS] fp32
+    # scalars
+    qk_scale,  # sm_scale * log2(e)
+    magic,  # 0x43004300
+    num_splits,
+    # strides (elements)
+    stride_q_b, stride_q_h,
+    stride_kw_page, stride_kw_head, stride_ks_page, stride_ks_head,
+    stride_vw_page, stride_vw_head, stride_vs_page, stride_vs_head,
+    stride_sink_slot, stride_sink_head, stride_tail_slot, stride_tail_head,
+    stride_op_b, stride_op_h, stride_op_split,
+    stride_lp_b, stride_lp_h,
+    # constexprs
+    H: tl.constexpr,  # query heads per KV head
+    HS: tl.constexpr,  # H padded (>= 8, power of two)
+    D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    K_BITS: tl.constexpr,
+    V_BITS: tl.constexpr,
+    K_CHANNEL: tl.constexpr,
+    V_CHANNEL: tl.constexpr,
+    K_GROUP: tl.constexpr,
+    V_GROUP: tl.constexpr,
+    SINK: tl.constexpr,
+    TAIL: tl.constexpr,
+    HAS_WINDOWS: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    HPK: tl.constexpr,  # columns of the QK product: (column blocks x HS), at least 16
+    HPV: tl.constexpr,  # columns of the PV product
+    RECONSTRUCT: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """One (sequence, KV head, split): a normalised partial output and its log2 LSE."""
+    tl.static_assert(BLOCK_N % PAGE == 0 or PAGE % BLOCK_N == 0)
+    tl.static_assert(HS >= 8 and HS >= H)
+    tl.static_assert(D == 64 or D == 128)
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    NGK: tl.constexpr = D // K_GROUP
+    NGV: tl.constexpr = D // V_GROUP
+
+    offs_h = tl.arange(0, HS)
+    offs_d = tl.arange(0, D)
+    head = kvh * H + offs_h
+    q = tl.load(q_ptr + b * stride_q_b + head[:, None] * stride_q_h + offs_d[None, :],
+                mask=(offs_h < H)[:, None], other=0.0).to(tl.float32)  # [HS, D]
+    n_q = tl.load(num_quantized_ptr + b)
+
+    if split < num_splits:
+        page_base = tl.load(kv_indptr_ptr + b)
+        n_pages = tl.load(kv_indptr_ptr + b + 1) - page_base
+        n_tiles = tl.cdiv(n_q, BLOCK_N)
+        per_split = tl.cdiv(n_tiles, num_splits)
+        t_begin = split * per_split
+        t_end = tl.minimum(t_begin + per_split, n_tiles)
+        t_full = tl.maximum(tl.minimum(t_end, n_q // BLOCK_N), t_begin)
+
+        # the Q side of the QK product, built once
+        if RECONSTRUCT:
+            qx = _to_operand(_pad_cols(tl.trans(q * qk_scale), HPK, 0.0), INTERP)
+            qsum_g = tl.zeros([1, HS], tl.float32)
+        elif K_CHANNEL:
+            qx = tl.zeros([D, HPK], tl.float32)  # rebuilt per tile from the group scales
+            qsum_g = tl.zeros([1, HS], tl.float32)
+            q = q * qk_scale
+        else:
+            # Qx[:, (g, h)] = Q[h] restricted to channel group g (exact in bf16)
+            in_group = (offs_d[:, None] // K_GROUP == tl.arange(0, NGK)[None, :]).to(tl.float32)
+            q_cols = tl.trans(q)[:, None, :] * in_group[:, :, None]  # [D, NGK, HS]
+            qx = _to_operand(_pad_cols(q_cols.reshape(D, NGK * HS), HPK, 0.0), INTERP)
+            qsum_g = tl.sum(q.reshape(HS, NGK, K_GROUP), axis=2)  # [HS, NGK]
+            qsum_g = tl.trans(qsum_g) * qk_scale  # [NGK, HS]
+            if NGK == 1:
+                qsum_g = qsum_g.reshape(HS)[None, :]
+
+        if RECONSTRUCT:
+            acc = tl.zeros([D, HPV], tl.float32)
+            z2 = tl.zeros([1, 1], tl.float32)
+        elif V_CHANNEL:
+            acc = tl.zeros([D, HS], tl.float32)
+            z2 = tl.zeros([1, 1], tl.float32)
+        else:
+            acc = tl.zeros([D, HPV], tl.float32)
+            z2 = tl.zeros([BLOCK_N, HPV], tl.float32)
+        state = (tl.full([HS], -float("inf"), tl.float32), tl.zeros([BLOCK_N, HS], tl.float32),
+                 z2, acc)
+        # the scale multipliers of token-wise K carry c = sm_scale * log2(e)
+        k_mult = 1.0 if (K_CHANNEL or RECONSTRUCT) else qk_scale
+        for t in range(t_begin, t_full):
+            state = _quantized_tile(
+                t, state, n_q, page_base, n_pages, kvh, magic, k_mult, q, qx, qsum_g,
+                kv_indices_ptr, k_words_ptr, k_scales_ptr, v_words_ptr, v_scales_ptr,
+                stride_kw_page, stride_kw_head, stride_ks_page, stride_ks_head,
+                stride_vw_page, stride_vw_head, stride_vs_page, stride_vs_head,
+                HS, D, PAGE, BLOCK_N, K_BITS, V_BITS, K_CHANNEL, V_CHANNEL, K_GROUP, V_GROUP,
+                HPK, HPV, RECONSTRUCT, False, INTERP)
+        if t_full < t_end:
+            state = _quantized_tile(
+                t_full, state, n_q, page_base, n_pages, kvh, magic, k_mult, q, qx, qsum_g,
+                kv_indices_ptr, k_words_ptr, k_scales_ptr, v_words_ptr, v_scales_ptr,
+                stride_kw_page, stride_kw_head, stride_ks_page, stride_ks_head,
+                stride_vw_page, stride_vw_head, stride_vs_page, stride_vs_head,
+                HS, D, PAGE, BLOCK_N, K_BITS, V_BITS, K_CHANNEL, V_CHANNEL, K_GROUP, V_GROUP,
+                HPK, HPV, RECONSTRUCT, True, INTERP)
+        m_i, l2, z2, acc = state
+        l_i = tl.sum(l2, axis=0)  # [HS]
+        if RECONSTRUCT:
+            out = _pick_block(acc, offs_d * 0, 1, HS)
+        elif V_CHANNEL:
+            out = acc
+        else:
+            zacc = tl.sum(z2, axis=0)  # [HPV]
+            out = _pick_block(acc + zacc[None, :], offs_d // V_GROUP, NGV, HS)
+        o = out / tl.where(l_i > 0, l_i, 1.0)[None, :]  # [D, HS]
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), -float("inf"))
+        tl.store(o_part_ptr + b * stride_op_b + head[None, :] * stride_op_h
+                 + split * stride_op_split + offs_d[:, None], o, mask=(offs_h < H)[None, :])
+        tl.store(lse_part_ptr + b * stride_lp_b + head * stride_lp_h + split, lse,
+                 mask=offs_h < H)
+    elif HAS_WINDOWS:
+        HPW: tl.constexpr = 2 * HS if HS < 16 else HS
+        qw = tl.trans(_pad_cols(tl.trans(q), HPW, 0.0))  # [HPW, D]
+        o, lse = _windows_partial(qw, b, kvh, qk_scale, n_q, seq_lens_ptr, slots_ptr,
+                                  k_sink_ptr, v_sink_ptr, k_tail_ptr, v_tail_ptr,
+                                  stride_sink_slot, stride_sink_head, stride_tail_slot,
+                                  stride_tail_head, HPW, D, SINK, TAIL, BLOCK_W, INTERP)
+        offs_hw = tl.arange(0, HPW)
+        head_w = kvh * H + offs_hw
+        tl.store(o_part_ptr + b * stride_op_b + head_w[None, :] * stride_op_h
+                 + split * stride_op_split + offs_d[:, None], o, mask=(offs_hw < H)[None, :])
+        tl.store(lse_part_ptr + b * stride_lp_b + head_w * stride_lp_h + split, lse,
+                 mask=offs_hw < H)
+
+
+@triton.jit
+def merge_splits_kernel(
+    o_part_ptr,  # [B, Hq, NUM_PARTS, D] fp32
+    lse_part_ptr,  # [B, Hq, NUM_PARTS] fp32, log2 domain
+    o_ptr,  # [B, Hq, D] (q's dtype)
+    lse_ptr,  # [B, Hq] fp32, natural log (written when WRITE_LSE)
+    num_parts,
+    stride_op_b, stride_op_h, stride_op_split,
+    stride_lp_b, stride_lp_h,
+    stride_o_b, stride_o_h,
+    stride_l_b, stride_l_h,
+    D: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """LSE merge of the partials of one (sequence, query head); empty partials (-inf) drop out."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_d = tl.arange(0, D)
+    mask_p = offs_p < num_parts
+    lse = tl.load(lse_part_ptr + b * stride_lp_b + h * stride_lp_h + offs_p, mask=mask_p,
+                  other=-float("inf"))
+    m = tl.max(lse, axis=0)
+    w = tl.exp2(lse - m)
+    parts = tl.load(o_part_ptr + b * stride_op_b + h * stride_op_h
+                    + offs_p[:, None] * stride_op_split + offs_d[None, :],
+                    mask=mask_p[:, None], other=0.0)
+    denom = tl.sum(w, axis=0)
+    o = tl.sum(w[:, None] * parts, axis=0) / denom
+    if INTERP:
+        # the interpreter truncates fp32 -> bf16 on conversion; round to nearest first
+        o = _round_bf16(o, INTERP)
+    tl.store(o_ptr + b * stride_o_b + h * stride_o_h + offs_d, o.to(o_ptr.dtype.element_ty))
+    if WRITE_LSE:
+        tl.store(lse_ptr + b * stride_l_b + h * stride_l_h, (m + tl.log2(denom)) / LOG2E)
