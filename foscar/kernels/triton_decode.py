@@ -50,6 +50,15 @@ def _round_bf16(x, INTERP: tl.constexpr):
 
 
 @triton.jit
+def _fast_div(x, y, INTERP: tl.constexpr):
+    """``x / y`` by reciprocal approximation (MUFU.RCP + FMUL; 2 ulp), exact in the interpreter."""
+    if INTERP:
+        return x / y
+    else:
+        return tl.extra.cuda.libdevice.fast_dividef(x, y)
+
+
+@triton.jit
 def _to_operand(x, INTERP: tl.constexpr):
     """fp32 values already exact in bf16 -> the matrix-unit operand dtype."""
     if INTERP:
@@ -249,14 +258,21 @@ def _load_channel_scales(scales_ptr, kv_indices_ptr, page_base, t, n_q, stride_p
     entries (foscar.cache); groups past the history read ``(1, 0)``.
     """
     PER_PAGE: tl.constexpr = PAGE * D // GROUP
+    CH: tl.constexpr = D // PER_PAGE if D > PER_PAGE else 1  # pages one group's scales span
+    CW: tl.constexpr = D // CH
     j = (t * BLOCK_N) // GROUP + tl.arange(0, NTG)
     valid = j * GROUP < n_q
-    flat = j[:, None] * D + tl.arange(0, D)[None, :]
-    page = tl.load(kv_indices_ptr + page_base + flat // PER_PAGE, mask=valid[:, None], other=0)
-    off = head_off + page.to(tl.int64) * stride_page + (flat % PER_PAGE) * 2
-    s = tl.load(scales_ptr + off, mask=valid[:, None], other=1.0)
-    z = tl.load(scales_ptr + off + 1, mask=valid[:, None], other=0.0)
-    return s, z
+    first = j * D  # flat index of the group's first entry
+    chunk = tl.arange(0, CH)
+    page = tl.load(kv_indices_ptr + page_base + first[:, None] // PER_PAGE + chunk[None, :],
+                   mask=valid[:, None], other=0).to(tl.int64)  # [NTG, CH]
+    entry = (first % PER_PAGE)[:, None, None] + tl.arange(0, CW)[None, None, :]  # [NTG, 1, CW]
+    off = head_off + page[:, :, None] * stride_page + entry * 2
+    pair = tl.arange(0, 2)
+    sz = tl.load(scales_ptr + off[:, :, :, None] + pair[None, None, None, :],
+                 mask=valid[:, None, None, None], other=0.0)  # [NTG, CH, CW, 2]
+    s, z = tl.split(sz.reshape(NTG, D, 2))
+    return tl.where(valid[:, None], s, 1.0), z
 
 
 # ---------------------------------------------------------------------------- one tile
@@ -324,7 +340,7 @@ def _quantized_tile(
         # the offset correction sum_d Qx[d,(j,h)] * z'_j[d] / s'_j[d] from the rounded Qx
         qs = q[:, None, :] * ks[None, :, :]  # [HS, NTK, D]
         qs = _round_bf16(qs, INTERP)
-        corr = tl.sum(qs * (kz / ks)[None, :, :], axis=2)  # [HS, NTK]
+        corr = tl.sum(qs * _fast_div(kz, ks, INTERP)[None, :, :], axis=2)  # [HS, NTK]
         qs_t = tl.permute(qs, (2, 1, 0)).reshape(D, NTK * HS)
         part = tl.dot(k_op, _to_operand(_pad_cols(qs_t, HPK, 0.0), INTERP))  # [N, HPK]
         corr_cols = _pad_cols(tl.trans(corr).reshape(1, NTK * HS), HPK, 0.0)
@@ -363,28 +379,30 @@ def _quantized_tile(
     elif V_CHANNEL:
         # acc-fold per token group j: acc += s'_j * (P_j . y_j) + rowsum(P_j) * z'_j, with P
         # rounded as the matrix unit sees it and the row sums taken from the rounded P
+        # The accumulator keeps the product's (j, h) columns, so the fold stays in the MMA
+        # layout; the blocks are summed once after the loop.
         p_r = _round_bf16(p, INTERP)
         onehot = (tok_v[:, None] == tl.arange(0, NTV)[None, :]).to(tl.float32)  # [N, NTV]
         p_cols = _spread_cols(p_r, onehot, NTV, HS, HPV)  # [N, HPV]
-        part = tl.dot(vt_op, _to_operand(p_cols, INTERP))  # [D, HPV]
+        part = tl.dot(vt_op, _to_operand(p_cols, INTERP), tl.zeros([D, HPV], tl.float32))
         rowsum = tl.sum(p_cols, axis=0)  # [HPV]
-        if NTV == 1:
-            fold = (_pick_block(part, offs_d_v * 0, 1, HS) * tl.trans(vs)
-                    + _pick_block(rowsum[None, :], tl.zeros([1], tl.int32), 1, HS) * tl.trans(vz))
-        else:
-            part3 = part.reshape(D, NTV, HS) * tl.trans(vs)[:, :, None]
-            corr3 = rowsum.reshape(1, NTV, HS) * tl.trans(vz)[:, :, None]
-            fold = tl.sum(part3 + corr3, axis=1)
-        acc = acc * alpha[None, :] + fold
+        ones = tl.full([1, HS], 1.0, tl.float32)
+        vs_cols = _spread_cols(ones + tl.zeros([D, HS], tl.float32), tl.trans(vs), NTV, HS, HPV)
+        vz_cols = _spread_cols(ones + tl.zeros([D, HS], tl.float32), tl.trans(vz), NTV, HS, HPV)
+        alpha_cols = _pad_cols(tl.reshape(alpha[None, None, :] + tl.zeros([1, NTV, 1], tl.float32),
+                                          (1, NTV * HS)), HPV, 1.0)
+        acc = acc * alpha_cols + part * vs_cols + rowsum[None, :] * vz_cols
     else:
         # operand-fold into P per channel group g: P'[n,(g,h)] = bf16(P[n,h] * s'[n,g]), and
         # the offset correction sum_n P'[n,(g,h)] * z'[n,g] / s'[n,g] from the rounded P'
-        p_cols = _round_bf16(_spread_cols(p, vs, NGV, HS, HPV), INTERP)  # [N, HPV]
-        ratio = _spread_cols(tl.full([BLOCK_N, HS], 1.0, tl.float32), vz / vs, NGV, HS, HPV)
-        alpha_cols = _pad_cols(tl.reshape(alpha[None, None, :] + tl.zeros([1, NGV, 1], tl.float32),
-                                          (1, NGV * HS)), HPV, 1.0)
-        z2 = z2 * alpha_cols + p_cols * ratio
-        acc = tl.dot(vt_op, _to_operand(p_cols, INTERP), acc * alpha_cols)
+        p_scaled = _round_bf16(_spread_cols(p, vs, NGV, HS, NGV * HS), INTERP)  # [N, NGV*HS]
+        ratio = _spread_cols(tl.full([BLOCK_N, HS], 1.0, tl.float32), _fast_div(vz, vs, INTERP),
+                             NGV, HS, NGV * HS)
+        alpha_cols = tl.reshape(alpha[None, None, :] + tl.zeros([1, NGV, 1], tl.float32),
+                                (1, NGV * HS))
+        z2 = z2 * alpha_cols + p_scaled * ratio  # deferred: reduced over rows after the loop
+        acc = tl.dot(vt_op, _to_operand(_pad_cols(p_scaled, HPV, 0.0), INTERP),
+                     acc * _pad_cols(alpha_cols, HPV, 1.0))
     return m_new, l2, z2, acc
 
 
@@ -541,11 +559,11 @@ def decode_split_kernel(
             acc = tl.zeros([D, HPV], tl.float32)
             z2 = tl.zeros([1, 1], tl.float32)
         elif V_CHANNEL:
-            acc = tl.zeros([D, HS], tl.float32)
+            acc = tl.zeros([D, HPV], tl.float32)
             z2 = tl.zeros([1, 1], tl.float32)
         else:
             acc = tl.zeros([D, HPV], tl.float32)
-            z2 = tl.zeros([BLOCK_N, HPV], tl.float32)
+            z2 = tl.zeros([BLOCK_N, NGV * HS], tl.float32)
         state = (tl.full([HS], -float("inf"), tl.float32), tl.zeros([BLOCK_N, HS], tl.float32),
                  z2, acc)
         # the scale multipliers of token-wise K carry c = sm_scale * log2(e)
@@ -571,10 +589,14 @@ def decode_split_kernel(
         if RECONSTRUCT:
             out = _pick_block(acc, offs_d * 0, 1, HS)
         elif V_CHANNEL:
-            out = acc
+            NTV: tl.constexpr = BLOCK_N // V_GROUP if BLOCK_N > V_GROUP else 1
+            if NTV == 1:
+                out = _pick_block(acc, offs_d * 0, 1, HS)
+            else:
+                out = tl.sum(acc.reshape(D, NTV, HS), axis=1)
         else:
-            zacc = tl.sum(z2, axis=0)  # [HPV]
-            out = _pick_block(acc + zacc[None, :], offs_d // V_GROUP, NGV, HS)
+            zacc = _pad_cols(tl.sum(z2, axis=0)[None, :], HPV, 0.0)  # [1, HPV]
+            out = _pick_block(acc + zacc, offs_d // V_GROUP, NGV, HS)
         o = out / tl.where(l_i > 0, l_i, 1.0)[None, :]  # [D, HS]
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), -float("inf"))
         tl.store(o_part_ptr + b * stride_op_b + head[None, :] * stride_op_h
@@ -584,15 +606,16 @@ def decode_split_kernel(
     elif HAS_WINDOWS:
         HPW: tl.constexpr = 2 * HS if HS < 16 else HS
         qw = tl.trans(_pad_cols(tl.trans(q), HPW, 0.0))  # [HPW, D]
-        o, lse = _windows_partial(qw, b, kvh, qk_scale, n_q, seq_lens_ptr, slots_ptr,
-                                  k_sink_ptr, v_sink_ptr, k_tail_ptr, v_tail_ptr,
-                                  stride_sink_slot, stride_sink_head, stride_tail_slot,
-                                  stride_tail_head, HPW, D, SINK, TAIL, BLOCK_W, INTERP)
+        # (names differ from the other branch: a runtime if/else may not rebind with new shapes)
+        o_w, lse_w = _windows_partial(qw, b, kvh, qk_scale, n_q, seq_lens_ptr, slots_ptr,
+                                      k_sink_ptr, v_sink_ptr, k_tail_ptr, v_tail_ptr,
+                                      stride_sink_slot, stride_sink_head, stride_tail_slot,
+                                      stride_tail_head, HPW, D, SINK, TAIL, BLOCK_W, INTERP)
         offs_hw = tl.arange(0, HPW)
         head_w = kvh * H + offs_hw
         tl.store(o_part_ptr + b * stride_op_b + head_w[None, :] * stride_op_h
-                 + split * stride_op_split + offs_d[:, None], o, mask=(offs_hw < H)[None, :])
-        tl.store(lse_part_ptr + b * stride_lp_b + head_w * stride_lp_h + split, lse,
+                 + split * stride_op_split + offs_d[:, None], o_w, mask=(offs_hw < H)[None, :])
+        tl.store(lse_part_ptr + b * stride_lp_b + head_w * stride_lp_h + split, lse_w,
                  mask=offs_hw < H)
 
 

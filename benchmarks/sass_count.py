@@ -1,0 +1,131 @@
+"""Compile the Triton decode kernel for sm_90a on any machine (no GPU needed) and count SASS.
+
+    python benchmarks/sass_count.py [--bits 2] [--reconstruct] [--dump out.sass]
+
+Counts the instructions of the main loop (the largest backward branch's body) by class and
+prints lane-instructions per stored value = loop instructions * 32 * num_warps / (2 * BLOCK_N * D).
+Uses triton's bundled ptxas and cuobjdump; benchmarks/NOTES.md records the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+from foscar.configs import column_widths
+from foscar.formats import KVFormat, QuantFormat
+from foscar.kernels import triton_decode as kern
+
+
+def compile_kernel(fmt: KVFormat, *, head_dim=128, ratio=4, page=64, block_n=128, num_warps=4,
+                   num_stages=1, reconstruct=False):
+    hs, hpk, hpv = column_widths(fmt, head_dim, ratio, block_n, reconstruct)
+    sig = {}
+    consts = dict(H=ratio, HS=hs, D=head_dim, PAGE=page, BLOCK_N=block_n, K_BITS=fmt.key.bits,
+                  V_BITS=fmt.value.bits, K_CHANNEL=fmt.key.axis.value == "channel",
+                  V_CHANNEL=fmt.value.axis.value == "channel", K_GROUP=fmt.key.group_size,
+                  V_GROUP=fmt.value.group_size, SINK=fmt.sink_tokens, TAIL=fmt.tail_capacity,
+                  HAS_WINDOWS=fmt.sink_tokens > 0 or fmt.tail_capacity > 1, BLOCK_W=64,
+                  HPK=hpk, HPV=hpv, RECONSTRUCT=reconstruct, INTERP=False)
+    attrs = {}
+    for i, name in enumerate(kern.decode_split_kernel.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = {"q_ptr": "*bf16", "k_sink_ptr": "*bf16", "v_sink_ptr": "*bf16",
+                         "k_tail_ptr": "*bf16", "v_tail_ptr": "*bf16", "k_words_ptr": "*i32",
+                         "v_words_ptr": "*i32", "k_scales_ptr": "*fp32", "v_scales_ptr": "*fp32",
+                         "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32"}.get(name, "*i32")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name == "qk_scale":
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+            # a real launch specializes every integer divisible by 16; at the benchmark shapes
+            # all strides but the LSE partials' are
+            if name.startswith("stride_") and not name.startswith("stride_lp"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = triton.compiler.ASTSource(fn=kern.decode_split_kernel, signature=sig, constexprs=consts,
+                                    attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def cuobjdump(compiled, flag: str) -> str:
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        return subprocess.run([os.path.join(tools, "cuobjdump"), flag, f.name],
+                              capture_output=True, text=True, check=True).stdout
+
+
+def sass_of(compiled) -> str:
+    return cuobjdump(compiled, "--dump-sass")
+
+
+def resources(compiled) -> str:
+    """``REG:.. STACK:.. SHARED:..`` of the kernel, as ptxas reports them."""
+    text = cuobjdump(compiled, "--dump-resource-usage")
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", text)
+    return f"regs={m.group(1)} stack={m.group(2)} smem={m.group(3)}" if m else text.strip()
+
+
+def main_loop(sass: str) -> list[str]:
+    """Instructions of the longest loop: from a branch target to the backward BRA to it."""
+    lines = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
+    addr = [int(re.match(r"\s+/\*([0-9a-f]+)\*/", ln).group(1), 16) for ln in lines]
+    best = []
+    for i, ln in enumerate(lines):
+        m = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?.*?0x([0-9a-f]+)", ln)
+        if m:
+            target = int(m.group(1), 16)
+            if target < addr[i]:
+                body = [x for x, a in zip(lines, addr) if target <= a <= addr[i]]
+                if len(body) > len(best):
+                    best = body
+    return best
+
+
+def classify(body: list[str]) -> collections.Counter:
+    c = collections.Counter()
+    for ln in body:
+        m = re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", ln)
+        if m:
+            c[m.group(1).split(".")[0]] += 1
+    return c
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bits", type=int, default=2)
+    ap.add_argument("--k-axis", default="token")
+    ap.add_argument("--v-axis", default="token")
+    ap.add_argument("--group", type=int, default=128)
+    ap.add_argument("--block-n", type=int, default=128)
+    ap.add_argument("--reconstruct", action="store_true")
+    ap.add_argument("--dump", default=None)
+    a = ap.parse_args()
+    fmt = KVFormat(QuantFormat(a.bits, a.k_axis, a.group), QuantFormat(a.bits, a.v_axis, a.group))
+    c = compile_kernel(fmt, block_n=a.block_n, reconstruct=a.reconstruct)
+    sass = sass_of(c)
+    if a.dump:
+        open(a.dump, "w").write(sass)
+    body = main_loop(sass)
+    counts = classify(body)
+    per_value = len(body) * 32 * 4 / (2 * a.block_n * 128)
+    print(f"{fmt.short()} block_n={a.block_n} reconstruct={a.reconstruct}: "
+          f"{resources(c)} loop={len(body)} instr -> "
+          f"{per_value:.2f} lane-instr/value")
+    print("  " + " ".join(f"{k}={v}" for k, v in counts.most_common(18)))
+
+
+if __name__ == "__main__":
+    main()

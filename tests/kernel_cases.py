@@ -1,0 +1,81 @@
+"""Shared helpers for kernel tests: caches with zero-mean data, the bf16 error bar, poisoning."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from foscar import KVFormat, QuantFormat, QuantizedKVCache
+from foscar.reference import attend_dequantized, dequantize_sequence
+
+
+def build_cache(fmt: KVFormat, lengths, *, num_kv_heads=2, head_dim=128, page_size=64,
+                device="cpu", seed=0, decode_steps=2, shuffle_pages=True):
+    """A cache of ragged sequences (prefill + a few decode steps) with zero-mean K and V.
+
+    Zero-mean data matter: with y = q + 128 operands the offsets nearly cancel the +128, which
+    is where a correction computed from the wrong operand shows (Note [offset cancellation]).
+    """
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    pages_needed = sum(math.ceil((n + decode_steps) / page_size) for n in lengths)
+    num_pages = pages_needed + 5
+    cache = QuantizedKVCache(fmt, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                             num_pages=num_pages, max_seqs=len(lengths), page_size=page_size,
+                             device=device)
+    if shuffle_pages:  # pages out of order, so page-table indexing is exercised
+        perm = torch.randperm(num_pages, generator=g).tolist()
+        cache._free_pages = perm
+    ids = [cache.add_sequence() for _ in lengths]
+    total = sum(lengths)
+    spread = torch.linspace(0.3, 2.0, head_dim)
+    k = torch.randn(total, num_kv_heads, head_dim, generator=g) * spread
+    v = torch.randn(total, num_kv_heads, head_dim, generator=g) * spread.flip(0)
+    cache.append(ids, k.to(device), v.to(device), list(lengths))
+    for _ in range(decode_steps):
+        k = torch.randn(len(ids), num_kv_heads, head_dim, generator=g)
+        v = torch.randn(len(ids), num_kv_heads, head_dim, generator=g)
+        cache.append(ids, k.to(device), v.to(device))
+    return cache, cache.plan(ids)
+
+
+def queries(batch, num_q_heads, head_dim, device, seed=1):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randn(batch.batch_size, num_q_heads, head_dim, generator=g).to(device,
+                                                                              torch.bfloat16)
+
+
+def bf16_torch_attention(q, cache, batch, sm_scale):
+    """What a plain bf16 attention over the same dequantized cache computes (the error bar)."""
+    outs = []
+    h = cache.num_kv_heads
+    for i in range(batch.batch_size):
+        k, v = dequantize_sequence(cache, batch, i, torch.float32)
+        ratio = q.shape[1] // h
+        qq = q[i].float().reshape(h, ratio, -1)
+        s = torch.einsum("hqd,hld->hql", qq, k.bfloat16().float()) * sm_scale
+        p = torch.softmax(s, dim=-1).bfloat16().float()
+        o = torch.einsum("hql,hld->hqd", p, v.bfloat16().float())
+        outs.append(o.reshape(h * ratio, -1).bfloat16())
+    return torch.stack(outs)
+
+
+def rel_l2(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+def check_against_reference(o, lse, q, cache, batch, *, sm_scale=None):
+    """The kernel's error against fp64 over the dequantized cache is at bf16 level."""
+    sm_scale = 1 / math.sqrt(cache.head_dim) if sm_scale is None else sm_scale
+    assert torch.isfinite(o).all(), "unwritten or non-finite output"
+    ref, ref_lse = attend_dequantized(q.double(), cache, batch, sm_scale)
+    bar = rel_l2(bf16_torch_attention(q, cache, batch, sm_scale), ref)
+    err = rel_l2(o, ref)
+    assert err <= max(2 * bar, 1e-3), f"error {err:.2e} > 2 x bf16 torch attention {bar:.2e}"
+    assert err <= 5e-3, f"error {err:.2e} > 5e-3"
+    if lse is not None:
+        assert torch.isfinite(lse).all()
+        # the logits carry bf16-level error (Q*s' rounds for channel-wise K)
+        assert float((lse.double() - ref_lse).abs().max()) <= 2e-2
+    return err, bar
