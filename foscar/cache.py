@@ -553,6 +553,21 @@ class QuantizedKVCache:
         pairs = torch.stack([scale.reshape(h, -1), offset.reshape(h, -1)], dim=-1)  # [H, n_e, 2]
         getattr(st, f"{name}_scales")[fp, :, fe] = pairs.transpose(0, 1)
 
+    def _assume_appended(self, seq_id, length: int) -> None:
+        """Benchmarks only: mark ``length`` tokens of every layer present without writing them.
+
+        Pages are taken as an append would take them, but the pool keeps whatever bits it
+        holds (decode cost does not depend on the values). Tests and serving never call this.
+        """
+        seq = self._lookup(seq_id, "seq_id")
+        need = math.ceil(_num_quantized(length, self.fmt) / self.page_size) - len(seq.pages)
+        if need > len(self._free_pages):
+            raise ValueError(f"page pool exhausted: {need} more pages needed, "
+                             f"{len(self._free_pages)} free")
+        for _ in range(max(0, need)):
+            seq.pages.append(self._free_pages.pop())
+        seq.lengths = [length] * self.num_layers
+
     # ------------------------------------------------------------------ planning
     def plan(self, seq_ids: Sequence, layer: int = 0) -> DecodeBatch:
         """Page tables and window descriptors of ``seq_ids`` (in that order) for decoding."""

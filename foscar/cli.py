@@ -15,6 +15,11 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("demo", help="every KV format on the paper's stress input (CPU, < 1 min)")
     demo.add_arguments(p)
     p.set_defaults(run=demo.run)
+    p = sub.add_parser("bench", help="decode latency beside FlashInfer on a GPU (paper grid)")
+    from .bench import grid
+
+    grid.add_arguments(p)
+    p.set_defaults(run=grid.run)
     args = parser.parse_args(argv)
     return args.run(args)
 

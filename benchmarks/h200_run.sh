@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Everything foscar runs on the H200 device, in one call per mode. From the repository root:
+#   bash benchmarks/h200_run.sh smoke   # GPU tests subset + 2-point bench (first check)
+#   bash benchmarks/h200_run.sh tests   # the whole GPU test suite, then compute-sanitizer
+#   bash benchmarks/h200_run.sh grid    # foscar bench: the 13-point grid and --axes all
+# Needs .whl/ (../shared/tools/device-wheels.sh) carried for FlashInfer. Results go to $OUT.
+set -uo pipefail
+mode=${1:-smoke}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1 FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.csv"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+case "$mode" in
+  smoke)
+    python3 -m pytest -x -q -p no:cacheprovider tests/test_triton_kernel.py \
+      -k "paper_shape and (2-token-token or 4-channel-channel) or graph_replay and token-token or every_format" \
+      2>&1 | tee "$OUT/smoke_tests.log"
+    python3 -m foscar bench --grid quick --iters 10 --out "$OUT" \
+      --methods foscar-triton foscar-reconstruct flashinfer-bf16 sdpa-bf16 2>&1 | tee "$OUT/smoke_bench.log"
+    ;;
+  tests)
+    python3 -m pytest -q -p no:cacheprovider tests/ 2>&1 | tee "$OUT/gpu_tests.log"
+    compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -x -q -p no:cacheprovider \
+      tests/test_triton_kernel.py -k "every_format or windows or graph_replay and token-token" \
+      2>&1 | tail -40 | tee "$OUT/memcheck.log"
+    ;;
+  grid)
+    python3 -m foscar bench --grid both --out "$OUT" 2>&1 | tee "$OUT/grid.log"
+    ;;
+esac

@@ -1,0 +1,321 @@
+"""``foscar bench``: decode latency beside FlashInfer on one GPU, in one process.
+
+The paper's grid (FOSCAR Sec. 6, design.md): H_Q=32, H_KV=8, D=128, page 64, g=128;
+``B in {1, 8} x L in {8K, 32K, 128K, 512K}`` and ``B=64 x L in {8K, ..., 128K}`` (13 points),
+token-wise K and V; ``--axes all`` adds the four K/V axis combinations at B in {1, 8},
+L in {32K, 128K}. Every method runs one decode step per timed call (all kernels, split and
+merge included), after warm-up, with L2 flushed before each call (untimed); the median counts.
+Caches hold random values (decode cost does not depend on them): foscar's pools are filled with
+random words and scales instead of quantizing 100 GB of K/V.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+import torch
+
+from .. import __version__
+from ..cache import QuantizedKVCache
+from ..decode import decode_attention
+from ..formats import KVFormat, QuantFormat
+from . import baselines
+from .timing import L2Flusher, bench_stats
+
+PEAK_TBPS = 4.8  # H200 HBM3e, vendor datasheet
+MAIN_GRID = [(1, L) for L in (8192, 32768, 131072, 524288)] + \
+    [(8, L) for L in (8192, 32768, 131072, 524288)] + \
+    [(64, L) for L in (8192, 16384, 32768, 65536, 131072)]
+AXES_GRID = [(b, L) for b in (1, 8) for L in (32768, 131072)]
+AXES = [("token", "token"), ("channel", "token"), ("token", "channel"), ("channel", "channel")]
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    num_q_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    page_size: int = 64
+    group_size: int = 128
+
+
+def foscar_kv_bytes(fmt: KVFormat, batch: int, kv_len: int, shape: Shape) -> int:
+    """Bytes of one read of the stored codes, scales and offsets (fp32 s', z')."""
+    per_token = sum(shape.head_dim * f.bits / 8 + 8 * shape.head_dim / f.group_size
+                    for f in (fmt.key, fmt.value))
+    return int(batch * kv_len * shape.num_kv_heads * per_token)
+
+
+def random_cache(fmt: KVFormat, batch: int, kv_len: int, shape: Shape, device, seed=0):
+    """A cache of ``batch`` sequences of ``kv_len`` tokens, pages shuffled, random contents."""
+    pages = batch * math.ceil(kv_len / shape.page_size)
+    cache = QuantizedKVCache(fmt, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+                             num_pages=pages, max_seqs=batch, page_size=shape.page_size,
+                             device=device, check_finite=False)
+    g = torch.Generator(device=device).manual_seed(seed)
+    cache._free_pages = torch.randperm(pages, device=device, generator=g).tolist()
+    ids = [cache.add_sequence() for _ in range(batch)]
+    for sid in ids:
+        cache._assume_appended(sid, kv_len)
+    for st in cache.layers:
+        for t in (st.k_words, st.v_words):
+            t.random_(-2**31, 2**31 - 1, generator=g)
+        for t in (st.k_scales, st.v_scales):
+            s, z = t[..., 0], t[..., 1]
+            s.uniform_(0.01, 0.1, generator=g)
+            z.normal_(generator=g)
+            z.sub_(128 * s)  # folded offsets, as the cache writes them
+        for t in (st.k_sink, st.v_sink, st.k_tail, st.v_tail):
+            t.normal_(generator=g)
+    return cache, cache.plan(ids)
+
+
+def make_foscar(bits: int, k_axis: str, v_axis: str, batch: int, kv_len: int, shape: Shape,
+                backend: str = "triton", device="cuda"):
+    fmt = KVFormat(QuantFormat(bits, k_axis, shape.group_size),
+                   QuantFormat(bits, v_axis, shape.group_size))
+    cache, plan = random_cache(fmt, batch, kv_len, shape, device)
+    q = torch.randn(batch, shape.num_q_heads, shape.head_dim, device=device,
+                    dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+
+    def step():
+        return decode_attention(q, cache, plan, backend=backend, out=out)
+
+    step()
+    torch.cuda.synchronize()
+    method = "foscar-triton" if backend == "triton" else "foscar-reconstruct"
+    info = {"method": method, "kv_bytes": foscar_kv_bytes(fmt, batch, kv_len, shape),
+            "format": fmt.short()}
+
+    def close():
+        nonlocal cache, plan, q, out
+        cache = plan = q = out = None
+
+    step.close = close
+    return step, info
+
+
+def environment(device) -> dict:
+    props = torch.cuda.get_device_properties(device)
+    env = {"gpu": props.name, "sms": props.multi_processor_count,
+           "l2_bytes": getattr(props, "L2_cache_size", None), "torch": torch.__version__,
+           "python": platform.python_version(), "foscar": __version__,
+           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv)}
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    try:
+        import flashinfer
+        env["flashinfer"] = flashinfer.__version__
+    except Exception:
+        env["flashinfer"] = None
+    return env
+
+
+class Progress:
+    """One line per finished item with elapsed time and an ETA (a text progress bar)."""
+
+    def __init__(self, total: int, out=sys.stdout) -> None:
+        self.total, self.done, self.t0, self.out = total, 0, time.perf_counter(), out
+
+    def step(self, text: str) -> None:
+        self.done += 1
+        el = time.perf_counter() - self.t0
+        eta = el / self.done * (self.total - self.done)
+        width = 24
+        bar = "#" * int(width * self.done / self.total)
+        print(f"[{bar:<{width}}] {self.done:3d}/{self.total} {el:6.0f}s eta {eta:4.0f}s  {text}",
+              file=self.out, flush=True)
+
+
+def run_grid(points, methods, *, axes=(("token", "token"),), bits_list=(2, 4), shape=Shape(),
+             iters=30, warmup=5, device="cuda", out=sys.stdout, baseline_opts=None):
+    """Time every method at every point; returns result rows (one per method and point)."""
+    baseline_opts = baseline_opts or {}
+    items = []
+    for batch, kv_len in points:
+        for m in methods:
+            if m in ("foscar-triton", "foscar-reconstruct"):
+                for bits in bits_list:
+                    for k_axis, v_axis in axes:
+                        items.append((m, bits, k_axis, v_axis, batch, kv_len))
+            else:
+                items.append((m, 16 if m.endswith("bf16") else 8, "-", "-", batch, kv_len))
+    progress = Progress(len(items), out)
+    flusher = L2Flusher(device=device)
+    rows, skipped = [], {}
+    for m, bits, k_axis, v_axis, batch, kv_len in items:
+        if m in skipped:
+            progress.step(f"{m}: skipped ({skipped[m]})")
+            continue
+        try:
+            if m.startswith("foscar"):
+                backend = "triton" if m == "foscar-triton" else "triton-reconstruct"
+                step, info = make_foscar(bits, k_axis, v_axis, batch, kv_len, shape, backend,
+                                         device)
+            else:
+                step, info = baselines.BASELINES[m](
+                    batch, kv_len, shape.num_q_heads, shape.num_kv_heads, shape.head_dim,
+                    shape.page_size, device, **baseline_opts.get(m, {}))
+        except ImportError as exc:
+            skipped[m] = str(exc).splitlines()[0][:120]
+            progress.step(f"{m}: skipped ({skipped[m]})")
+            continue
+        except RuntimeError as exc:
+            progress.step(f"{m} B={batch} L={kv_len}: unavailable ({str(exc)[:160]})")
+            baselines.free_cuda_memory()
+            continue
+        stats = bench_stats(step, iters=iters, warmup=warmup, flusher=flusher, spin_us=300)
+        step.close()
+        del step
+        baselines.free_cuda_memory()
+        ms = stats["median_ms"]
+        row = {"method": m, "bits": bits, "k_axis": k_axis, "v_axis": v_axis, "batch": batch,
+               "kv_len": kv_len, "ms": ms, "p10_ms": stats["p10_ms"], "p90_ms": stats["p90_ms"],
+               "kv_bytes": info["kv_bytes"], "tbps": info["kv_bytes"] / ms / 1e9}
+        for key in ("impl", "format"):
+            if key in info:
+                row[key] = info[key]
+        rows.append(row)
+        progress.step(f"{m} {bits}b K{k_axis[0]}V{v_axis[0]} B={batch} L={kv_len // 1024}K "
+                      f"{ms * 1e3:8.1f} us  {row['tbps']:.2f} TB/s")
+    flusher.free()
+    return rows
+
+
+# ---------------------------------------------------------------------------- reporting
+def _key(r):
+    return (r["batch"], r["kv_len"])
+
+
+def speedups(rows, baseline="flashinfer-bf16"):
+    base = {_key(r): r["ms"] for r in rows if r["method"] == baseline}
+    for r in rows:
+        b = base.get(_key(r))
+        r["speedup_vs_flashinfer_bf16"] = b / r["ms"] if b else None
+        r["pct_peak"] = 100 * r["tbps"] / PEAK_TBPS
+    return rows
+
+
+def geomean(values):
+    values = [v for v in values if v]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def _label(r):
+    if r["method"].startswith("foscar"):
+        axes = "" if (r["k_axis"], r["v_axis"]) == ("token", "token") else \
+            f" K{r['k_axis'][0]}V{r['v_axis'][0]}"
+        return f"{r['method']} INT{r['bits']}{axes}"
+    return r["method"]
+
+
+def markdown_table(rows) -> str:
+    labels = sorted({_label(r) for r in rows})
+    points = sorted({_key(r) for r in rows})
+    by = {(_label(r), _key(r)): r for r in rows}
+    lines = ["| method | " + " | ".join(f"B={b} L={L // 1024}K" for b, L in points) +
+             " | geomean speedup |", "|---" * (len(points) + 2) + "|"]
+    for lab in labels:
+        cells, sp = [], []
+        for p in points:
+            r = by.get((lab, p))
+            if r is None:
+                cells.append("")
+                continue
+            s = r.get("speedup_vs_flashinfer_bf16")
+            sp.append(s)
+            cells.append(f"{r['ms'] * 1e3:.1f} us ({s:.2f}x, {r['pct_peak']:.0f}%)" if s else
+                         f"{r['ms'] * 1e3:.1f} us ({r['pct_peak']:.0f}%)")
+        lines.append(f"| {lab} | " + " | ".join(cells) + f" | {geomean(sp):.2f}x |")
+    lines.append("")
+    lines.append("Cells: median latency (speedup over FlashInfer BF16 at the same point, "
+                 f"effective KV throughput as % of {PEAK_TBPS} TB/s).")
+    return "\n".join(lines)
+
+
+def plot(rows, path: str) -> None:
+    """Speedup over FlashInfer BF16 against context length, one panel per batch (Fig. 8)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
+    for ax, b in zip(axes[0], batches):
+        for lab in sorted({_label(r) for r in rows}):
+            pts = sorted((r["kv_len"], r["speedup_vs_flashinfer_bf16"]) for r in rows
+                         if r["batch"] == b and _label(r) == lab and
+                         r.get("speedup_vs_flashinfer_bf16"))
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=lab)
+        ax.set_xscale("log", base=2)
+        ax.axhline(1.0, color="gray", linestyle="--", linewidth=0.8)
+        ax.set_title(f"batch {b}")
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("speedup over FlashInfer BF16")
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_results(rows, env, out_dir: str, name: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    speedups(rows)
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump({"environment": env, "peak_tbps": PEAK_TBPS, "rows": rows}, f, indent=1)
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+        f.write(f"# {name}\n\n{json.dumps(env)}\n\n{markdown_table(rows)}\n")
+    try:
+        plot(rows, os.path.join(out_dir, f"{name}.png"))
+    except ImportError:
+        print("matplotlib not importable: no plot", file=sys.stderr)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--grid", choices=["main", "axes", "both", "quick"], default="main",
+                        help="main: the 13-point grid, token-wise K/V; axes: the four axis "
+                             "combinations at B in {1,8}, L in {32K,128K}; quick: 2 points")
+    parser.add_argument("--axes", choices=["token", "all"], default="token",
+                        help="'all' is the same as --grid axes")
+    parser.add_argument("--methods", nargs="+",
+                        default=["foscar-triton", "foscar-reconstruct", "flashinfer-bf16",
+                                 "flashinfer-fp8", "trtllm-xqa-fp8", "sdpa-bf16"])
+    parser.add_argument("--bits", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--out", default="benchmarks/results/h200")
+    parser.add_argument("--name", default=None, help="result file stem (default by grid)")
+
+
+def run(args) -> int:
+    if not torch.cuda.is_available():
+        print("foscar bench needs a CUDA GPU", file=sys.stderr)
+        return 2
+    grid = "axes" if args.axes == "all" else args.grid
+    env = environment(torch.device("cuda"))
+    print(json.dumps(env))
+    jobs = []
+    if grid in ("main", "both"):
+        jobs.append(("decode_grid", MAIN_GRID, [AXES[0]], args.methods))
+    if grid in ("axes", "both"):
+        jobs.append(("decode_axes", AXES_GRID, AXES,
+                     [m for m in args.methods if m in ("foscar-triton", "flashinfer-bf16")]))
+    if grid == "quick":
+        jobs.append(("decode_quick", [(1, 32768), (64, 16384)], [AXES[0]], args.methods))
+    for name, points, axes, methods in jobs:
+        rows = run_grid(points, methods, axes=axes, bits_list=args.bits, iters=args.iters)
+        write_results(rows, env, args.out, args.name or name)
+        print(markdown_table(rows))
+    return 0
