@@ -247,6 +247,9 @@ class QuantizedKVCache:
         self.num_layers = num_layers
         self.page_size = page_size
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # "cuda" and "cuda:0" must compare equal to the tensors' devices
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.window_dtype = window_dtype
         self.check_finite = check_finite
         self.layers = [self._allocate_layer() for _ in range(num_layers)]
