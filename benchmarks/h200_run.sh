@@ -2,6 +2,7 @@
 # Everything foscar runs on the H200 device, in one call per mode. From the repository root:
 #   bash benchmarks/h200_run.sh smoke   # GPU tests subset + 2-point bench (first check)
 #   bash benchmarks/h200_run.sh tests   # the whole GPU test suite, then compute-sanitizer
+#   bash benchmarks/h200_run.sh tune    # launch-config sweep of the Triton kernel
 #   bash benchmarks/h200_run.sh grid    # foscar bench: the 13-point grid and --axes all
 # Needs .whl/ (../shared/tools/device-wheels.sh) carried for FlashInfer. Results go to $OUT.
 set -uo pipefail
@@ -31,6 +32,9 @@ case "$mode" in
     compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -x -q -p no:cacheprovider \
       tests/test_triton_kernel.py -k "every_format or windows or graph_replay and token-token" \
       2>&1 | tail -40 | tee "$OUT/memcheck.log"
+    ;;
+  tune)
+    python3 benchmarks/tune_triton.py --out "$OUT/tune.json" "${@:2}" 2>&1 | tee "$OUT/tune.log"
     ;;
   grid)
     python3 -m foscar bench --grid both --out "$OUT" 2>&1 | tee "$OUT/grid.log"

@@ -34,7 +34,8 @@ KIVI/BitDecoding/OSCAR-style kernels use, kept in the same kernel to measure wha
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+LOG2E = 1.4426950408889634  # for launchers (sm_scale * log2 e)
+_LN2 = tl.constexpr(0.6931471805599453)
 
 
 # ---------------------------------------------------------------------------- bits -> operands
@@ -655,4 +656,4 @@ def merge_splits_kernel(
         o = _round_bf16(o, INTERP)
     tl.store(o_ptr + b * stride_o_b + h * stride_o_h + offs_d, o.to(o_ptr.dtype.element_ty))
     if WRITE_LSE:
-        tl.store(lse_ptr + b * stride_l_b + h * stride_l_h, (m + tl.log2(denom)) / LOG2E)
+        tl.store(lse_ptr + b * stride_l_b + h * stride_l_h, (m + tl.log2(denom)) * _LN2)

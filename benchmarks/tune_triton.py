@@ -1,0 +1,79 @@
+"""Sweep launch configurations of the Triton decode kernel on the GPU (H200).
+
+    python benchmarks/tune_triton.py [--bits 2 4] [--out results.json]
+
+For each (bits, axes, batch, kv_len) point, times the decode step under every
+(block_n, num_warps, num_stages) config and split count policy, cold L2, median of 20 calls.
+The winners go into foscar/configs.py; benchmarks/NOTES.md records the sweep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+
+from foscar.backends import triton as tb
+from foscar.bench.grid import Shape, random_cache
+from foscar.bench.timing import L2Flusher, bench_stats
+from foscar.configs import TritonDecodeConfig
+from foscar.formats import KVFormat, QuantFormat
+
+CONFIGS = [TritonDecodeConfig(block_n=bn, num_warps=w, num_stages=s)
+           for bn, w, s in [(128, 4, 1), (128, 4, 2), (128, 4, 3), (64, 4, 1), (64, 4, 2),
+                            (64, 4, 3), (64, 4, 4), (128, 8, 2)]]
+POINTS = [(1, 32768), (8, 131072), (64, 16384)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bits", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--axes", nargs="+", default=["token,token"])
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    shape = Shape()
+    flusher = L2Flusher()
+    rows = []
+    for bits in a.bits:
+        for axes in a.axes:
+            ka, va = axes.split(",")
+            fmt = KVFormat(QuantFormat(bits, ka, 128), QuantFormat(bits, va, 128))
+            for batch, kv_len in POINTS:
+                cache, plan = random_cache(fmt, batch, kv_len, shape, "cuda")
+                q = torch.randn(batch, 32, 128, device="cuda", dtype=torch.bfloat16)
+                out = torch.empty_like(q)
+                kv_bytes = batch * kv_len * 8 * (2 * 128 * bits / 8 + 16)
+                line = []
+                for cfg in CONFIGS:
+                    for split_scale in (1, 2):
+                        sms = 132 * split_scale
+                        from foscar.configs import num_splits
+                        splits = num_splits(batch, 8, kv_len, cfg, sms)
+                        fn = lambda: tb.decode(q, cache, plan, 1 / math.sqrt(128), out=out,  # noqa: E731
+                                               config=cfg, splits=splits)
+                        try:
+                            fn()
+                            ms = bench_stats(fn, iters=20, warmup=3, flusher=flusher,
+                                             spin_us=300)["median_ms"]
+                        except Exception as exc:  # a config that does not compile or fit
+                            print("fail", cfg, repr(exc)[:200])
+                            continue
+                        tbps = kv_bytes / ms / 1e9
+                        rows.append({"bits": bits, "axes": axes, "batch": batch,
+                                     "kv_len": kv_len, "block_n": cfg.block_n,
+                                     "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+                                     "splits": splits, "ms": ms, "tbps": tbps})
+                        line.append(f"{cfg.block_n}/{cfg.num_warps}/{cfg.num_stages}"
+                                    f"x{splits}:{ms * 1e3:.0f}us({tbps:.2f})")
+                print(f"INT{bits} {axes} B={batch} L={kv_len // 1024}K  " + "  ".join(line),
+                      flush=True)
+                del cache, plan
+                torch.cuda.empty_cache()
+    if a.out:
+        json.dump(rows, open(a.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
