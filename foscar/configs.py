@@ -1,9 +1,13 @@
 """Launch configurations of the decode kernels and the heuristics that pick them.
 
 Knobs live in frozen dataclasses; :func:`triton_decode_config` and :func:`num_splits` own the
-heuristics. TUNING (H200, `foscar bench`; benchmarks/NOTES.md has the measurements):
-    block_n=128, num_warps=4, num_stages=1 for single-block QK/PV columns (token-wise g = D);
-    block_n=64 when a product needs more than 16 columns (more registers per token).
+heuristics. TUNING (H200; `bash benchmarks/h200_run.sh tune`, results in
+benchmarks/results/h200/tune/, discussion in benchmarks/NOTES.md):
+    block_n=128, num_warps=4, num_stages=3: INT2 B=64 L=16K 818 -> 546 us against
+        num_stages=1 (cp.async prefetch of the next tiles; the kernel is latency-bound at
+        2 CTAs/SM), better than block_n=64 (730 us) and 8 warps (999 us).
+    block_n=64 when a product needs more than 16 columns (more registers per token), and for
+        the reconstruct baseline, which spills at block_n=128.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ __all__ = ["TritonDecodeConfig", "triton_decode_config", "num_splits", "column_w
 class TritonDecodeConfig:
     block_n: int = 128  # tokens per tile of the quantized history
     num_warps: int = 4  # one warpgroup: tokens are the wgmma M dimension
-    num_stages: int = 1  # loads are issued a tile ahead by occupancy, not by cp.async stages
+    num_stages: int = 3  # cp.async stages: the next tiles' words load while this one computes
     block_window: int = 64  # tokens per tile of the BF16 sink/tail
     min_tiles_per_split: int = 2
 
@@ -45,9 +49,10 @@ def column_widths(fmt, head_dim: int, heads_per_kv: int, block_n: int, reconstru
     return hs, width(blocks(fmt.key)), width(blocks(fmt.value))
 
 
-def triton_decode_config(fmt, head_dim: int, heads_per_kv: int) -> TritonDecodeConfig:
+def triton_decode_config(fmt, head_dim: int, heads_per_kv: int,
+                         reconstruct: bool = False) -> TritonDecodeConfig:
     _, hpk, hpv = column_widths(fmt, head_dim, heads_per_kv, 128, reconstruct=False)
-    if hpk > 16 or hpv > 16:
+    if reconstruct or hpk > 16 or hpv > 16:
         return TritonDecodeConfig(block_n=64)
     return TritonDecodeConfig()
 
