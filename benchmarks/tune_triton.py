@@ -21,9 +21,14 @@ from foscar.bench.timing import L2Flusher, bench_stats
 from foscar.configs import TritonDecodeConfig
 from foscar.formats import KVFormat, QuantFormat
 
-CONFIGS = [TritonDecodeConfig(block_n=bn, num_warps=w, num_stages=s)
-           for bn, w, s in [(128, 4, 1), (128, 4, 2), (128, 4, 3), (64, 4, 1), (64, 4, 2),
-                            (64, 4, 3), (64, 4, 4), (128, 8, 2)]]
+ROUNDS = {
+    # round 1: block size, warps and cp.async stages
+    1: [(128, 4, 1, None), (128, 4, 2, None), (128, 4, 3, None), (64, 4, 1, None),
+        (64, 4, 2, None), (64, 4, 3, None), (64, 4, 4, None), (128, 8, 2, None)],
+    # round 2: occupancy against spills (register caps), larger tiles over 8 warps
+    2: [(128, 4, 3, None), (128, 4, 3, 168), (128, 4, 4, None), (256, 8, 2, None),
+        (64, 4, 3, 128)],
+}
 POINTS = [(1, 32768), (8, 131072), (64, 16384)]
 
 
@@ -32,7 +37,10 @@ def main() -> None:
     ap.add_argument("--bits", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--axes", nargs="+", default=["token,token"])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--round", type=int, default=2)
     a = ap.parse_args()
+    configs = [TritonDecodeConfig(block_n=bn, num_warps=w, num_stages=s, maxnreg=r)
+               for bn, w, s, r in ROUNDS[a.round]]
     shape = Shape()
     flusher = L2Flusher()
     rows = []
@@ -46,8 +54,8 @@ def main() -> None:
                 out = torch.empty_like(q)
                 kv_bytes = batch * kv_len * 8 * (2 * 128 * bits / 8 + 16)
                 line = []
-                for cfg in CONFIGS:
-                    for split_scale in (1, 2):
+                for cfg in configs:
+                    for split_scale in (1, 2) if a.round == 1 else (1,):
                         sms = 132 * split_scale
                         from foscar.configs import num_splits
                         splits = num_splits(batch, 8, kv_len, cfg, sms)
@@ -64,9 +72,10 @@ def main() -> None:
                         rows.append({"bits": bits, "axes": axes, "batch": batch,
                                      "kv_len": kv_len, "block_n": cfg.block_n,
                                      "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+                                     "maxnreg": cfg.maxnreg,
                                      "splits": splits, "ms": ms, "tbps": tbps})
                         line.append(f"{cfg.block_n}/{cfg.num_warps}/{cfg.num_stages}"
-                                    f"x{splits}:{ms * 1e3:.0f}us({tbps:.2f})")
+                                    f"/r{cfg.maxnreg}x{splits}:{ms * 1e3:.0f}us({tbps:.2f})")
                 print(f"INT{bits} {axes} B={batch} L={kv_len // 1024}K  " + "  ".join(line),
                       flush=True)
                 del cache, plan

@@ -193,6 +193,7 @@ def decode(
         INTERP=interp,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )
     kern.merge_splits_kernel[(bsz, num_q_heads)](
         o_part_ptr=o_part,
