@@ -50,11 +50,16 @@ def column_widths(fmt, head_dim: int, heads_per_kv: int, block_n: int, reconstru
     return hs, width(blocks(fmt.key)), width(blocks(fmt.value))
 
 
-def triton_decode_config(fmt, head_dim: int, heads_per_kv: int,
-                         reconstruct: bool = False) -> TritonDecodeConfig:
+def triton_decode_config(fmt, head_dim: int, heads_per_kv: int, reconstruct: bool = False,
+                         ctas: int = 1) -> TritonDecodeConfig:
+    """``ctas``: sequences x KV heads of the call. From 64 up, 64-token tiles capped at 128
+    registers (4 CTAs/SM, some spills) beat 128-token tiles at 2 CTAs/SM: INT2 B=64 L=16K
+    548 -> 492 us, B=8 L=128K 784 -> 711 us; at B=1 they lose (28 -> 35 us)."""
     _, hpk, hpv = column_widths(fmt, head_dim, heads_per_kv, 128, reconstruct=False)
     if reconstruct or hpk > 16 or hpv > 16:
         return TritonDecodeConfig(block_n=64)
+    if ctas >= 64:
+        return TritonDecodeConfig(block_n=64, maxnreg=128)
     return TritonDecodeConfig()
 
 

@@ -117,7 +117,8 @@ def decode(
     kern = _triton()
     bsz, num_q_heads, d = q.shape
     ratio = num_q_heads // cache.num_kv_heads
-    cfg = config or triton_decode_config(cache.fmt, d, ratio, reconstruct)
+    cfg = config or triton_decode_config(cache.fmt, d, ratio, reconstruct,
+                                         ctas=bsz * cache.num_kv_heads)
     hs, hpk, hpv = column_widths(cache.fmt, d, ratio, cfg.block_n, reconstruct)
     if splits is None:
         sms = _num_sms(q.device.index or 0) if q.is_cuda else 4
