@@ -34,6 +34,10 @@ case "$mode" in
       tests/test_triton_kernel.py -k "every_format or windows or graph_replay and token-token" \
       2>&1 | tail -40 | tee "$OUT/memcheck.log"
     ;;
+  diagnose)
+    python3 benchmarks/diagnose_gpu.py 2>&1 | tee "$OUT/diagnose.log"
+    python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernel.py -k "paper_shape or ragged or every_format" 2>&1 | tail -15 | tee "$OUT/recheck.log"
+    ;;
   tune)
     python3 benchmarks/tune_triton.py --out "$OUT/tune.json" "${@:2}" 2>&1 | tee "$OUT/tune.log"
     ;;

@@ -33,7 +33,7 @@ def compile_kernel(fmt: KVFormat, *, head_dim=128, ratio=4, page=64, block_n=128
                   V_CHANNEL=fmt.value.axis.value == "channel", K_GROUP=fmt.key.group_size,
                   V_GROUP=fmt.value.group_size, SINK=fmt.sink_tokens, TAIL=fmt.tail_capacity,
                   HAS_WINDOWS=fmt.sink_tokens > 0 or fmt.tail_capacity > 1, BLOCK_W=64,
-                  HPK=hpk, HPV=hpv, RECONSTRUCT=reconstruct, INTERP=False)
+                  HPK=hpk, HPV=hpv, RECONSTRUCT=reconstruct, INTERP=False, TILE_ACC=True)
     attrs = {}
     for i, name in enumerate(kern.decode_split_kernel.arg_names):
         if name in consts:
@@ -44,7 +44,7 @@ def compile_kernel(fmt: KVFormat, *, head_dim=128, ratio=4, page=64, block_n=128
                          "v_words_ptr": "*i32", "k_scales_ptr": "*fp32", "v_scales_ptr": "*fp32",
                          "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32"}.get(name, "*i32")
             attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name == "qk_scale":
+        elif name in ("qk_scale", "zero"):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"

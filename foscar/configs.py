@@ -25,6 +25,7 @@ class TritonDecodeConfig:
     num_stages: int = 3  # cp.async stages: the next tiles' words load while this one computes
     block_window: int = 64  # tokens per tile of the BF16 sink/tail
     maxnreg: int | None = None  # register cap per thread (more CTAs per SM, maybe spills)
+    tile_acc: bool = True  # token-wise V: fresh PV accumulator per tile (triton_decode Note)
     min_tiles_per_split: int = 2
 
 

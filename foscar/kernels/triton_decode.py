@@ -279,7 +279,7 @@ def _load_channel_scales(scales_ptr, kv_indices_ptr, page_base, t, n_q, stride_p
 # ---------------------------------------------------------------------------- one tile
 @triton.jit
 def _quantized_tile(
-    t, state, n_q, page_base, n_pages, kvh, magic, qk_scale, q, qx, qsum_g,
+    t, state, n_q, page_base, n_pages, kvh, magic, qk_scale, zero, q, qx, qsum_g,
     kv_indices_ptr, k_words_ptr, k_scales_ptr, v_words_ptr, v_scales_ptr,
     stride_kw_page, stride_kw_head, stride_ks_page, stride_ks_head,
     stride_vw_page, stride_vw_head, stride_vs_page, stride_vs_head,
@@ -287,6 +287,7 @@ def _quantized_tile(
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_CHANNEL: tl.constexpr, V_CHANNEL: tl.constexpr,
     K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, HPK: tl.constexpr, HPV: tl.constexpr,
     RECONSTRUCT: tl.constexpr, MASKED: tl.constexpr, INTERP: tl.constexpr,
+    TILE_ACC: tl.constexpr,
 ):
     m_i, l2, z2, acc = state
     offs_n = tl.arange(0, BLOCK_N)
@@ -402,8 +403,18 @@ def _quantized_tile(
         alpha_cols = tl.reshape(alpha[None, None, :] + tl.zeros([1, NGV, 1], tl.float32),
                                 (1, NGV * HS))
         z2 = z2 * alpha_cols + p_scaled * ratio  # deferred: reduced over rows after the loop
-        acc = tl.dot(vt_op, _to_operand(_pad_cols(p_scaled, HPV, 0.0), INTERP),
-                     acc * _pad_cols(alpha_cols, HPV, 1.0))
+        p_op = _to_operand(_pad_cols(p_scaled, HPV, 0.0), INTERP)
+        if TILE_ACC:
+            # Note [tensor-core accumulation]: acc holds ~128 * sum(P') (y = q + 128) and the
+            # correction cancels that 128; the tensor core's fp32 accumulation is not IEEE, and
+            # its error, carried over every tile of a split, grows with the context. A fresh
+            # accumulator per tile, added in fp32 on the CUDA cores, keeps it at bf16 level.
+            # (the zero comes from a runtime argument: with a constant zero accumulator Triton
+            # folds "acc + dot(a, b)" back into "dot(a, b, acc)")
+            fresh = tl.full([D, HPV], 0.0, tl.float32) + zero
+            acc = acc * _pad_cols(alpha_cols, HPV, 1.0) + tl.dot(vt_op, p_op, fresh)
+        else:
+            acc = tl.dot(vt_op, p_op, acc * _pad_cols(alpha_cols, HPV, 1.0))
     return m_new, l2, z2, acc
 
 
@@ -483,6 +494,7 @@ def decode_split_kernel(
     # scalars
     qk_scale,  # sm_scale * log2(e)
     magic,  # 0x43004300
+    zero,  # 0.0, opaque to the compiler (Note [tensor-core accumulation])
     num_splits,
     # strides (elements)
     stride_q_b, stride_q_h,
@@ -511,6 +523,7 @@ def decode_split_kernel(
     HPV: tl.constexpr,  # columns of the PV product
     RECONSTRUCT: tl.constexpr,
     INTERP: tl.constexpr,
+    TILE_ACC: tl.constexpr,  # token-wise V: a fresh PV accumulator per tile (see the Note)
 ):
     """One (sequence, KV head, split): a normalised partial output and its log2 LSE."""
     tl.static_assert(BLOCK_N % PAGE == 0 or PAGE % BLOCK_N == 0)
@@ -571,20 +584,20 @@ def decode_split_kernel(
         k_mult = 1.0 if (K_CHANNEL or RECONSTRUCT) else qk_scale
         for t in range(t_begin, t_full):
             state = _quantized_tile(
-                t, state, n_q, page_base, n_pages, kvh, magic, k_mult, q, qx, qsum_g,
+                t, state, n_q, page_base, n_pages, kvh, magic, k_mult, zero, q, qx, qsum_g,
                 kv_indices_ptr, k_words_ptr, k_scales_ptr, v_words_ptr, v_scales_ptr,
                 stride_kw_page, stride_kw_head, stride_ks_page, stride_ks_head,
                 stride_vw_page, stride_vw_head, stride_vs_page, stride_vs_head,
                 HS, D, PAGE, BLOCK_N, K_BITS, V_BITS, K_CHANNEL, V_CHANNEL, K_GROUP, V_GROUP,
-                HPK, HPV, RECONSTRUCT, False, INTERP)
+                HPK, HPV, RECONSTRUCT, False, INTERP, TILE_ACC)
         if t_full < t_end:
             state = _quantized_tile(
-                t_full, state, n_q, page_base, n_pages, kvh, magic, k_mult, q, qx, qsum_g,
+                t_full, state, n_q, page_base, n_pages, kvh, magic, k_mult, zero, q, qx, qsum_g,
                 kv_indices_ptr, k_words_ptr, k_scales_ptr, v_words_ptr, v_scales_ptr,
                 stride_kw_page, stride_kw_head, stride_ks_page, stride_ks_head,
                 stride_vw_page, stride_vw_head, stride_vs_page, stride_vs_head,
                 HS, D, PAGE, BLOCK_N, K_BITS, V_BITS, K_CHANNEL, V_CHANNEL, K_GROUP, V_GROUP,
-                HPK, HPV, RECONSTRUCT, True, INTERP)
+                HPK, HPV, RECONSTRUCT, True, INTERP, TILE_ACC)
         m_i, l2, z2, acc = state
         l_i = tl.sum(l2, axis=0)  # [HS]
         if RECONSTRUCT:
