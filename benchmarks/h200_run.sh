@@ -41,6 +41,11 @@ case "$mode" in
   tune)
     python3 benchmarks/tune_triton.py --out "$OUT/tune.json" "${@:2}" 2>&1 | tee "$OUT/tune.log"
     ;;
+  grid-lite)
+    # the 13-point grid with foscar and FlashInfer BF16 only (when device time is short)
+    python3 -m foscar bench --grid main --iters 20 --methods foscar-triton flashinfer-bf16 \
+      --out "$OUT" --name decode_grid_lite 2>&1 | tee "$OUT/grid.log"
+    ;;
   grid)
     python3 -m foscar bench --grid both --out "$OUT" 2>&1 | tee "$OUT/grid.log"
     ;;
