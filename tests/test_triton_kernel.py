@@ -40,8 +40,19 @@ BITS = list(itertools.product([2, 4], repeat=2))
 EVERY_FORMAT = [(kb, vb, ka, va) for (kb, vb), (ka, va) in itertools.product(BITS, AXES)]
 
 
-@pytest.mark.parametrize("kb,vb,ka,va", EVERY_FORMAT,
-                         ids=[f"K{a}{c}-V{b}{d}" for a, b, c, d in EVERY_FORMAT])
+def _every_format_params():
+    for kb, vb, ka, va in EVERY_FORMAT:
+        marks = []
+        gk = (128, 64, 32)[EVERY_FORMAT.index((kb, vb, ka, va)) % 3]
+        if HAS_CUDA and kb == 4 and ka == "token" and gk == 32:
+            # the backend refuses this class on the GPU until the illegal memory access seen
+            # on the H200 is fixed (benchmarks/NOTES.md, "GPU failures")
+            marks.append(pytest.mark.xfail(reason="known GPU bug, disabled in the backend",
+                                           raises=ValueError, strict=True))
+        yield pytest.param(kb, vb, ka, va, marks=marks, id=f"K{kb}{ka}-V{vb}{va}")
+
+
+@pytest.mark.parametrize("kb,vb,ka,va", list(_every_format_params()))
 def test_every_format_combination(kb, vb, ka, va):
     index = EVERY_FORMAT.index((kb, vb, ka, va))
     gk, gv = (128, 64, 32)[index % 3], (64, 32, 128)[index % 3]
