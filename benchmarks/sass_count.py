@@ -24,25 +24,59 @@ from foscar.formats import KVFormat, QuantFormat
 from foscar.kernels import triton_decode as kern
 
 
-def compile_kernel(fmt: KVFormat, *, head_dim=128, ratio=4, page=64, block_n=128, num_warps=4,
-                   num_stages=1, reconstruct=False):
+def compile_kernel(
+    fmt: KVFormat,
+    *,
+    head_dim=128,
+    ratio=4,
+    page=64,
+    block_n=128,
+    num_warps=4,
+    num_stages=1,
+    reconstruct=False,
+):
     hs, hpk, hpv = column_widths(fmt, head_dim, ratio, block_n, reconstruct)
     sig = {}
-    consts = dict(H=ratio, HS=hs, D=head_dim, PAGE=page, BLOCK_N=block_n, K_BITS=fmt.key.bits,
-                  V_BITS=fmt.value.bits, K_CHANNEL=fmt.key.axis.value == "channel",
-                  V_CHANNEL=fmt.value.axis.value == "channel", K_GROUP=fmt.key.group_size,
-                  V_GROUP=fmt.value.group_size, SINK=fmt.sink_tokens, TAIL=fmt.tail_capacity,
-                  HAS_WINDOWS=fmt.sink_tokens > 0 or fmt.tail_capacity > 1, BLOCK_W=64,
-                  HPK=hpk, HPV=hpv, RECONSTRUCT=reconstruct, INTERP=False, TILE_ACC=True)
+    consts = dict(
+        H=ratio,
+        HS=hs,
+        D=head_dim,
+        PAGE=page,
+        BLOCK_N=block_n,
+        K_BITS=fmt.key.bits,
+        V_BITS=fmt.value.bits,
+        K_CHANNEL=fmt.key.axis.value == "channel",
+        V_CHANNEL=fmt.value.axis.value == "channel",
+        K_GROUP=fmt.key.group_size,
+        V_GROUP=fmt.value.group_size,
+        SINK=fmt.sink_tokens,
+        TAIL=fmt.tail_capacity,
+        HAS_WINDOWS=fmt.sink_tokens > 0 or fmt.tail_capacity > 1,
+        BLOCK_W=64,
+        HPK=hpk,
+        HPV=hpv,
+        RECONSTRUCT=reconstruct,
+        INTERP=False,
+        TILE_ACC=True,
+    )
     attrs = {}
     for i, name in enumerate(kern.decode_split_kernel.arg_names):
         if name in consts:
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
-            sig[name] = {"q_ptr": "*bf16", "k_sink_ptr": "*bf16", "v_sink_ptr": "*bf16",
-                         "k_tail_ptr": "*bf16", "v_tail_ptr": "*bf16", "k_words_ptr": "*i32",
-                         "v_words_ptr": "*i32", "k_scales_ptr": "*fp32", "v_scales_ptr": "*fp32",
-                         "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32"}.get(name, "*i32")
+            sig[name] = {
+                "q_ptr": "*bf16",
+                "k_sink_ptr": "*bf16",
+                "v_sink_ptr": "*bf16",
+                "k_tail_ptr": "*bf16",
+                "v_tail_ptr": "*bf16",
+                "k_words_ptr": "*i32",
+                "v_words_ptr": "*i32",
+                "k_scales_ptr": "*fp32",
+                "v_scales_ptr": "*fp32",
+                "o_part_ptr": "*fp32",
+                "lse_part_ptr": "*fp32",
+            }.get(name, "*i32")
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name in ("qk_scale", "zero"):
             sig[name] = "fp32"
@@ -52,10 +86,14 @@ def compile_kernel(fmt: KVFormat, *, head_dim=128, ratio=4, page=64, block_n=128
             # all strides but the LSE partials' are
             if name.startswith("stride_") and not name.startswith("stride_lp"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    src = triton.compiler.ASTSource(fn=kern.decode_split_kernel, signature=sig, constexprs=consts,
-                                    attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+    src = triton.compiler.ASTSource(
+        fn=kern.decode_split_kernel, signature=sig, constexprs=consts, attrs=attrs
+    )
+    return triton.compile(
+        src,
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": num_warps, "num_stages": num_stages},
+    )
 
 
 def cuobjdump(compiled, flag: str) -> str:
@@ -63,8 +101,12 @@ def cuobjdump(compiled, flag: str) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        return subprocess.run([os.path.join(tools, "cuobjdump"), flag, f.name],
-                              capture_output=True, text=True, check=True).stdout
+        return subprocess.run(
+            [os.path.join(tools, "cuobjdump"), flag, f.name],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
 
 
 def sass_of(compiled) -> str:
@@ -121,9 +163,11 @@ def main() -> None:
     body = main_loop(sass)
     counts = classify(body)
     per_value = len(body) * 32 * 4 / (2 * a.block_n * 128)
-    print(f"{fmt.short()} block_n={a.block_n} reconstruct={a.reconstruct}: "
-          f"{resources(c)} loop={len(body)} instr -> "
-          f"{per_value:.2f} lane-instr/value")
+    print(
+        f"{fmt.short()} block_n={a.block_n} reconstruct={a.reconstruct}: "
+        f"{resources(c)} loop={len(body)} instr -> "
+        f"{per_value:.2f} lane-instr/value"
+    )
     print("  " + " ".join(f"{k}={v}" for k, v in counts.most_common(18)))
 
 

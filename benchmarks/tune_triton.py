@@ -10,6 +10,7 @@ The winners go into foscar/configs.py; benchmarks/NOTES.md records the sweep.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 
@@ -18,16 +19,23 @@ import torch
 from foscar.backends import triton as tb
 from foscar.bench.grid import Shape, random_cache
 from foscar.bench.timing import L2Flusher, bench_stats
-from foscar.configs import TritonDecodeConfig
+from foscar.configs import TritonDecodeConfig, num_splits
 from foscar.formats import KVFormat, QuantFormat
 
 ROUNDS = {
     # round 1: block size, warps and cp.async stages
-    1: [(128, 4, 1, None), (128, 4, 2, None), (128, 4, 3, None), (64, 4, 1, None),
-        (64, 4, 2, None), (64, 4, 3, None), (64, 4, 4, None), (128, 8, 2, None)],
+    1: [
+        (128, 4, 1, None),
+        (128, 4, 2, None),
+        (128, 4, 3, None),
+        (64, 4, 1, None),
+        (64, 4, 2, None),
+        (64, 4, 3, None),
+        (64, 4, 4, None),
+        (128, 8, 2, None),
+    ],
     # round 2: occupancy against spills (register caps), larger tiles over 8 warps
-    2: [(128, 4, 3, None), (128, 4, 3, 168), (128, 4, 4, None), (256, 8, 2, None),
-        (64, 4, 3, 128)],
+    2: [(128, 4, 3, None), (128, 4, 3, 168), (128, 4, 4, None), (256, 8, 2, None), (64, 4, 3, 128)],
 }
 POINTS = [(1, 32768), (8, 131072), (64, 16384)]
 
@@ -39,8 +47,10 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--round", type=int, default=2)
     a = ap.parse_args()
-    configs = [TritonDecodeConfig(block_n=bn, num_warps=w, num_stages=s, maxnreg=r)
-               for bn, w, s, r in ROUNDS[a.round]]
+    configs = [
+        TritonDecodeConfig(block_n=bn, num_warps=w, num_stages=s, maxnreg=r)
+        for bn, w, s, r in ROUNDS[a.round]
+    ]
     shape = Shape()
     flusher = L2Flusher()
     rows = []
@@ -57,27 +67,50 @@ def main() -> None:
                 for cfg in configs:
                     for split_scale in (1, 2) if a.round == 1 else (1,):
                         sms = 132 * split_scale
-                        from foscar.configs import num_splits
+
                         splits = num_splits(batch, 8, kv_len, cfg, sms)
-                        fn = lambda: tb.decode(q, cache, plan, 1 / math.sqrt(128), out=out,  # noqa: E731
-                                               config=cfg, splits=splits)
+                        fn = functools.partial(
+                            tb.decode,
+                            q,
+                            cache,
+                            plan,
+                            1 / math.sqrt(128),
+                            out=out,
+                            config=cfg,
+                            splits=splits,
+                        )
                         try:
                             fn()
-                            ms = bench_stats(fn, iters=20, warmup=3, flusher=flusher,
-                                             spin_us=300)["median_ms"]
+                            ms = bench_stats(fn, iters=20, warmup=3, flusher=flusher, spin_us=300)[
+                                "median_ms"
+                            ]
                         except Exception as exc:  # a config that does not compile or fit
                             print("fail", cfg, repr(exc)[:200])
                             continue
                         tbps = kv_bytes / ms / 1e9
-                        rows.append({"bits": bits, "axes": axes, "batch": batch,
-                                     "kv_len": kv_len, "block_n": cfg.block_n,
-                                     "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
-                                     "maxnreg": cfg.maxnreg,
-                                     "splits": splits, "ms": ms, "tbps": tbps})
-                        line.append(f"{cfg.block_n}/{cfg.num_warps}/{cfg.num_stages}"
-                                    f"/r{cfg.maxnreg}x{splits}:{ms * 1e3:.0f}us({tbps:.2f})")
-                print(f"INT{bits} {axes} B={batch} L={kv_len // 1024}K  " + "  ".join(line),
-                      flush=True)
+                        rows.append(
+                            {
+                                "bits": bits,
+                                "axes": axes,
+                                "batch": batch,
+                                "kv_len": kv_len,
+                                "block_n": cfg.block_n,
+                                "num_warps": cfg.num_warps,
+                                "num_stages": cfg.num_stages,
+                                "maxnreg": cfg.maxnreg,
+                                "splits": splits,
+                                "ms": ms,
+                                "tbps": tbps,
+                            }
+                        )
+                        line.append(
+                            f"{cfg.block_n}/{cfg.num_warps}/{cfg.num_stages}"
+                            f"/r{cfg.maxnreg}x{splits}:{ms * 1e3:.0f}us({tbps:.2f})"
+                        )
+                print(
+                    f"INT{bits} {axes} B={batch} L={kv_len // 1024}K  " + "  ".join(line),
+                    flush=True,
+                )
                 del cache, plan
                 torch.cuda.empty_cache()
     if a.out:

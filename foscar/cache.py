@@ -327,9 +327,7 @@ class QuantizedKVCache:
         pages = self._check_pages(pages)
         self._free_pages = [p for p in self._free_pages if p not in set(pages)]
         slot = self._free_slots.pop()
-        self._seqs[seq_id] = _Sequence(
-            slot=slot, pages=list(pages), lengths=[0] * self.num_layers
-        )
+        self._seqs[seq_id] = _Sequence(slot=slot, pages=list(pages), lengths=[0] * self.num_layers)
         return seq_id
 
     def _check_pages(self, pages) -> list[int]:
@@ -352,9 +350,7 @@ class QuantizedKVCache:
         for i, p in enumerate(pages):
             if p not in free:
                 owner = next((s for s, q in self._seqs.items() if p in q.pages), None)
-                raise ValueError(
-                    f"pages[{i}] = {p} overlaps the pages of sequence {owner!r}"
-                )
+                raise ValueError(f"pages[{i}] = {p} overlaps the pages of sequence {owner!r}")
         return pages
 
     def free(self, seq_id) -> None:
@@ -425,7 +421,9 @@ class QuantizedKVCache:
                     f"{name} must be bfloat16, float16, float32 or float64, got {t.dtype}"
                 )
             if t.device != self.device:
-                raise ValueError(f"{name} is on {t.device}, expected the cache's device {self.device}")
+                raise ValueError(
+                    f"{name} is on {t.device}, expected the cache's device {self.device}"
+                )
             if tuple(t.shape) != (total, h, d):
                 raise ValueError(
                     f"{name} must have shape [num_tokens={total}, num_kv_heads={h}, "
@@ -503,7 +501,9 @@ class QuantizedKVCache:
         dev = self.device
 
         def cat(parts):
-            return torch.cat(parts).to(dev) if parts else torch.empty(0, dtype=torch.long, device=dev)
+            return (
+                torch.cat(parts).to(dev) if parts else torch.empty(0, dtype=torch.long, device=dev)
+            )
 
         if n_demoted:
             old_slot, old_ring, old_dst = cat(old_slot), cat(old_ring), cat(old_dst)
@@ -565,8 +565,9 @@ class QuantizedKVCache:
         seq = self._lookup(seq_id, "seq_id")
         need = math.ceil(_num_quantized(length, self.fmt) / self.page_size) - len(seq.pages)
         if need > len(self._free_pages):
-            raise ValueError(f"page pool exhausted: {need} more pages needed, "
-                             f"{len(self._free_pages)} free")
+            raise ValueError(
+                f"page pool exhausted: {need} more pages needed, {len(self._free_pages)} free"
+            )
         for _ in range(max(0, need)):
             seq.pages.append(self._free_pages.pop())
         seq.lengths = [length] * self.num_layers
@@ -618,7 +619,9 @@ class QuantizedKVCache:
     # ------------------------------------------------------------------ accounting
     def pool_bytes(self) -> int:
         """Bytes allocated by every layer's pool and window buffers."""
-        return sum(t.numel() * t.element_size() for st in self.layers for t in st.tensors().values())
+        return sum(
+            t.numel() * t.element_size() for st in self.layers for t in st.tensors().values()
+        )
 
     def memory_stats(self) -> dict:
         """Bytes the live sequences occupy and their effective bits per K/V element.
@@ -634,7 +637,9 @@ class QuantizedKVCache:
             d * (fk.bits + fv.bits) / 8 + 8 * (d / fk.group_size + d / fv.group_size)
         )
         bf16_bytes_per_token = 2 * h * d * 2
-        window_bytes_per_token = 2 * h * d * torch.tensor([], dtype=self.window_dtype).element_size()
+        window_bytes_per_token = (
+            2 * h * d * torch.tensor([], dtype=self.window_dtype).element_size()
+        )
         used = quant_tokens = window_tokens = tokens = 0
         for s in self._seqs.values():
             for n in s.lengths:

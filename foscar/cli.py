@@ -9,8 +9,9 @@ from . import demo
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="foscar", description="FOSCAR decode attention over "
-                                     "2- and 4-bit KV caches")
+    parser = argparse.ArgumentParser(
+        prog="foscar", description="FOSCAR decode attention over 2- and 4-bit KV caches"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="every KV format on the paper's stress input (CPU, < 1 min)")
     demo.add_arguments(p)

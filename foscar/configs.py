@@ -51,8 +51,9 @@ def column_widths(fmt, head_dim: int, heads_per_kv: int, block_n: int, reconstru
     return hs, width(blocks(fmt.key)), width(blocks(fmt.value))
 
 
-def triton_decode_config(fmt, head_dim: int, heads_per_kv: int, reconstruct: bool = False,
-                         ctas: int = 1) -> TritonDecodeConfig:
+def triton_decode_config(
+    fmt, head_dim: int, heads_per_kv: int, reconstruct: bool = False, ctas: int = 1
+) -> TritonDecodeConfig:
     """``ctas``: sequences x KV heads of the call. From 64 up, 64-token tiles capped at 128
     registers (4 CTAs/SM, some spills) beat 128-token tiles at 2 CTAs/SM: INT2 B=64 L=16K
     548 -> 492 us, B=8 L=128K 784 -> 711 us; at B=1 they lose (28 -> 35 us)."""
@@ -64,8 +65,9 @@ def triton_decode_config(fmt, head_dim: int, heads_per_kv: int, reconstruct: boo
     return TritonDecodeConfig()
 
 
-def num_splits(batch: int, num_kv_heads: int, max_tokens: int, cfg: TritonDecodeConfig,
-               num_sms: int) -> int:
+def num_splits(
+    batch: int, num_kv_heads: int, max_tokens: int, cfg: TritonDecodeConfig, num_sms: int
+) -> int:
     """Splits per (sequence, KV head): enough CTAs for two waves, each with a few tiles."""
     tiles = math.ceil(max_tokens / cfg.block_n)
     if tiles == 0:

@@ -18,8 +18,12 @@ BACKENDS = ("auto", "triton", "reference", "triton-reconstruct")
 
 def default_backend(cache: QuantizedKVCache, q: torch.Tensor) -> str:
     """The backend ``"auto"`` picks: the Triton kernel on a GPU when it covers the format."""
-    if q.is_cuda and triton_backend.available(q.device) and triton_backend.supports(
-        cache, q.shape[1]) is None and q.dtype == torch.bfloat16:
+    if (
+        q.is_cuda
+        and triton_backend.available(q.device)
+        and triton_backend.supports(cache, q.shape[1]) is None
+        and q.dtype == torch.bfloat16
+    ):
         return "triton"
     return "reference"
 
@@ -73,7 +77,9 @@ def decode_attention(
     if not isinstance(cache, QuantizedKVCache):
         raise TypeError(f"cache must be a QuantizedKVCache, got {type(cache).__name__}")
     if not isinstance(batch, DecodeBatch):
-        raise TypeError(f"batch must be a DecodeBatch (from cache.plan), got {type(batch).__name__}")
+        raise TypeError(
+            f"batch must be a DecodeBatch (from cache.plan), got {type(batch).__name__}"
+        )
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if not isinstance(q, torch.Tensor):
@@ -97,13 +103,22 @@ def decode_attention(
             raise ValueError(f"backend {backend!r} does not cover this cache: {reason}")
         if q.dtype != torch.bfloat16:
             raise TypeError(f"backend {backend!r} needs bfloat16 queries, got {q.dtype}")
-        if out is not None and (out.shape != q.shape or out.dtype != q.dtype
-                                or out.device != q.device):
-            raise ValueError(f"out must be a {q.dtype} tensor of shape {list(q.shape)} on "
-                             f"{q.device}")
-        return triton_backend.decode(q, cache, batch, sm_scale, out=out, lse=lse,
-                                     return_lse=return_lse,
-                                     reconstruct=backend == "triton-reconstruct")
+        if out is not None and (
+            out.shape != q.shape or out.dtype != q.dtype or out.device != q.device
+        ):
+            raise ValueError(
+                f"out must be a {q.dtype} tensor of shape {list(q.shape)} on {q.device}"
+            )
+        return triton_backend.decode(
+            q,
+            cache,
+            batch,
+            sm_scale,
+            out=out,
+            lse=lse,
+            return_lse=return_lse,
+            reconstruct=backend == "triton-reconstruct",
+        )
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     o, lse_ref = reference.attend_folded(q, cache, batch, sm_scale, block_n=256, dtype=dtype)
     o = o.to(q.dtype)

@@ -42,15 +42,23 @@ def demo_formats(head_dim: int, length: int) -> list[DemoFormat]:
                 fv = QuantFormat(bits, axis, g, CLIP_V if clipped else None)
                 name = f"INT{bits} {axis} {'clipped' if clipped else 'min-max'}"
                 rows.append(DemoFormat(name, KVFormat(fk, fv)))
-    rows.append(DemoFormat(
-        "INT2 KIVI (K channel, V token)",
-        KVFormat(QuantFormat(2, "channel", g), QuantFormat(2, "token", g)),
-    ))
-    rows.append(DemoFormat(
-        "INT2 token clipped + BF16 64/256",
-        KVFormat(QuantFormat(2, "token", g, CLIP_K), QuantFormat(2, "token", g, CLIP_V),
-                 sink_tokens=64, recent_tokens=256),
-    ))
+    rows.append(
+        DemoFormat(
+            "INT2 KIVI (K channel, V token)",
+            KVFormat(QuantFormat(2, "channel", g), QuantFormat(2, "token", g)),
+        )
+    )
+    rows.append(
+        DemoFormat(
+            "INT2 token clipped + BF16 64/256",
+            KVFormat(
+                QuantFormat(2, "token", g, CLIP_K),
+                QuantFormat(2, "token", g, CLIP_V),
+                sink_tokens=64,
+                recent_tokens=256,
+            ),
+        )
+    )
     return rows
 
 
@@ -80,32 +88,59 @@ def run_demo(
     t_start = time.perf_counter()
 
     def progress(i: int, text: str) -> None:
-        print(f"[{i:2d}/{steps}] {time.perf_counter() - t_start:6.1f}s  {text}", file=out, flush=True)
+        print(
+            f"[{i:2d}/{steps}] {time.perf_counter() - t_start:6.1f}s  {text}", file=out, flush=True
+        )
 
-    progress(1, f"stress input: batch={batch}, L={length}, H_q={num_q_heads}, H_kv={num_kv_heads}, "
-                f"D={head_dim}; 8 K channels x{outlier_gain:g}, K ramped {ramp[0]:g}->{ramp[1]:g}, "
-                "unit-std logits")
-    q, k, v = stress_inputs(length, batch=batch, num_q_heads=num_q_heads,
-                            num_kv_heads=num_kv_heads, head_dim=head_dim, seed=seed,
-                            outlier_gain=outlier_gain, ramp=ramp)
+    progress(
+        1,
+        f"stress input: batch={batch}, L={length}, H_q={num_q_heads}, H_kv={num_kv_heads}, "
+        f"D={head_dim}; 8 K channels x{outlier_gain:g}, K ramped {ramp[0]:g}->{ramp[1]:g}, "
+        "unit-std logits",
+    )
+    q, k, v = stress_inputs(
+        length,
+        batch=batch,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        seed=seed,
+        outlier_gain=outlier_gain,
+        ramp=ramp,
+    )
     sm_scale = 1.0 / math.sqrt(head_dim)
     ratio = num_q_heads // num_kv_heads
     progress(2, "fp32 reference attention over the unquantized cache")
-    ref = torch.stack([
-        attention(q[b].float().reshape(num_kv_heads, ratio, head_dim),
-                  k[b].float().transpose(0, 1), v[b].float().transpose(0, 1), sm_scale)[0]
-        .reshape(num_q_heads, head_dim)
-        for b in range(batch)
-    ])
+    ref = torch.stack(
+        [
+            attention(
+                q[b].float().reshape(num_kv_heads, ratio, head_dim),
+                k[b].float().transpose(0, 1),
+                v[b].float().transpose(0, 1),
+                sm_scale,
+            )[0].reshape(num_q_heads, head_dim)
+            for b in range(batch)
+        ]
+    )
     rows = []
     for i, item in enumerate(formats, start=3):
         pages = batch * (math.ceil(length / page_size) + 1)
-        cache = QuantizedKVCache(item.fmt, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                 num_pages=pages, max_seqs=batch, page_size=page_size,
-                                 device=device)
+        cache = QuantizedKVCache(
+            item.fmt,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            num_pages=pages,
+            max_seqs=batch,
+            page_size=page_size,
+            device=device,
+        )
         ids = [cache.add_sequence() for _ in range(batch)]
-        cache.append(ids, k.reshape(-1, num_kv_heads, head_dim).to(device),
-                     v.reshape(-1, num_kv_heads, head_dim).to(device), [length] * batch)
+        cache.append(
+            ids,
+            k.reshape(-1, num_kv_heads, head_dim).to(device),
+            v.reshape(-1, num_kv_heads, head_dim).to(device),
+            [length] * batch,
+        )
         plan = cache.plan(ids)
         backend = default_backend(cache, q.to(device))
         o = decode_attention(q.to(device), cache, plan, sm_scale=sm_scale)
@@ -128,8 +163,10 @@ def run_demo(
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'format':34s} {'bits/elem':>9s} {'memory':>8s} {'rel L2 vs fp32':>15s} "
-            f"{'decode error':>13s}  backend")
+    head = (
+        f"{'format':34s} {'bits/elem':>9s} {'memory':>8s} {'rel L2 vs fp32':>15s} "
+        f"{'decode error':>13s}  backend"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
@@ -137,12 +174,18 @@ def format_table(rows: list[dict]) -> str:
             f"{r['rel_l2_vs_fp32']:15.4f} {r['rel_l2_vs_dequantized']:13.2e}  {r['backend']}"
         )
     lines.append("")
-    lines.append("memory: bytes of the cache (codes, fp32 scales and offsets, BF16 windows) as a "
-                 "share of a BF16 cache.")
-    lines.append("rel L2 vs fp32: output error against fp32 attention over the unquantized cache "
-                 "(quantization error).")
-    lines.append("decode error: output error against fp64 attention over the dequantized cache "
-                 "(the decode arithmetic alone).")
+    lines.append(
+        "memory: bytes of the cache (codes, fp32 scales and offsets, BF16 windows) as a "
+        "share of a BF16 cache."
+    )
+    lines.append(
+        "rel L2 vs fp32: output error against fp32 attention over the unquantized cache "
+        "(quantization error)."
+    )
+    lines.append(
+        "decode error: output error against fp64 attention over the dequantized cache "
+        "(the decode arithmetic alone)."
+    )
     return "\n".join(lines)
 
 
@@ -157,14 +200,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--length", type=int, default=8192, help="context length (default 8192)")
     parser.add_argument("--batch", type=int, default=2, help="sequences (default 2)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--outlier-gain", type=float, default=2.0,
-                        help="gain of the 8 amplified K channels (default 2)")
-    parser.add_argument("--ramp", type=float, nargs=2, default=(1.0, 2.0), metavar=("FIRST", "LAST"),
-                        help="K's per-token scale at the first and last token (default 1 2)")
+    parser.add_argument(
+        "--outlier-gain",
+        type=float,
+        default=2.0,
+        help="gain of the 8 amplified K channels (default 2)",
+    )
+    parser.add_argument(
+        "--ramp",
+        type=float,
+        nargs=2,
+        default=(1.0, 2.0),
+        metavar=("FIRST", "LAST"),
+        help="K's per-token scale at the first and last token (default 1 2)",
+    )
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
 
 
 def run(args: argparse.Namespace) -> int:
-    run_demo(length=args.length, batch=args.batch, seed=args.seed, device=args.device,
-             outlier_gain=args.outlier_gain, ramp=tuple(args.ramp))
+    run_demo(
+        length=args.length,
+        batch=args.batch,
+        seed=args.seed,
+        device=args.device,
+        outlier_gain=args.outlier_gain,
+        ramp=tuple(args.ramp),
+    )
     return 0

@@ -159,9 +159,7 @@ class QuantFormat:
         try:
             object.__setattr__(self, "axis", GroupAxis(self.axis))
         except ValueError:
-            raise ValueError(
-                f"axis must be 'token' or 'channel', got {self.axis!r}"
-            ) from None
+            raise ValueError(f"axis must be 'token' or 'channel', got {self.axis!r}") from None
         g = self.group_size
         if isinstance(g, bool) or not isinstance(g, int) or g <= 0 or g & (g - 1):
             raise ValueError(f"group_size must be a positive power of two, got {g!r}")
@@ -296,7 +294,9 @@ class Role(str, enum.Enum):
     VALUE = "value"
 
 
-def kernel_bit_location(role: Role | str, channel: int, head_dim: int, bits: int) -> tuple[int, int]:
+def kernel_bit_location(
+    role: Role | str, channel: int, head_dim: int, bits: int
+) -> tuple[int, int]:
     """``(word, bit)`` of ``channel`` in the Hopper kernels' layout (module docstring)."""
     role = Role(role)
     c = channel

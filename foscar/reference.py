@@ -209,7 +209,7 @@ def _groups_in(t0: int, t1: int, g: int):
 
 
 def _qk_tile(q, y, s, z, f: QuantFormat, t0: int, t1: int, operand_dtype):
-    """Logits of one tile (unscaled by sm_scale): ``q: [H, hq, D]``, ``y: [H, n, D]`` -> ``[H, hq, n]``."""
+    """Logits of a tile before sm_scale: ``q: [H, hq, D]``, ``y: [H, n, D]`` -> ``[H, hq, n]``."""
     h, hq, d = q.shape
     g = f.group_size
     if f.axis is GroupAxis.TOKEN:
@@ -225,7 +225,9 @@ def _qk_tile(q, y, s, z, f: QuantFormat, t0: int, t1: int, operand_dtype):
         j = a // g - t0 // g
         q_scaled = _round(q * s[:, j].unsqueeze(1), operand_dtype)  # [H, hq, D]
         corr = torch.einsum("hqd,hd->hq", q_scaled, z[:, j] / s[:, j])
-        out.append(torch.einsum("hqd,hnd->hqn", q_scaled, y[:, a - t0 : b - t0]) + corr.unsqueeze(-1))
+        out.append(
+            torch.einsum("hqd,hnd->hqn", q_scaled, y[:, a - t0 : b - t0]) + corr.unsqueeze(-1)
+        )
     return torch.cat(out, dim=-1)
 
 
@@ -267,7 +269,7 @@ def _attend_window(q, k, v, sm_scale, operand_dtype, dtype):
 
 
 def split_tiles(num_tokens: int, block_n: int, num_splits: int) -> list[tuple[int, int]]:
-    """Token ranges of the splits: ``num_splits`` runs of whole tiles (the last ones may be empty)."""
+    """Token ranges of ``num_splits`` runs of whole tiles (the last ones may be empty)."""
     tiles = math.ceil(num_tokens / block_n)
     per_split = math.ceil(tiles / num_splits) if tiles else 0
     return [
@@ -323,7 +325,10 @@ def attend_folded(
             o, lse = state.finish()
             parts_o.append(o)
             parts_lse.append(lse)
-        (k_sink, k_tail), (v_sink, v_tail) = _window(cache, batch, i, "k"), _window(cache, batch, i, "v")
+        (k_sink, k_tail), (v_sink, v_tail) = (
+            _window(cache, batch, i, "k"),
+            _window(cache, batch, i, "v"),
+        )
         for kw, vw in ((k_sink, v_sink), (k_tail, v_tail)):
             o, lse = _attend_window(qi, kw, vw, sm_scale, operand_dtype, dtype)
             parts_o.append(o)

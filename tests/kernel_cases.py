@@ -6,12 +6,22 @@ import math
 
 import torch
 
-from foscar import KVFormat, QuantFormat, QuantizedKVCache
+from foscar import KVFormat, QuantizedKVCache
 from foscar.reference import attend_dequantized, dequantize_sequence
 
 
-def build_cache(fmt: KVFormat, lengths, *, num_kv_heads=2, head_dim=128, page_size=64,
-                device="cpu", seed=0, decode_steps=2, shuffle_pages=True):
+def build_cache(
+    fmt: KVFormat,
+    lengths,
+    *,
+    num_kv_heads=2,
+    head_dim=128,
+    page_size=64,
+    device="cpu",
+    seed=0,
+    decode_steps=2,
+    shuffle_pages=True,
+):
     """A cache of ragged sequences (prefill + a few decode steps) with zero-mean K and V.
 
     Zero-mean data matter: with y = q + 128 operands the offsets nearly cancel the +128, which
@@ -20,9 +30,15 @@ def build_cache(fmt: KVFormat, lengths, *, num_kv_heads=2, head_dim=128, page_si
     g = torch.Generator(device="cpu").manual_seed(seed)
     pages_needed = sum(math.ceil((n + decode_steps) / page_size) for n in lengths)
     num_pages = pages_needed + 5
-    cache = QuantizedKVCache(fmt, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                             num_pages=num_pages, max_seqs=len(lengths), page_size=page_size,
-                             device=device)
+    cache = QuantizedKVCache(
+        fmt,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        num_pages=num_pages,
+        max_seqs=len(lengths),
+        page_size=page_size,
+        device=device,
+    )
     if shuffle_pages:  # pages out of order, so page-table indexing is exercised
         perm = torch.randperm(num_pages, generator=g).tolist()
         cache._free_pages = perm
@@ -41,8 +57,9 @@ def build_cache(fmt: KVFormat, lengths, *, num_kv_heads=2, head_dim=128, page_si
 
 def queries(batch, num_q_heads, head_dim, device, seed=1):
     g = torch.Generator(device="cpu").manual_seed(seed)
-    return torch.randn(batch.batch_size, num_q_heads, head_dim, generator=g).to(device,
-                                                                              torch.bfloat16)
+    return torch.randn(batch.batch_size, num_q_heads, head_dim, generator=g).to(
+        device, torch.bfloat16
+    )
 
 
 def bf16_torch_attention(q, cache, batch, sm_scale):

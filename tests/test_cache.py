@@ -16,8 +16,14 @@ H, D = 2, 64
 
 def make_cache(fmt, *, num_pages=64, max_seqs=4, page_size=16, num_layers=1, **kw):
     return QuantizedKVCache(
-        fmt, num_kv_heads=H, head_dim=D, num_pages=num_pages, max_seqs=max_seqs,
-        page_size=page_size, num_layers=num_layers, **kw,
+        fmt,
+        num_kv_heads=H,
+        head_dim=D,
+        num_pages=num_pages,
+        max_seqs=max_seqs,
+        page_size=page_size,
+        num_layers=num_layers,
+        **kw,
     )
 
 
@@ -41,12 +47,23 @@ def expected_sequence(x: torch.Tensor, fmt: KVFormat, f: QuantFormat) -> torch.T
 
 FORMATS = [
     KVFormat(QuantFormat(2, "token", 64), QuantFormat(2, "token", 32)),
-    KVFormat(QuantFormat(4, "channel", 32), QuantFormat(2, "token", 64), sink_tokens=3, recent_tokens=5),
-    KVFormat(QuantFormat(2, "token", 32, clip=0.96), QuantFormat(4, "channel", 64, clip=0.92),
-             sink_tokens=4, recent_tokens=0),
+    KVFormat(
+        QuantFormat(4, "channel", 32), QuantFormat(2, "token", 64), sink_tokens=3, recent_tokens=5
+    ),
+    KVFormat(
+        QuantFormat(2, "token", 32, clip=0.96),
+        QuantFormat(4, "channel", 64, clip=0.92),
+        sink_tokens=4,
+        recent_tokens=0,
+    ),
     KVFormat(QuantFormat(2, "channel", 64), QuantFormat(2, "channel", 32), recent_tokens=9),
-    KVFormat(QuantFormat(4, "token", 64), QuantFormat(4, "token", 64), mapping="e4m3",
-             sink_tokens=2, recent_tokens=3),
+    KVFormat(
+        QuantFormat(4, "token", 64),
+        QuantFormat(4, "token", 64),
+        mapping="e4m3",
+        sink_tokens=2,
+        recent_tokens=3,
+    ),
 ]
 
 
@@ -58,8 +75,12 @@ def test_round_trip_prefill_then_decode(fmt, page_size):
     lens = [1, 37, 131]
     ids = [cache.add_sequence() for _ in lens]
     full = [torch.randn(n + 40, H, D) for n in lens]
-    cache.append(ids, torch.cat([x[:n] for x, n in zip(full, lens)]),
-                 torch.cat([-x[:n] for x, n in zip(full, lens)]), lens)
+    cache.append(
+        ids,
+        torch.cat([x[:n] for x, n in zip(full, lens)]),
+        torch.cat([-x[:n] for x, n in zip(full, lens)]),
+        lens,
+    )
     for t in range(40):  # decode steps cross page, group and window boundaries
         k = torch.stack([x[n + t] for x, n in zip(full, lens)])
         cache.append(ids, k, -k)
@@ -92,7 +113,9 @@ def test_token_by_token_stores_the_same_bits_as_prefill(fmt):
 
 
 def test_page_table_csr_and_counts():
-    fmt = KVFormat(QuantFormat(2, "token", 64), QuantFormat(2, "token", 64), sink_tokens=4, recent_tokens=8)
+    fmt = KVFormat(
+        QuantFormat(2, "token", 64), QuantFormat(2, "token", 64), sink_tokens=4, recent_tokens=8
+    )
     cache = make_cache(fmt, page_size=16)
     ids = [cache.add_sequence() for _ in range(3)]
     cache.append(ids, torch.randn(30 + 5 + 12, H, D), torch.randn(47, H, D), [30, 5, 12])
@@ -156,15 +179,20 @@ def test_layers_share_pages_but_not_storage():
 
 # ---------------------------------------------------------------------------- accounting
 def test_oscar_effective_bits_example():
-    fmt = KVFormat(QuantFormat(2, "token", 128), QuantFormat(2, "token", 128), sink_tokens=64,
-                   recent_tokens=256)
+    fmt = KVFormat(
+        QuantFormat(2, "token", 128),
+        QuantFormat(2, "token", 128),
+        sink_tokens=64,
+        recent_tokens=256,
+    )
     assert round(effective_bits(131072, fmt, scale_bits=16), 4) == 2.2836
     assert effective_bits(131072, KVFormat(), scale_bits=32) == 2.5
 
 
 def test_memory_stats_match_the_formula():
-    fmt = KVFormat(QuantFormat(2, "token", 64), QuantFormat(4, "channel", 32), sink_tokens=3,
-                   recent_tokens=7)
+    fmt = KVFormat(
+        QuantFormat(2, "token", 64), QuantFormat(4, "channel", 32), sink_tokens=3, recent_tokens=7
+    )
     cache = make_cache(fmt, page_size=16)
     sid = cache.add_sequence()
     cache.append([sid], torch.randn(200, H, D), torch.randn(200, H, D), [200])
@@ -196,8 +224,9 @@ def assert_unchanged(cache, snap):
 
 @pytest.fixture
 def busy_cache():
-    fmt = KVFormat(QuantFormat(2, "channel", 32), QuantFormat(2, "token", 64), sink_tokens=2,
-                   recent_tokens=4)
+    fmt = KVFormat(
+        QuantFormat(2, "channel", 32), QuantFormat(2, "token", 64), sink_tokens=2, recent_tokens=4
+    )
     cache = make_cache(fmt, num_pages=8, max_seqs=3, page_size=16)
     a, b = cache.add_sequence("a"), cache.add_sequence("b")
     cache.append([a, b], torch.randn(90, H, D), torch.randn(90, H, D), [60, 30])
@@ -210,12 +239,21 @@ def ok(n=1):
 
 BAD_APPENDS = [
     ("k must be a torch.Tensor", lambda c: c.append(["a"], [[0.0]], ok())),
-    ("k must be bfloat16, float16, float32 or float64", lambda c: c.append(["a"], ok().int(), ok())),
+    (
+        "k must be bfloat16, float16, float32 or float64",
+        lambda c: c.append(["a"], ok().int(), ok()),
+    ),
     ("v must have shape", lambda c: c.append(["a"], ok(), torch.randn(1, H, D + 1))),
     ("k must have shape \\[num_tokens=3", lambda c: c.append(["a"], ok(2), ok(2), [3])),
     ("k is on meta", lambda c: c.append(["a"], ok().to("meta"), ok())),
-    ("k contains NaN or Inf", lambda c: c.append(["a"], ok().index_fill_(2, torch.tensor([5]), math.nan), ok())),
-    ("v contains NaN or Inf", lambda c: c.append(["a"], ok(), ok().index_fill_(1, torch.tensor([0]), math.inf))),
+    (
+        "k contains NaN or Inf",
+        lambda c: c.append(["a"], ok().index_fill_(2, torch.tensor([5]), math.nan), ok()),
+    ),
+    (
+        "v contains NaN or Inf",
+        lambda c: c.append(["a"], ok(), ok().index_fill_(1, torch.tensor([0]), math.inf)),
+    ),
     ("seq_ids\\[1\\] 'zzz' is not a live sequence", lambda c: c.append(["a", "zzz"], ok(2), ok(2))),
     ("seq_ids must be distinct", lambda c: c.append(["a", "a"], ok(2), ok(2))),
     ("num_new_tokens has 1 entries", lambda c: c.append(["a", "b"], ok(2), ok(2), [2])),

@@ -23,10 +23,17 @@ def test_demo_table_and_ordering():
     int4 = max(rows[f"INT4 {a} min-max"]["rel_l2_vs_fp32"] for a in ("token", "channel"))
     int2 = min(r["rel_l2_vs_fp32"] for name, r in rows.items() if name.startswith("INT2"))
     assert int4 < 0.3 < int2
-    assert rows["INT2 token clipped"]["rel_l2_vs_fp32"] < 0.8 * rows["INT2 token min-max"]["rel_l2_vs_fp32"]
+    assert (
+        rows["INT2 token clipped"]["rel_l2_vs_fp32"]
+        < 0.8 * rows["INT2 token min-max"]["rel_l2_vs_fp32"]
+    )
 
 
 def test_cli_entry_point_parses():
-    res = subprocess.run([sys.executable, "-m", "foscar", "demo", "--help"], capture_output=True,
-                         text=True, check=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "foscar", "demo", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert "--length" in res.stdout and "--outlier-gain" in res.stdout

@@ -12,8 +12,8 @@ from foscar.formats import (
     QuantFormat,
     build_operands,
     channel_order,
-    kernel_bit_location,
     fold_scale_offset,
+    kernel_bit_location,
     operand_values,
     pack_codes,
     unpack_codes,
@@ -70,7 +70,12 @@ def test_pack_unpack_round_trip(bits, mapping, head_dim):
 
 
 @settings(max_examples=50, deadline=None)
-@given(bits=st.sampled_from([2, 4]), rows=st.integers(1, 7), words=st.integers(1, 9), seed=st.integers(0, 2**31))
+@given(
+    bits=st.sampled_from([2, 4]),
+    rows=st.integers(1, 7),
+    words=st.integers(1, 9),
+    seed=st.integers(0, 2**31),
+)
 def test_pack_unpack_property(bits, rows, words, seed):
     g = torch.Generator().manual_seed(seed)
     head_dim = words * 32 // bits
@@ -84,8 +89,13 @@ def _bf16_halves(u: torch.Tensor) -> torch.Tensor:
     lo = (u & 0xFFFF).to(torch.int32)
     hi = ((u.to(torch.int64) >> 16) & 0xFFFF).to(torch.int32)
     to_bf16 = lambda x: x.to(torch.int16).view(torch.bfloat16).to(torch.float64)  # noqa: E731
-    return torch.stack([to_bf16(torch.where(lo >= 2**15, lo - 2**16, lo)),
-                        to_bf16(torch.where(hi >= 2**15, hi - 2**16, hi))], dim=-1)
+    return torch.stack(
+        [
+            to_bf16(torch.where(lo >= 2**15, lo - 2**16, lo)),
+            to_bf16(torch.where(hi >= 2**15, hi - 2**16, hi)),
+        ],
+        dim=-1,
+    )
 
 
 def _e2m1_value(nibble: int) -> float:
@@ -97,7 +107,7 @@ def _e2m1_value(nibble: int) -> float:
 
 @pytest.mark.parametrize("bits,mapping", MAPPINGS_FOR_BITS)
 def test_operands_from_bits_are_exact(bits, mapping):
-    """One shift and one masked merge per register give y = alpha*q + beta for the right channels."""
+    """One shift and one masked merge per register give y = alpha*q + beta, right channels."""
     head_dim = 128
     codes = torch.randint(0, 1 << bits, (4, head_dim), dtype=torch.uint8)
     words = pack_codes(codes, bits, mapping)
@@ -176,7 +186,10 @@ def test_demotion_quantum():
     tok = QuantFormat(2, "token", 128)
     assert KVFormat(tok, tok).demotion_quantum == 1
     assert KVFormat(QuantFormat(2, "channel", 32), tok).demotion_quantum == 32
-    assert KVFormat(QuantFormat(2, "channel", 32), QuantFormat(2, "channel", 64)).demotion_quantum == 64
+    assert (
+        KVFormat(QuantFormat(2, "channel", 32), QuantFormat(2, "channel", 64)).demotion_quantum
+        == 64
+    )
 
 
 @pytest.mark.parametrize("role", ["key", "value"])
@@ -190,7 +203,9 @@ def test_kernel_channel_order_puts_each_channel_where_the_kernel_reads_it(role, 
     for c in range(head_dim):
         w, b = kernel_bit_location(role, c, head_dim, bits)
         assert torch.equal((words[:, w] >> b) & ((1 << bits) - 1), codes[:, c].to(torch.int64))
-    assert torch.equal(unpack_codes(pack_codes(codes, bits, "bf16", order), bits, "bf16", order), codes)
+    assert torch.equal(
+        unpack_codes(pack_codes(codes, bits, "bf16", order), bits, "bf16", order), codes
+    )
 
 
 def test_kernel_layout_pinned_literals():
@@ -202,7 +217,11 @@ def test_kernel_layout_pinned_literals():
     # V, INT2, D=128: byte p of word W is piece 4W + p = 8w + g and holds channels
     # g + 8a + 16w + 64b at bits 8p + 2(2b + a).
     assert [kernel_bit_location("value", c, 128, 2) for c in (1, 9, 65, 73)] == [
-        (0, 8), (0, 10), (0, 12), (0, 14)]
+        (0, 8),
+        (0, 10),
+        (0, 12),
+        (0, 14),
+    ]
     assert kernel_bit_location("value", 16 + 5, 128, 2) == (3, 8)
     # V, INT4, D=128: half-word p of word W is piece 2W + p
     assert kernel_bit_location("value", 3 + 64 + 8, 128, 4) == (1, 16 + 12)

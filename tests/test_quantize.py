@@ -25,8 +25,10 @@ def test_min_max_round_trip_within_half_step(bits, axis, group_size):
     half_step = dequantize(torch.ones_like(codes), s, torch.zeros_like(z), fmt, torch.float64) / 2
     assert torch.all((xh - x.double()).abs() <= half_step * (1 + 1e-5) + 1e-6)
     # min-max uses the whole range: every group has its min at code 0 and its max at the top
-    groups = codes.reshape(3, 256, 128 // group_size, group_size) if axis == "token" else (
-        codes.reshape(3, 256 // group_size, group_size, 128).transpose(-1, -2)
+    groups = (
+        codes.reshape(3, 256, 128 // group_size, group_size)
+        if axis == "token"
+        else (codes.reshape(3, 256 // group_size, group_size, 128).transpose(-1, -2))
     )
     assert torch.all(groups.amin(-1) == 0) and torch.all(groups.amax(-1) == fmt.levels)
 

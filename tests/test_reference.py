@@ -1,4 +1,4 @@
-"""Reference (b), the folded tiled split-KV computation, against reference (a), dequantize-then-attend.
+"""Reference (b), the folded tiled split-KV computation, against reference (a).
 
 In float64 the two must agree to 1e-10 for every format, page size, ragged length, GQA ratio,
 head_dim and window setting: folding is exact in exact arithmetic (error source (c) is zero).
@@ -29,8 +29,14 @@ def build(fmt, head_dim, page_size, lengths, *, seed=0, decode_steps=3, dtype=to
     """A cache holding ragged sequences written by a prefill and a few decode steps."""
     g = torch.Generator().manual_seed(seed)
     pages = sum(math.ceil((n + decode_steps) / page_size) for n in lengths) + 1
-    cache = QuantizedKVCache(fmt, num_kv_heads=NUM_KV_HEADS, head_dim=head_dim, num_pages=pages,
-                             max_seqs=len(lengths), page_size=page_size)
+    cache = QuantizedKVCache(
+        fmt,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=head_dim,
+        num_pages=pages,
+        max_seqs=len(lengths),
+        page_size=page_size,
+    )
     ids = [cache.add_sequence() for _ in lengths]
     total = sum(lengths)
     # zero-mean K and V with per-channel spread, so offsets and scales both matter
@@ -46,8 +52,12 @@ def build(fmt, head_dim, page_size, lengths, *, seed=0, decode_steps=3, dtype=to
 
 def queries(batch, ratio, head_dim, seed=1):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(batch.batch_size, NUM_KV_HEADS * ratio, head_dim, generator=g,
-                       dtype=torch.float64) * 2
+    return (
+        torch.randn(
+            batch.batch_size, NUM_KV_HEADS * ratio, head_dim, generator=g, dtype=torch.float64
+        )
+        * 2
+    )
 
 
 def grid():
@@ -68,7 +78,8 @@ GRID = list(grid())
 
 
 @pytest.mark.parametrize(
-    "kb,vb,ka,va,head_dim,g,page_size,windows", GRID,
+    "kb,vb,ka,va,head_dim,g,page_size,windows",
+    GRID,
     ids=[f"K{a}{c}-V{b}{d}-D{e}-g{f}-ps{p}-w{int(w)}" for a, b, c, d, e, f, p, w in GRID],
 )
 def test_folded_equals_dequantized_float64(kb, vb, ka, va, head_dim, g, page_size, windows):
@@ -77,8 +88,12 @@ def test_folded_equals_dequantized_float64(kb, vb, ka, va, head_dim, g, page_siz
     index = GRID.index((kb, vb, ka, va, head_dim, g, page_size, windows))
     block_n = (64, 48, 128, 100)[index % 4]
     num_splits = (1, 3, 5)[index % 3]
-    fmt = KVFormat(QuantFormat(kb, ka, g), QuantFormat(vb, va, g if va == ka else min(g, 64)),
-                   sink_tokens=5 if windows else 0, recent_tokens=11 if windows else 0)
+    fmt = KVFormat(
+        QuantFormat(kb, ka, g),
+        QuantFormat(vb, va, g if va == ka else min(g, 64)),
+        sink_tokens=5 if windows else 0,
+        recent_tokens=11 if windows else 0,
+    )
     cache, batch = build(fmt, head_dim, page_size, LENGTHS, seed=index)
     for ratio in GQA_RATIOS:
         q = queries(batch, ratio, head_dim, seed=ratio)
@@ -91,8 +106,9 @@ def test_folded_equals_dequantized_float64(kb, vb, ka, va, head_dim, g, page_siz
 
 @pytest.mark.parametrize("page_size", [16, 32, 64, 128, 256])
 def test_every_page_size_with_a_long_sequence(page_size):
-    fmt = KVFormat(QuantFormat(2, "channel", 128), QuantFormat(4, "token", 32), sink_tokens=4,
-                   recent_tokens=64)
+    fmt = KVFormat(
+        QuantFormat(2, "channel", 128), QuantFormat(4, "token", 32), sink_tokens=4, recent_tokens=64
+    )
     cache, batch = build(fmt, 128, page_size, (4097, 1, 300), decode_steps=2)
     q = queries(batch, 4, 128)
     o_a, lse_a = attend_dequantized(q, cache, batch)
@@ -116,10 +132,15 @@ def test_every_page_size_with_a_long_sequence(page_size):
     num_splits=st.integers(1, 6),
     seed=st.integers(0, 2**16),
 )
-def test_folded_equals_dequantized_property(bits, axes, head_dim, groups, page_size, lengths,
-                                            ratio, sink, recent, block_n, num_splits, seed):
-    fmt = KVFormat(QuantFormat(bits[0], axes[0], groups[0]), QuantFormat(bits[1], axes[1], groups[1]),
-                   sink_tokens=sink, recent_tokens=recent)
+def test_folded_equals_dequantized_property(
+    bits, axes, head_dim, groups, page_size, lengths, ratio, sink, recent, block_n, num_splits, seed
+):
+    fmt = KVFormat(
+        QuantFormat(bits[0], axes[0], groups[0]),
+        QuantFormat(bits[1], axes[1], groups[1]),
+        sink_tokens=sink,
+        recent_tokens=recent,
+    )
     cache, batch = build(fmt, head_dim, page_size, lengths, seed=seed, decode_steps=1)
     q = queries(batch, ratio, head_dim, seed=seed)
     o_a, lse_a = attend_dequantized(q, cache, batch)
@@ -166,8 +187,9 @@ def test_bf16_operands_stay_at_bf16_level_with_zero_mean_values():
     length = 4096
     fmt = KVFormat(QuantFormat(4, "channel", 64), QuantFormat(2, "token", 128))
     g = torch.Generator().manual_seed(5)
-    cache = QuantizedKVCache(fmt, num_kv_heads=1, head_dim=128, num_pages=length // 64 + 1,
-                             max_seqs=1)
+    cache = QuantizedKVCache(
+        fmt, num_kv_heads=1, head_dim=128, num_pages=length // 64 + 1, max_seqs=1
+    )
     sid = cache.add_sequence()
     k = torch.randn(length, 1, 128, generator=g)
     v = torch.randn(length, 1, 128, generator=g)
@@ -175,11 +197,14 @@ def test_bf16_operands_stay_at_bf16_level_with_zero_mean_values():
     batch = cache.plan([sid])
     q = torch.randn(1, 4, 128, generator=g).bfloat16().double()
     o_ref, _ = attend_dequantized(q, cache, batch)
-    o_bf16, _ = attend_folded(q, cache, batch, block_n=64, num_splits=4,
-                              operand_dtype=torch.bfloat16)
+    o_bf16, _ = attend_folded(
+        q, cache, batch, block_n=64, num_splits=4, operand_dtype=torch.bfloat16
+    )
     # a bf16 torch attention over the same dequantized cache sets the bar
-    kd, vd = (t.to(torch.bfloat16).double() for t in
-              __import__("foscar.reference", fromlist=["x"]).dequantize_sequence(cache, batch, 0))
+    kd, vd = (
+        t.to(torch.bfloat16).double()
+        for t in __import__("foscar.reference", fromlist=["x"]).dequantize_sequence(cache, batch, 0)
+    )
     o_torch, _ = attention(q[0].reshape(1, 4, 128), kd, vd, 1 / math.sqrt(128))
     bar = rel(o_torch.reshape(1, 4, 128), o_ref)
     err = rel(o_bf16, o_ref)
@@ -194,6 +219,9 @@ def test_bf16_operands_stay_at_bf16_level_with_zero_mean_values():
     logits = torch.einsum("hqd,hnd->hqn", q[0].reshape(1, 4, 128), kd) / math.sqrt(128)
     p = logits.softmax(-1)
     p_scaled = (p * s[..., 0].unsqueeze(1)).to(torch.bfloat16).double()
-    naive = torch.einsum("hqn,hnd->hqd", p_scaled, y) + torch.einsum("hqn,hn->hq", p, z[..., 0])[..., None]
+    naive = (
+        torch.einsum("hqn,hnd->hqd", p_scaled, y)
+        + torch.einsum("hqn,hn->hq", p, z[..., 0])[..., None]
+    )
     exact = torch.einsum("hqn,hnd->hqd", p, vd)
     assert rel(naive, exact) > 10 * err  # the data is sensitive to the choice of correction

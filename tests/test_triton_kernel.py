@@ -29,8 +29,9 @@ def run(q, cache, batch, backend="triton", **kw):
     """Decode into NaN-poisoned outputs, so that any unwritten element fails the check."""
     out = torch.full_like(q, math.nan)
     lse = torch.full(q.shape[:2], math.nan, dtype=torch.float32, device=q.device)
-    o, lse = decode_attention(q, cache, batch, backend=backend, return_lse=True, out=out, lse=lse,
-                              **kw)
+    o, lse = decode_attention(
+        q, cache, batch, backend=backend, return_lse=True, out=out, lse=lse, **kw
+    )
     assert o.data_ptr() == out.data_ptr()
     return o, lse
 
@@ -47,8 +48,11 @@ def _every_format_params():
         if HAS_CUDA and kb == 4 and ka == "token" and gk == 32:
             # the backend refuses this class on the GPU until the illegal memory access seen
             # on the H200 is fixed (benchmarks/NOTES.md, "GPU failures")
-            marks.append(pytest.mark.xfail(reason="known GPU bug, disabled in the backend",
-                                           raises=ValueError, strict=True))
+            marks.append(
+                pytest.mark.xfail(
+                    reason="known GPU bug, disabled in the backend", raises=ValueError, strict=True
+                )
+            )
         yield pytest.param(kb, vb, ka, va, marks=marks, id=f"K{kb}{ka}-V{vb}{va}")
 
 
@@ -98,8 +102,12 @@ def test_page_sizes(page_size):
 
 @pytest.mark.parametrize("sink,recent", [(4, 0), (0, 37), (5, 70), (128, 512)])
 def test_bf16_windows(sink, recent):
-    fmt = KVFormat(QuantFormat(2, "token", 128, clip=0.96), QuantFormat(2, "channel", 32),
-                   sink_tokens=sink, recent_tokens=recent)
+    fmt = KVFormat(
+        QuantFormat(2, "token", 128, clip=0.96),
+        QuantFormat(2, "channel", 32),
+        sink_tokens=sink,
+        recent_tokens=recent,
+    )
     cache, batch = build_cache(fmt, (2, 90, 800), device=KERNEL_DEVICE)
     q = queries(batch, 8, 128, KERNEL_DEVICE)
     check_against_reference(*run(q, cache, batch), q, cache, batch)
@@ -175,8 +183,12 @@ def test_random_ragged_batches(seed):
     lengths = torch.randint(1, 20000, (16,), generator=g).tolist()
     bits = [(2, 2), (4, 4), (2, 4), (4, 2)][seed]
     axes = AXES[seed]
-    fmt = KVFormat(QuantFormat(bits[0], axes[0], 128), QuantFormat(bits[1], axes[1], 64),
-                   sink_tokens=64 * (seed % 2), recent_tokens=256 * (seed % 2))
+    fmt = KVFormat(
+        QuantFormat(bits[0], axes[0], 128),
+        QuantFormat(bits[1], axes[1], 64),
+        sink_tokens=64 * (seed % 2),
+        recent_tokens=256 * (seed % 2),
+    )
     cache, batch = build_cache(fmt, lengths, num_kv_heads=8, device="cuda", seed=seed)
     q = queries(batch, 32, 128, "cuda")
     check_against_reference(*run(q, cache, batch), q, cache, batch)
@@ -186,8 +198,9 @@ def test_random_ragged_batches(seed):
 @pytest.mark.parametrize("ka,va", AXES)
 def test_cuda_graph_replay(ka, va):
     """Capture once, replay with new queries: no host sync, no allocation in the hot path."""
-    fmt = KVFormat(QuantFormat(2, ka, 128), QuantFormat(2, va, 128), sink_tokens=16,
-                   recent_tokens=64)
+    fmt = KVFormat(
+        QuantFormat(2, ka, 128), QuantFormat(2, va, 128), sink_tokens=16, recent_tokens=64
+    )
     cache, batch = build_cache(fmt, (3000, 17, 9000), num_kv_heads=8, device="cuda")
     q = queries(batch, 32, 128, "cuda")
     out = torch.empty_like(q)

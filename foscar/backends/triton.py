@@ -8,7 +8,6 @@ arguments only.
 from __future__ import annotations
 
 import functools
-import math
 import os
 
 import torch
@@ -48,8 +47,9 @@ def _patch_interpreter_for_numpy2() -> None:
 
     def patched(tensor, scope):
         original(tensor, scope)
-        scope.set_attr(tensor, "__index__",
-                       lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+        scope.set_attr(
+            tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0])
+        )
 
     patched._foscar_patched = True
     interp._patch_lang_tensor = patched
@@ -82,12 +82,18 @@ def supports(cache: QuantizedKVCache, num_q_heads: int) -> str | None:
     if cache.window_dtype not in (torch.bfloat16,):
         return f"the BF16 windows must be stored as bfloat16, got {cache.window_dtype}"
     k = fmt.key
-    if (cache.device.type == "cuda" and k.axis.value == "token" and k.bits == 4
-            and cache.head_dim // k.group_size >= 4):
+    if (
+        cache.device.type == "cuda"
+        and k.axis.value == "token"
+        and k.bits == 4
+        and cache.head_dim // k.group_size >= 4
+    ):
         # Known bug (benchmarks/NOTES.md, "GPU failures"): an illegal memory access on the H200
         # for INT4 token-wise K with 4+ groups per row; correct in the interpreter.
-        return ("INT4 token-wise K with 4 or more groups per row is disabled on the GPU "
-                "(a known illegal memory access, under investigation)")
+        return (
+            "INT4 token-wise K with 4 or more groups per row is disabled on the GPU "
+            "(a known illegal memory access, under investigation)"
+        )
     return None
 
 
@@ -97,8 +103,10 @@ def _workspace(batch: DecodeBatch, shape: tuple, device) -> tuple[torch.Tensor, 
     key = (shape, device)
     if key not in cache:
         b, h, parts, d = shape
-        cache[key] = (torch.empty(b, h, parts, d, dtype=torch.float32, device=device),
-                      torch.empty(b, h, parts, dtype=torch.float32, device=device))
+        cache[key] = (
+            torch.empty(b, h, parts, d, dtype=torch.float32, device=device),
+            torch.empty(b, h, parts, dtype=torch.float32, device=device),
+        )
     return cache[key]
 
 
@@ -124,8 +132,9 @@ def decode(
     kern = _triton()
     bsz, num_q_heads, d = q.shape
     ratio = num_q_heads // cache.num_kv_heads
-    cfg = config or triton_decode_config(cache.fmt, d, ratio, reconstruct,
-                                         ctas=bsz * cache.num_kv_heads)
+    cfg = config or triton_decode_config(
+        cache.fmt, d, ratio, reconstruct, ctas=bsz * cache.num_kv_heads
+    )
     hs, hpk, hpv = column_widths(cache.fmt, d, ratio, cfg.block_n, reconstruct)
     if splits is None:
         sms = _num_sms(q.device.index or 0) if q.is_cuda else 4

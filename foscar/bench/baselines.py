@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import gc
 import math
-from typing import Any, Callable, Dict, Optional, Tuple
+from collections.abc import Callable
+from typing import Any
 
 try:
     import torch
@@ -71,7 +72,7 @@ class BaselineUnavailable(RuntimeError):
 # --------------------------------------------------------------------------
 
 
-def _require_cuda(device) -> "torch.device":
+def _require_cuda(device) -> torch.device:
     if torch is None:
         raise BaselineUnavailable("torch is not importable")
     if not torch.cuda.is_available():
@@ -113,7 +114,9 @@ def _check_version(fi) -> str:
         # Not fatal: the API used here is old and stable, but say so.
         import warnings
 
-        warnings.warn(f"baselines.py was written against FlashInfer 0.7.2.post1, found {ver}")
+        warnings.warn(
+            f"baselines.py was written against FlashInfer 0.7.2.post1, found {ver}", stacklevel=2
+        )
     return str(ver)
 
 
@@ -158,7 +161,7 @@ def _check_memory(need: int, dev, headroom: int) -> None:
         )
 
 
-def _fill_normal_(t: "torch.Tensor", gen: "torch.Generator", chunk_elems: int = 1 << 28) -> None:
+def _fill_normal_(t: torch.Tensor, gen: torch.Generator, chunk_elems: int = 1 << 28) -> None:
     """Fills t with N(0,1) in chunks (fp8 via a bf16 staging chunk): no big temporaries."""
     flat = t.view(-1)
     n = flat.numel()
@@ -176,7 +179,7 @@ def _fill_normal_(t: "torch.Tensor", gen: "torch.Generator", chunk_elems: int = 
 
 
 def _page_table(batch: int, kv_len: int, page_size: int, dev, gen, shuffle: bool):
-    """Returns (pages_per_seq, block_tables[B, P] int32, indptr[B+1], indices[B*P], last_page_len[B])."""
+    """(pages_per_seq, block_tables[B, P] int32, indptr[B+1], indices[B*P], last_page_len[B])."""
     pages_per_seq = math.ceil(kv_len / page_size)
     total = batch * pages_per_seq
     if shuffle:
@@ -190,7 +193,7 @@ def _page_table(batch: int, kv_len: int, page_size: int, dev, gen, shuffle: bool
     return pages_per_seq, block_tables, indptr, block_tables.view(-1), last_page_len
 
 
-def _gen(dev, seed: int) -> "torch.Generator":
+def _gen(dev, seed: int) -> torch.Generator:
     g = torch.Generator(device=dev)
     g.manual_seed(seed)
     return g
@@ -199,7 +202,7 @@ def _gen(dev, seed: int) -> "torch.Generator":
 class DecodeStep:
     """Zero-argument callable running one decode step; ``close()`` frees its memory."""
 
-    def __init__(self, fn: Callable[[], Any], keep: Dict[str, Any], name: str) -> None:
+    def __init__(self, fn: Callable[[], Any], keep: dict[str, Any], name: str) -> None:
         self._fn = fn
         self._keep = keep  # tensors / wrappers the step uses (kept alive here)
         self.name = name
@@ -218,12 +221,12 @@ class DecodeStep:
         return f"DecodeStep({self.name})"
 
 
-def _rel_err(out: "torch.Tensor", ref: "torch.Tensor") -> float:
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out = out.float()
     return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-def _reference_seq0(q0, k0, v0, sm_scale: float) -> "torch.Tensor":
+def _reference_seq0(q0, k0, v0, sm_scale: float) -> torch.Tensor:
     """fp32 reference for one sequence. q0 [Hq,D]; k0,v0 [L,Hkv,D] (any float dtype)."""
     hq, d = q0.shape
     hkv = k0.shape[1]
@@ -254,7 +257,7 @@ def _gather_seq0(kv_cache, pages, layout: str, kv_len: int, num_kv_heads: int, h
     return k0.float(), v0.float()
 
 
-def _finish(step: DecodeStep, info: Dict[str, Any], verify: bool, ref_fn, tol: float, out_view):
+def _finish(step: DecodeStep, info: dict[str, Any], verify: bool, ref_fn, tol: float, out_view):
     """Runs the step once (JIT compile / warm-up), optionally checks sequence 0."""
     try:
         out = step()  # first call: JIT compile (FlashInfer) + warm-up
@@ -283,8 +286,21 @@ def _finish(step: DecodeStep, info: Dict[str, Any], verify: bool, ref_fn, tol: f
 # --------------------------------------------------------------------------
 
 
-def _build_and_plan(fi, workspace, kv_layout, graph_safe, use_tensor_cores, indptr, indices,
-                    last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, kv_dtype):
+def _build_and_plan(
+    fi,
+    workspace,
+    kv_layout,
+    graph_safe,
+    use_tensor_cores,
+    indptr,
+    indices,
+    last_page_len,
+    num_qo_heads,
+    num_kv_heads,
+    head_dim,
+    page_size,
+    kv_dtype,
+):
     if graph_safe:
         # What FlashInfer's own benchmark does for CUDA-graph timing: the wrapper
         # owns fixed indptr/indices/last_page_len buffers (batch size frozen).
@@ -335,9 +351,9 @@ def _make_flashinfer(
     use_tensor_cores: bool = True,
     graph_safe: bool = False,
     workspace_bytes: int = 256 * _MiB,
-    k_scale: Optional[float] = None,
-    v_scale: Optional[float] = None,
-    enable_pdl: Optional[bool] = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    enable_pdl: bool | None = None,
     shuffle_pages: bool = True,
     seed: int = 0,
     verify: bool = False,
@@ -351,8 +367,9 @@ def _make_flashinfer(
     if num_qo_heads % num_kv_heads:
         raise ValueError("num_qo_heads must be a multiple of num_kv_heads")
     _check_memory(
-        required_bytes(method, batch, kv_len, num_qo_heads, num_kv_heads, head_dim,
-                       page_size, workspace_bytes),
+        required_bytes(
+            method, batch, kv_len, num_qo_heads, num_kv_heads, head_dim, page_size, workspace_bytes
+        ),
         dev,
         mem_headroom_bytes,
     )
@@ -368,16 +385,27 @@ def _make_flashinfer(
         shape = (total_pages, 2, num_kv_heads, page_size, head_dim)
     kv_cache = torch.empty(shape, dtype=kv_dtype, device=dev)
     _fill_normal_(kv_cache, gen)
-    q = torch.randn(batch, num_qo_heads, head_dim, dtype=torch.bfloat16, device=dev,
-                    generator=gen)
+    q = torch.randn(batch, num_qo_heads, head_dim, dtype=torch.bfloat16, device=dev, generator=gen)
     out = torch.empty_like(q)
     # float workspace: docs say "must be initialized to 0 for its first use", 128 MB recommended.
     workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=dev)
 
     try:
-        wrapper = _build_and_plan(fi, workspace, kv_layout, graph_safe, use_tensor_cores,
-                                  indptr, indices, last_page_len, num_qo_heads, num_kv_heads,
-                                  head_dim, page_size, kv_dtype)
+        wrapper = _build_and_plan(
+            fi,
+            workspace,
+            kv_layout,
+            graph_safe,
+            use_tensor_cores,
+            indptr,
+            indices,
+            last_page_len,
+            num_qo_heads,
+            num_kv_heads,
+            head_dim,
+            page_size,
+            kv_dtype,
+        )
     except Exception as exc:  # plan() JIT-compiles the module: nvcc/ninja errors land here
         del kv_cache, q, out, workspace
         free_cuda_memory()
@@ -386,7 +414,7 @@ def _make_flashinfer(
         ) from exc
     # k_scale folds into sm_scale (free); a v_scale other than None/1.0 adds an
     # extra elementwise kernel (out *= v_scale) on the fa2 / CUDA-core paths.
-    run_kwargs: Dict[str, Any] = {"out": out}
+    run_kwargs: dict[str, Any] = {"out": out}
     if k_scale is not None:
         run_kwargs["k_scale"] = float(k_scale)
     if v_scale is not None:
@@ -398,10 +426,12 @@ def _make_flashinfer(
         return wrapper.run(q, kv_cache, **run_kwargs)
 
     elem = kv_cache.element_size()
-    info: Dict[str, Any] = {
+    info: dict[str, Any] = {
         "method": method,
         "kv_bytes": kv_bytes(batch, kv_len, num_kv_heads, head_dim, elem),
-        "alloc_bytes": kv_cache.numel() * elem + workspace_bytes + 2 * q.numel() * 2
+        "alloc_bytes": kv_cache.numel() * elem
+        + workspace_bytes
+        + 2 * q.numel() * 2
         + 16 * total_pages,
         "impl": None,  # filled after plan
         "flashinfer_version": fi_version,
@@ -425,14 +455,24 @@ def _make_flashinfer(
     )
     step = DecodeStep(
         fn,
-        {"wrapper": wrapper, "kv_cache": kv_cache, "q": q, "out": out, "ws": workspace,
-         "indptr": indptr, "indices": indices, "last": last_page_len, "bt": block_tables},
+        {
+            "wrapper": wrapper,
+            "kv_cache": kv_cache,
+            "q": q,
+            "out": out,
+            "ws": workspace,
+            "indptr": indptr,
+            "indices": indices,
+            "last": last_page_len,
+            "bt": block_tables,
+        },
         method,
     )
 
     def ref():
-        k0, v0 = _gather_seq0(kv_cache, block_tables[0].long(), kv_layout, kv_len,
-                              num_kv_heads, head_dim)
+        k0, v0 = _gather_seq0(
+            kv_cache, block_tables[0].long(), kv_layout, kv_len, num_kv_heads, head_dim
+        )
         r = _reference_seq0(q[0], k0, v0, (k_scale or 1.0) / math.sqrt(head_dim))
         return r * (v_scale or 1.0)
 
@@ -440,8 +480,16 @@ def _make_flashinfer(
     return _finish(step, info, verify, ref, tol, lambda o: o[0])
 
 
-def make_flashinfer_bf16(batch, kv_len, num_qo_heads=32, num_kv_heads=8, head_dim=128,
-                         page_size=64, device="cuda", **options):
+def make_flashinfer_bf16(
+    batch,
+    kv_len,
+    num_qo_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    page_size=64,
+    device="cuda",
+    **options,
+):
     """FlashInfer 0.7.2 paged decode, bf16 Q/KV/O.
 
     options: kv_layout="HND"|"NHD" (default HND, as FlashInfer's benchmark),
@@ -451,12 +499,30 @@ def make_flashinfer_bf16(batch, kv_len, num_qo_heads=32, num_kv_heads=8, head_di
     shuffle_pages=True, seed=0, verify=False, mem_headroom_bytes=2 GiB.
     """
     _require_torch()
-    return _make_flashinfer("flashinfer-bf16", torch.bfloat16, batch, kv_len, num_qo_heads,
-                            num_kv_heads, head_dim, page_size, device, **options)
+    return _make_flashinfer(
+        "flashinfer-bf16",
+        torch.bfloat16,
+        batch,
+        kv_len,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        device,
+        **options,
+    )
 
 
-def make_flashinfer_fp8(batch, kv_len, num_qo_heads=32, num_kv_heads=8, head_dim=128,
-                        page_size=64, device="cuda", **options):
+def make_flashinfer_fp8(
+    batch,
+    kv_len,
+    num_qo_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    page_size=64,
+    device="cuda",
+    **options,
+):
     """FlashInfer 0.7.2 paged decode, bf16 Q/O, float8_e4m3fn KV cache.
 
     Same options as make_flashinfer_bf16, plus k_scale / v_scale (default None =
@@ -465,8 +531,18 @@ def make_flashinfer_fp8(batch, kv_len, num_qo_heads=32, num_kv_heads=8, head_dim
     fp8 -> bf16 dequantisation.
     """
     _require_torch()
-    return _make_flashinfer("flashinfer-fp8", torch.float8_e4m3fn, batch, kv_len,
-                            num_qo_heads, num_kv_heads, head_dim, page_size, device, **options)
+    return _make_flashinfer(
+        "flashinfer-fp8",
+        torch.float8_e4m3fn,
+        batch,
+        kv_len,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        device,
+        **options,
+    )
 
 
 # --------------------------------------------------------------------------
@@ -474,12 +550,24 @@ def make_flashinfer_fp8(batch, kv_len, num_qo_heads=32, num_kv_heads=8, head_dim
 # --------------------------------------------------------------------------
 
 
-def make_trtllm_xqa_fp8(batch, kv_len, num_qo_heads=32, num_kv_heads=8, head_dim=128,
-                        page_size=64, device="cuda", *, workspace_bytes: int = 256 * _MiB,
-                        k_scale: float = 1.0, v_scale: float = 1.0,
-                        enable_pdl: Optional[bool] = None, shuffle_pages: bool = True,
-                        seed: int = 0, verify: bool = False,
-                        mem_headroom_bytes: int = 2 * _GiB):
+def make_trtllm_xqa_fp8(
+    batch,
+    kv_len,
+    num_qo_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    page_size=64,
+    device="cuda",
+    *,
+    workspace_bytes: int = 256 * _MiB,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    enable_pdl: bool | None = None,
+    shuffle_pages: bool = True,
+    seed: int = 0,
+    verify: bool = False,
+    mem_headroom_bytes: int = 2 * _GiB,
+):
     """flashinfer.decode.xqa_batch_decode_with_kv_cache, bf16 Q/O, fp8 e4m3 NHD cache.
 
     On sm90 with an fp8 cache FlashInfer runs XQA's Hopper kernel (mha_sm90.cu,
@@ -500,8 +588,16 @@ def make_trtllm_xqa_fp8(batch, kv_len, num_qo_heads=32, num_kv_heads=8, head_dim
     if num_qo_heads % num_kv_heads:
         raise ValueError("num_qo_heads must be a multiple of num_kv_heads")
     _check_memory(
-        required_bytes("trtllm-xqa-fp8", batch, kv_len, num_qo_heads, num_kv_heads, head_dim,
-                       page_size, workspace_bytes),
+        required_bytes(
+            "trtllm-xqa-fp8",
+            batch,
+            kv_len,
+            num_qo_heads,
+            num_kv_heads,
+            head_dim,
+            page_size,
+            workspace_bytes,
+        ),
         dev,
         mem_headroom_bytes,
     )
@@ -512,11 +608,11 @@ def make_trtllm_xqa_fp8(batch, kv_len, num_qo_heads=32, num_kv_heads=8, head_dim
     del _indptr, _indices, _last
     total_pages = batch * P
     # NHD 5-D cache [pages, 2, page_size, H_kv, D]; the wrapper unbinds dim 1 (views).
-    kv_cache = torch.empty((total_pages, 2, page_size, num_kv_heads, head_dim),
-                           dtype=torch.float8_e4m3fn, device=dev)
+    kv_cache = torch.empty(
+        (total_pages, 2, page_size, num_kv_heads, head_dim), dtype=torch.float8_e4m3fn, device=dev
+    )
     _fill_normal_(kv_cache, gen)
-    q = torch.randn(batch, num_qo_heads, head_dim, dtype=torch.bfloat16, device=dev,
-                    generator=gen)
+    q = torch.randn(batch, num_qo_heads, head_dim, dtype=torch.bfloat16, device=dev, generator=gen)
     out = torch.empty_like(q)
     # MUST be zeros: the first 8 MiB are XQA's semaphores (the kernel leaves them at 0).
     workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=dev)
@@ -529,20 +625,21 @@ def make_trtllm_xqa_fp8(batch, kv_len, num_qo_heads=32, num_kv_heads=8, head_dim
     # NB: XQA sizes its grid from block_tables.shape[1] * page_size, not from
     # max_seq_len (which xqa_batch_decode_with_kv_cache does not forward), so
     # block_tables is exactly ceil(kv_len / page_size) wide.
-    kwargs: Dict[str, Any] = {"out": out, "kv_layout": "NHD"}
+    kwargs: dict[str, Any] = {"out": out, "kv_layout": "NHD"}
     if enable_pdl is not None:
         kwargs["enable_pdl"] = bool(enable_pdl)
 
     def fn():
-        return xqa_fn(q, kv_cache, workspace, block_tables, seq_lens, kv_len,
-                      bmm1_scale, bmm2_scale, **kwargs)
+        return xqa_fn(
+            q, kv_cache, workspace, block_tables, seq_lens, kv_len, bmm1_scale, bmm2_scale, **kwargs
+        )
 
-    info: Dict[str, Any] = {
+    info: dict[str, Any] = {
         "method": "trtllm-xqa-fp8",
         "kv_bytes": kv_bytes(batch, kv_len, num_kv_heads, head_dim, 1),
         "alloc_bytes": kv_cache.numel() + workspace_bytes + 2 * q.numel() * 2 + 4 * total_pages,
         "impl": "flashinfer.decode.xqa_batch_decode_with_kv_cache -> xqa "
-                + ("(sm90 fp8 GMMA kernel mha_sm90.cu)" if major == 9 else "(mha.cu)"),
+        + ("(sm90 fp8 GMMA kernel mha_sm90.cu)" if major == 9 else "(mha.cu)"),
         "flashinfer_version": fi_version,
         "kv_dtype": "float8_e4m3fn",
         "kv_layout": "NHD",
@@ -554,14 +651,21 @@ def make_trtllm_xqa_fp8(batch, kv_len, num_qo_heads=32, num_kv_heads=8, head_dim
     }
     step = DecodeStep(
         fn,
-        {"kv_cache": kv_cache, "q": q, "out": out, "ws": workspace, "bt": block_tables,
-         "seq_lens": seq_lens},
+        {
+            "kv_cache": kv_cache,
+            "q": q,
+            "out": out,
+            "ws": workspace,
+            "bt": block_tables,
+            "seq_lens": seq_lens,
+        },
         "trtllm-xqa-fp8",
     )
 
     def ref():
-        k0, v0 = _gather_seq0(kv_cache, block_tables[0].long(), "NHD", kv_len,
-                              num_kv_heads, head_dim)
+        k0, v0 = _gather_seq0(
+            kv_cache, block_tables[0].long(), "NHD", kv_len, num_kv_heads, head_dim
+        )
         return _reference_seq0(q[0], k0, v0, bmm1_scale) * bmm2_scale
 
     # XQA's sm90 kernel also quantises Q and P to fp8: looser tolerance.
@@ -573,10 +677,21 @@ def make_trtllm_xqa_fp8(batch, kv_len, num_qo_heads=32, num_kv_heads=8, head_dim
 # --------------------------------------------------------------------------
 
 
-def make_sdpa_bf16(batch, kv_len, num_qo_heads=32, num_kv_heads=8, head_dim=128,
-                   page_size=64, device="cuda", *, mode: str = "gqa",
-                   backends=("CUDNN_ATTENTION", "FLASH_ATTENTION"), seed: int = 0,
-                   verify: bool = False, mem_headroom_bytes: int = 2 * _GiB):
+def make_sdpa_bf16(
+    batch,
+    kv_len,
+    num_qo_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    page_size=64,
+    device="cuda",
+    *,
+    mode: str = "gqa",
+    backends=("CUDNN_ATTENTION", "FLASH_ATTENTION"),
+    seed: int = 0,
+    verify: bool = False,
+    mem_headroom_bytes: int = 2 * _GiB,
+):
     """torch.nn.functional.scaled_dot_product_attention, bf16, K/V [B, H_kv, L, D] contiguous.
 
     mode="gqa" (default): q [B, H_q, 1, D], K/V [B, H_kv, L, D], enable_gqa=True.
@@ -604,19 +719,21 @@ def make_sdpa_bf16(batch, kv_len, num_qo_heads=32, num_kv_heads=8, head_dim=128,
     if mode not in ("packed", "gqa"):
         raise ValueError("mode must be 'packed' or 'gqa'")
     bk_list = [getattr(SDPBackend, b) if isinstance(b, str) else b for b in backends]
-    _check_memory(required_bytes("sdpa-bf16", batch, kv_len, num_qo_heads, num_kv_heads,
-                                 head_dim, page_size), dev, mem_headroom_bytes)
+    _check_memory(
+        required_bytes("sdpa-bf16", batch, kv_len, num_qo_heads, num_kv_heads, head_dim, page_size),
+        dev,
+        mem_headroom_bytes,
+    )
     gen = _gen(dev, seed)
     k = torch.empty(batch, num_kv_heads, kv_len, head_dim, dtype=torch.bfloat16, device=dev)
     v = torch.empty_like(k)
     _fill_normal_(k, gen)
     _fill_normal_(v, gen)
-    q = torch.randn(batch, num_qo_heads, head_dim, dtype=torch.bfloat16, device=dev,
-                    generator=gen)
+    q = torch.randn(batch, num_qo_heads, head_dim, dtype=torch.bfloat16, device=dev, generator=gen)
     g = num_qo_heads // num_kv_heads
     if mode == "packed":
         qv = q.view(batch, num_kv_heads, g, head_dim)  # query head h -> kv head h // g
-        extra: Dict[str, Any] = {}
+        extra: dict[str, Any] = {}
     else:
         qv = q.view(batch, num_qo_heads, 1, head_dim)
         extra = {"enable_gqa": True}
@@ -625,6 +742,7 @@ def make_sdpa_bf16(batch, kv_len, num_qo_heads=32, num_kv_heads=8, head_dim=128,
         def fn():
             with sdpa_kernel([bk], set_priority=True):
                 return F.scaled_dot_product_attention(qv, k, v, **extra)
+
         return fn
 
     chosen, fn, errors = None, None, []
@@ -643,12 +761,12 @@ def make_sdpa_bf16(batch, kv_len, num_qo_heads=32, num_kv_heads=8, head_dim=128,
         free_cuda_memory()
         raise BaselineUnavailable("no SDPA backend accepted the shape: " + "; ".join(errors))
 
-    info: Dict[str, Any] = {
+    info: dict[str, Any] = {
         "method": "sdpa-bf16",
         "kv_bytes": kv_bytes(batch, kv_len, num_kv_heads, head_dim, 2),
         "alloc_bytes": 2 * k.numel() * 2 + q.numel() * 2,
         "impl": f"torch {torch.__version__} F.scaled_dot_product_attention ({mode}), "
-                f"backend {chosen}, contiguous [B,H_kv,L,D] cache",
+        f"backend {chosen}, contiguous [B,H_kv,L,D] cache",
         "sdpa_backend": str(chosen),
         "sdpa_rejected": errors,
         "kv_dtype": "bfloat16",
@@ -659,11 +777,11 @@ def make_sdpa_bf16(batch, kv_len, num_qo_heads=32, num_kv_heads=8, head_dim=128,
     step = DecodeStep(fn, {"k": k, "v": v, "q": q}, "sdpa-bf16")
 
     def ref():
-        return _reference_seq0(q[0], k[0].transpose(0, 1), v[0].transpose(0, 1),
-                               1.0 / math.sqrt(head_dim))
+        return _reference_seq0(
+            q[0], k[0].transpose(0, 1), v[0].transpose(0, 1), 1.0 / math.sqrt(head_dim)
+        )
 
-    return _finish(step, info, verify, ref, 0.03,
-                   lambda o: o[0].reshape(num_qo_heads, head_dim))
+    return _finish(step, info, verify, ref, 0.03, lambda o: o[0].reshape(num_qo_heads, head_dim))
 
 
 def _require_torch() -> None:
@@ -671,7 +789,7 @@ def _require_torch() -> None:
         raise BaselineUnavailable("torch is not importable")
 
 
-BASELINES: Dict[str, Callable[..., Tuple[DecodeStep, Dict[str, Any]]]] = {
+BASELINES: dict[str, Callable[..., tuple[DecodeStep, dict[str, Any]]]] = {
     "flashinfer-bf16": make_flashinfer_bf16,
     "flashinfer-fp8": make_flashinfer_fp8,
     "trtllm-xqa-fp8": make_trtllm_xqa_fp8,
@@ -679,8 +797,15 @@ BASELINES: Dict[str, Callable[..., Tuple[DecodeStep, Dict[str, Any]]]] = {
 }
 
 
-def prewarm(methods=None, num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=64,
-            device="cuda", variants=None) -> Dict[str, str]:
+def prewarm(
+    methods=None,
+    num_qo_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    page_size=64,
+    device="cuda",
+    variants=None,
+) -> dict[str, str]:
     """JIT-compiles every kernel family once with a tiny shape (B=1, L=2 pages).
 
     variants: optional {method: [options dict, ...]} to also warm e.g.
@@ -688,13 +813,21 @@ def prewarm(methods=None, num_qo_heads=32, num_kv_heads=8, head_dim=128, page_si
     """
     methods = list(methods or BASELINES)
     variants = variants or {}
-    status: Dict[str, str] = {}
+    status: dict[str, str] = {}
     for m in methods:
         for opts in variants.get(m, [{}]):
             label = m + (f" {opts}" if opts else "")
             try:
-                step, _ = BASELINES[m](1, 2 * page_size, num_qo_heads, num_kv_heads, head_dim,
-                                       page_size, device, **opts)
+                step, _ = BASELINES[m](
+                    1,
+                    2 * page_size,
+                    num_qo_heads,
+                    num_kv_heads,
+                    head_dim,
+                    page_size,
+                    device,
+                    **opts,
+                )
                 step.close()
                 status[label] = "ok"
             except (ImportError, RuntimeError) as exc:

@@ -29,9 +29,11 @@ from . import baselines
 from .timing import L2Flusher, bench_stats
 
 PEAK_TBPS = 4.8  # H200 HBM3e, vendor datasheet
-MAIN_GRID = [(1, L) for L in (8192, 32768, 131072, 524288)] + \
-    [(8, L) for L in (8192, 32768, 131072, 524288)] + \
-    [(64, L) for L in (8192, 16384, 32768, 65536, 131072)]
+MAIN_GRID = (
+    [(1, L) for L in (8192, 32768, 131072, 524288)]
+    + [(8, L) for L in (8192, 32768, 131072, 524288)]
+    + [(64, L) for L in (8192, 16384, 32768, 65536, 131072)]
+)
 AXES_GRID = [(b, L) for b in (1, 8) for L in (32768, 131072)]
 AXES = [("token", "token"), ("channel", "token"), ("token", "channel"), ("channel", "channel")]
 
@@ -47,17 +49,26 @@ class Shape:
 
 def foscar_kv_bytes(fmt: KVFormat, batch: int, kv_len: int, shape: Shape) -> int:
     """Bytes of one read of the stored codes, scales and offsets (fp32 s', z')."""
-    per_token = sum(shape.head_dim * f.bits / 8 + 8 * shape.head_dim / f.group_size
-                    for f in (fmt.key, fmt.value))
+    per_token = sum(
+        shape.head_dim * f.bits / 8 + 8 * shape.head_dim / f.group_size
+        for f in (fmt.key, fmt.value)
+    )
     return int(batch * kv_len * shape.num_kv_heads * per_token)
 
 
 def random_cache(fmt: KVFormat, batch: int, kv_len: int, shape: Shape, device, seed=0):
     """A cache of ``batch`` sequences of ``kv_len`` tokens, pages shuffled, random contents."""
     pages = batch * math.ceil(kv_len / shape.page_size)
-    cache = QuantizedKVCache(fmt, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
-                             num_pages=pages, max_seqs=batch, page_size=shape.page_size,
-                             device=device, check_finite=False)
+    cache = QuantizedKVCache(
+        fmt,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        num_pages=pages,
+        max_seqs=batch,
+        page_size=shape.page_size,
+        device=device,
+        check_finite=False,
+    )
     g = torch.Generator(device=device).manual_seed(seed)
     cache._free_pages = torch.randperm(pages, device=device, generator=g).tolist()
     ids = [cache.add_sequence() for _ in range(batch)]
@@ -65,7 +76,7 @@ def random_cache(fmt: KVFormat, batch: int, kv_len: int, shape: Shape, device, s
         cache._assume_appended(sid, kv_len)
     for st in cache.layers:
         for t in (st.k_words, st.v_words):
-            t.random_(-2**31, 2**31 - 1, generator=g)
+            t.random_(-(2**31), 2**31 - 1, generator=g)
         for t in (st.k_scales, st.v_scales):
             s, z = t[..., 0], t[..., 1]
             s.uniform_(0.01, 0.1, generator=g)
@@ -76,13 +87,21 @@ def random_cache(fmt: KVFormat, batch: int, kv_len: int, shape: Shape, device, s
     return cache, cache.plan(ids)
 
 
-def make_foscar(bits: int, k_axis: str, v_axis: str, batch: int, kv_len: int, shape: Shape,
-                backend: str = "triton", device="cuda"):
-    fmt = KVFormat(QuantFormat(bits, k_axis, shape.group_size),
-                   QuantFormat(bits, v_axis, shape.group_size))
+def make_foscar(
+    bits: int,
+    k_axis: str,
+    v_axis: str,
+    batch: int,
+    kv_len: int,
+    shape: Shape,
+    backend: str = "triton",
+    device="cuda",
+):
+    fmt = KVFormat(
+        QuantFormat(bits, k_axis, shape.group_size), QuantFormat(bits, v_axis, shape.group_size)
+    )
     cache, plan = random_cache(fmt, batch, kv_len, shape, device)
-    q = torch.randn(batch, shape.num_q_heads, shape.head_dim, device=device,
-                    dtype=torch.bfloat16)
+    q = torch.randn(batch, shape.num_q_heads, shape.head_dim, device=device, dtype=torch.bfloat16)
     out = torch.empty_like(q)
 
     def step():
@@ -91,8 +110,11 @@ def make_foscar(bits: int, k_axis: str, v_axis: str, batch: int, kv_len: int, sh
     step()
     torch.cuda.synchronize()
     method = "foscar-triton" if backend == "triton" else "foscar-reconstruct"
-    info = {"method": method, "kv_bytes": foscar_kv_bytes(fmt, batch, kv_len, shape),
-            "format": fmt.short()}
+    info = {
+        "method": method,
+        "kv_bytes": foscar_kv_bytes(fmt, batch, kv_len, shape),
+        "format": fmt.short(),
+    }
 
     def close():
         nonlocal cache, plan, q, out
@@ -104,17 +126,25 @@ def make_foscar(bits: int, k_axis: str, v_axis: str, batch: int, kv_len: int, sh
 
 def environment(device) -> dict:
     props = torch.cuda.get_device_properties(device)
-    env = {"gpu": props.name, "sms": props.multi_processor_count,
-           "l2_bytes": getattr(props, "L2_cache_size", None), "torch": torch.__version__,
-           "python": platform.python_version(), "foscar": __version__,
-           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv)}
+    env = {
+        "gpu": props.name,
+        "sms": props.multi_processor_count,
+        "l2_bytes": getattr(props, "L2_cache_size", None),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "foscar": __version__,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "command": " ".join(sys.argv),
+    }
     try:
         import triton
+
         env["triton"] = triton.__version__
     except ImportError:
         pass
     try:
         import flashinfer
+
         env["flashinfer"] = flashinfer.__version__
     except Exception:
         env["flashinfer"] = None
@@ -133,12 +163,26 @@ class Progress:
         eta = el / self.done * (self.total - self.done)
         width = 24
         bar = "#" * int(width * self.done / self.total)
-        print(f"[{bar:<{width}}] {self.done:3d}/{self.total} {el:6.0f}s eta {eta:4.0f}s  {text}",
-              file=self.out, flush=True)
+        print(
+            f"[{bar:<{width}}] {self.done:3d}/{self.total} {el:6.0f}s eta {eta:4.0f}s  {text}",
+            file=self.out,
+            flush=True,
+        )
 
 
-def run_grid(points, methods, *, axes=(("token", "token"),), bits_list=(2, 4), shape=Shape(),
-             iters=30, warmup=5, device="cuda", out=sys.stdout, baseline_opts=None):
+def run_grid(
+    points,
+    methods,
+    *,
+    axes=(("token", "token"),),
+    bits_list=(2, 4),
+    shape=Shape(),
+    iters=30,
+    warmup=5,
+    device="cuda",
+    out=sys.stdout,
+    baseline_opts=None,
+):
     """Time every method at every point; returns result rows (one per method and point)."""
     baseline_opts = baseline_opts or {}
     items = []
@@ -160,12 +204,20 @@ def run_grid(points, methods, *, axes=(("token", "token"),), bits_list=(2, 4), s
         try:
             if m.startswith("foscar"):
                 backend = "triton" if m == "foscar-triton" else "triton-reconstruct"
-                step, info = make_foscar(bits, k_axis, v_axis, batch, kv_len, shape, backend,
-                                         device)
+                step, info = make_foscar(
+                    bits, k_axis, v_axis, batch, kv_len, shape, backend, device
+                )
             else:
                 step, info = baselines.BASELINES[m](
-                    batch, kv_len, shape.num_q_heads, shape.num_kv_heads, shape.head_dim,
-                    shape.page_size, device, **baseline_opts.get(m, {}))
+                    batch,
+                    kv_len,
+                    shape.num_q_heads,
+                    shape.num_kv_heads,
+                    shape.head_dim,
+                    shape.page_size,
+                    device,
+                    **baseline_opts.get(m, {}),
+                )
         except ImportError as exc:
             skipped[m] = str(exc).splitlines()[0][:120]
             progress.step(f"{m}: skipped ({skipped[m]})")
@@ -179,15 +231,27 @@ def run_grid(points, methods, *, axes=(("token", "token"),), bits_list=(2, 4), s
         del step
         baselines.free_cuda_memory()
         ms = stats["median_ms"]
-        row = {"method": m, "bits": bits, "k_axis": k_axis, "v_axis": v_axis, "batch": batch,
-               "kv_len": kv_len, "ms": ms, "p10_ms": stats["p10_ms"], "p90_ms": stats["p90_ms"],
-               "kv_bytes": info["kv_bytes"], "tbps": info["kv_bytes"] / ms / 1e9}
+        row = {
+            "method": m,
+            "bits": bits,
+            "k_axis": k_axis,
+            "v_axis": v_axis,
+            "batch": batch,
+            "kv_len": kv_len,
+            "ms": ms,
+            "p10_ms": stats["p10_ms"],
+            "p90_ms": stats["p90_ms"],
+            "kv_bytes": info["kv_bytes"],
+            "tbps": info["kv_bytes"] / ms / 1e9,
+        }
         for key in ("impl", "format"):
             if key in info:
                 row[key] = info[key]
         rows.append(row)
-        progress.step(f"{m} {bits}b K{k_axis[0]}V{v_axis[0]} B={batch} L={kv_len // 1024}K "
-                      f"{ms * 1e3:8.1f} us  {row['tbps']:.2f} TB/s")
+        progress.step(
+            f"{m} {bits}b K{k_axis[0]}V{v_axis[0]} B={batch} L={kv_len // 1024}K "
+            f"{ms * 1e3:8.1f} us  {row['tbps']:.2f} TB/s"
+        )
     flusher.free()
     return rows
 
@@ -213,8 +277,11 @@ def geomean(values):
 
 def _label(r):
     if r["method"].startswith("foscar"):
-        axes = "" if (r["k_axis"], r["v_axis"]) == ("token", "token") else \
-            f" K{r['k_axis'][0]}V{r['v_axis'][0]}"
+        axes = (
+            ""
+            if (r["k_axis"], r["v_axis"]) == ("token", "token")
+            else f" K{r['k_axis'][0]}V{r['v_axis'][0]}"
+        )
         return f"{r['method']} INT{r['bits']}{axes}"
     return r["method"]
 
@@ -223,8 +290,12 @@ def markdown_table(rows) -> str:
     labels = sorted({_label(r) for r in rows})
     points = sorted({_key(r) for r in rows})
     by = {(_label(r), _key(r)): r for r in rows}
-    lines = ["| method | " + " | ".join(f"B={b} L={L // 1024}K" for b, L in points) +
-             " | geomean speedup |", "|---" * (len(points) + 2) + "|"]
+    lines = [
+        "| method | "
+        + " | ".join(f"B={b} L={L // 1024}K" for b, L in points)
+        + " | geomean speedup |",
+        "|---" * (len(points) + 2) + "|",
+    ]
     for lab in labels:
         cells, sp = [], []
         for p in points:
@@ -234,12 +305,17 @@ def markdown_table(rows) -> str:
                 continue
             s = r.get("speedup_vs_flashinfer_bf16")
             sp.append(s)
-            cells.append(f"{r['ms'] * 1e3:.1f} us ({s:.2f}x, {r['pct_peak']:.0f}%)" if s else
-                         f"{r['ms'] * 1e3:.1f} us ({r['pct_peak']:.0f}%)")
+            cells.append(
+                f"{r['ms'] * 1e3:.1f} us ({s:.2f}x, {r['pct_peak']:.0f}%)"
+                if s
+                else f"{r['ms'] * 1e3:.1f} us ({r['pct_peak']:.0f}%)"
+            )
         lines.append(f"| {lab} | " + " | ".join(cells) + f" | {geomean(sp):.2f}x |")
     lines.append("")
-    lines.append("Cells: median latency (speedup over FlashInfer BF16 at the same point, "
-                 f"effective KV throughput as % of {PEAK_TBPS} TB/s).")
+    lines.append(
+        "Cells: median latency (speedup over FlashInfer BF16 at the same point, "
+        f"effective KV throughput as % of {PEAK_TBPS} TB/s)."
+    )
     return "\n".join(lines)
 
 
@@ -254,9 +330,11 @@ def plot(rows, path: str) -> None:
     fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
     for ax, b in zip(axes[0], batches):
         for lab in sorted({_label(r) for r in rows}):
-            pts = sorted((r["kv_len"], r["speedup_vs_flashinfer_bf16"]) for r in rows
-                         if r["batch"] == b and _label(r) == lab and
-                         r.get("speedup_vs_flashinfer_bf16"))
+            pts = sorted(
+                (r["kv_len"], r["speedup_vs_flashinfer_bf16"])
+                for r in rows
+                if r["batch"] == b and _label(r) == lab and r.get("speedup_vs_flashinfer_bf16")
+            )
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=lab)
         ax.set_xscale("log", base=2)
@@ -285,14 +363,28 @@ def write_results(rows, env, out_dir: str, name: str) -> None:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--grid", choices=["main", "axes", "both", "quick"], default="main",
-                        help="main: the 13-point grid, token-wise K/V; axes: the four axis "
-                             "combinations at B in {1,8}, L in {32K,128K}; quick: 2 points")
-    parser.add_argument("--axes", choices=["token", "all"], default="token",
-                        help="'all' is the same as --grid axes")
-    parser.add_argument("--methods", nargs="+",
-                        default=["foscar-triton", "foscar-reconstruct", "flashinfer-bf16",
-                                 "flashinfer-fp8", "trtllm-xqa-fp8", "sdpa-bf16"])
+    parser.add_argument(
+        "--grid",
+        choices=["main", "axes", "both", "quick"],
+        default="main",
+        help="main: the 13-point grid, token-wise K/V; axes: the four axis "
+        "combinations at B in {1,8}, L in {32K,128K}; quick: 2 points",
+    )
+    parser.add_argument(
+        "--axes", choices=["token", "all"], default="token", help="'all' is the same as --grid axes"
+    )
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=[
+            "foscar-triton",
+            "foscar-reconstruct",
+            "flashinfer-bf16",
+            "flashinfer-fp8",
+            "trtllm-xqa-fp8",
+            "sdpa-bf16",
+        ],
+    )
     parser.add_argument("--bits", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--out", default="benchmarks/results/h200")
@@ -310,8 +402,14 @@ def run(args) -> int:
     if grid in ("main", "both"):
         jobs.append(("decode_grid", MAIN_GRID, [AXES[0]], args.methods))
     if grid in ("axes", "both"):
-        jobs.append(("decode_axes", AXES_GRID, AXES,
-                     [m for m in args.methods if m in ("foscar-triton", "flashinfer-bf16")]))
+        jobs.append(
+            (
+                "decode_axes",
+                AXES_GRID,
+                AXES,
+                [m for m in args.methods if m in ("foscar-triton", "flashinfer-bf16")],
+            )
+        )
     if grid == "quick":
         jobs.append(("decode_quick", [(1, 32768), (64, 16384)], [AXES[0]], args.methods))
     for name, points, axes, methods in jobs:

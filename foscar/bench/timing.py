@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Callable, Dict, List, Optional
+from collections.abc import Callable
 
 try:  # keep the module importable even without torch
     import torch
@@ -59,8 +59,8 @@ class L2Flusher:
 
     def __init__(
         self,
-        nbytes: Optional[int] = None,
-        device: "torch.device | str | None" = None,
+        nbytes: int | None = None,
+        device: torch.device | str | None = None,
         mode: str = "write_read",
     ) -> None:
         _require_cuda()
@@ -95,7 +95,7 @@ class L2Flusher:
         self._buf = self._read_view = self._sink = None  # type: ignore[assignment]
 
 
-_SPIN_CYCLES_PER_US: Dict[int, float] = {}
+_SPIN_CYCLES_PER_US: dict[int, float] = {}
 
 
 def _spin_cycles_per_us(device_index: int) -> float:
@@ -117,9 +117,7 @@ def _spin_cycles_per_us(device_index: int) -> float:
     return rate
 
 
-def capture_graph(
-    fn: Callable[[], object], warmup: int = 3, pool=None
-) -> "torch.cuda.CUDAGraph":
+def capture_graph(fn: Callable[[], object], warmup: int = 3, pool=None) -> torch.cuda.CUDAGraph:
     """Captures one call of ``fn`` into a CUDA graph (after side-stream warm-up).
 
     The caller must keep ``fn`` (and the tensors it closes over) alive for as
@@ -153,9 +151,9 @@ def _time_calls(
     fn: Callable[[], object],
     iters: int,
     warmup: int,
-    flusher: Optional[L2Flusher],
+    flusher: L2Flusher | None,
     spin_cycles: int,
-) -> List[float]:
+) -> list[float]:
     for _ in range(warmup):
         if flusher is not None:
             flusher()
@@ -182,11 +180,11 @@ def bench_stats(
     warmup: int = 10,
     flush: bool = True,
     flush_mode: str = "write_read",
-    flush_bytes: Optional[int] = None,
+    flush_bytes: int | None = None,
     cuda_graph: bool = False,
     spin_us: float = 100.0,
-    flusher: Optional[L2Flusher] = None,
-) -> Dict[str, object]:
+    flusher: L2Flusher | None = None,
+) -> dict[str, object]:
     """Times ``fn`` (zero-arg, one decode step) and returns statistics in ms.
 
     Returns a dict with median_ms (the headline number), mean_ms, min_ms,

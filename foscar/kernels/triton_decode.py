@@ -93,8 +93,9 @@ def _inject(x, magic, FIELDS: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _k_operand(words, magic, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
-               INTERP: tl.constexpr):
+def _k_operand(
+    words, magic, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, INTERP: tl.constexpr
+):
     """K operand ``[BLOCK_N, D]`` (natural channel order) from words ``[BLOCK_N, D*BITS/32]``.
 
     Channel ``8*(u*PAIRS + k) + 2*T + j`` sits in word ``T*U + u`` at bit ``BITS*k + 16*j``.
@@ -119,13 +120,20 @@ def _prmt(a, b, X, CB: tl.constexpr, INTERP: tl.constexpr):
             sel = X | (X << 4) | ((X + 4) << 8) | ((X + 4) << 12)
         else:
             sel = (2 * X) | ((2 * X + 1) << 4) | ((2 * X + 4) << 8) | ((2 * X + 5) << 12)
-        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel],
-                                         dtype=tl.int32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(
+            "prmt.b32 $0, $1, $2, $3;",
+            "=r,r,r,r",
+            [a, b, sel],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=1,
+        )
 
 
 @triton.jit
-def _vt_operand(words, magic, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
-                INTERP: tl.constexpr):
+def _vt_operand(
+    words, magic, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, INTERP: tl.constexpr
+):
     """V^T operand ``[D, BLOCK_N]`` (natural order) from words ``[BLOCK_N, D*BITS/32]``.
 
     The wgmma fragment pairs two consecutive tokens of one channel in a register, so one PRMT
@@ -194,8 +202,15 @@ def _spread_cols(x, y, NB: tl.constexpr, HS: tl.constexpr, WIDTH: tl.constexpr):
 
 # ---------------------------------------------------------------------------- loads
 @triton.jit
-def _token_pages(kv_indices_ptr, page_base, t, n_pages,
-                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+def _token_pages(
+    kv_indices_ptr,
+    page_base,
+    t,
+    n_pages,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+):
     """Pages of tile ``t`` and its first row in them.
 
     ``BLOCK_N <= PAGE``: one page (a scalar, so addresses stay on the uniform datapath);
@@ -215,8 +230,16 @@ def _token_pages(kv_indices_ptr, page_base, t, n_pages,
 
 
 @triton.jit
-def _load_words(words_ptr, pages, row0, stride_page, head_off,
-                WORDS: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+def _load_words(
+    words_ptr,
+    pages,
+    row0,
+    stride_page,
+    head_off,
+    WORDS: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """Packed rows ``[BLOCK_N, WORDS]`` of one tile (16-byte loads along the words)."""
     offs_w = tl.arange(0, WORDS)
     if BLOCK_N <= PAGE:
@@ -225,13 +248,23 @@ def _load_words(words_ptr, pages, row0, stride_page, head_off,
         return tl.load(base + offs_n[:, None] * WORDS + offs_w[None, :])
     else:
         rows = tl.arange(0, PAGE)
-        off = pages[:, None, None] * stride_page + rows[None, :, None] * WORDS + offs_w[None, None, :]
+        off = (
+            pages[:, None, None] * stride_page + rows[None, :, None] * WORDS + offs_w[None, None, :]
+        )
         return tl.load(words_ptr + head_off + off).reshape(BLOCK_N, WORDS)
 
 
 @triton.jit
-def _load_token_scales(scales_ptr, pages, row0, stride_page, head_off,
-                       NG: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+def _load_token_scales(
+    scales_ptr,
+    pages,
+    row0,
+    stride_page,
+    head_off,
+    NG: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """Token-wise ``(s', z')``: two ``[BLOCK_N, NG]`` tensors (entry ``row*NG + g`` of a page)."""
     offs_g = tl.arange(0, NG)
     pair = tl.arange(0, 2)
@@ -242,17 +275,29 @@ def _load_token_scales(scales_ptr, pages, row0, stride_page, head_off,
         sz = tl.load(base + off)
     else:
         rows = tl.arange(0, PAGE)
-        off = (pages[:, None, None, None] * stride_page
-               + ((rows[None, :, None, None] * NG + offs_g[None, None, :, None]) * 2
-                  + pair[None, None, None, :]))
+        off = pages[:, None, None, None] * stride_page + (
+            (rows[None, :, None, None] * NG + offs_g[None, None, :, None]) * 2
+            + pair[None, None, None, :]
+        )
         sz = tl.load(scales_ptr + head_off + off).reshape(BLOCK_N, NG, 2)
     return tl.split(sz)
 
 
 @triton.jit
-def _load_channel_scales(scales_ptr, kv_indices_ptr, page_base, t, n_q, stride_page, head_off,
-                         D: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
-                         BLOCK_N: tl.constexpr, NTG: tl.constexpr):
+def _load_channel_scales(
+    scales_ptr,
+    kv_indices_ptr,
+    page_base,
+    t,
+    n_q,
+    stride_page,
+    head_off,
+    D: tl.constexpr,
+    GROUP: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NTG: tl.constexpr,
+):
     """Channel-wise ``(s', z')`` of the ``NTG`` token groups of tile ``t``: two ``[NTG, D]``.
 
     A sequence's scales, flattened as ``[groups, D]``, are cut into pages of ``PAGE*D/GROUP``
@@ -265,38 +310,139 @@ def _load_channel_scales(scales_ptr, kv_indices_ptr, page_base, t, n_q, stride_p
     valid = j * GROUP < n_q
     first = j * D  # flat index of the group's first entry
     chunk = tl.arange(0, CH)
-    page = tl.load(kv_indices_ptr + page_base + first[:, None] // PER_PAGE + chunk[None, :],
-                   mask=valid[:, None], other=0).to(tl.int64)  # [NTG, CH]
+    page = tl.load(
+        kv_indices_ptr + page_base + first[:, None] // PER_PAGE + chunk[None, :],
+        mask=valid[:, None],
+        other=0,
+    ).to(tl.int64)  # [NTG, CH]
     entry = (first % PER_PAGE)[:, None, None] + tl.arange(0, CW)[None, None, :]  # [NTG, 1, CW]
     off = head_off + page[:, :, None] * stride_page + entry * 2
     pair = tl.arange(0, 2)
-    sz = tl.load(scales_ptr + off[:, :, :, None] + pair[None, None, None, :],
-                 mask=valid[:, None, None, None], other=0.0)  # [NTG, CH, CW, 2]
+    sz = tl.load(
+        scales_ptr + off[:, :, :, None] + pair[None, None, None, :],
+        mask=valid[:, None, None, None],
+        other=0.0,
+    )  # [NTG, CH, CW, 2]
     s, z = tl.split(sz.reshape(NTG, D, 2))
     return tl.where(valid[:, None], s, 1.0), z
+
+
+@triton.jit
+def _load_scales(
+    scales_ptr,
+    kv_indices_ptr,
+    pages,
+    row0,
+    page_base,
+    t,
+    n_q,
+    valid,
+    stride_page,
+    head_off,
+    D: tl.constexpr,
+    GROUP: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CHANNEL: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """``(s', z')`` of one tile: ``[NTG, D]`` for channel-wise groups, ``[BLOCK_N, D/GROUP]``
+    for token-wise ones (rows past the history read ``(1, 0)`` in the masked tile)."""
+    if CHANNEL:
+        NTG: tl.constexpr = BLOCK_N // GROUP if BLOCK_N > GROUP else 1
+        return _load_channel_scales(
+            scales_ptr,
+            kv_indices_ptr,
+            page_base,
+            t,
+            n_q,
+            stride_page,
+            head_off,
+            D,
+            GROUP,
+            PAGE,
+            BLOCK_N,
+            NTG,
+        )
+    else:
+        s, z = _load_token_scales(
+            scales_ptr, pages, row0, stride_page, head_off, D // GROUP, PAGE, BLOCK_N
+        )
+        if MASKED:
+            s = tl.where(valid[:, None], s, 1.0)
+            z = tl.where(valid[:, None], z, 0.0)
+        return s, z
 
 
 # ---------------------------------------------------------------------------- one tile
 @triton.jit
 def _quantized_tile(
-    t, state, n_q, page_base, n_pages, kvh, magic, qk_scale, zero, q, qx, qsum_g,
-    kv_indices_ptr, k_words_ptr, k_scales_ptr, v_words_ptr, v_scales_ptr,
-    stride_kw_page, stride_kw_head, stride_ks_page, stride_ks_head,
-    stride_vw_page, stride_vw_head, stride_vs_page, stride_vs_head,
-    HS: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_CHANNEL: tl.constexpr, V_CHANNEL: tl.constexpr,
-    K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, HPK: tl.constexpr, HPV: tl.constexpr,
-    RECONSTRUCT: tl.constexpr, MASKED: tl.constexpr, INTERP: tl.constexpr,
+    t,
+    state,
+    n_q,
+    page_base,
+    n_pages,
+    kvh,
+    magic,
+    qk_scale,
+    zero,
+    q,
+    qx,
+    qsum_g,
+    kv_indices_ptr,
+    k_words_ptr,
+    k_scales_ptr,
+    v_words_ptr,
+    v_scales_ptr,
+    stride_kw_page,
+    stride_kw_head,
+    stride_ks_page,
+    stride_ks_head,
+    stride_vw_page,
+    stride_vw_head,
+    stride_vs_page,
+    stride_vs_head,
+    HS: tl.constexpr,
+    D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    K_BITS: tl.constexpr,
+    V_BITS: tl.constexpr,
+    K_CHANNEL: tl.constexpr,
+    V_CHANNEL: tl.constexpr,
+    K_GROUP: tl.constexpr,
+    V_GROUP: tl.constexpr,
+    HPK: tl.constexpr,
+    HPV: tl.constexpr,
+    RECONSTRUCT: tl.constexpr,
+    MASKED: tl.constexpr,
+    INTERP: tl.constexpr,
     TILE_ACC: tl.constexpr,
 ):
     m_i, l2, z2, acc = state
     offs_n = tl.arange(0, BLOCK_N)
     valid = t * BLOCK_N + offs_n < n_q
     pages, row0 = _token_pages(kv_indices_ptr, page_base, t, n_pages, PAGE, BLOCK_N, MASKED)
-    kw = _load_words(k_words_ptr, pages, row0, stride_kw_page, kvh * stride_kw_head,
-                     D * K_BITS // 32, PAGE, BLOCK_N)
-    vw = _load_words(v_words_ptr, pages, row0, stride_vw_page, kvh * stride_vw_head,
-                     D * V_BITS // 32, PAGE, BLOCK_N)
+    kw = _load_words(
+        k_words_ptr,
+        pages,
+        row0,
+        stride_kw_page,
+        kvh * stride_kw_head,
+        D * K_BITS // 32,
+        PAGE,
+        BLOCK_N,
+    )
+    vw = _load_words(
+        v_words_ptr,
+        pages,
+        row0,
+        stride_vw_page,
+        kvh * stride_vw_head,
+        D * V_BITS // 32,
+        PAGE,
+        BLOCK_N,
+    )
     NGK: tl.constexpr = D // K_GROUP
     NGV: tl.constexpr = D // V_GROUP
     NTK: tl.constexpr = BLOCK_N // K_GROUP if BLOCK_N > K_GROUP else 1
@@ -305,35 +451,51 @@ def _quantized_tile(
     tok_v = offs_n // V_GROUP if BLOCK_N > V_GROUP else offs_n * 0
 
     # ---- scales (the masked tile replaces scales of rows past the history by (1, 0))
-    if K_CHANNEL:
-        ks, kz = _load_channel_scales(k_scales_ptr, kv_indices_ptr, page_base, t, n_q,
-                                      stride_ks_page, kvh * stride_ks_head,
-                                      D, K_GROUP, PAGE, BLOCK_N, NTK)
-    else:
-        ks, kz = _load_token_scales(k_scales_ptr, pages, row0, stride_ks_page,
-                                    kvh * stride_ks_head, NGK, PAGE, BLOCK_N)
-        if MASKED:
-            ks = tl.where(valid[:, None], ks, 1.0)
-            kz = tl.where(valid[:, None], kz, 0.0)
-    if V_CHANNEL:
-        vs, vz = _load_channel_scales(v_scales_ptr, kv_indices_ptr, page_base, t, n_q,
-                                      stride_vs_page, kvh * stride_vs_head,
-                                      D, V_GROUP, PAGE, BLOCK_N, NTV)
-    else:
-        vs, vz = _load_token_scales(v_scales_ptr, pages, row0, stride_vs_page,
-                                    kvh * stride_vs_head, NGV, PAGE, BLOCK_N)
-        if MASKED:
-            vs = tl.where(valid[:, None], vs, 1.0)
-            vz = tl.where(valid[:, None], vz, 0.0)
+    ks, kz = _load_scales(
+        k_scales_ptr,
+        kv_indices_ptr,
+        pages,
+        row0,
+        page_base,
+        t,
+        n_q,
+        valid,
+        stride_ks_page,
+        kvh * stride_ks_head,
+        D,
+        K_GROUP,
+        PAGE,
+        BLOCK_N,
+        K_CHANNEL,
+        MASKED,
+    )
+    vs, vz = _load_scales(
+        v_scales_ptr,
+        kv_indices_ptr,
+        pages,
+        row0,
+        page_base,
+        t,
+        n_q,
+        valid,
+        stride_vs_page,
+        kvh * stride_vs_head,
+        D,
+        V_GROUP,
+        PAGE,
+        BLOCK_N,
+        V_CHANNEL,
+        MASKED,
+    )
 
     # ---- S = Q K^T
     k_op = _k_operand(kw, magic, BLOCK_N, D, K_BITS, INTERP)  # [N, D] operand values y
     if RECONSTRUCT:
         kf = k_op.to(tl.float32)
         if K_CHANNEL:
-            kf = (kf.reshape(NTK, BLOCK_N // NTK, D) * ks[:, None, :] + kz[:, None, :])
+            kf = kf.reshape(NTK, BLOCK_N // NTK, D) * ks[:, None, :] + kz[:, None, :]
         else:
-            kf = (kf.reshape(BLOCK_N, NGK, K_GROUP) * ks[:, :, None] + kz[:, :, None])
+            kf = kf.reshape(BLOCK_N, NGK, K_GROUP) * ks[:, :, None] + kz[:, :, None]
         k_op = _to_operand(_round_bf16(kf.reshape(BLOCK_N, D), INTERP), INTERP)
         s_cols = tl.dot(k_op, qx)  # qx = Q^T * qk_scale, padded to HPK columns
         s = _pick_block(s_cols, offs_n * 0, 1, HS)
@@ -366,14 +528,19 @@ def _quantized_tile(
     l2 = l2 * alpha[None, :] + p
 
     # ---- O += P V
-    offs_d_v = tl.arange(0, D)
     vt_op = _vt_operand(vw, magic, BLOCK_N, D, V_BITS, INTERP)  # [D, N]
     if RECONSTRUCT:
         vf = vt_op.to(tl.float32)
         if V_CHANNEL:
-            vf = vf.reshape(D, NTV, BLOCK_N // NTV) * tl.trans(vs)[:, :, None] + tl.trans(vz)[:, :, None]
+            vf = (
+                vf.reshape(D, NTV, BLOCK_N // NTV) * tl.trans(vs)[:, :, None]
+                + tl.trans(vz)[:, :, None]
+            )
         else:
-            vf = vf.reshape(NGV, V_GROUP, BLOCK_N) * tl.trans(vs)[:, None, :] + tl.trans(vz)[:, None, :]
+            vf = (
+                vf.reshape(NGV, V_GROUP, BLOCK_N) * tl.trans(vs)[:, None, :]
+                + tl.trans(vz)[:, None, :]
+            )
         vt_op = _to_operand(_round_bf16(vf.reshape(D, BLOCK_N), INTERP), INTERP)
         p_op = _pad_cols(_round_bf16(p, INTERP), HPV, 0.0)
         acc = acc * _pad_cols(alpha[None, :], HPV, 1.0)
@@ -391,17 +558,22 @@ def _quantized_tile(
         ones = tl.full([1, HS], 1.0, tl.float32)
         vs_cols = _spread_cols(ones + tl.zeros([D, HS], tl.float32), tl.trans(vs), NTV, HS, HPV)
         vz_cols = _spread_cols(ones + tl.zeros([D, HS], tl.float32), tl.trans(vz), NTV, HS, HPV)
-        alpha_cols = _pad_cols(tl.reshape(alpha[None, None, :] + tl.zeros([1, NTV, 1], tl.float32),
-                                          (1, NTV * HS)), HPV, 1.0)
+        alpha_cols = _pad_cols(
+            tl.reshape(alpha[None, None, :] + tl.zeros([1, NTV, 1], tl.float32), (1, NTV * HS)),
+            HPV,
+            1.0,
+        )
         acc = acc * alpha_cols + part * vs_cols + rowsum[None, :] * vz_cols
     else:
         # operand-fold into P per channel group g: P'[n,(g,h)] = bf16(P[n,h] * s'[n,g]), and
         # the offset correction sum_n P'[n,(g,h)] * z'[n,g] / s'[n,g] from the rounded P'
         p_scaled = _round_bf16(_spread_cols(p, vs, NGV, HS, NGV * HS), INTERP)  # [N, NGV*HS]
-        ratio = _spread_cols(tl.full([BLOCK_N, HS], 1.0, tl.float32), _fast_div(vz, vs, INTERP),
-                             NGV, HS, NGV * HS)
-        alpha_cols = tl.reshape(alpha[None, None, :] + tl.zeros([1, NGV, 1], tl.float32),
-                                (1, NGV * HS))
+        ratio = _spread_cols(
+            tl.full([BLOCK_N, HS], 1.0, tl.float32), _fast_div(vz, vs, INTERP), NGV, HS, NGV * HS
+        )
+        alpha_cols = tl.reshape(
+            alpha[None, None, :] + tl.zeros([1, NGV, 1], tl.float32), (1, NGV * HS)
+        )
         z2 = z2 * alpha_cols + p_scaled * ratio  # deferred: reduced over rows after the loop
         p_op = _to_operand(_pad_cols(p_scaled, HPV, 0.0), INTERP)
         if TILE_ACC:
@@ -420,8 +592,9 @@ def _quantized_tile(
 
 # ---------------------------------------------------------------------------- BF16 windows
 @triton.jit
-def _window_tile(state, k_ptr, v_ptr, rows, valid, qt, qk_scale, D: tl.constexpr,
-                 INTERP: tl.constexpr):
+def _window_tile(
+    state, k_ptr, v_ptr, rows, valid, qt, qk_scale, D: tl.constexpr, INTERP: tl.constexpr
+):
     m_i, l_i, acc = state
     offs_d = tl.arange(0, D)
     k = tl.load(k_ptr + rows[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
@@ -440,19 +613,40 @@ def _window_tile(state, k_ptr, v_ptr, rows, valid, qt, qk_scale, D: tl.constexpr
 
 
 @triton.jit
-def _windows_partial(q, b, kvh, qk_scale, n_q, seq_lens_ptr, slots_ptr,
-                     k_sink_ptr, v_sink_ptr, k_tail_ptr, v_tail_ptr,
-                     stride_sink_slot, stride_sink_head, stride_tail_slot, stride_tail_head,
-                     HP: tl.constexpr, D: tl.constexpr, SINK: tl.constexpr, TAIL: tl.constexpr,
-                     BLOCK_W: tl.constexpr, INTERP: tl.constexpr):
+def _windows_partial(
+    q,
+    b,
+    kvh,
+    qk_scale,
+    n_q,
+    seq_lens_ptr,
+    slots_ptr,
+    k_sink_ptr,
+    v_sink_ptr,
+    k_tail_ptr,
+    v_tail_ptr,
+    stride_sink_slot,
+    stride_sink_head,
+    stride_tail_slot,
+    stride_tail_head,
+    HP: tl.constexpr,
+    D: tl.constexpr,
+    SINK: tl.constexpr,
+    TAIL: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    INTERP: tl.constexpr,
+):
     """Attention over the BF16 sink and tail of one sequence: ``(o [D, HP], lse2 [HP])``."""
     length = tl.load(seq_lens_ptr + b)
     slot = tl.load(slots_ptr + b).to(tl.int64)
     sink_len = tl.minimum(length, SINK)
     tail_start = tl.minimum(SINK + n_q, length)
     qt = _to_operand(tl.trans(q), INTERP)  # [D, HP]
-    state = (tl.full([HP], -float("inf"), tl.float32), tl.zeros([HP], tl.float32),
-             tl.zeros([D, HP], tl.float32))
+    state = (
+        tl.full([HP], -float("inf"), tl.float32),
+        tl.zeros([HP], tl.float32),
+        tl.zeros([D, HP], tl.float32),
+    )
     offs = tl.arange(0, BLOCK_W)
     k_sink = k_sink_ptr + slot * stride_sink_slot + kvh * stride_sink_head
     v_sink = v_sink_ptr + slot * stride_sink_slot + kvh * stride_sink_head
@@ -463,8 +657,9 @@ def _windows_partial(q, b, kvh, qk_scale, n_q, seq_lens_ptr, slots_ptr,
     v_tail = v_tail_ptr + slot * stride_tail_slot + kvh * stride_tail_head
     for t in range(0, tl.cdiv(length - tail_start, BLOCK_W)):
         pos = tail_start + t * BLOCK_W + offs
-        state = _window_tile(state, k_tail, v_tail, (pos - SINK) % TAIL, pos < length, qt,
-                             qk_scale, D, INTERP)
+        state = _window_tile(
+            state, k_tail, v_tail, (pos - SINK) % TAIL, pos < length, qt, qk_scale, D, INTERP
+        )
     m_i, l_i, acc = state
     o = acc / tl.where(l_i > 0, l_i, 1.0)[None, :]
     lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), -float("inf"))
@@ -497,12 +692,25 @@ def decode_split_kernel(
     zero,  # 0.0, opaque to the compiler (Note [tensor-core accumulation])
     num_splits,
     # strides (elements)
-    stride_q_b, stride_q_h,
-    stride_kw_page, stride_kw_head, stride_ks_page, stride_ks_head,
-    stride_vw_page, stride_vw_head, stride_vs_page, stride_vs_head,
-    stride_sink_slot, stride_sink_head, stride_tail_slot, stride_tail_head,
-    stride_op_b, stride_op_h, stride_op_split,
-    stride_lp_b, stride_lp_h,
+    stride_q_b,
+    stride_q_h,
+    stride_kw_page,
+    stride_kw_head,
+    stride_ks_page,
+    stride_ks_head,
+    stride_vw_page,
+    stride_vw_head,
+    stride_vs_page,
+    stride_vs_head,
+    stride_sink_slot,
+    stride_sink_head,
+    stride_tail_slot,
+    stride_tail_head,
+    stride_op_b,
+    stride_op_h,
+    stride_op_split,
+    stride_lp_b,
+    stride_lp_h,
     # constexprs
     H: tl.constexpr,  # query heads per KV head
     HS: tl.constexpr,  # H padded (>= 8, power of two)
@@ -538,8 +746,11 @@ def decode_split_kernel(
     offs_h = tl.arange(0, HS)
     offs_d = tl.arange(0, D)
     head = kvh * H + offs_h
-    q = tl.load(q_ptr + b * stride_q_b + head[:, None] * stride_q_h + offs_d[None, :],
-                mask=(offs_h < H)[:, None], other=0.0).to(tl.float32)  # [HS, D]
+    q = tl.load(
+        q_ptr + b * stride_q_b + head[:, None] * stride_q_h + offs_d[None, :],
+        mask=(offs_h < H)[:, None],
+        other=0.0,
+    ).to(tl.float32)  # [HS, D]
     n_q = tl.load(num_quantized_ptr + b)
 
     if split < num_splits:
@@ -578,26 +789,102 @@ def decode_split_kernel(
         else:
             acc = tl.zeros([D, HPV], tl.float32)
             z2 = tl.zeros([BLOCK_N, NGV * HS], tl.float32)
-        state = (tl.full([HS], -float("inf"), tl.float32), tl.zeros([BLOCK_N, HS], tl.float32),
-                 z2, acc)
+        state = (
+            tl.full([HS], -float("inf"), tl.float32),
+            tl.zeros([BLOCK_N, HS], tl.float32),
+            z2,
+            acc,
+        )
         # the scale multipliers of token-wise K carry c = sm_scale * log2(e)
         k_mult = 1.0 if (K_CHANNEL or RECONSTRUCT) else qk_scale
         for t in range(t_begin, t_full):
             state = _quantized_tile(
-                t, state, n_q, page_base, n_pages, kvh, magic, k_mult, zero, q, qx, qsum_g,
-                kv_indices_ptr, k_words_ptr, k_scales_ptr, v_words_ptr, v_scales_ptr,
-                stride_kw_page, stride_kw_head, stride_ks_page, stride_ks_head,
-                stride_vw_page, stride_vw_head, stride_vs_page, stride_vs_head,
-                HS, D, PAGE, BLOCK_N, K_BITS, V_BITS, K_CHANNEL, V_CHANNEL, K_GROUP, V_GROUP,
-                HPK, HPV, RECONSTRUCT, False, INTERP, TILE_ACC)
+                t,
+                state,
+                n_q,
+                page_base,
+                n_pages,
+                kvh,
+                magic,
+                k_mult,
+                zero,
+                q,
+                qx,
+                qsum_g,
+                kv_indices_ptr,
+                k_words_ptr,
+                k_scales_ptr,
+                v_words_ptr,
+                v_scales_ptr,
+                stride_kw_page,
+                stride_kw_head,
+                stride_ks_page,
+                stride_ks_head,
+                stride_vw_page,
+                stride_vw_head,
+                stride_vs_page,
+                stride_vs_head,
+                HS,
+                D,
+                PAGE,
+                BLOCK_N,
+                K_BITS,
+                V_BITS,
+                K_CHANNEL,
+                V_CHANNEL,
+                K_GROUP,
+                V_GROUP,
+                HPK,
+                HPV,
+                RECONSTRUCT,
+                False,
+                INTERP,
+                TILE_ACC,
+            )
         if t_full < t_end:
             state = _quantized_tile(
-                t_full, state, n_q, page_base, n_pages, kvh, magic, k_mult, zero, q, qx, qsum_g,
-                kv_indices_ptr, k_words_ptr, k_scales_ptr, v_words_ptr, v_scales_ptr,
-                stride_kw_page, stride_kw_head, stride_ks_page, stride_ks_head,
-                stride_vw_page, stride_vw_head, stride_vs_page, stride_vs_head,
-                HS, D, PAGE, BLOCK_N, K_BITS, V_BITS, K_CHANNEL, V_CHANNEL, K_GROUP, V_GROUP,
-                HPK, HPV, RECONSTRUCT, True, INTERP, TILE_ACC)
+                t_full,
+                state,
+                n_q,
+                page_base,
+                n_pages,
+                kvh,
+                magic,
+                k_mult,
+                zero,
+                q,
+                qx,
+                qsum_g,
+                kv_indices_ptr,
+                k_words_ptr,
+                k_scales_ptr,
+                v_words_ptr,
+                v_scales_ptr,
+                stride_kw_page,
+                stride_kw_head,
+                stride_ks_page,
+                stride_ks_head,
+                stride_vw_page,
+                stride_vw_head,
+                stride_vs_page,
+                stride_vs_head,
+                HS,
+                D,
+                PAGE,
+                BLOCK_N,
+                K_BITS,
+                V_BITS,
+                K_CHANNEL,
+                V_CHANNEL,
+                K_GROUP,
+                V_GROUP,
+                HPK,
+                HPV,
+                RECONSTRUCT,
+                True,
+                INTERP,
+                TILE_ACC,
+            )
         m_i, l2, z2, acc = state
         l_i = tl.sum(l2, axis=0)  # [HS]
         if RECONSTRUCT:
@@ -613,24 +900,57 @@ def decode_split_kernel(
             out = _pick_block(acc + zacc, offs_d // V_GROUP, NGV, HS)
         o = out / tl.where(l_i > 0, l_i, 1.0)[None, :]  # [D, HS]
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), -float("inf"))
-        tl.store(o_part_ptr + b * stride_op_b + head[None, :] * stride_op_h
-                 + split * stride_op_split + offs_d[:, None], o, mask=(offs_h < H)[None, :])
-        tl.store(lse_part_ptr + b * stride_lp_b + head * stride_lp_h + split, lse,
-                 mask=offs_h < H)
+        tl.store(
+            o_part_ptr
+            + b * stride_op_b
+            + head[None, :] * stride_op_h
+            + split * stride_op_split
+            + offs_d[:, None],
+            o,
+            mask=(offs_h < H)[None, :],
+        )
+        tl.store(lse_part_ptr + b * stride_lp_b + head * stride_lp_h + split, lse, mask=offs_h < H)
     elif HAS_WINDOWS:
         HPW: tl.constexpr = 2 * HS if HS < 16 else HS
         qw = tl.trans(_pad_cols(tl.trans(q), HPW, 0.0))  # [HPW, D]
         # (names differ from the other branch: a runtime if/else may not rebind with new shapes)
-        o_w, lse_w = _windows_partial(qw, b, kvh, qk_scale, n_q, seq_lens_ptr, slots_ptr,
-                                      k_sink_ptr, v_sink_ptr, k_tail_ptr, v_tail_ptr,
-                                      stride_sink_slot, stride_sink_head, stride_tail_slot,
-                                      stride_tail_head, HPW, D, SINK, TAIL, BLOCK_W, INTERP)
+        o_w, lse_w = _windows_partial(
+            qw,
+            b,
+            kvh,
+            qk_scale,
+            n_q,
+            seq_lens_ptr,
+            slots_ptr,
+            k_sink_ptr,
+            v_sink_ptr,
+            k_tail_ptr,
+            v_tail_ptr,
+            stride_sink_slot,
+            stride_sink_head,
+            stride_tail_slot,
+            stride_tail_head,
+            HPW,
+            D,
+            SINK,
+            TAIL,
+            BLOCK_W,
+            INTERP,
+        )
         offs_hw = tl.arange(0, HPW)
         head_w = kvh * H + offs_hw
-        tl.store(o_part_ptr + b * stride_op_b + head_w[None, :] * stride_op_h
-                 + split * stride_op_split + offs_d[:, None], o_w, mask=(offs_hw < H)[None, :])
-        tl.store(lse_part_ptr + b * stride_lp_b + head_w * stride_lp_h + split, lse_w,
-                 mask=offs_hw < H)
+        tl.store(
+            o_part_ptr
+            + b * stride_op_b
+            + head_w[None, :] * stride_op_h
+            + split * stride_op_split
+            + offs_d[:, None],
+            o_w,
+            mask=(offs_hw < H)[None, :],
+        )
+        tl.store(
+            lse_part_ptr + b * stride_lp_b + head_w * stride_lp_h + split, lse_w, mask=offs_hw < H
+        )
 
 
 @triton.jit
@@ -640,10 +960,15 @@ def merge_splits_kernel(
     o_ptr,  # [B, Hq, D] (q's dtype)
     lse_ptr,  # [B, Hq] fp32, natural log (written when WRITE_LSE)
     num_parts,
-    stride_op_b, stride_op_h, stride_op_split,
-    stride_lp_b, stride_lp_h,
-    stride_o_b, stride_o_h,
-    stride_l_b, stride_l_h,
+    stride_op_b,
+    stride_op_h,
+    stride_op_split,
+    stride_lp_b,
+    stride_lp_h,
+    stride_o_b,
+    stride_o_h,
+    stride_l_b,
+    stride_l_h,
     D: tl.constexpr,
     BLOCK_P: tl.constexpr,
     WRITE_LSE: tl.constexpr,
@@ -655,13 +980,20 @@ def merge_splits_kernel(
     offs_p = tl.arange(0, BLOCK_P)
     offs_d = tl.arange(0, D)
     mask_p = offs_p < num_parts
-    lse = tl.load(lse_part_ptr + b * stride_lp_b + h * stride_lp_h + offs_p, mask=mask_p,
-                  other=-float("inf"))
+    lse = tl.load(
+        lse_part_ptr + b * stride_lp_b + h * stride_lp_h + offs_p, mask=mask_p, other=-float("inf")
+    )
     m = tl.max(lse, axis=0)
     w = tl.exp2(lse - m)
-    parts = tl.load(o_part_ptr + b * stride_op_b + h * stride_op_h
-                    + offs_p[:, None] * stride_op_split + offs_d[None, :],
-                    mask=mask_p[:, None], other=0.0)
+    parts = tl.load(
+        o_part_ptr
+        + b * stride_op_b
+        + h * stride_op_h
+        + offs_p[:, None] * stride_op_split
+        + offs_d[None, :],
+        mask=mask_p[:, None],
+        other=0.0,
+    )
     denom = tl.sum(w, axis=0)
     o = tl.sum(w[:, None] * parts, axis=0) / denom
     if INTERP:
