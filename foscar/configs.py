@@ -27,6 +27,9 @@ class TritonDecodeConfig:
     maxnreg: int | None = None  # register cap per thread (more CTAs per SM, maybe spills)
     tile_acc: bool = True  # token-wise V: fresh PV accumulator per tile (triton_decode Note)
     min_tiles_per_split: int = 2
+    # CTAs of this config resident per SM (ptxas registers: 254 -> 2, ~160 -> 3, capped at
+    # 128 -> 4; `python benchmarks/sass_count.py` prints them): the split count fills them
+    ctas_per_sm: int = 2
 
 
 def column_widths(fmt, head_dim: int, heads_per_kv: int, block_n: int, reconstruct: bool):
@@ -59,19 +62,25 @@ def triton_decode_config(
     548 -> 492 us, B=8 L=128K 784 -> 711 us; at B=1 they lose (28 -> 35 us)."""
     _, hpk, hpv = column_widths(fmt, head_dim, heads_per_kv, 128, reconstruct=False)
     if reconstruct or hpk > 16 or hpv > 16:
-        return TritonDecodeConfig(block_n=64)
+        return TritonDecodeConfig(block_n=64, ctas_per_sm=3)
     if ctas >= 64:
-        return TritonDecodeConfig(block_n=64, maxnreg=128)
+        return TritonDecodeConfig(block_n=64, maxnreg=128, ctas_per_sm=4)
     return TritonDecodeConfig()
 
 
 def num_splits(
     batch: int, num_kv_heads: int, max_tokens: int, cfg: TritonDecodeConfig, num_sms: int
 ) -> int:
-    """Splits per (sequence, KV head): enough CTAs for two waves, each with a few tiles."""
+    """Splits per (sequence, KV head): enough CTAs to fill every resident slot once.
+
+    With 2 CTAs/SM this is the 2 x SMs of the first tuning round (B=1, L=32K: 33 splits beat
+    66). Configs with more CTAs per SM get more splits: round 1 measured 9 splits faster than 5
+    at B=8, L=128K (128/4/2: 703 vs 822 us) and 2 faster than 1 at B=64, L=16K (64/4/3: 604 vs
+    730 us); the capped config (4/SM) had been run with the 2/SM split counts.
+    """
     tiles = math.ceil(max_tokens / cfg.block_n)
     if tiles == 0:
         return 1
     ctas = batch * num_kv_heads
-    wanted = math.ceil(2 * num_sms / ctas)
+    wanted = math.ceil(cfg.ctas_per_sm * num_sms / ctas)
     return max(1, min(wanted, tiles // cfg.min_tiles_per_split, tiles))
