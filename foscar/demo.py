@@ -189,13 +189,6 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="foscar demo", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    return run(args)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--length", type=int, default=8192, help="context length (default 8192)")
     parser.add_argument("--batch", type=int, default=2, help="sequences (default 2)")

@@ -190,14 +190,6 @@ class QuantFormat:
                 "for token-wise groups"
             )
 
-    def scale_entries_per_token(self, head_dim: int) -> float:
-        """Scales (and offsets) stored per token and KV head: ``head_dim / group_size``.
-
-        True for both axes: a token-wise row has ``D/g`` groups; a channel-wise group of ``g``
-        tokens has ``D`` scales, i.e. ``D/g`` per token.
-        """
-        return head_dim / self.group_size
-
     def short(self) -> str:
         clip = "" if self.clip is None else f"c{self.clip:g}"
         return f"i{self.bits}{self.axis.value[0]}{self.group_size}{clip}"
