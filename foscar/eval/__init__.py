@@ -1,0 +1,1 @@
+"""``foscar eval``: accuracy of every KV format against BF16 on a real model (CPU or GPU)."""
