@@ -14,6 +14,10 @@ __all__ = ["decode_attention", "default_backend", "BACKENDS"]
 
 #: ``"triton-reconstruct"`` is the per-value reconstruction baseline (benchmarks only).
 BACKENDS = ("auto", "triton", "reference", "triton-reconstruct")
+#: Tokens per tile of the CPU reference backend. Per-tile Python work dominates on a CPU: at
+#: 8K tokens (3 KV heads, D=64) one call takes 67 ms with 256-token tiles and 31 ms with 1024
+#: (2 cores); the result changes only by fp32 rounding.
+REFERENCE_BLOCK_N = 1024
 
 
 def default_backend(cache: QuantizedKVCache, q: torch.Tensor) -> str:
@@ -120,7 +124,9 @@ def decode_attention(
             reconstruct=backend == "triton-reconstruct",
         )
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    o, lse_ref = reference.attend_folded(q, cache, batch, sm_scale, block_n=256, dtype=dtype)
+    o, lse_ref = reference.attend_folded(
+        q, cache, batch, sm_scale, block_n=REFERENCE_BLOCK_N, dtype=dtype
+    )
     o = o.to(q.dtype)
     if out is not None:
         out.copy_(o)
