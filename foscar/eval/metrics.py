@@ -1,0 +1,173 @@
+"""The three measurements of ``foscar eval``, each on a prefill shared by every format.
+
+A prompt's prefill does not depend on the KV format (prefill attention runs at the model's
+precision over the K/V it just computed), so each prompt is prefilled once into transformers'
+``DynamicCache`` and its K/V are written into a fresh :class:`FoscarCache` per format
+(:meth:`FoscarCache.load_prompt`); only what follows reads the quantized cache:
+
+* **decode-path perplexity**: the prefix minus its last token is prefilled; then the last
+  prefix token and the scored tokens are fed one at a time (teacher forcing), so every scored
+  token is predicted by a decode step over the quantized cache (``foscar.decode_attention``);
+* **greedy agreement**: chat prompts are prefilled; the first token comes from the prefill
+  (the same for every format), the next ones are decoded greedily through the cache, and each
+  position is compared with the BF16 cache's tokens (end-of-sequence suppressed, so every row
+  has the full count);
+* **needle in a haystack**: the haystack with the needle is prefilled; the question arrives as
+  a later turn, one multi-token step over the quantized cache (dequantized, the cache's extend
+  path), ending with the answer's lead ("The special magic number is"); the number's tokens are
+  then decoded greedily; the trial counts when the number appears in the answer.
+
+``"FP32"`` runs the same loops over a ``DynamicCache`` holding the model's own K/V (fp32 on a
+CPU): the model without any KV rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..integrations.transformers import FoscarCache, cache_kwarg
+
+__all__ = [
+    "Prefill",
+    "record_prefill",
+    "make_cache",
+    "decode_nll",
+    "greedy_tokens",
+    "needle_answers",
+]
+
+
+@dataclass
+class Prefill:
+    """K/V of a left-padded batch after its prefill.
+
+    ``keys[l], values[l]: [B, H_kv, T, D]`` (model dtype), ``mask: [B, T]`` (1 real, 0 pad),
+    ``last_logits: [B, vocab]`` fp32 (the prediction after each row's last token).
+    """
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    mask: torch.Tensor
+    last_logits: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return self.mask.shape[1]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """``[B]``: the position the next token of each row takes."""
+        return self.mask.sum(dim=1)
+
+
+@torch.no_grad()
+def record_prefill(model, rows: list[list[int]]) -> Prefill:
+    """Prefill each row alone (no pad ever enters SDPA's memory) and left-pad the K/V."""
+    from transformers import DynamicCache
+
+    kw = cache_kwarg(model)
+    device = model.device
+    t = max(len(r) for r in rows)
+    keys, values, logits = None, None, []
+    mask = torch.zeros(len(rows), t, dtype=torch.long, device=device)
+    for b, row in enumerate(rows):
+        cache = DynamicCache()
+        ids = torch.tensor([row], device=device)
+        out = model(input_ids=ids, logits_to_keep=1, use_cache=True, **{kw: cache})
+        logits.append(out.logits[0, -1].float())
+        layer_kv = [(layer.keys, layer.values) for layer in cache.layers]
+        if keys is None:
+            shape = lambda x: (len(rows), x.shape[1], t, x.shape[3])  # noqa: E731
+            keys = [k.new_zeros(shape(k)) for k, _ in layer_kv]
+            values = [v.new_zeros(shape(v)) for _, v in layer_kv]
+        for layer, (k, v) in enumerate(layer_kv):
+            keys[layer][b, :, t - len(row) :] = k[0]
+            values[layer][b, :, t - len(row) :] = v[0]
+        mask[b, t - len(row) :] = 1
+    return Prefill(keys, values, mask, torch.stack(logits))
+
+
+def make_cache(model, fmt, prefill: Prefill, extra_tokens: int):
+    """A cache holding ``prefill``: a loaded FoscarCache, or (``fmt="FP32"``) a DynamicCache."""
+    if fmt == "FP32":
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        for layer, (k, v) in enumerate(zip(prefill.keys, prefill.values)):
+            cache.update(k.clone(), v.clone(), layer)
+        return cache
+    cache = FoscarCache(
+        fmt,
+        model.config,
+        max_cache_len=prefill.length + extra_tokens,
+        max_batch_size=prefill.mask.shape[0],
+    )
+    cache.load_prompt(prefill.keys, prefill.values, prefill.mask)
+    return cache
+
+
+class _Stepper:
+    """Feeds tokens to the model over one cache, keeping the 2D mask and positions."""
+
+    def __init__(self, model, cache, prefill: Prefill) -> None:
+        self.model, self.cache = model, cache
+        self.kw = cache_kwarg(model)
+        self.mask = prefill.mask
+        self.positions = prefill.positions
+
+    @torch.no_grad()
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens: [B, n]`` -> logits of the last one ``[B, vocab]`` fp32."""
+        b, n = tokens.shape
+        self.mask = torch.cat([self.mask, self.mask.new_ones(b, n)], dim=1)
+        pos = self.positions.unsqueeze(1) + torch.arange(n, device=tokens.device)
+        out = self.model(
+            input_ids=tokens,
+            attention_mask=self.mask,
+            position_ids=pos,
+            logits_to_keep=1,
+            **{self.kw: self.cache},
+        )
+        self.positions = self.positions + n
+        return out.logits[:, -1].float()
+
+
+def decode_nll(model, cache, prefill: Prefill, inputs: torch.Tensor, targets: torch.Tensor):
+    """Teacher forcing through the decode path: ``inputs, targets: [B, M]`` -> nll ``[B, M]``."""
+    step = _Stepper(model, cache, prefill)
+    nll = []
+    for i in range(inputs.shape[1]):
+        logits = step(inputs[:, i : i + 1])
+        nll.append(torch.nn.functional.cross_entropy(logits, targets[:, i], reduction="none"))
+    return torch.stack(nll, dim=1)
+
+
+def greedy_tokens(model, cache, prefill: Prefill, count: int, suppress: list[int]):
+    """``count`` greedy tokens per row (the first from the prefill), ``suppress`` ids banned."""
+    step = _Stepper(model, cache, prefill)
+
+    def pick(logits):
+        logits = logits.clone()
+        logits[:, suppress] = float("-inf")
+        return logits.argmax(dim=-1, keepdim=True)
+
+    tokens = [pick(prefill.last_logits)]
+    for _ in range(count - 1):
+        tokens.append(pick(step(tokens[-1])))
+    return torch.cat(tokens, dim=1)
+
+
+def needle_answers(model, cache, prefill: Prefill, question: list[int], count: int):
+    """Feed ``question`` (one multi-token step), then decode ``count - 1`` greedy tokens.
+
+    Returns ``[B, count]`` token ids of the answer.
+    """
+    step = _Stepper(model, cache, prefill)
+    b = prefill.mask.shape[0]
+    q = torch.tensor([question], device=prefill.mask.device).expand(b, -1)
+    tokens = [step(q).argmax(dim=-1, keepdim=True)]
+    for _ in range(count - 1):
+        tokens.append(step(tokens[-1]).argmax(dim=-1, keepdim=True))
+    return torch.cat(tokens, dim=1)

