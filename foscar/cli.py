@@ -1,4 +1,4 @@
-"""The ``foscar`` command line: ``foscar demo`` (more subcommands join as they land)."""
+"""The ``foscar`` command line: ``foscar demo``, ``foscar bench``, ``foscar eval``."""
 
 from __future__ import annotations
 
@@ -21,6 +21,13 @@ def main(argv: list[str] | None = None) -> int:
 
     grid.add_arguments(p)
     p.set_defaults(run=grid.run)
+    p = sub.add_parser(
+        "eval", help="every KV format against BF16 on a real model (SmolLM2 offline; CPU ok)"
+    )
+    from .eval import run as eval_run
+
+    eval_run.add_arguments(p)
+    p.set_defaults(run=eval_run.run)
     args = parser.parse_args(argv)
     return args.run(args)
 
