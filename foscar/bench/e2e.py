@@ -1,0 +1,446 @@
+"""``foscar bench --e2e``: end-to-end decode throughput of a Qwen3-8B-shaped model on one GPU.
+
+The model has Qwen3-8B's shapes (36 layers, hidden 4096, 32 query / 8 KV heads, head_dim 128,
+MLP 12288, vocabulary 151936) and random weights in BF16, built from a config (no weights can be
+fetched on the GPU machine). Each point decodes ``--e2e-new-tokens`` tokens (after a few
+untimed warm-up steps) for ``B`` users whose prompts are ``L`` tokens long, through
+transformers' ``generate``-style loop (one ``forward`` per step, greedy argmax), and reports:
+
+* time per output token (TPOT), tokens/s per user (``1 / TPOT``) and aggregate (``B / TPOT``);
+* peak GPU memory (``torch.cuda.max_memory_allocated``) and the KV cache's own bytes;
+* per method and context, the largest batch whose KV cache fits a fixed budget
+  (``--e2e-kv-budget-gib``, computed from each method's bytes per token).
+
+Synthetic prompts: decode cost does not depend on the cached values, so the prompts' K/V are
+written straight into the caches instead of running a 100K-token prefill per user: random BF16
+K/V for transformers' caches; foscar's pages are taken as an append would take them and filled
+with random codes, scales and offsets (``FoscarCache._assume_prompt``). The results say so.
+
+Methods: ``bf16`` (transformers' ``DynamicCache`` with SDPA, the baseline), ``foscar-int4`` and
+``foscar-int2`` (token-wise K and V, groups of 128, OSCAR's BF16 windows of 64 sink + 256 recent
+tokens; ``FoscarCache`` and the Triton decode kernel), and ``hf-quantized-int4/int2``
+(transformers' ``QuantizedCache`` with the first importable backend of quanto, hqq; skipped with
+the reason when none is). A point that runs out of memory is recorded as such, and larger
+batches of that method and context are skipped. ``--e2e-max-seconds`` stops starting points
+once the time is spent; results are written after every point.
+
+The plot follows the paper's Fig. 12: aggregate against per-user throughput, one curve per
+method through the batch sizes, one panel per context length.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .. import __version__
+from ..cache import effective_bits
+from ..formats import KVFormat, QuantFormat
+
+__all__ = ["add_arguments", "run", "QWEN3_8B", "METHODS"]
+
+QWEN3_8B = {
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "max_position_embeddings": 131072,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
+METHODS = ("bf16", "foscar-int4", "foscar-int2", "hf-quantized-int4", "hf-quantized-int2")
+SINK, RECENT, GROUP = 64, 256, 128
+
+
+def add_arguments(parser) -> None:
+    g = parser.add_argument_group("end-to-end serving benchmark (--e2e)")
+    g.add_argument(
+        "--e2e",
+        action="store_true",
+        help="decode throughput of a Qwen3-8B-shaped model (random weights) instead of the "
+        "kernel grid; needs a CUDA GPU",
+    )
+    g.add_argument("--e2e-contexts", type=int, nargs="+", default=[32768, 102400])
+    g.add_argument("--e2e-batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    g.add_argument("--e2e-new-tokens", type=int, default=1024, help="timed decode steps")
+    g.add_argument("--e2e-warmup", type=int, default=8, help="untimed decode steps first")
+    g.add_argument("--e2e-methods", nargs="+", choices=METHODS, default=list(METHODS))
+    g.add_argument("--e2e-kv-budget-gib", type=float, default=96.0, help="KV memory budget")
+    g.add_argument(
+        "--e2e-layers", type=int, default=None, help="fewer layers than 36 (smoke runs only)"
+    )
+    g.add_argument(
+        "--e2e-max-seconds",
+        type=float,
+        default=None,
+        help="start no new point after this many seconds (partial results are kept)",
+    )
+
+
+# ---------------------------------------------------------------------------- model and caches
+def build_model(device: torch.device, layers: int | None = None, **overrides):
+    """A Qwen3-8B-shaped causal LM with random BF16 weights on ``device`` (Llama if transformers
+    has no Qwen3). ``overrides`` change config entries (tests build small models)."""
+    import transformers
+
+    from ..integrations.transformers import register
+
+    register()
+    shape = {**QWEN3_8B, **overrides}
+    if layers:
+        shape["num_hidden_layers"] = layers
+    if hasattr(transformers, "Qwen3ForCausalLM"):
+        config, cls = transformers.Qwen3Config(**shape), transformers.Qwen3ForCausalLM
+    else:  # same attention and MLP shapes, without Qwen3's q/k norms
+        config, cls = transformers.LlamaConfig(**shape), transformers.LlamaForCausalLM
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = cls(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()
+
+
+def foscar_format(bits: int) -> KVFormat:
+    f = QuantFormat(bits, "token", GROUP)
+    return KVFormat(f, f, sink_tokens=SINK, recent_tokens=RECENT)
+
+
+def kv_bytes_per_token(method: str, context: int, config) -> float:
+    """KV bytes one user's token costs at ``context`` tokens (all layers, K and V)."""
+    elems = config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2
+    if method == "bf16":
+        return elems * 2.0
+    bits = int(method[-1])
+    if method.startswith("foscar"):
+        return elems * effective_bits(context, foscar_format(bits)) / 8
+    # transformers' QuantizedCache: nbits plus an fp scale and zero point per 64 values (an
+    # estimate: backends differ), and a BF16 residual of 128 tokens
+    quant = bits + 2 * 16 / 64
+    return elems * (quant * (context - 128) + 16 * 128) / context / 8
+
+
+def hf_quantized_backend() -> tuple[str | None, str]:
+    """The first importable backend of transformers' QuantizedCache, or None and why not."""
+    from transformers.utils import is_hqq_available, is_optimum_quanto_available
+
+    if is_optimum_quanto_available():
+        return "quanto", "optimum-quanto"
+    if is_hqq_available():
+        return "hqq", "hqq"
+    return None, "neither optimum-quanto nor hqq is installed"
+
+
+def _fill_random(cache, seed: int) -> None:
+    """Random codes; small positive scales and offsets around zero (so values stay finite)."""
+    g = torch.Generator(device=cache.kv.device).manual_seed(seed)
+    for st in cache.kv.layers:
+        for words in (st.k_words, st.v_words):
+            words.random_(-(2**31), 2**31 - 1, generator=g)
+        for sz in (st.k_scales, st.v_scales):
+            sz[..., 0].uniform_(0.005, 0.02, generator=g)
+            sz[..., 1].uniform_(-1.0, -0.5, generator=g)
+
+
+def make_cache(method: str, model, batch: int, context: int, extra: int, seed: int):
+    """A cache holding ``batch`` synthetic prompts of ``context`` tokens."""
+    from transformers import DynamicCache
+
+    from ..integrations.transformers import FoscarCache
+
+    cfg = model.config
+    device = model.device
+    shape = (batch, cfg.num_key_value_heads, context, cfg.head_dim)
+    if method.startswith("foscar"):
+        cache = FoscarCache(
+            foscar_format(int(method[-1])),
+            cfg,
+            max_cache_len=context + extra,
+            max_batch_size=batch,
+            check_finite=False,
+            check_mask=False,
+        )
+        cache._assume_prompt(batch, context, device)
+        _fill_random(cache, seed)
+        return cache
+    g = torch.Generator(device=device).manual_seed(seed)
+    if method == "bf16":
+        cache = DynamicCache()
+    else:
+        from transformers import QuantizedCache
+
+        backend, _ = hf_quantized_backend()
+        cache = QuantizedCache(backend, cfg, nbits=int(method[-1]), q_group_size=64)
+    for layer in range(cfg.num_hidden_layers):
+        k = torch.randn(shape, dtype=torch.bfloat16, device=device, generator=g)
+        v = torch.randn(shape, dtype=torch.bfloat16, device=device, generator=g)
+        cache.update(k, v, layer)
+        del k, v
+    return cache
+
+
+def cache_bytes(cache) -> int:
+    """Bytes the cache's K/V occupy (foscar: what its live tokens use)."""
+    stats = getattr(cache, "memory_stats", None)
+    if stats is not None:
+        return int(stats()["used_bytes"])
+    total = 0
+    for layer in cache.layers:
+        for name in ("keys", "values", "_quantized_keys", "_quantized_values"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+# ---------------------------------------------------------------------------- one point
+@torch.no_grad()
+def decode_point(model, method: str, batch: int, context: int, new_tokens: int, warmup: int):
+    """Decode ``warmup + new_tokens`` steps for ``batch`` users; timings of the last ones."""
+    from ..integrations.transformers import cache_kwarg
+
+    device = model.device
+    cuda = device.type == "cuda"
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    model.set_attn_implementation("foscar" if method.startswith("foscar") else "sdpa")
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    cache = make_cache(method, model, batch, context, warmup + new_tokens + 8, seed=batch)
+    kw = cache_kwarg(model)
+    tokens = torch.randint(0, model.config.vocab_size, (batch, 1), device=device)
+    sync()
+    t0 = time.perf_counter()
+    for step in range(warmup + new_tokens):
+        if step == warmup:
+            sync()
+            t0 = time.perf_counter()
+        pos = torch.full((batch, 1), context + step, device=device)
+        out = model(
+            input_ids=tokens, position_ids=pos, use_cache=True, logits_to_keep=1, **{kw: cache}
+        )
+        tokens = out.logits[:, -1].argmax(dim=-1, keepdim=True)
+    sync()
+    seconds = time.perf_counter() - t0
+    tpot = seconds / new_tokens
+    row = {
+        "method": method,
+        "context": context,
+        "batch": batch,
+        "tpot_ms": 1e3 * tpot,
+        "tokens_per_s_per_user": 1 / tpot,
+        "tokens_per_s_aggregate": batch / tpot,
+        "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+        "kv_cache_gib": cache_bytes(cache) / 2**30,
+    }
+    del cache, out
+    if cuda:
+        torch.cuda.empty_cache()
+    return row
+
+
+# ---------------------------------------------------------------------------- report
+def budget_table(methods, contexts, config, budget_gib: float, new_tokens: int) -> list[dict]:
+    rows = []
+    for method in methods:
+        for context in contexts:
+            n = context + new_tokens
+            per_user = kv_bytes_per_token(method, n, config) * n
+            rows.append(
+                {
+                    "method": method,
+                    "context": context,
+                    "kv_gib_per_user": per_user / 2**30,
+                    "max_batch": int(budget_gib * 2**30 // per_user),
+                }
+            )
+    return rows
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        "| method | context | batch | TPOT (ms) | tok/s per user | tok/s aggregate | "
+        "peak mem (GiB) | KV (GiB) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["points"]:
+        if r.get("oom"):
+            lines.append(f"| {r['method']} | {r['context']} | {r['batch']} | OOM | | | | |")
+            continue
+        lines.append(
+            f"| {r['method']} | {r['context']} | {r['batch']} | {r['tpot_ms']:.2f} | "
+            f"{r['tokens_per_s_per_user']:.1f} | {r['tokens_per_s_aggregate']:.1f} | "
+            f"{r['peak_memory_gib'] or 0:.1f} | {r['kv_cache_gib']:.2f} |"
+        )
+    lines += [
+        "",
+        f"Largest batch whose KV cache fits {result['config']['kv_budget_gib']:g} GiB:",
+        "",
+        "| method | context | KV per user (GiB) | max batch |",
+        "|---|---|---|---|",
+    ]
+    for r in result["budget"]:
+        lines.append(
+            f"| {r['method']} | {r['context']} | {r['kv_gib_per_user']:.2f} | {r['max_batch']} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    """Aggregate against per-user tokens/s (the paper's Fig. 12), one panel per context."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    contexts = result["config"]["contexts"]
+    fig, axes = plt.subplots(1, len(contexts), figsize=(7 * len(contexts), 5.5), squeeze=False)
+    for ax, context in zip(axes[0], contexts):
+        for method in result["config"]["methods"]:
+            pts = [
+                p
+                for p in result["points"]
+                if p["method"] == method and p["context"] == context and not p.get("oom")
+            ]
+            if not pts:
+                continue
+            x = [p["tokens_per_s_per_user"] for p in pts]
+            y = [p["tokens_per_s_aggregate"] for p in pts]
+            ax.plot(x, y, "-o", label=method)
+            for p, xi, yi in zip(pts, x, y):
+                ax.annotate(f"B={p['batch']}", (xi, yi), fontsize=7, xytext=(3, 3),
+                            textcoords="offset points")  # fmt: skip
+        ax.set_xlabel("tokens/s per user")
+        ax.set_ylabel("aggregate tokens/s")
+        ax.set_title(f"prompt {context // 1024}K tokens")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(
+        f"foscar bench --e2e: Qwen3-8B shapes, random weights, synthetic prompt K/V "
+        f"({result['env'].get('gpu', '')})"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _write(result: dict, out: Path, name: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    notes = "\n".join(f"- {n}" for n in result["notes"])
+    (out / f"{name}.md").write_text(
+        f"# foscar bench --e2e ({result['env'].get('gpu')})\n\n{notes}\n\n{markdown(result)}\n"
+    )
+    try:
+        plot(result, out / f"{name}.png")
+    except ImportError:
+        pass
+
+
+# ---------------------------------------------------------------------------- entry
+def run(args) -> int:
+    if not torch.cuda.is_available():
+        print(
+            "foscar bench --e2e needs a CUDA GPU: it decodes a Qwen3-8B-shaped model (16 GiB of "
+            "BF16 weights) with the Triton kernels; this machine has none",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        import transformers
+    except ImportError:
+        print("foscar bench --e2e needs transformers: pip install 'foscar[hf]'", file=sys.stderr)
+        return 2
+    for name in ("e2e_new_tokens", "e2e_warmup"):
+        if getattr(args, name) < (1 if name == "e2e_new_tokens" else 0):
+            print(f"--{name.replace('_', '-')} is too small", file=sys.stderr)
+            return 2
+    device = torch.device("cuda")
+    methods = list(args.e2e_methods)
+    skipped = {}
+    if any(m.startswith("hf-quantized") for m in methods):
+        backend, why = hf_quantized_backend()
+        if backend is None:
+            skipped = {m: why for m in methods if m.startswith("hf-quantized")}
+            methods = [m for m in methods if m not in skipped]
+        else:
+            skipped["hf-quantized backend"] = why
+    t_start = time.perf_counter()
+    model = build_model(device, args.e2e_layers)
+    env = {
+        "gpu": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "foscar": __version__,
+        "model_class": type(model).__name__,
+        "weights_gib": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30,
+    }
+    print(json.dumps(env), flush=True)
+    name = args.name or "e2e_qwen3_8b"
+    out = Path(args.out)
+    result = {
+        "config": {
+            "model": {**QWEN3_8B, "num_hidden_layers": model.config.num_hidden_layers},
+            "contexts": args.e2e_contexts,
+            "batches": args.e2e_batches,
+            "new_tokens": args.e2e_new_tokens,
+            "warmup": args.e2e_warmup,
+            "methods": methods,
+            "skipped": skipped,
+            "kv_budget_gib": args.e2e_kv_budget_gib,
+            "foscar_formats": {f"foscar-int{b}": foscar_format(b).short() for b in (4, 2)},
+        },
+        "env": env,
+        "notes": [
+            "random weights with Qwen3-8B's shapes, built from a config (no checkpoint)",
+            "synthetic prompts: the prompt K/V are written straight into the caches (no "
+            "prefill); decode cost does not depend on the cached values",
+            f"each point: {args.e2e_warmup} untimed decode steps, then {args.e2e_new_tokens} "
+            "timed ones, greedy argmax, one forward per step",
+            "max batch: from each method's KV bytes per token at context + new tokens "
+            "(hf-quantized: an estimate of nbits + fp16 scale/zero per 64 values)",
+        ],
+        "points": [],
+        "budget": budget_table(
+            methods, args.e2e_contexts, model.config, args.e2e_kv_budget_gib, args.e2e_new_tokens
+        ),
+    }
+    for context in args.e2e_contexts:
+        for method in methods:
+            for batch in sorted(args.e2e_batches):
+                if args.e2e_max_seconds and time.perf_counter() - t_start > args.e2e_max_seconds:
+                    result["notes"].append(f"stopped after {args.e2e_max_seconds:g} s")
+                    _write(result, out, name)
+                    print(markdown(result))
+                    return 0
+                try:
+                    row = decode_point(
+                        model, method, batch, context, args.e2e_new_tokens, args.e2e_warmup
+                    )
+                except torch.OutOfMemoryError:
+                    torch.cuda.empty_cache()
+                    row = {"method": method, "context": context, "batch": batch, "oom": True}
+                result["points"].append(row)
+                print(json.dumps(row), flush=True)
+                _write(result, out, name)
+                if row.get("oom"):
+                    break
+    result["seconds"] = time.perf_counter() - t_start
+    _write(result, out, name)
+    print(markdown(result))
+    return 0 if all(math.isfinite(p.get("tpot_ms", 0.0)) for p in result["points"]) else 1

@@ -1,0 +1,83 @@
+"""``foscar bench --e2e`` on the CPU: what can run without a GPU (a small model, every piece but
+the timing), and the clear refusal of the real run."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the e2e benchmark needs transformers (foscar[hf])")
+
+from foscar.bench import e2e  # noqa: E402
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA"
+)
+def test_refuses_without_cuda():
+    res = subprocess.run(
+        [sys.executable, "-m", "foscar", "bench", "--e2e"], capture_output=True, text=True
+    )
+    assert res.returncode == 2
+    assert "needs a CUDA GPU" in res.stderr
+
+
+@pytest.fixture(scope="module")
+def small_model():
+    torch.manual_seed(0)
+    return e2e.build_model(
+        torch.device("cpu"),
+        layers=2,
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+    )
+
+
+def test_decode_points_on_a_small_model(small_model, tmp_path):
+    """Synthetic prompts of 400 tokens (past foscar's 64 + 256 BF16 windows), 3 timed steps."""
+    assert small_model.config.head_dim == 128 and small_model.dtype == torch.bfloat16
+    rows = [
+        e2e.decode_point(small_model, m, 2, 400, new_tokens=3, warmup=1)
+        for m in ("bf16", "foscar-int4", "foscar-int2")
+    ]
+    for r in rows:
+        assert math.isfinite(r["tpot_ms"]) and r["tokens_per_s_aggregate"] > 0
+        assert r["tokens_per_s_aggregate"] == pytest.approx(2 * r["tokens_per_s_per_user"])
+    kv = {r["method"]: r["kv_cache_gib"] for r in rows}
+    # 2 users x 404 tokens x 2 layers x 2 heads x 128 x (K, V) in BF16
+    assert kv["bf16"] * 2**30 == 2 * 404 * 2 * 2 * 128 * 2 * 2
+    assert kv["foscar-int2"] < kv["foscar-int4"] < kv["bf16"]
+    result = {
+        "config": {
+            "contexts": [400],
+            "methods": ["bf16", "foscar-int4", "foscar-int2"],
+            "kv_budget_gib": 1.0,
+        },
+        "env": {"gpu": "cpu"},
+        "notes": ["test"],
+        "points": rows + [{"method": "bf16", "context": 400, "batch": 64, "oom": True}],
+        "budget": e2e.budget_table(["bf16", "foscar-int2"], [400], small_model.config, 1.0, 3),
+    }
+    e2e._write(result, tmp_path, "e2e")
+    assert "| bf16 | 400 | 64 | OOM |" in (tmp_path / "e2e.md").read_text()
+    assert (tmp_path / "e2e.png").stat().st_size > 10000
+
+
+def test_kv_budget_at_qwen3_8b_shapes():
+    """At 32K tokens a BF16 user costs 4.5 GiB of KV; foscar's INT2 about 2.5 / 16 of that."""
+    from transformers import Qwen3Config
+
+    cfg = Qwen3Config(**e2e.QWEN3_8B)
+    rows = {r["method"]: r for r in e2e.budget_table(e2e.METHODS, [32768], cfg, 96.0, 0)}
+    assert rows["bf16"]["kv_gib_per_user"] == pytest.approx(4.5)
+    assert rows["bf16"]["max_batch"] == 21
+    ratio = rows["foscar-int2"]["kv_gib_per_user"] / rows["bf16"]["kv_gib_per_user"]
+    assert ratio == pytest.approx(e2e.effective_bits(32768, e2e.foscar_format(2)) / 16)
+    assert rows["foscar-int2"]["max_batch"] > 5 * rows["bf16"]["max_batch"]
