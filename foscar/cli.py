@@ -16,11 +16,15 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("demo", help="every KV format on the paper's stress input (CPU, < 1 min)")
     demo.add_arguments(p)
     p.set_defaults(run=demo.run)
-    p = sub.add_parser("bench", help="decode latency beside FlashInfer on a GPU (paper grid)")
-    from .bench import grid
+    p = sub.add_parser(
+        "bench",
+        help="decode latency beside FlashInfer on a GPU (paper grid); --e2e: end-to-end serving",
+    )
+    from .bench import e2e, grid
 
     grid.add_arguments(p)
-    p.set_defaults(run=grid.run)
+    e2e.add_arguments(p)
+    p.set_defaults(run=lambda a: e2e.run(a) if a.e2e else grid.run(a))
     p = sub.add_parser(
         "eval", help="every KV format against BF16 on a real model (SmolLM2 offline; CPU ok)"
     )
