@@ -4,6 +4,8 @@
 #   bash benchmarks/h200_run.sh tests   # the whole GPU test suite, then compute-sanitizer
 #   bash benchmarks/h200_run.sh tune    # launch-config sweep of the Triton kernel
 #   bash benchmarks/h200_run.sh grid    # foscar bench: the 13-point grid and --axes all
+#   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
+#   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
 # Needs .whl/ (../shared/tools/device-wheels.sh) carried for FlashInfer. Results go to $OUT.
 set -uo pipefail
 mode=${1:-smoke}
@@ -48,5 +50,13 @@ case "$mode" in
     ;;
   grid)
     python3 -m foscar bench --grid both --out "$OUT" 2>&1 | tee "$OUT/grid.log"
+    ;;
+  e2e-32k|e2e-100k)
+    # end-to-end decode (random weights, synthetic prompt K/V); needs transformers installed.
+    # Points that do not start before 540 s are left out (the results say where it stopped).
+    ctx=32768; [ "$mode" = e2e-100k ] && ctx=102400
+    python3 -m foscar bench --e2e --e2e-contexts "$ctx" --e2e-batches 1 4 16 32 \
+      --e2e-new-tokens 1024 --e2e-max-seconds 540 --out "$OUT" --name "e2e_qwen3_8b_${mode#e2e-}" \
+      2>&1 | tee "$OUT/$mode.log"
     ;;
 esac
