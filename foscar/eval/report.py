@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["Progress", "markdown_table", "write_results", "plot"]
+__all__ = ["Progress", "markdown_table", "write_results", "plot", "ppl_gap"]
 
 
 class Progress:
@@ -42,18 +42,31 @@ class Progress:
         )
 
 
+def ppl_gap(row: dict, base: dict, n: str) -> tuple[float, float]:
+    """Perplexity gap to ``base`` in %, and the half-width of its 95% interval in % (paired
+    over the scored positions: ``exp(mean(d) +- 1.96 * std(d) / sqrt(M)) - 1`` with ``d`` the
+    per-token NLL differences)."""
+    d = [a - b for a, b in zip(row["nll"][n], base["nll"][n])]
+    mean = sum(d) / len(d)
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / max(len(d) - 1, 1))
+    half = 1.96 * sd / math.sqrt(len(d))
+    gap = 100 * (row["ppl"][n] / base["ppl"][n] - 1)
+    return gap, 100 * (math.exp(mean + half) - math.exp(mean - half)) / 2
+
+
 def _ppl_cell(row: dict, n: str, base: dict | None) -> str:
     ppl = row.get("ppl", {}).get(n)
     if ppl is None:
         return ""
     if base is None or row is base:
-        return f"{ppl:.3f}"
-    gap = 100 * (ppl / base["ppl"][n] - 1)
-    return f"{ppl:.3f} ({gap:+.1f}%)"
+        return f"{ppl:.2f}"
+    gap, half = ppl_gap(row, base, n)
+    return f"{ppl:.2f} ({gap:+.1f}% ±{half:.1f})"
 
 
 def markdown_table(result: dict) -> str:
-    """One row per format: bits, decode-path perplexity (gap to BF16), agreement, needle."""
+    """One row per format: bits, decode-path perplexity (gap to BF16 with its 95% interval),
+    greedy agreement, needle retrievals."""
     rows = result["rows"]
     base = next((r for r in rows if r["format"] == "BF16"), None)
     has = {k: any(k in r for r in rows) for k in ("ppl", "agreement", "needle")}
