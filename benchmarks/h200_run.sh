@@ -2,7 +2,8 @@
 # Everything foscar runs on the H200 device, in one call per mode. From the repository root:
 #   bash benchmarks/h200_run.sh smoke   # GPU tests subset + 2-point bench (first check)
 #   bash benchmarks/h200_run.sh tests   # the whole GPU test suite, then compute-sanitizer
-#   bash benchmarks/h200_run.sh tune    # launch-config sweep of the Triton kernel
+#   bash benchmarks/h200_run.sh tune [--round 3]   # launch-config sweep of the Triton kernel
+#   bash benchmarks/h200_run.sh diagnose-int4       # bisect + memcheck of the INT4 g=32 fault
 #   bash benchmarks/h200_run.sh grid    # foscar bench: the 13-point grid and --axes all
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -42,6 +43,12 @@ case "$mode" in
     ;;
   tune)
     python3 benchmarks/tune_triton.py --out "$OUT/tune.json" "${@:2}" 2>&1 | tee "$OUT/tune.log"
+    ;;
+  diagnose-int4)
+    # bisect the INT4 token-wise K g=32 illegal memory access, then memcheck the base case
+    python3 benchmarks/diagnose_int4_groups.py 2>&1 | tee "$OUT/diagnose_int4.log"
+    timeout 240 compute-sanitizer --tool memcheck --print-limit 10 \
+      python3 benchmarks/diagnose_int4_groups.py K4g32-V2g128-len64 2>&1 | head -80 | tee "$OUT/memcheck_int4.log"
     ;;
   grid-lite)
     # the 13-point grid with foscar and FlashInfer BF16 only (when device time is short)

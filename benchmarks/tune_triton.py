@@ -36,8 +36,18 @@ ROUNDS = {
     ],
     # round 2: occupancy against spills (register caps), larger tiles over 8 warps
     2: [(128, 4, 3, None), (128, 4, 3, 168), (128, 4, 4, None), (256, 8, 2, None), (64, 4, 3, 128)],
+    # round 3: split counts that fill the resident CTA slots (the 5th field: CTAs per SM the
+    # split count assumes), and 3 CTAs/SM at 64-token tiles without spills (cap 168)
+    3: [
+        (128, 4, 3, None, 2),
+        (128, 4, 3, None, 3),
+        (64, 4, 3, 128, 4),
+        (64, 4, 3, 128, 6),
+        (64, 4, 3, 168, 3),
+        (64, 4, 4, 128, 4),
+    ],
 }
-POINTS = [(1, 32768), (8, 131072), (64, 16384)]
+POINTS = [(1, 32768), (1, 131072), (8, 32768), (8, 131072), (64, 16384)]
 
 
 def main() -> None:
@@ -48,8 +58,12 @@ def main() -> None:
     ap.add_argument("--round", type=int, default=2)
     a = ap.parse_args()
     configs = [
-        TritonDecodeConfig(block_n=bn, num_warps=w, num_stages=s, maxnreg=r)
-        for bn, w, s, r in ROUNDS[a.round]
+        TritonDecodeConfig(
+            block_n=c[0], num_warps=c[1], num_stages=c[2], maxnreg=c[3], ctas_per_sm=c[4]
+        )
+        if len(c) == 5
+        else TritonDecodeConfig(block_n=c[0], num_warps=c[1], num_stages=c[2], maxnreg=c[3])
+        for c in ROUNDS[a.round]
     ]
     shape = Shape()
     flusher = L2Flusher()
@@ -98,6 +112,7 @@ def main() -> None:
                                 "num_warps": cfg.num_warps,
                                 "num_stages": cfg.num_stages,
                                 "maxnreg": cfg.maxnreg,
+                                "ctas_per_sm": cfg.ctas_per_sm,
                                 "splits": splits,
                                 "ms": ms,
                                 "tbps": tbps,
@@ -105,7 +120,8 @@ def main() -> None:
                         )
                         line.append(
                             f"{cfg.block_n}/{cfg.num_warps}/{cfg.num_stages}"
-                            f"/r{cfg.maxnreg}x{splits}:{ms * 1e3:.0f}us({tbps:.2f})"
+                            f"/r{cfg.maxnreg}c{cfg.ctas_per_sm}x{splits}"
+                            f":{ms * 1e3:.0f}us({tbps:.2f})"
                         )
                 print(
                     f"INT{bits} {axes} B={batch} L={kv_len // 1024}K  " + "  ".join(line),
