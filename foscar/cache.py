@@ -36,6 +36,12 @@ first write, so a rejected call leaves pages, tables and counters exactly as the
 Values are rounded to ``window_dtype`` (BF16) on entry, so a token quantizes to the same bits
 whether it is demoted from the tail or written straight into the history by a prefill.
 
+OSCAR transforms (:meth:`QuantizedKVCache.set_transform`): a layer may rotate what it stores,
+``k R_K`` and ``v R_V`` with orthogonal ``R`` (one per layer or per KV head), in every segment
+(sink, history, tail); :func:`foscar.decode_attention` then rotates the queries by ``R_K`` and
+the output by ``R_V^T``, so attention is unchanged in exact arithmetic. A layer may also replace
+the format's clip ratios of K and V with its own.
+
 NaN/Inf rule: K and V must be finite; a call with a non-finite value is rejected (one
 device-to-host sync per call; pass ``check_finite=False`` to the cache to skip it, and then a
 non-finite value poisons its whole group, as it would a BF16 attention).
@@ -45,7 +51,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -61,7 +67,14 @@ from .formats import (
 )
 from .quantize import quantize
 
-__all__ = ["QuantizedKVCache", "LayerStorage", "DecodeBatch", "effective_bits"]
+__all__ = [
+    "QuantizedKVCache",
+    "LayerStorage",
+    "LayerTransform",
+    "DecodeBatch",
+    "effective_bits",
+    "rotate_rows",
+]
 
 _ALLOWED_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
@@ -81,6 +94,36 @@ class LayerStorage:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return dict(vars(self))
+
+
+@dataclass(frozen=True)
+class LayerTransform:
+    """OSCAR's transform of one layer (:meth:`QuantizedKVCache.set_transform`).
+
+    ``key_rotation, value_rotation``: ``[H, D, D]`` float64 orthogonal (one per KV head) or None;
+    ``key_clip, value_clip``: clip ratio replacing the format's for this layer's history, or None.
+    """
+
+    key_rotation: torch.Tensor | None = None
+    value_rotation: torch.Tensor | None = None
+    key_clip: float | None = None
+    value_clip: float | None = None
+
+
+def rotate_rows(x: torch.Tensor, r: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
+    """``x R_h`` (or ``x R_h^T`` with ``inverse``) for rows ``x: [..., Hx, D]`` of heads ``Hx``.
+
+    ``r: [H, D, D]``; head ``j`` of ``x`` uses ``R_{j // (Hx / H)}`` (query heads share their
+    KV head's rotation). Computed in float64 for float64 ``x``, else float32; returned in that
+    dtype (the cache rounds to its window dtype afterwards).
+    """
+    dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    h = r.shape[0]
+    group = x.shape[-2] // h
+    rr = r.to(device=x.device, dtype=dt)
+    xg = x.to(dt).unflatten(-2, (h, group))  # [..., H, g, D]
+    eq = "...hgd,hed->...hge" if inverse else "...hgd,hde->...hge"
+    return torch.einsum(eq, xg, rr).flatten(-3, -2)
 
 
 @dataclass
@@ -253,6 +296,7 @@ class QuantizedKVCache:
         self.window_dtype = window_dtype
         self.check_finite = check_finite
         self.layers = [self._allocate_layer() for _ in range(num_layers)]
+        self.transforms = [LayerTransform() for _ in range(num_layers)]
         self._free_pages: list[int] = list(range(num_pages - 1, -1, -1))  # pop() gives 0 first
         self._free_slots: list[int] = list(range(max_seqs - 1, -1, -1))
         self._seqs: dict[object, _Sequence] = {}
@@ -360,6 +404,76 @@ class QuantizedKVCache:
         self._free_pages.extend(reversed(seq.pages))
         self._free_slots.append(seq.slot)
 
+    # ------------------------------------------------------------------ OSCAR transforms
+    def set_transform(
+        self,
+        layer: int,
+        *,
+        key_rotation: torch.Tensor | None = None,
+        value_rotation: torch.Tensor | None = None,
+        key_clip: float | None = None,
+        value_clip: float | None = None,
+    ) -> None:
+        """Rotate and/or re-clip what ``layer`` stores (OSCAR, oscar.md Sec. 2-3).
+
+        Parameters
+        ----------
+        key_rotation, value_rotation : ``[D, D]`` or ``[1, D, D]`` (shared by the KV heads) or
+            ``[H, D, D]``
+            orthogonal matrices, or None for none. Appended tokens are stored as ``k R_K`` and
+            ``v R_V`` (rows; every segment), :func:`foscar.decode_attention` rotates queries by
+            ``R_K`` and the output by ``R_V^T``, and
+            :func:`foscar.reference.dequantize_sequence` returns the model's coordinates.
+        key_clip, value_clip : per-token clip ratio in ``(0, 1]`` of this layer's quantized K / V
+            (replacing the format's; 1 clips nothing), or None for the format's.
+
+        The layer must hold no tokens (a rotation cannot apply to tokens stored before it).
+        Each call replaces the layer's whole transform.
+        """
+        layer = self._check_layer(layer)
+        busy = [s for s, seq in self._seqs.items() if seq.lengths[layer]]
+        if busy:
+            raise ValueError(
+                f"layer {layer} already stores tokens of sequences {busy}: set its transform "
+                "before appending"
+            )
+        h, d = self.num_kv_heads, self.head_dim
+        rotations = []
+        for name, r in (("key_rotation", key_rotation), ("value_rotation", value_rotation)):
+            if r is None:
+                rotations.append(None)
+                continue
+            if not isinstance(r, torch.Tensor) or not r.is_floating_point():
+                raise TypeError(f"{name} must be a floating torch.Tensor, got {type(r).__name__}")
+            if tuple(r.shape) in ((d, d), (1, d, d)):
+                r = r.expand(h, d, d)
+            if tuple(r.shape) != (h, d, d):
+                raise ValueError(
+                    f"{name} must be [head_dim={d}, {d}] or [num_kv_heads={h}, {d}, {d}], "
+                    f"got {list(r.shape)}"
+                )
+            r = r.to(device=self.device, dtype=torch.float64).contiguous()
+            eye = torch.eye(d, dtype=torch.float64, device=self.device)
+            err = float((r.transpose(1, 2) @ r - eye).abs().max())
+            if not err < 1e-6:
+                raise ValueError(f"{name} must be orthogonal (max |R^T R - I| = {err:.2e})")
+            rotations.append(r)
+        clips = []
+        for name, c in (("key_clip", key_clip), ("value_clip", value_clip)):
+            if c is not None:
+                # QuantFormat checks the ratio and names it; report our argument's name
+                try:
+                    c = QuantFormat(clip=c).clip
+                except (TypeError, ValueError) as e:
+                    raise type(e)(str(e).replace("clip", name, 1)) from None
+            clips.append(c)
+        self.transforms[layer] = LayerTransform(*rotations, *clips)
+
+    def _history_format(self, layer: int, name: str) -> QuantFormat:
+        f = self.fmt.key if name == "k" else self.fmt.value
+        clip = getattr(self.transforms[layer], "key_clip" if name == "k" else "value_clip")
+        return f if clip is None else replace(f, clip=clip)
+
     def _lookup(self, seq_id, name: str) -> _Sequence:
         try:
             return self._seqs[seq_id]
@@ -444,6 +558,11 @@ class QuantizedKVCache:
                 f"page pool exhausted: this append needs {sum(need)} more pages, "
                 f"{len(self._free_pages)} of {self.num_pages} are free"
             )
+        tr = self.transforms[layer]
+        if tr.key_rotation is not None:
+            k = rotate_rows(k, tr.key_rotation)
+        if tr.value_rotation is not None:
+            v = rotate_rows(v, tr.value_rotation)
         # ---- nothing below can fail for a reason of the caller's
         for s, n in zip(seqs, need):
             for _ in range(n):
@@ -521,7 +640,7 @@ class QuantizedKVCache:
                 )
                 demoted[old_dst] = tail[old_slot, :, old_ring]
                 demoted[new_dst] = src[new_src].to(tail.dtype)
-                self._write_history(st, name, demoted, segments, hist_page, hist_row)
+                self._write_history(layer, name, demoted, segments, hist_page, hist_row)
         wd = self.window_dtype
         if sink_src:
             src, slot, pos = cat(sink_src), cat(sink_slot), cat(sink_pos)
@@ -586,7 +705,7 @@ class QuantizedKVCache:
                 )
                 demoted[old_dst] = tail[old_slot, :, old_ring]
                 demoted[new_dst] = src[new_src].to(tail.dtype)
-                self._write_history(st, name, demoted, segments, hist_page, hist_row)
+                self._write_history(layer, name, demoted, segments, hist_page, hist_row)
         wd = self.window_dtype
         if sink_src:
             src, slot, pos = idx(sink_src), idx(sink_slot), idx(sink_pos)
@@ -597,9 +716,10 @@ class QuantizedKVCache:
             st.k_tail[slot, :, pos] = k[src].to(wd)
             st.v_tail[slot, :, pos] = v[src].to(wd)
 
-    def _write_history(self, st: LayerStorage, name, demoted, segments, hist_page, hist_row):
+    def _write_history(self, layer: int, name, demoted, segments, hist_page, hist_row):
         """Quantize the demoted tokens ``[n, H, D]`` of K or V; store codes, s' and z'."""
-        f: QuantFormat = self.fmt.key if name == "k" else self.fmt.value
+        st = self.layers[layer]
+        f = self._history_format(layer, name)
         mapping = self.fmt.mapping
         x = demoted.transpose(0, 1)  # [H, n, D]: channel-wise groups run along tokens
         codes, scale, offset = quantize(x, f)

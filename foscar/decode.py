@@ -8,7 +8,7 @@ import torch
 
 from . import reference
 from .backends import triton as triton_backend
-from .cache import DecodeBatch, QuantizedKVCache
+from .cache import DecodeBatch, QuantizedKVCache, rotate_rows
 
 __all__ = ["decode_attention", "default_backend", "BACKENDS"]
 
@@ -73,6 +73,10 @@ def decode_attention(
     -------
     o : [batch, num_q_heads, head_dim] in ``q.dtype``, and ``lse`` if asked.
 
+    A layer with OSCAR rotations (:meth:`QuantizedKVCache.set_transform`) is read in its
+    rotated coordinates: ``q R_K`` goes to the backend and its output comes back as ``o R_V^T``
+    (in fp32, fp64 for fp64 queries), so ``q`` and ``o`` stay in the model's coordinates.
+
     Example
     -------
     >>> batch = cache.plan(seq_ids)
@@ -96,6 +100,23 @@ def decode_attention(
     sm_scale = 1.0 / math.sqrt(cache.head_dim) if sm_scale is None else float(sm_scale)
     if backend == "auto":
         backend = default_backend(cache, q)
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
+        raise ValueError(f"out must be a {q.dtype} tensor of shape {list(q.shape)} on {q.device}")
+    tr = cache.transforms[batch.layer]
+    if tr.key_rotation is not None:
+        q = rotate_rows(q, tr.key_rotation).to(q.dtype)
+    if tr.value_rotation is None:
+        return _decode(q, cache, batch, sm_scale, backend, return_lse, out, lse)
+    o, lse_o = _decode(q, cache, batch, sm_scale, backend, True, None, lse)
+    o = rotate_rows(o, tr.value_rotation, inverse=True).to(q.dtype)
+    if out is not None:
+        out.copy_(o)
+        o = out
+    return (o, lse_o) if return_lse else o
+
+
+def _decode(q, cache, batch, sm_scale, backend, return_lse, out, lse):
+    """The backend call of :func:`decode_attention` (validated arguments, stored coordinates)."""
     if backend.startswith("triton"):
         if not triton_backend.available(q.device):
             raise ValueError(
@@ -107,12 +128,6 @@ def decode_attention(
             raise ValueError(f"backend {backend!r} does not cover this cache: {reason}")
         if q.dtype != torch.bfloat16:
             raise TypeError(f"backend {backend!r} needs bfloat16 queries, got {q.dtype}")
-        if out is not None and (
-            out.shape != q.shape or out.dtype != q.dtype or out.device != q.device
-        ):
-            raise ValueError(
-                f"out must be a {q.dtype} tensor of shape {list(q.shape)} on {q.device}"
-            )
         return triton_backend.decode(
             q,
             cache,

@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from .cache import DecodeBatch, QuantizedKVCache
+from .cache import DecodeBatch, QuantizedKVCache, rotate_rows
 from .formats import GroupAxis, QuantFormat, operand_values, unpack_codes
 from .quantize import dequantize
 
@@ -86,9 +86,19 @@ def _window(cache: QuantizedKVCache, batch: DecodeBatch, i: int, name: str):
 
 
 def dequantize_sequence(
-    cache: QuantizedKVCache, batch: DecodeBatch, i: int, dtype: torch.dtype = torch.float64
+    cache: QuantizedKVCache,
+    batch: DecodeBatch,
+    i: int,
+    dtype: torch.dtype = torch.float64,
+    *,
+    stored: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """All tokens of sequence ``i`` of ``batch``, dequantized: ``k, v: [H, L, D]`` in ``dtype``."""
+    """All tokens of sequence ``i`` of ``batch``, dequantized: ``k, v: [H, L, D]`` in ``dtype``.
+
+    In the model's coordinates: a layer's OSCAR rotations are undone (``k R_K^T``, ``v R_V^T``,
+    in float64) unless ``stored``, which returns what the pages hold.
+    """
+    tr = cache.transforms[batch.layer]
     out = []
     lq = batch.num_quantized_host[i]
     for name in ("k", "v"):
@@ -99,7 +109,12 @@ def dequantize_sequence(
             y, s, z = _history_operands(cache, batch, i, name, 0, lq)
             parts.append(dequantize(y, s, z, f, dtype=torch.float64).to(dtype))
         parts.append(tail.to(dtype))
-        out.append(torch.cat(parts, dim=1))
+        x = torch.cat(parts, dim=1)
+        r = tr.key_rotation if name == "k" else tr.value_rotation
+        if r is not None and not stored:
+            x = rotate_rows(x.to(torch.float64).transpose(0, 1), r, inverse=True)
+            x = x.transpose(0, 1).to(dtype)
+        out.append(x)
     return out[0], out[1]
 
 
@@ -302,6 +317,8 @@ def attend_folded(
         ``P*s'`` and ``P`` as a bf16 matrix unit does.
 
     Returns ``o: [batch, num_q_heads, head_dim]`` and ``lse: [batch, num_q_heads]`` in ``dtype``.
+    Like a kernel, it works in the stored coordinates: with OSCAR rotations, ``q`` must be
+    rotated already and ``o`` comes out rotated (:func:`foscar.decode_attention` does both).
     """
     hq = _check_q(q, cache, batch)
     if block_n <= 0 or num_splits <= 0:

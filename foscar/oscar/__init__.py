@@ -1,0 +1,37 @@
+"""OSCAR: offline spectral covariance-aware rotations and clipping for INT2/INT4 KV caches.
+
+Specification: ``../shared/docs/oscar.md``. The pieces, in the order they run:
+
+- :func:`calibrate` (:mod:`foscar.oscar.calibrate`): the model over calibration text,
+  post-RoPE Q/K/V captured per layer, float64 covariance targets
+  (:mod:`foscar.oscar.covariance`);
+- :meth:`Calibration.rotations`: ``R = U * H * P_br`` per layer or per KV head
+  (:mod:`foscar.oscar.rotation`, with the paper's ablations);
+- :func:`fit_clips`: per-layer clip ratios for K and V minimising attention-output error;
+- :class:`OscarRotations` (:mod:`foscar.oscar.policy`): the artifact, saved and loaded as
+  safetensors; :func:`apply_to_cache` sets it on a :class:`foscar.QuantizedKVCache`
+  (:meth:`~foscar.QuantizedKVCache.set_transform`) and :func:`oscar_cache` builds a
+  transformers cache with it.
+
+``foscar calibrate`` runs the first three and writes the file.
+"""
+
+from .calibrate import CLIP_CANDIDATES, Calibration, calibrate, fit_clips
+from .policy import FORMAT_VERSION, OscarRotations, apply_to_cache, oscar_cache
+from .rotation import RECIPES, RotationRecipe, bit_reversal, hadamard, rotation
+
+__all__ = [
+    "CLIP_CANDIDATES",
+    "Calibration",
+    "FORMAT_VERSION",
+    "OscarRotations",
+    "RECIPES",
+    "RotationRecipe",
+    "apply_to_cache",
+    "bit_reversal",
+    "calibrate",
+    "fit_clips",
+    "hadamard",
+    "oscar_cache",
+    "rotation",
+]

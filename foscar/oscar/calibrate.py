@@ -1,0 +1,303 @@
+"""OSCAR's offline calibration: covariance targets -> rotations -> fitted clip ratios.
+
+1. :func:`calibrate` runs the model (prefill only, one sequence at a time) over calibration
+   token sequences and accumulates every layer's covariance targets in float64
+   (:mod:`foscar.oscar.covariance`) from the post-RoPE Q, K, V its attention layers see; the
+   released code's diagonal proxy for values needs the final key targets and so a second pass.
+2. :meth:`Calibration.rotations` turns the targets into ``R = U * H * P_br`` per layer (or per
+   KV head), with the ablation switches of :mod:`foscar.oscar.rotation` and the targets to use.
+3. :func:`fit_clips` fits a clip ratio per layer for K and for V (oscar.md Sec. 3: the paper
+   fixes 0.96 / 0.92 globally): with the rotations in place, K alone (V exact) and V alone are
+   quantized-dequantized over each calibration sequence for every candidate ratio, and the
+   ratio with the smallest relative error of the causal attention output at ``num_queries``
+   query positions (spread over each sequence's second half) wins.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..formats import QuantFormat
+from ..quantize import dequantize, quantize
+from .capture import capture_attention, model_shapes
+from .covariance import LayerMoments
+from .policy import OscarRotations
+from .rotation import RECIPES, RotationRecipe, check_head_dim, rotation
+
+__all__ = [
+    "Calibration",
+    "calibrate",
+    "fit_clips",
+    "CLIP_CANDIDATES",
+    "KEY_TARGETS",
+    "VALUE_TARGETS",
+]
+
+#: clip ratios :func:`fit_clips` tries (1 clips nothing: min-max)
+CLIP_CANDIDATES = (1.0, 0.98, 0.96, 0.94, 0.92, 0.9, 0.88, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)
+#: key targets: the paper's query covariance, or the ablation's K^T K
+KEY_TARGETS = {"query": "key", "plain": "kk"}
+#: value targets: the paper's score-weighted V^T S^T S V, the released diagonal proxy, or V^T V
+VALUE_TARGETS = {"attention": "value", "proxy": "proxy", "plain": "vv"}
+
+
+def _sequences(sequences) -> list[torch.Tensor]:
+    if isinstance(sequences, torch.Tensor):
+        sequences = [sequences] if sequences.dim() == 1 else list(sequences)
+    out = [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in sequences]
+    if not out or any(s.numel() < 2 for s in out):
+        raise ValueError("sequences must hold at least one sequence of >= 2 tokens")
+    return out
+
+
+@dataclass
+class Calibration:
+    """Every layer's float64 moments (:class:`LayerMoments`) and what produced them."""
+
+    moments: list[LayerMoments]
+    num_kv_heads: int
+    head_dim: int
+    header: dict = field(default_factory=dict)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.moments)
+
+    def target(self, layer: int, name: str, *, per_head: bool = False) -> torch.Tensor:
+        """``[H, d, d]`` (per head) or ``[1, d, d]`` (averaged over the KV heads) float64."""
+        c = self.moments[layer].target(name)
+        return c if per_head else c.mean(dim=0, keepdim=True)
+
+    def rotations(
+        self,
+        recipe: RotationRecipe | str = "full",
+        *,
+        key_target: str = "query",
+        value_target: str = "attention",
+        per_head: bool = False,
+    ) -> OscarRotations:
+        """Rotations ``R = U * H * P_br`` of every layer (``[L, 1 or H, d, d]``).
+
+        recipe : a :class:`RotationRecipe` or a name of :data:`foscar.oscar.rotation.RECIPES`
+            (``"full"``, ``"no-br"``, ``"no-h"``, ``"no-u"``, ``"none"``, ``"hadamard"``).
+        key_target : ``"query"`` (C_Q) or ``"plain"`` (K^T K).
+        value_target : ``"attention"`` (V^T S^T S V), ``"proxy"`` or ``"plain"`` (V^T V).
+        per_head : one rotation per KV head instead of one per layer.
+        """
+        if isinstance(recipe, str):
+            if recipe not in RECIPES:
+                raise ValueError(f"recipe must be one of {sorted(RECIPES)}, got {recipe!r}")
+            name, recipe = recipe, RECIPES[recipe]
+        else:
+            name = recipe.name
+        if key_target not in KEY_TARGETS:
+            raise ValueError(f"key_target must be one of {sorted(KEY_TARGETS)}, got {key_target!r}")
+        if value_target not in VALUE_TARGETS:
+            raise ValueError(
+                f"value_target must be one of {sorted(VALUE_TARGETS)}, got {value_target!r}"
+            )
+        keys, values = [], []
+        for layer in range(self.num_layers):
+            ck = self.target(layer, KEY_TARGETS[key_target], per_head=per_head)
+            cv = self.target(layer, VALUE_TARGETS[value_target], per_head=per_head)
+            keys.append(rotation(ck, recipe))
+            values.append(rotation(cv, recipe))
+        header = {
+            **self.header,
+            "num_kv_heads": self.num_kv_heads,
+            "recipe": name,
+            "use_u": recipe.use_u,
+            "use_h": recipe.use_h,
+            "use_br": recipe.use_br,
+            "key_target": key_target,
+            "value_target": value_target,
+        }
+        return OscarRotations(torch.stack(keys), torch.stack(values), {}, header)
+
+
+@torch.no_grad()
+def calibrate(
+    model,
+    sequences,
+    *,
+    proxy: bool = False,
+    chunk: int = 512,
+    dtype: torch.dtype = torch.float32,
+    header: dict | None = None,
+    log: Callable[[str], None] | None = None,
+) -> Calibration:
+    """Accumulate every layer's covariance targets over ``sequences`` of token ids.
+
+    Parameters
+    ----------
+    model : a transformers causal LM (Llama-style attention: post-RoPE Q/K/V reach the
+        attention function).
+    sequences : a list of 1-D token-id tensors (or a ``[N, T]`` tensor); each is one forward
+        pass of batch 1, so a sequence's tokens attend causally to that sequence only.
+    proxy : also accumulate the released code's diagonal value proxy (a second pass).
+    chunk, dtype : query chunk and compute dtype of the score-weighted value target (its sums
+        are float64 whatever ``dtype``).
+    header : entries for the artifact's header (model, calibration text, ...).
+    """
+    shapes = model_shapes(model)
+    check_head_dim(shapes["head_dim"])
+    seqs = _sequences(sequences)
+    moments = [
+        LayerMoments(shapes["num_kv_heads"], shapes["head_dim"])
+        for _ in range(shapes["num_layers"])
+    ]
+    device = next(model.parameters()).device
+    t0 = time.perf_counter()
+
+    def add(layer, q, k, v, scaling):
+        moments[layer].add(q, k, v, scaling, chunk=chunk, dtype=dtype)
+
+    def run(callback, what):
+        with capture_attention(model, callback):
+            for i, s in enumerate(seqs):
+                model(input_ids=s.to(device)[None], use_cache=False, logits_to_keep=1)
+                if log:
+                    log(
+                        f"{what}: sequence {i + 1}/{len(seqs)} ({s.numel()} tokens), "
+                        f"{time.perf_counter() - t0:.0f}s"
+                    )
+
+    run(add, "calibration")
+    if proxy:
+        key_targets = [m.target("key") for m in moments]
+
+        def add_proxy(layer, q, k, v, scaling):
+            moments[layer].add_proxy(k, v, key_targets[layer])
+
+        run(add_proxy, "proxy pass")
+    info = {
+        **(header or {}),
+        "calibration_tokens": int(sum(s.numel() for s in seqs)),
+        "calibration_sequences": [int(s.numel()) for s in seqs],
+        "calibration_seconds": round(time.perf_counter() - t0, 2),
+        "value_target_chunk": chunk,
+        "value_target_dtype": str(dtype).removeprefix("torch."),
+    }
+    return Calibration(moments, shapes["num_kv_heads"], shapes["head_dim"], info)
+
+
+# ---------------------------------------------------------------------------- clip fitting
+def _fake_quantize(x: torch.Tensor, f: QuantFormat) -> torch.Tensor:
+    """Quantize-dequantize token rows ``x: [H, T, d]`` as the cache does (BF16 first)."""
+    codes, scale, offset = quantize(x.to(torch.bfloat16), f)
+    return dequantize(codes, scale, offset, f, dtype=torch.float32)
+
+
+def _causal_attention(q, k, v, positions, scaling):
+    """Queries ``q: [H_q, n, d]`` at ``positions`` over ``k, v: [H_kv, T, d]`` (causal)."""
+    group = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+    s = torch.einsum("hnd,htd->hnt", q, k) * scaling
+    visible = torch.arange(k.shape[1], device=q.device) <= positions[:, None]
+    s = s.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hnt,htd->hnd", torch.softmax(s, -1), v)
+
+
+def _rotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """Rows ``x: [Hx, T, d]`` times ``R_{head}``; ``r: [1 or H, d, d]``."""
+    h = r.shape[0]
+    xg = x.float().unflatten(0, (h, x.shape[0] // h))
+    return torch.einsum("hgtd,hde->hgte", xg, r.float()).flatten(0, 1)
+
+
+@torch.no_grad()
+def fit_clips(
+    model,
+    sequences,
+    rotations: OscarRotations,
+    *,
+    bits: Sequence[int] = (2, 4),
+    group_size: int | None = None,
+    candidates: Sequence[float] = CLIP_CANDIDATES,
+    num_queries: int = 64,
+    log: Callable[[str], None] | None = None,
+) -> OscarRotations:
+    """Fit a clip ratio per layer for K and V of token-wise INT``bits`` (module docstring).
+
+    Fills ``rotations.clips[(bits, "key"|"value")]`` (``[L]``) and records the mean relative
+    attention-output error per candidate in ``rotations.header["clip_fit"]``. ``group_size``
+    defaults to ``min(head_dim, 128)``. Returns ``rotations``.
+    """
+    shapes = model_shapes(model)
+    rotations.check(
+        num_layers=shapes["num_layers"],
+        num_kv_heads=shapes["num_kv_heads"],
+        head_dim=shapes["head_dim"],
+    )
+    seqs = _sequences(sequences)
+    g = group_size or min(shapes["head_dim"], 128)
+    cands = [float(p) for p in candidates]
+    for p in cands:
+        QuantFormat(2, "token", g, p)  # validates every ratio
+    # squared error and squared norm per (bits, role, layer, candidate)
+    num_layers = shapes["num_layers"]
+    err = torch.zeros(len(bits), 2, num_layers, len(cands), dtype=torch.float64)
+    norm = torch.zeros(len(bits), 2, num_layers, dtype=torch.float64)
+    device = next(model.parameters()).device
+
+    def fit(layer, q, k, v, scaling):
+        t = k.shape[1]
+        n = min(num_queries, t - t // 2)
+        positions = torch.linspace(t // 2, t - 1, n, device=q.device).round().long()
+        rk, rv = rotations.key[layer].to(q.device), rotations.value[layer].to(q.device)
+        qs = _rotate(q[:, positions], rk)
+        kr, vr = _rotate(k, rk), _rotate(v, rv)
+        # the cache rounds every token to BF16: so does the exact reference here
+        kb, vb = kr.to(torch.bfloat16).float(), vr.to(torch.bfloat16).float()
+        exact = _causal_attention(qs, kb, vb, positions, scaling)
+        for i, b in enumerate(bits):
+            norm[i, :, layer] += float(exact.double().square().sum())
+            for j, p in enumerate(cands):
+                f = QuantFormat(b, "token", g, None if p == 1.0 else p)
+                ek = _causal_attention(qs, _fake_quantize(kr, f), vb, positions, scaling)
+                ev = _causal_attention(qs, kb, _fake_quantize(vr, f), positions, scaling)
+                err[i, 0, layer, j] += float((ek - exact).double().square().sum())
+                err[i, 1, layer, j] += float((ev - exact).double().square().sum())
+
+    t0 = time.perf_counter()
+    with capture_attention(model, fit):
+        for i, s in enumerate(seqs):
+            model(input_ids=s.to(device)[None], use_cache=False, logits_to_keep=1)
+            if log:
+                log(f"clip fit: sequence {i + 1}/{len(seqs)}, {time.perf_counter() - t0:.0f}s")
+    rel = (err / norm[..., None]).sqrt()  # [bits, role, layer, candidate]
+    table = {}
+    for i, b in enumerate(bits):
+        for j, role in enumerate(("key", "value")):
+            best = rel[i, j].argmin(dim=-1)
+            rotations.clips[(b, role)] = torch.tensor([cands[c] for c in best], dtype=torch.float64)
+            table[f"int{b}.{role}"] = {
+                "candidates": cands,
+                "mean_relative_error": rel[i, j].mean(dim=0).tolist(),
+                "fitted_mean_relative_error": float(rel[i, j].min(dim=-1).values.mean()),
+                "fitted": [cands[c] for c in best],
+            }
+    rotations.header = {
+        **rotations.header,
+        "clip_fit": {
+            "group_size": g,
+            "num_queries": num_queries,
+            "tokens": int(sum(s.numel() for s in seqs)),
+            "seconds": round(time.perf_counter() - t0, 2),
+            **table,
+        },
+    }
+    return rotations
+
+
+def default_sequences(tok, tokens: int, seq_len: int, text: str) -> list[torch.Tensor]:
+    """``ceil(tokens / seq_len)`` consecutive pieces of ``text``'s first ``tokens`` tokens."""
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    if len(ids) < tokens:
+        raise ValueError(f"the calibration text has {len(ids)} tokens, fewer than {tokens}")
+    ids = torch.tensor(ids[:tokens])
+    return [ids[a : a + seq_len] for a in range(0, tokens, seq_len) if tokens - a >= 2]

@@ -1,0 +1,214 @@
+"""OSCAR's calibrated artifact: per-layer rotations and clip ratios, saved as safetensors.
+
+:class:`OscarRotations` holds, for ``L`` layers,
+
+* ``key``, ``value``: ``[L, Hr, d, d]`` float64 orthogonal ``R_K``, ``R_V`` (``Hr = 1``: one
+  per layer shared by the KV heads, the released configuration; ``Hr = H_kv``: one per head);
+* ``clips``: fitted per-layer clip ratios, ``{(bits, "key"|"value"): [L] float64}``;
+* ``header``: a JSON-able dict: model, num_layers, num_kv_heads, head_dim, per_head, recipe,
+  targets, calibration text and token count, foscar version.
+
+File layout (safetensors): tensors ``key_rotation``, ``value_rotation`` and
+``clip.<key|value>.int<bits>``; the header is JSON under the metadata key ``"oscar"``. Loading
+checks every shape against the header and (optionally) against the model it will serve.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from ..cache import QuantizedKVCache
+
+__all__ = ["OscarRotations", "FORMAT_VERSION", "apply_to_cache", "oscar_cache"]
+
+#: bumped when the file layout changes; files of another version are rejected
+FORMAT_VERSION = 1
+_META_KEY = "oscar"
+
+
+def _is_identity(r: torch.Tensor) -> bool:
+    eye = torch.eye(r.shape[-1], dtype=r.dtype, device=r.device)
+    return bool((r == eye).all())
+
+
+@dataclass
+class OscarRotations:
+    """Per-layer OSCAR rotations and fitted clip ratios (module docstring)."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    clips: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    header: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("key", "value"):
+            r = getattr(self, name)
+            if not isinstance(r, torch.Tensor) or r.dim() != 4 or r.shape[-1] != r.shape[-2]:
+                raise ValueError(
+                    f"{name} must be a [num_layers, heads, head_dim, head_dim] tensor, got "
+                    f"{list(r.shape) if isinstance(r, torch.Tensor) else type(r).__name__}"
+                )
+            setattr(self, name, r.to(torch.float64).contiguous())
+        if self.key.shape != self.value.shape:
+            raise ValueError(
+                f"key and value rotations differ in shape: {list(self.key.shape)} and "
+                f"{list(self.value.shape)}"
+            )
+        for (bits, role), c in self.clips.items():
+            if role not in ("key", "value") or bits not in (2, 4):
+                raise ValueError(f"clips keys must be (2|4, 'key'|'value'), got {(bits, role)}")
+            if tuple(c.shape) != (self.num_layers,):
+                raise ValueError(
+                    f"clips[{(bits, role)}] must hold one ratio per layer ({self.num_layers}), "
+                    f"got shape {list(c.shape)}"
+                )
+        self.header = {
+            **self.header,
+            "num_layers": self.num_layers,
+            "head_dim": self.head_dim,
+            "per_head": self.per_head,
+        }
+
+    @property
+    def num_layers(self) -> int:
+        return self.key.shape[0]
+
+    @property
+    def head_dim(self) -> int:
+        return self.key.shape[-1]
+
+    @property
+    def per_head(self) -> bool:
+        return self.key.shape[1] > 1
+
+    def check(self, *, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
+        """Raise ``ValueError`` naming the mismatch unless these rotations fit such a model."""
+        if num_layers != self.num_layers:
+            raise ValueError(
+                f"num_layers: the rotations have {self.num_layers} layers, the model has "
+                f"{num_layers}"
+            )
+        if head_dim != self.head_dim:
+            raise ValueError(
+                f"head_dim: the rotations are {self.head_dim}-dimensional, the model's heads "
+                f"{head_dim}"
+            )
+        if self.per_head and self.key.shape[1] != num_kv_heads:
+            raise ValueError(
+                f"num_kv_heads: the per-head rotations have {self.key.shape[1]} heads, the model "
+                f"{num_kv_heads}"
+            )
+
+    # ------------------------------------------------------------------ files
+    def save(self, path: str | os.PathLike) -> None:
+        """Write a safetensors file (tensors and the JSON header; module docstring)."""
+        from safetensors.torch import save_file
+
+        tensors = {"key_rotation": self.key, "value_rotation": self.value}
+        for (bits, role), c in self.clips.items():
+            tensors[f"clip.{role}.int{bits}"] = c.to(torch.float64).contiguous()
+        header = {**self.header, "version": FORMAT_VERSION}
+        save_file(tensors, os.fspath(path), metadata={_META_KEY: json.dumps(header)})
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike,
+        *,
+        num_layers: int | None = None,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+    ) -> OscarRotations:
+        """Read a file written by :meth:`save`; with the model's shapes, check they fit."""
+        from safetensors import safe_open
+
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise ValueError(f"path {path!r} is not a file")
+        with safe_open(path, framework="pt") as f:
+            meta = f.metadata() or {}
+            if _META_KEY not in meta:
+                raise ValueError(f"path {path!r} is not an OSCAR rotations file (no header)")
+            header = json.loads(meta[_META_KEY])
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        if header.get("version") != FORMAT_VERSION:
+            raise ValueError(
+                f"path {path!r} has format version {header.get('version')}, this foscar reads "
+                f"{FORMAT_VERSION}"
+            )
+        for name in ("key_rotation", "value_rotation"):
+            if name not in tensors:
+                raise ValueError(f"path {path!r} lacks the tensor {name!r}")
+        clips = {}
+        for k, c in tensors.items():
+            if k.startswith("clip."):
+                _, role, bits = k.split(".")
+                clips[(int(bits.removeprefix("int")), role)] = c
+        out = cls(tensors["key_rotation"], tensors["value_rotation"], clips, header)
+        if header.get("num_layers") != out.num_layers or header.get("head_dim") != out.head_dim:
+            raise ValueError(
+                f"path {path!r}: header says {header.get('num_layers')} layers of head_dim "
+                f"{header.get('head_dim')}, tensors hold {out.num_layers} of {out.head_dim}"
+            )
+        if num_layers is not None or num_kv_heads is not None or head_dim is not None:
+            out.check(
+                num_layers=out.num_layers if num_layers is None else num_layers,
+                num_kv_heads=out.key.shape[1] if num_kv_heads is None else num_kv_heads,
+                head_dim=out.head_dim if head_dim is None else head_dim,
+            )
+        return out
+
+
+def apply_to_cache(
+    rotations: OscarRotations,
+    cache: QuantizedKVCache,
+    *,
+    clip_bits: int | None = None,
+) -> None:
+    """Set every layer's transform of ``cache`` (:meth:`QuantizedKVCache.set_transform`).
+
+    ``clip_bits``: use the clip ratios fitted for that bit width (they must exist); None keeps
+    the format's clip. Identity rotations are skipped (no work at decode).
+    """
+    rotations.check(
+        num_layers=cache.num_layers, num_kv_heads=cache.num_kv_heads, head_dim=cache.head_dim
+    )
+    clips = {}
+    if clip_bits is not None:
+        for role in ("key", "value"):
+            if (clip_bits, role) not in rotations.clips:
+                raise ValueError(
+                    f"clip_bits: no {role} clip ratios were fitted for INT{clip_bits} (have "
+                    f"{sorted(rotations.clips)})"
+                )
+            clips[role] = rotations.clips[(clip_bits, role)]
+    for layer in range(cache.num_layers):
+        rk, rv = rotations.key[layer], rotations.value[layer]
+        cache.set_transform(
+            layer,
+            key_rotation=None if _is_identity(rk) else rk,
+            value_rotation=None if _is_identity(rv) else rv,
+            key_clip=float(clips["key"][layer]) if clips else None,
+            value_clip=float(clips["value"][layer]) if clips else None,
+        )
+
+
+def oscar_cache(fmt, config, rotations: OscarRotations, *, clip_bits: int | None = None, **kw):
+    """A transformers :class:`~foscar.integrations.transformers.FoscarCache` whose layers are
+    rotated (and re-clipped) by ``rotations``; ``kw`` go to ``FoscarCache``."""
+    from ..integrations.transformers import FoscarCache
+
+    class _OscarCache(FoscarCache):
+        def _allocate(self, batch_size, device):
+            super()._allocate(batch_size, device)
+            apply_to_cache(rotations, self.kv, clip_bits=clip_bits)
+
+    cache = _OscarCache(fmt, config, **kw)
+    rotations.check(
+        num_layers=cache.num_layers, num_kv_heads=cache.num_kv_heads, head_dim=cache.head_dim
+    )
+    return cache

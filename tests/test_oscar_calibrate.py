@@ -1,0 +1,258 @@
+"""OSCAR calibration on a tiny random Llama: capture, targets, rotations, clips, files."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="calibration runs a transformers model")
+pytest.importorskip("safetensors", reason="rotations are saved as safetensors")
+
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from foscar import KVFormat, QuantFormat, QuantizedKVCache  # noqa: E402
+from foscar.oscar import (  # noqa: E402
+    FORMAT_VERSION,
+    OscarRotations,
+    apply_to_cache,
+    calibrate,
+    fit_clips,
+)
+from foscar.integrations.transformers import cache_kwarg  # noqa: E402
+from foscar.oscar.capture import capture_attention  # noqa: E402
+from foscar.oscar.rotation import hadamard  # noqa: E402
+
+f64 = torch.float64
+LAYERS, HQ, H, D = 2, 4, 2, 32
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=96,
+        hidden_size=HQ * D,
+        intermediate_size=256,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HQ,
+        num_key_value_heads=H,
+        max_position_embeddings=256,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def sequences(lengths=(40, 23), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 96, (n,), generator=g) for n in lengths]
+
+
+def captured(model, seqs):
+    """Every layer's (q, k, v, scaling) per sequence, by the capture hook."""
+    out = []
+    with capture_attention(model, lambda *a: out.append(a)), torch.no_grad():
+        for s in seqs:
+            model(input_ids=s[None], use_cache=False)
+    return out
+
+
+@torch.no_grad()
+def test_capture_sees_what_the_cache_stores(tiny):
+    """The captured K/V are the post-RoPE K/V a KV cache receives; Q is rotated alike."""
+    s = sequences((30,))[0]
+    cap = captured(tiny, [s])
+    assert [c[0] for c in cap] == [0, 1]
+    cache = DynamicCache()
+    tiny(input_ids=s[None], use_cache=True, **{cache_kwarg(tiny): cache})
+    for layer, q, k, v, scaling in cap:
+        assert q.shape == (HQ, 30, D) and k.shape == (H, 30, D)
+        torch.testing.assert_close(k, cache.layers[layer].keys[0], atol=0, rtol=0)
+        torch.testing.assert_close(v, cache.layers[layer].values[0], atol=0, rtol=0)
+        assert scaling == pytest.approx(1 / math.sqrt(D))
+    assert tiny.config._attn_implementation != "foscar_oscar_capture"  # restored
+
+
+@torch.no_grad()
+def test_targets_equal_their_definitions_over_the_sequences(tiny):
+    seqs = sequences()
+    cal = calibrate(tiny, seqs, proxy=True, dtype=f64)
+    assert cal.num_layers == LAYERS and cal.header["calibration_tokens"] == 63
+    cap = captured(tiny, seqs)
+    for layer in range(LAYERS):
+        rows = [c for c in cap if c[0] == layer]
+        cq = torch.zeros(H, D, D, dtype=f64)
+        cs = torch.zeros(H, D, D, dtype=f64)
+        n = 0
+        for _, q, k, v, scaling in rows:
+            t = k.shape[1]
+            causal = torch.ones(t, t, dtype=torch.bool).tril()
+            q, k, v = q.double(), k.double(), v.double()
+            for j in range(HQ):
+                h = j // (HQ // H)
+                cq[h] += q[j].T @ q[j]
+                s = torch.softmax((q[j] @ k[h].T * scaling).masked_fill(~causal, -math.inf), -1)
+                cs[h] += (s @ v[h]).T @ (s @ v[h])
+            n += t * HQ // H
+        torch.testing.assert_close(
+            cal.target(layer, "key", per_head=True), cq / n, rtol=1e-6, atol=0
+        )
+        torch.testing.assert_close(
+            cal.target(layer, "value", per_head=True), cs / n, rtol=1e-6, atol=0
+        )
+        # per-layer targets average the heads
+        torch.testing.assert_close(cal.target(layer, "key"), (cq / n).mean(0, keepdim=True))
+        # the proxy pass used the final key target
+        w = torch.cat(
+            [
+                torch.einsum("htd,hde,hte->ht", k.double(), cq / n, k.double())
+                for *_, k, _v, _s in rows
+            ],
+            1,
+        )  # noqa: E501
+        vv = torch.cat([r[3].double() for r in rows], 1)
+        want = torch.einsum("ht,htd,hte->hde", w, vv, vv) / w.sum(1)[:, None, None]
+        torch.testing.assert_close(
+            cal.target(layer, "proxy", per_head=True), want, rtol=1e-6, atol=0
+        )
+
+
+@torch.no_grad()
+def test_rotations_from_a_calibration(tiny):
+    cal = calibrate(tiny, sequences(), header={"model": "tiny"})
+    r = cal.rotations()
+    assert r.key.shape == (LAYERS, 1, D, D) and not r.per_head
+    eye = torch.eye(D, dtype=f64)
+    for m in (r.key, r.value):
+        torch.testing.assert_close(m.transpose(-1, -2) @ m, eye.expand_as(m), atol=1e-12, rtol=0)
+    assert r.header["model"] == "tiny" and r.header["recipe"] == "full"
+    ph = cal.rotations("no-br", key_target="plain", value_target="plain", per_head=True)
+    assert ph.key.shape == (LAYERS, H, D, D) and ph.per_head and ph.header["key_target"] == "plain"
+    torch.testing.assert_close(cal.rotations("hadamard").value[1, 0], hadamard(D))
+    with pytest.raises(ValueError, match="recipe must be one of"):
+        cal.rotations("quarot")
+    with pytest.raises(ValueError, match="key_target must be one of"):
+        cal.rotations(key_target="keys")
+    with pytest.raises(ValueError, match="value_target must be one of"):
+        cal.rotations(value_target="scores")
+    with pytest.raises(ValueError, match="proxy target has no data"):
+        cal.rotations(value_target="proxy")
+
+
+@torch.no_grad()
+def test_fitted_clips_minimise_the_recorded_error(tiny):
+    seqs = sequences()
+    r = fit_clips(tiny, seqs, calibrate(tiny, seqs).rotations(), bits=(2,), num_queries=8)
+    fit = r.header["clip_fit"]
+    assert fit["group_size"] == D and fit["tokens"] == 63
+    for role in ("key", "value"):
+        clips = r.clips[(2, role)]
+        assert clips.shape == (LAYERS,) and bool(((clips > 0) & (clips <= 1)).all())
+        table = fit[f"int2.{role}"]
+        assert table["fitted"] == clips.tolist()
+        # the fitted mean error is at most that of any single ratio for every layer
+        assert table["fitted_mean_relative_error"] <= min(table["mean_relative_error"]) + 1e-12
+    with pytest.raises(ValueError, match="clip must be in"):
+        fit_clips(tiny, seqs, r, candidates=(0.9, 1.5))
+
+
+def test_save_load_round_trip_and_checks(tiny, tmp_path):
+    seqs = sequences()
+    cal = calibrate(tiny, seqs, header={"model": "tiny", "calibration_text": "random ids"})
+    r = fit_clips(tiny, seqs[:1], cal.rotations(per_head=True), bits=(2,), num_queries=4)
+    path = tmp_path / "oscar.safetensors"
+    r.save(path)
+    back = OscarRotations.load(path, num_layers=LAYERS, num_kv_heads=H, head_dim=D)
+    assert torch.equal(back.key, r.key) and torch.equal(back.value, r.value)
+    assert torch.equal(back.clips[(2, "key")], r.clips[(2, "key")])
+    h = back.header
+    assert h["version"] == FORMAT_VERSION and h["model"] == "tiny" and h["num_layers"] == LAYERS
+    assert h["head_dim"] == D and h["calibration_text"] == "random ids"
+    assert h["calibration_tokens"] == 63 and h["per_head"] is True
+    with pytest.raises(ValueError, match="num_layers: the rotations have 2 layers"):
+        OscarRotations.load(path, num_layers=3)
+    with pytest.raises(ValueError, match="head_dim: the rotations are 32-dimensional"):
+        OscarRotations.load(path, head_dim=64)
+    with pytest.raises(ValueError, match="num_kv_heads: the per-head rotations have 2"):
+        OscarRotations.load(path, num_kv_heads=4)
+    with pytest.raises(ValueError, match="is not a file"):
+        OscarRotations.load(tmp_path / "missing.safetensors")
+    # a file of another version, or without the header, is refused
+    from safetensors.torch import save_file
+
+    bad = tmp_path / "v0.safetensors"
+    save_file(
+        {"key_rotation": r.key, "value_rotation": r.value},
+        str(bad),
+        metadata={"oscar": json.dumps({**h, "version": 0})},
+    )
+    with pytest.raises(ValueError, match="format version 0"):
+        OscarRotations.load(bad)
+    save_file({"key_rotation": r.key}, str(bad))
+    with pytest.raises(ValueError, match="not an OSCAR rotations file"):
+        OscarRotations.load(bad)
+
+
+def test_artifact_rejects_inconsistent_tensors():
+    eye = torch.eye(D, dtype=f64).expand(LAYERS, 1, D, D)
+    with pytest.raises(ValueError, match="key must be a"):
+        OscarRotations(torch.eye(D), eye)
+    with pytest.raises(ValueError, match="differ in shape"):
+        OscarRotations(eye, eye[:1])
+    with pytest.raises(ValueError, match="one ratio per layer"):
+        OscarRotations(eye, eye, {(2, "key"): torch.ones(3)})
+
+
+def test_apply_to_cache(tiny):
+    eye = torch.eye(D, dtype=f64).expand(LAYERS, 1, D, D)
+    h = hadamard(D).expand(LAYERS, 1, D, D)
+    r = OscarRotations(h, eye, {(2, "key"): torch.tensor([0.9, 0.8], dtype=f64)})
+    fmt = KVFormat(QuantFormat(2, "token", 32), QuantFormat(2, "token", 32))
+    cache = QuantizedKVCache(
+        fmt, num_kv_heads=H, head_dim=D, num_pages=4, max_seqs=1, num_layers=LAYERS
+    )
+    with pytest.raises(ValueError, match="clip_bits: no value clip ratios"):
+        apply_to_cache(r, cache, clip_bits=2)
+    r.clips[(2, "value")] = torch.tensor([1.0, 0.7], dtype=f64)
+    apply_to_cache(r, cache, clip_bits=2)
+    tr = cache.transforms[1]
+    assert tr.value_rotation is None  # identity skipped
+    torch.testing.assert_close(tr.key_rotation[1], hadamard(D))
+    assert (tr.key_clip, tr.value_clip) == (0.8, 0.7)
+    small = QuantizedKVCache(fmt, num_kv_heads=H, head_dim=D, num_pages=4, max_seqs=1)
+    with pytest.raises(
+        ValueError, match="num_layers: the rotations have 2 layers, the model has 1"
+    ):
+        apply_to_cache(r, small)
+
+
+@torch.no_grad()
+def test_transformers_cache_with_rotations(tiny):
+    """Through a model: rotated BF16 windows match the unrotated cache (bf16 rounding apart),
+    and rotated INT2 changes the logits (the rotations do act on the quantized history)."""
+    from foscar.integrations.transformers import FoscarCache, use_foscar_attention
+    from foscar.oscar import oscar_cache
+
+    use_foscar_attention(tiny)
+    seqs = sequences()
+    rot = calibrate(tiny, seqs).rotations()
+    ids = sequences((50,), seed=3)[0][None]
+    kw = cache_kwarg(tiny)
+
+    def logits(cache):
+        tiny(input_ids=ids[:, :-2], **{kw: cache})
+        tiny(input_ids=ids[:, -2:-1], **{kw: cache})  # a decode step over the cache
+        return tiny(input_ids=ids[:, -1:], **{kw: cache}).logits[0, -1]
+
+    window = KVFormat(QuantFormat(2, "token", D), QuantFormat(2, "token", D), recent_tokens=64)
+    plain = logits(FoscarCache(window, tiny.config, max_cache_len=64))
+    rotated = logits(oscar_cache(window, tiny.config, rot, max_cache_len=64))
+    torch.testing.assert_close(rotated, plain, atol=2e-2, rtol=0)
+    int2 = KVFormat(QuantFormat(2, "token", D), QuantFormat(2, "token", D))
+    a = logits(FoscarCache(int2, tiny.config, max_cache_len=64))
+    b = logits(oscar_cache(int2, tiny.config, rot, max_cache_len=64))
+    assert (a - b).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="num_layers: the rotations have 2 layers"):
+        big = LlamaConfig(**{**tiny.config.to_dict(), "num_hidden_layers": 3})
+        oscar_cache(int2, big, rot)
