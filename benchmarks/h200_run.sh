@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything foscar runs on the H200 device, in one call per mode. From the repository root:
 #   bash benchmarks/h200_run.sh smoke   # GPU tests subset + 2-point bench (first check)
-#   bash benchmarks/h200_run.sh tests   # the whole GPU test suite, then compute-sanitizer
+#   bash benchmarks/h200_run.sh tests   # the whole GPU kernel test suite (~5 min)
+#   bash benchmarks/h200_run.sh memcheck # compute-sanitizer memcheck over a kernel subset
 #   bash benchmarks/h200_run.sh tune [--round 3]   # launch-config sweep of the Triton kernel
 #   bash benchmarks/h200_run.sh diagnose-int4       # bisect + memcheck of the INT4 g=32 fault
 #   bash benchmarks/h200_run.sh grid    # foscar bench: the 13-point grid and --axes all
@@ -33,8 +34,11 @@ case "$mode" in
   tests)
     # the kernel suite (GPU-only tests included); the CPU-only suites run in CI
     python3 -m pytest -q -p no:cacheprovider -rs tests/test_triton_kernel.py 2>&1 | tee "$OUT/gpu_tests.log"
+    ;;
+  memcheck)
+    # compute-sanitizer memcheck over every format, group size, the windows and a graph replay
     compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -x -q -p no:cacheprovider \
-      tests/test_triton_kernel.py -k "every_format or windows or graph_replay and token-token" \
+      tests/test_triton_kernel.py -k "every_format or group_sizes or windows or graph_replay and token-token" \
       2>&1 | tail -40 | tee "$OUT/memcheck.log"
     ;;
   diagnose)

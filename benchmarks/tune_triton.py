@@ -46,6 +46,8 @@ ROUNDS = {
         (64, 4, 3, 168, 3),
         (64, 4, 4, 128, 4),
     ],
+    # round 4: the split count alone, at the config round 3 kept (use with --splits)
+    4: [(64, 4, 3, 128, 4)],
 }
 POINTS = [(1, 32768), (1, 131072), (8, 32768), (8, 131072), (64, 16384)]
 
@@ -56,7 +58,10 @@ def main() -> None:
     ap.add_argument("--axes", nargs="+", default=["token,token"])
     ap.add_argument("--out", default=None)
     ap.add_argument("--round", type=int, default=2)
+    ap.add_argument("--splits", type=int, nargs="*", default=None, help="explicit split counts")
+    ap.add_argument("--points", nargs="*", default=None, help="BATCHxKV_LEN, e.g. 8x131072")
     a = ap.parse_args()
+    points = [tuple(map(int, p.split("x"))) for p in a.points] if a.points else POINTS
     configs = [
         TritonDecodeConfig(
             block_n=c[0], num_warps=c[1], num_stages=c[2], maxnreg=c[3], ctas_per_sm=c[4]
@@ -72,17 +77,20 @@ def main() -> None:
         for axes in a.axes:
             ka, va = axes.split(",")
             fmt = KVFormat(QuantFormat(bits, ka, 128), QuantFormat(bits, va, 128))
-            for batch, kv_len in POINTS:
+            for batch, kv_len in points:
                 cache, plan = random_cache(fmt, batch, kv_len, shape, "cuda")
                 q = torch.randn(batch, 32, 128, device="cuda", dtype=torch.bfloat16)
                 out = torch.empty_like(q)
                 kv_bytes = batch * kv_len * 8 * (2 * 128 * bits / 8 + 16)
                 line = []
                 for cfg in configs:
-                    for split_scale in (1, 2) if a.round == 1 else (1,):
-                        sms = 132 * split_scale
-
-                        splits = num_splits(batch, 8, kv_len, cfg, sms)
+                    if a.splits:
+                        tiles = math.ceil(kv_len / cfg.block_n)
+                        choices = [s for s in a.splits if s <= tiles]
+                    else:
+                        scales = (1, 2) if a.round == 1 else (1,)
+                        choices = [num_splits(batch, 8, kv_len, cfg, 132 * k) for k in scales]
+                    for splits in choices:
                         fn = functools.partial(
                             tb.decode,
                             q,

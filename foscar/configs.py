@@ -3,11 +3,16 @@
 Knobs live in frozen dataclasses; :func:`triton_decode_config` and :func:`num_splits` own the
 heuristics. TUNING (H200; `bash benchmarks/h200_run.sh tune`, results in
 benchmarks/results/h200/tune/, discussion in benchmarks/NOTES.md):
-    block_n=128, num_warps=4, num_stages=3: INT2 B=64 L=16K 818 -> 546 us against
-        num_stages=1 (cp.async prefetch of the next tiles; the kernel is latency-bound at
-        2 CTAs/SM), better than block_n=64 (730 us) and 8 warps (999 us).
-    block_n=64 when a product needs more than 16 columns (more registers per token), and for
-        the reconstruct baseline, which spills at block_n=128.
+    round 1: num_stages=3 beats 1 (cp.async prefetch of the next tiles; INT2 B=64 L=16K 818 ->
+        546 us at 128-token tiles); 8 warps lose.
+    rounds 2-3: 64-token tiles capped at 128 registers (4 CTAs/SM, some spills) beat 128-token
+        tiles at 255 registers (2 CTAs/SM) at every point measured, B=1 included once the
+        split count fills the 4 slots (INT2 B=1 L=128K 78 -> 74 us, B=64 L=16K 544 -> 495 us).
+    round 4: the split count that fills the resident slots exactly once wins; one CTA more
+        than the slots costs a second wave (INT2 B=8 L=128K: 8 splits 495 us, 9 splits 703 us).
+    block_n=64 uncapped when a product needs more than 16 columns, and for the reconstruct
+        baseline, which spills at block_n=128; block_n=32 for token-wise K with 4+ groups per
+        row (larger tiles fault, NOTES.md 5).
 """
 
 from __future__ import annotations
@@ -57,30 +62,31 @@ def column_widths(fmt, head_dim: int, heads_per_kv: int, block_n: int, reconstru
 def triton_decode_config(
     fmt, head_dim: int, heads_per_kv: int, reconstruct: bool = False, ctas: int = 1
 ) -> TritonDecodeConfig:
-    """``ctas``: sequences x KV heads of the call. From 64 up, 64-token tiles capped at 128
-    registers (4 CTAs/SM, some spills) beat 128-token tiles at 2 CTAs/SM: INT2 B=64 L=16K
-    548 -> 492 us, B=8 L=128K 784 -> 711 us; at B=1 they lose (28 -> 35 us)."""
+    """The launch config for a format; ``ctas`` (sequences x KV heads) is kept for callers and
+    future tuning: round 3 found one config best from 8 to 512 of them."""
     _, hpk, hpv = column_widths(fmt, head_dim, heads_per_kv, 128, reconstruct=False)
+    if not reconstruct and fmt.key.axis.value == "token" and head_dim // fmt.key.group_size >= 4:
+        # 4+ channel groups per K row: at 64 tokens and up the fold spills ~4.5 KB per thread
+        # and the kernel faults on the H200 ("out-of-range shared or local address" in the PV
+        # product, benchmarks/NOTES.md 5); 32-token tiles (mma.sync) run correctly
+        return TritonDecodeConfig(block_n=32)
     if reconstruct or hpk > 16 or hpv > 16:
         return TritonDecodeConfig(block_n=64, ctas_per_sm=3)
-    if ctas >= 64:
-        return TritonDecodeConfig(block_n=64, maxnreg=128, ctas_per_sm=4)
-    return TritonDecodeConfig()
+    return TritonDecodeConfig(block_n=64, maxnreg=128, ctas_per_sm=4)
 
 
 def num_splits(
     batch: int, num_kv_heads: int, max_tokens: int, cfg: TritonDecodeConfig, num_sms: int
 ) -> int:
-    """Splits per (sequence, KV head): enough CTAs to fill every resident slot once.
+    """Splits per (sequence, KV head): as many as fill every resident CTA slot once.
 
-    With 2 CTAs/SM this is the 2 x SMs of the first tuning round (B=1, L=32K: 33 splits beat
-    66). Configs with more CTAs per SM get more splits: round 1 measured 9 splits faster than 5
-    at B=8, L=128K (128/4/2: 703 vs 822 us) and 2 faster than 1 at B=64, L=16K (64/4/3: 604 vs
-    730 us); the capped config (4/SM) had been run with the 2/SM split counts.
+    Rounded down: a split count whose CTAs exceed the slots by one runs a second wave as long
+    as the first (tuning round 4, INT2 B=8 L=128K at 4 CTAs/SM: 8 splits 495 us, 9 splits
+    703 us, 16 splits 495 us). At least ``cfg.min_tiles_per_split`` tiles per split.
     """
     tiles = math.ceil(max_tokens / cfg.block_n)
     if tiles == 0:
         return 1
     ctas = batch * num_kv_heads
-    wanted = math.ceil(cfg.ctas_per_sm * num_sms / ctas)
+    wanted = (cfg.ctas_per_sm * num_sms) // ctas
     return max(1, min(wanted, tiles // cfg.min_tiles_per_split, tiles))

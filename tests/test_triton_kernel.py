@@ -43,17 +43,7 @@ EVERY_FORMAT = [(kb, vb, ka, va) for (kb, vb), (ka, va) in itertools.product(BIT
 
 def _every_format_params():
     for kb, vb, ka, va in EVERY_FORMAT:
-        marks = []
-        gk = (128, 64, 32)[EVERY_FORMAT.index((kb, vb, ka, va)) % 3]
-        if HAS_CUDA and kb == 4 and ka == "token" and gk == 32:
-            # the backend refuses this class on the GPU until the illegal memory access seen
-            # on the H200 is fixed (benchmarks/NOTES.md, "GPU failures")
-            marks.append(
-                pytest.mark.xfail(
-                    reason="known GPU bug, disabled in the backend", raises=ValueError, strict=True
-                )
-            )
-        yield pytest.param(kb, vb, ka, va, marks=marks, id=f"K{kb}{ka}-V{vb}{va}")
+        yield pytest.param(kb, vb, ka, va, id=f"K{kb}{ka}-V{vb}{va}")
 
 
 @pytest.mark.parametrize("kb,vb,ka,va", list(_every_format_params()))

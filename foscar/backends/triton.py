@@ -81,19 +81,6 @@ def supports(cache: QuantizedKVCache, num_q_heads: int) -> str | None:
         return f"at most 16 query heads per KV head, got {ratio}"
     if cache.window_dtype not in (torch.bfloat16,):
         return f"the BF16 windows must be stored as bfloat16, got {cache.window_dtype}"
-    k = fmt.key
-    if (
-        cache.device.type == "cuda"
-        and k.axis.value == "token"
-        and k.bits == 4
-        and cache.head_dim // k.group_size >= 4
-    ):
-        # Known bug (benchmarks/NOTES.md, "GPU failures"): an illegal memory access on the H200
-        # for INT4 token-wise K with 4+ groups per row; correct in the interpreter.
-        return (
-            "INT4 token-wise K with 4 or more groups per row is disabled on the GPU "
-            "(a known illegal memory access, under investigation)"
-        )
     return None
 
 
