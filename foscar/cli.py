@@ -1,4 +1,4 @@
-"""The ``foscar`` command line: ``foscar demo``, ``foscar bench``, ``foscar eval``."""
+"""The ``foscar`` command line: ``foscar demo``, ``bench``, ``eval``, ``calibrate``."""
 
 from __future__ import annotations
 
@@ -32,6 +32,13 @@ def main(argv: list[str] | None = None) -> int:
 
     eval_run.add_arguments(p)
     p.set_defaults(run=eval_run.run)
+    p = sub.add_parser(
+        "calibrate", help="OSCAR rotations and clip ratios for a model (SmolLM2 offline; CPU ok)"
+    )
+    from .oscar import cli as oscar_cli
+
+    oscar_cli.add_arguments(p)
+    p.set_defaults(run=oscar_cli.run)
     args = parser.parse_args(argv)
     return args.run(args)
 

