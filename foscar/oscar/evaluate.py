@@ -1,0 +1,143 @@
+"""OSCAR's rows for ``foscar eval``: rotated formats, their ablations, and the cache that runs them.
+
+Every row is token-wise with one group per head row (``g = min(head_dim, 128)``, like the
+harness's other formats); "clips 0.96/0.92" is the released recipe's fixed per-token clipping,
+"fitted clips" the per-layer ratios of :func:`foscar.oscar.fit_clips`; windows are BF16 sink and
+recent tokens (64/256 by default). From one :class:`~foscar.oscar.Calibration`:
+
+=====================================  =========================================================
+row                                    rotation / clipping / windows
+=====================================  =========================================================
+INT2 Hadamard (QuaRot-style)           R = H for K and V; 0.96/0.92; none
+OSCAR INT2                             U*H*P_br; fitted; none
+OSCAR INT2 + BF16 s/r                  U*H*P_br; fitted; s/r
+OSCAR INT2 + BF16 s/r, clips 0.96/0.92 U*H*P_br; 0.96/0.92; s/r (the ablations' reference)
+... w/o P_br, w/o H, w/o U             U*H, U*P_br, H*P_br; 0.96/0.92; s/r
+... no rotation                        identity; 0.96/0.92; s/r
+... K^TK/V^TV targets                  U*H*P_br of K^T K and V^T V; 0.96/0.92; s/r
+OSCAR INT4 (+ BF16 s/r)                U*H*P_br; fitted for INT4; none (s/r)
+=====================================  =========================================================
+
+From a saved :class:`~foscar.oscar.OscarRotations` alone (no ablations): the OSCAR INT2/INT4
+rows with and without windows, fitted clips when the file has them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..formats import KVFormat, QuantFormat
+from .calibrate import Calibration
+from .policy import OscarRotations, oscar_cache
+
+__all__ = ["OscarEvalFormat", "oscar_formats", "make_oscar_cache", "RELEASED_CLIPS"]
+
+#: the released recipe's fixed clip ratios (oscar.md Sec. 3)
+RELEASED_CLIPS = (0.96, 0.92)
+
+
+@dataclass(frozen=True)
+class OscarEvalFormat:
+    """A row of ``foscar eval`` whose cache is rotated (and possibly re-clipped per layer).
+
+    ``name``, ``fmt``, ``bits`` as the harness's ``EvalFormat``; ``rotations`` to apply;
+    ``clip_bits``: use the ratios fitted for that width (None: the format's clips).
+    """
+
+    name: str
+    fmt: KVFormat
+    bits: int
+    rotations: OscarRotations
+    clip_bits: int | None = None
+
+
+def _fmt(bits, g, clips=None, sink=0, recent=0) -> KVFormat:
+    pk, pv = clips if clips is not None else (None, None)
+    return KVFormat(
+        QuantFormat(bits, "token", g, pk),
+        QuantFormat(bits, "token", g, pv),
+        sink_tokens=sink,
+        recent_tokens=recent,
+    )
+
+
+def oscar_formats(
+    head_dim: int,
+    *,
+    calibration: Calibration | None = None,
+    rotations: OscarRotations | None = None,
+    windows: tuple[int, int] = (64, 256),
+) -> list[OscarEvalFormat]:
+    """The rows of the module docstring.
+
+    calibration : gives every row; ``rotations`` (the full recipe with fitted clips) is then
+        built from it unless passed.
+    rotations : alone, gives the OSCAR rows of that artifact.
+    windows : ``(sink, recent)`` BF16 tokens of the windowed rows.
+    """
+    if calibration is None and rotations is None:
+        raise ValueError("pass a calibration or rotations")
+    g = min(head_dim, 128)
+    s, r = windows
+    w = f" + BF16 {s}/{r}"
+    rows = []
+
+    def fitted(rot, bits):
+        return bits if (bits, "key") in rot.clips and (bits, "value") in rot.clips else None
+
+    def oscar_rows(rot, bits):
+        cb = fitted(rot, bits)
+        clips = None if cb is not None else (RELEASED_CLIPS if bits == 2 else None)
+        label = "fitted clips" if cb is not None else "clips 0.96/0.92" if clips else "min-max"
+        return [
+            OscarEvalFormat(f"OSCAR INT{bits} ({label})", _fmt(bits, g, clips), bits, rot, cb),
+            OscarEvalFormat(
+                f"OSCAR INT{bits}{w} ({label})", _fmt(bits, g, clips, s, r), bits, rot, cb
+            ),
+        ]
+
+    if calibration is None:
+        return oscar_rows(rotations, 2) + oscar_rows(rotations, 4)
+    if rotations is None:
+        raise ValueError("with a calibration, pass the fitted full rotations too")
+    fixed = _fmt(2, g, RELEASED_CLIPS, s, r)
+    rows.append(
+        OscarEvalFormat(
+            "INT2 Hadamard (QuaRot-style, clips 0.96/0.92)",
+            _fmt(2, g, RELEASED_CLIPS),
+            2,
+            calibration.rotations("hadamard"),
+        )
+    )
+    rows += oscar_rows(rotations, 2)
+    rows.append(OscarEvalFormat(f"OSCAR INT2{w} (clips 0.96/0.92)", fixed, 2, rotations))
+    for recipe, label in (
+        ("no-br", "w/o P_br"),
+        ("no-h", "w/o H"),
+        ("no-u", "w/o U"),
+        ("none", "no rotation"),
+    ):
+        rows.append(
+            OscarEvalFormat(
+                f"OSCAR INT2{w} {label} (clips 0.96/0.92)", fixed, 2, calibration.rotations(recipe)
+            )
+        )
+    plain = calibration.rotations(key_target="plain", value_target="plain")
+    rows.append(OscarEvalFormat(f"OSCAR INT2{w} K^TK/V^TV (clips 0.96/0.92)", fixed, 2, plain))
+    rows += oscar_rows(rotations, 4)
+    return rows
+
+
+def make_oscar_cache(model, row: OscarEvalFormat, prefill, extra_tokens: int):
+    """The harness's ``make_cache`` for an OSCAR row: a rotated FoscarCache holding
+    ``prefill`` (``foscar.eval.metrics.Prefill``)."""
+    cache = oscar_cache(
+        row.fmt,
+        model.config,
+        row.rotations,
+        clip_bits=row.clip_bits,
+        max_cache_len=prefill.length + extra_tokens,
+        max_batch_size=prefill.mask.shape[0],
+    )
+    cache.load_prompt(prefill.keys, prefill.values, prefill.mask)
+    return cache

@@ -1,0 +1,104 @@
+"""OSCAR's ``foscar eval`` rows on a tiny random Llama: the row list and the rotated cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="foscar eval needs transformers (foscar[hf])")
+
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from foscar.eval.metrics import decode_nll, make_cache, record_prefill  # noqa: E402
+from foscar.integrations.transformers import use_foscar_attention  # noqa: E402
+from foscar.oscar import calibrate, fit_clips  # noqa: E402
+from foscar.oscar.evaluate import OscarEvalFormat, make_oscar_cache, oscar_formats  # noqa: E402
+from foscar.oscar.rotation import hadamard  # noqa: E402
+
+D = 32
+
+
+@pytest.fixture(scope="module")
+def setup():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=96,
+        hidden_size=4 * D,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 96, (48,), generator=g) for _ in range(2)]
+    cal = calibrate(model, seqs)
+    rot = fit_clips(model, seqs[:1], cal.rotations(), num_queries=8)
+    return model, cal, rot
+
+
+def test_rows_from_a_calibration(setup):
+    _, cal, rot = setup
+    rows = oscar_formats(D, calibration=cal, rotations=rot, windows=(4, 16))
+    names = [r.name for r in rows]
+    assert names == [
+        "INT2 Hadamard (QuaRot-style, clips 0.96/0.92)",
+        "OSCAR INT2 (fitted clips)",
+        "OSCAR INT2 + BF16 4/16 (fitted clips)",
+        "OSCAR INT2 + BF16 4/16 (clips 0.96/0.92)",
+        "OSCAR INT2 + BF16 4/16 w/o P_br (clips 0.96/0.92)",
+        "OSCAR INT2 + BF16 4/16 w/o H (clips 0.96/0.92)",
+        "OSCAR INT2 + BF16 4/16 w/o U (clips 0.96/0.92)",
+        "OSCAR INT2 + BF16 4/16 no rotation (clips 0.96/0.92)",
+        "OSCAR INT2 + BF16 4/16 K^TK/V^TV (clips 0.96/0.92)",
+        "OSCAR INT4 (fitted clips)",
+        "OSCAR INT4 + BF16 4/16 (fitted clips)",
+    ]
+    by = {r.name: r for r in rows}
+    torch.testing.assert_close(by[names[0]].rotations.key[0, 0], hadamard(D))
+    assert by[names[0]].fmt.key.clip == 0.96 and by[names[0]].fmt.value.clip == 0.92
+    assert by[names[2]].clip_bits == 2 and by[names[2]].fmt.sink_tokens == 4
+    assert by[names[3]].clip_bits is None and by[names[3]].rotations is rot
+    assert by[names[7]].rotations.header["recipe"] == "none"
+    assert by[names[8]].rotations.header["key_target"] == "plain"
+    assert by[names[-1]].clip_bits == 4 and by[names[-1]].bits == 4
+    assert all(r.fmt.key.group_size == D and r.fmt.key.axis.value == "token" for r in rows)
+    # from a saved artifact without fitted clips: fixed ratios for INT2, min-max for INT4
+    bare = cal.rotations()
+    names = [r.name for r in oscar_formats(D, rotations=bare)]
+    assert names == [
+        "OSCAR INT2 (clips 0.96/0.92)",
+        "OSCAR INT2 + BF16 64/256 (clips 0.96/0.92)",
+        "OSCAR INT4 (min-max)",
+        "OSCAR INT4 + BF16 64/256 (min-max)",
+    ]
+    with pytest.raises(ValueError, match="pass a calibration or rotations"):
+        oscar_formats(D)
+    with pytest.raises(ValueError, match="pass the fitted full rotations"):
+        oscar_formats(D, calibration=cal)
+
+
+@torch.no_grad()
+def test_rotated_cache_in_the_harness(setup):
+    """An OSCAR row's cache holds the prefill and decodes: rotated BF16 windows give the BF16
+    NLL (to bf16 rounding), and the INT2 row's cache is rotated and re-clipped per layer."""
+    model, cal, rot = setup
+    use_foscar_attention(model)
+    g = torch.Generator().manual_seed(1)
+    rows = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (40, 30)]
+    targets = torch.randint(0, 96, (2, 4), generator=g)
+    inputs = torch.cat([torch.tensor([[r[-1]] for r in rows]), targets[:, :-1]], 1)
+    pre = record_prefill(model, [r[:-1] for r in rows])
+    windowed = [r for r in oscar_formats(D, calibration=cal, rotations=rot, windows=(0, 64))]
+    bf16 = windowed[2]  # every token inside the recent window: only the rotation acts
+    nll_rot = decode_nll(model, make_oscar_cache(model, bf16, pre, 8), pre, inputs, targets)
+    nll_ref = decode_nll(model, make_cache(model, bf16.fmt, pre, 8), pre, inputs, targets)
+    torch.testing.assert_close(nll_rot, nll_ref, atol=2e-2, rtol=2e-2)
+    row = oscar_formats(D, calibration=cal, rotations=rot)[1]
+    assert isinstance(row, OscarEvalFormat) and row.clip_bits == 2
+    cache = make_oscar_cache(model, row, pre, 8)
+    tr = cache.kv.transforms[1]
+    torch.testing.assert_close(tr.key_rotation[0], rot.key[1, 0])
+    assert tr.key_clip == float(rot.clips[(2, "key")][1])
+    assert cache.stored_lengths(0) == [39, 29]
