@@ -184,6 +184,16 @@ class _Sequence:
     lengths: list[int]  # total tokens per layer
 
 
+def _host_to(device: torch.device, values, dtype=torch.long) -> torch.Tensor:
+    """A host list or CPU tensor on ``device`` without a stream sync: CUDA copies go through
+    pinned memory, non-blocking (a plain ``torch.tensor(..., device="cuda")`` waits for every
+    kernel queued before it, which serialised each layer's append with the GPU)."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _num_quantized(length: int, fmt: KVFormat) -> int:
     """Tokens of a length-``length`` sequence that live in the quantized history."""
     past_window = length - fmt.sink_tokens - fmt.recent_tokens
@@ -624,7 +634,9 @@ class QuantizedKVCache:
 
         def cat(parts):
             return (
-                torch.cat(parts).to(dev) if parts else torch.empty(0, dtype=torch.long, device=dev)
+                _host_to(dev, torch.cat(parts))
+                if parts
+                else torch.empty(0, dtype=torch.long, device=dev)
             )
 
         if n_demoted:
@@ -692,7 +704,7 @@ class QuantizedKVCache:
         dev = self.device
 
         def idx(values):
-            return torch.tensor(values, dtype=torch.long, device=dev)
+            return _host_to(dev, values)
 
         if hist_page:
             old_slot, old_ring, old_dst = idx(old_slot), idx(old_ring), idx(old_dst)
@@ -745,8 +757,8 @@ class QuantizedKVCache:
         if list_page:
             flat_page.append(torch.tensor(list_page, dtype=torch.long))
             flat_entry.append(torch.tensor(list_entry, dtype=torch.long))
-        fp = torch.cat(flat_page).to(self.device)
-        fe = torch.cat(flat_entry).to(self.device)
+        fp = _host_to(self.device, torch.cat(flat_page))
+        fe = _host_to(self.device, torch.cat(flat_entry))
         # token-wise scale [H, n, D/g], channel-wise [H, n/g, D]: both flatten to flat order.
         h = self.num_kv_heads
         pairs = torch.stack([scale.reshape(h, -1), offset.reshape(h, -1)], dim=-1)  # [H, n_e, 2]
@@ -792,7 +804,7 @@ class QuantizedKVCache:
         dev = self.device
 
         def i32(values):
-            return torch.tensor(values, dtype=torch.int32, device=dev)
+            return _host_to(dev, values, torch.int32)
 
         return DecodeBatch(
             seq_ids=seq_ids,
