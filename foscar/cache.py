@@ -318,9 +318,13 @@ class QuantizedKVCache:
 
     def channel_order(self, name: str) -> torch.Tensor:
         """Channel order of the packed rows of ``"k"`` or ``"v"`` (foscar.formats)."""
-        f = self.fmt.key if name == "k" else self.fmt.value
-        role = Role.KEY if name == "k" else Role.VALUE
-        return channel_order(role, f.bits, self.head_dim, self.fmt.mapping)
+        orders = self.__dict__.setdefault("_channel_orders", {})
+        if name not in orders:  # kept on the cache's device: packing then copies nothing
+            f = self.fmt.key if name == "k" else self.fmt.value
+            role = Role.KEY if name == "k" else Role.VALUE
+            order = channel_order(role, f.bits, self.head_dim, self.fmt.mapping)
+            orders[name] = order.to(self.device)
+        return orders[name]
 
     def _allocate_layer(self) -> LayerStorage:
         p, h, d, ps = self.num_pages, self.num_kv_heads, self.head_dim, self.page_size

@@ -59,6 +59,7 @@ These orders apply to the bf16 mapping when ``head_dim`` is a multiple of 64 up 
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -271,11 +272,13 @@ def words_per_row(head_dim: int, bits: int) -> int:
     return head_dim * bits // 32
 
 
-def _bit_offsets(bits: int, mapping: OperandMapping) -> torch.Tensor:
-    """``bit(i)`` of the layout above for the ``32 // bits`` values of a word, as int64."""
+def _bit_offsets(bits: int, mapping: OperandMapping, device=None) -> torch.Tensor:
+    """``bit(i)`` of the layout above for the ``32 // bits`` values of a word, as int64.
+
+    Computed on ``device`` (no host-to-device copy, so no stream sync on a GPU)."""
     lane_bits = mapping.lane_bits
     lanes = 32 // lane_bits
-    i = torch.arange(32 // bits, dtype=torch.int64)
+    i = torch.arange(32 // bits, dtype=torch.int64, device=device)
     return lane_bits * (i % lanes) + bits * (i // lanes)
 
 
@@ -321,13 +324,20 @@ def channel_order(
     mapping = OperandMapping(mapping)
     if mapping is not OperandMapping.BF16 or not has_kernel_order(role, head_dim, bits):
         return torch.arange(head_dim)
+    return torch.tensor(_kernel_order(Role(role), bits, head_dim, mapping), dtype=torch.long)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_order(role: Role, bits: int, head_dim: int, mapping: OperandMapping) -> tuple:
+    """:func:`channel_order` as a tuple, computed once per row shape (every cache write
+    packs with it; the Python loop costs ~1 ms)."""
     per_word = 32 // bits
     position_of_bit = {int(b): i for i, b in enumerate(_bit_offsets(bits, mapping))}
-    order = torch.empty(head_dim, dtype=torch.long)
+    order = [0] * head_dim
     for c in range(head_dim):
         word, bit = kernel_bit_location(role, c, head_dim, bits)
         order[word * per_word + position_of_bit[bit]] = c
-    return order
+    return tuple(order)
 
 
 def pack_codes(
@@ -350,7 +360,7 @@ def pack_codes(
     nw = words_per_row(head_dim, bits)
     per_word = 32 // bits
     c = codes.to(torch.int32).reshape(*codes.shape[:-1], nw, per_word)
-    shifts = _bit_offsets(bits, mapping).to(device=codes.device, dtype=torch.int32)
+    shifts = _bit_offsets(bits, mapping, codes.device).to(torch.int32)
     # The fields are disjoint, so their sum is their OR (no carries; int32 wraps two's
     # complement, so bit 31 is just a bit).
     return (c << shifts).sum(dim=-1, dtype=torch.int32)
