@@ -327,7 +327,7 @@ def channel_order(
     return torch.tensor(_kernel_order(Role(role), bits, head_dim, mapping), dtype=torch.long)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _kernel_order(role: Role, bits: int, head_dim: int, mapping: OperandMapping) -> tuple:
     """:func:`channel_order` as a tuple, computed once per row shape (every cache write
     packs with it; the Python loop costs ~1 ms)."""
