@@ -150,7 +150,7 @@ def test_fitted_clips_minimise_the_recorded_error(tiny):
         clips = r.clips[(2, role)]
         assert clips.shape == (LAYERS,) and bool(((clips > 0) & (clips <= 1)).all())
         table = fit[f"int2.{role}"]
-        assert table["fitted"] == clips.tolist()
+        assert table["fitted"] == clips.tolist() and len(table["fitted_relative_error"]) == LAYERS
         # the fitted mean error is at most that of any single ratio for every layer
         assert table["fitted_mean_relative_error"] <= min(table["mean_relative_error"]) + 1e-12
     with pytest.raises(ValueError, match="clip must be in"):

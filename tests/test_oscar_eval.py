@@ -102,3 +102,20 @@ def test_rotated_cache_in_the_harness(setup):
     torch.testing.assert_close(tr.key_rotation[0], rot.key[1, 0])
     assert tr.key_clip == float(rot.clips[(2, "key")][1])
     assert cache.stored_lengths(0) == [39, 29]
+
+
+def test_attention_errors(setup):
+    from foscar.oscar.evaluate import attention_errors
+
+    model, cal, _ = setup
+    g = torch.Generator().manual_seed(2)
+    held = [torch.randint(0, 96, (40,), generator=g)]
+    variants = {"full": ("full", {}), "none": ("none", {})}
+    errs = attention_errors(
+        model, cal, held, candidates=(1.0, 0.9), num_queries=8, variants=variants
+    )
+    assert set(errs) == {"full", "none"}
+    for e in errs.values():
+        for role in ("key", "value"):
+            assert set(e[role]) == {"1", "0.9", "per-layer best"}
+            assert 0 < e[role]["per-layer best"] <= min(e[role]["1"], e[role]["0.9"]) + 1e-12

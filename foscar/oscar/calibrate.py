@@ -280,6 +280,7 @@ def fit_clips(
                 "mean_relative_error": rel[i, j].mean(dim=0).tolist(),
                 "fitted_mean_relative_error": float(rel[i, j].min(dim=-1).values.mean()),
                 "fitted": [cands[c] for c in best],
+                "fitted_relative_error": rel[i, j].min(dim=-1).values.tolist(),
             }
     rotations.header = {
         **rotations.header,

@@ -27,10 +27,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..formats import KVFormat, QuantFormat
-from .calibrate import Calibration
+from .calibrate import Calibration, fit_clips
 from .policy import OscarRotations, oscar_cache
 
-__all__ = ["OscarEvalFormat", "oscar_formats", "make_oscar_cache", "RELEASED_CLIPS"]
+__all__ = [
+    "OscarEvalFormat",
+    "oscar_formats",
+    "make_oscar_cache",
+    "attention_errors",
+    "RELEASED_CLIPS",
+    "ERROR_VARIANTS",
+]
 
 #: the released recipe's fixed clip ratios (oscar.md Sec. 3)
 RELEASED_CLIPS = (0.96, 0.92)
@@ -141,3 +148,62 @@ def make_oscar_cache(model, row: OscarEvalFormat, prefill, extra_tokens: int):
     )
     cache.load_prompt(prefill.keys, prefill.values, prefill.mask)
     return cache
+
+
+#: rotations whose attention error :func:`attention_errors` compares: (recipe, rotations kwargs)
+ERROR_VARIANTS = {
+    "full": ("full", {}),
+    "w/o P_br": ("no-br", {}),
+    "w/o H": ("no-h", {}),
+    "w/o U (Hadamard * P_br)": ("no-u", {}),
+    "no rotation": ("none", {}),
+    "Hadamard (QuaRot-style)": ("hadamard", {}),
+    "K^TK/V^TV targets": ("full", {"key_target": "plain", "value_target": "plain"}),
+    "per KV head": ("full", {"per_head": True}),
+}
+
+
+def attention_errors(
+    model,
+    calibration: Calibration,
+    sequences,
+    *,
+    bits: int = 2,
+    candidates=(1.0, 0.96, 0.92, 0.85, 0.8, 0.75, 0.7),
+    num_queries: int = 64,
+    variants: dict | None = None,
+) -> dict:
+    """Relative error of the attention output on held-out ``sequences`` for each rotation.
+
+    For every variant of :data:`ERROR_VARIANTS`, K alone (V exact) and V alone are quantized
+    (token-wise INT``bits``, one group per head row) over each sequence with each clip ratio of
+    ``candidates``; the error at ``num_queries`` positions of each sequence's second half is
+    averaged over layers (:func:`foscar.oscar.fit_clips` measures it). A finer, low-noise view
+    of what the perplexity rows show. Returns ``{variant: {"key"|"value": {ratio: error,
+    "per-layer best": error}}}``.
+    """
+    out = {}
+    for name, (recipe, kw) in (variants or ERROR_VARIANTS).items():
+        rot = fit_clips(
+            model,
+            sequences,
+            calibration.rotations(recipe, **kw),
+            bits=(bits,),
+            candidates=candidates,
+            num_queries=num_queries,
+        )
+        fit = rot.header["clip_fit"]
+        out[name] = {
+            role: {
+                **{
+                    f"{p:g}": e
+                    for p, e in zip(
+                        fit[f"int{bits}.{role}"]["candidates"],
+                        fit[f"int{bits}.{role}"]["mean_relative_error"],
+                    )
+                },
+                "per-layer best": fit[f"int{bits}.{role}"]["fitted_mean_relative_error"],
+            }
+            for role in ("key", "value")
+        }
+    return out
