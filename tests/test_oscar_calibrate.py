@@ -14,6 +14,7 @@ pytest.importorskip("safetensors", reason="rotations are saved as safetensors")
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from foscar import KVFormat, QuantFormat, QuantizedKVCache  # noqa: E402
+from foscar.integrations.transformers import cache_kwarg  # noqa: E402
 from foscar.oscar import (  # noqa: E402
     FORMAT_VERSION,
     OscarRotations,
@@ -21,7 +22,6 @@ from foscar.oscar import (  # noqa: E402
     calibrate,
     fit_clips,
 )
-from foscar.integrations.transformers import cache_kwarg  # noqa: E402
 from foscar.oscar.capture import capture_attention  # noqa: E402
 from foscar.oscar.rotation import hadamard  # noqa: E402
 
