@@ -256,3 +256,31 @@ def test_transformers_cache_with_rotations(tiny):
     with pytest.raises(ValueError, match="num_layers: the rotations have 2 layers"):
         big = LlamaConfig(**{**tiny.config.to_dict(), "num_hidden_layers": 3})
         oscar_cache(int2, big, rot)
+
+
+@torch.no_grad()
+def test_select_rotations_takes_the_better_candidate_per_layer(tiny):
+    from foscar.oscar import select_rotations
+
+    seqs = sequences()
+    cal = calibrate(tiny, seqs)
+    cands = {"full": cal.rotations(), "no-u": cal.rotations("no-u")}
+    sel = select_rotations(tiny, seqs[:1], cands, bits=(2, 4), num_queries=8)
+    fits = sel.header["clip_fit"]
+    for role in ("key", "value"):
+        errs = {n: fits[n][f"int2.{role}"]["fitted_relative_error"] for n in cands}
+        for layer in range(LAYERS):
+            best = min(cands, key=lambda n: errs[n][layer])
+            assert sel.header["selection"][role][layer] == best
+            assert torch.equal(getattr(sel, role)[layer], getattr(cands[best], role)[layer])
+            for b in (2, 4):
+                want = fits[best][f"int{b}.{role}"]["fitted"][layer]
+                assert float(sel.clips[(b, role)][layer]) == want
+        per = sel.header["selection"][f"{role}_error_per_candidate"]
+        assert sel.header["selection"][f"{role}_error"] <= min(per.values()) + 1e-12
+    with pytest.raises(ValueError, match="candidates must name at least one"):
+        select_rotations(tiny, seqs, {})
+    with pytest.raises(ValueError, match="select_bits"):
+        select_rotations(tiny, seqs, cands, bits=(4,))
+    with pytest.raises(ValueError, match="candidates must share one shape"):
+        select_rotations(tiny, seqs, {**cands, "head": cal.rotations(per_head=True)})

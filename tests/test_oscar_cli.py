@@ -79,6 +79,8 @@ def test_calibrate_rejects_bad_arguments(toy):
         oscar_cli.run(parse(["--tokens", "0"]))
     with pytest.raises(ValueError, match="--clip-bits must be 2 or 4"):
         oscar_cli.run(parse(["--clip-bits", "3"]))
+    with pytest.raises(ValueError, match="--select chooses by the INT2 error"):
+        oscar_cli.run(parse(["--select", "--clip-bits", "4"]))
     with pytest.raises(ValueError, match="--text .* is not a file"):
         oscar_cli.run(parse(["--model", str(toy / "model"), "--text", str(toy / "none.txt")]))
     with pytest.raises(ValueError, match="fewer than 100000"):
@@ -93,3 +95,20 @@ def test_cli_entry_point():
         [sys.executable, "-m", "foscar", "calibrate", "--help"], capture_output=True, text=True
     )
     assert res.returncode == 0 and "--per-head" in res.stdout and "--value-target" in res.stdout
+
+
+def test_calibrate_select(toy):
+    out = toy / "s.safetensors"
+    args = parse(
+        ["--model", str(toy / "model"), "--text", str(toy / "text.txt"), "--tokens", "256",
+         "--seq-len", "128", "--clip-tokens", "128", "--clip-queries", "8", "--clip-bits", "2",
+         "--select", "--out", str(out)]
+    )  # fmt: skip
+    lines = []
+    assert oscar_cli.run(args, log=lines.append) == 0
+    r = OscarRotations.load(out)
+    assert set(r.header["selection"]["key"]) <= {"full", "no-u"} and set(r.clips) == {
+        (2, "key"),
+        (2, "value"),
+    }
+    assert any("rotation kept in" in line for line in lines)

@@ -65,6 +65,12 @@ def test_rows_from_a_calibration(setup):
     assert by[names[-1]].clip_bits == 4 and by[names[-1]].bits == 4
     assert all(r.fmt.key.group_size == D and r.fmt.key.axis.value == "token" for r in rows)
     # from a saved artifact without fitted clips: fixed ratios for INT2, min-max for INT4
+    sel = oscar_formats(D, calibration=cal, rotations=rot, selected=rot, windows=(4, 16))
+    assert [r.name for r in sel][3:5] == [
+        "OSCAR-select INT2 (fitted clips)",
+        "OSCAR-select INT2 + BF16 4/16 (fitted clips)",
+    ]
+    assert sel[4].clip_bits == 2 and sel[4].fmt.recent_tokens == 16
     bare = cal.rotations()
     names = [r.name for r in oscar_formats(D, rotations=bare)]
     assert names == [

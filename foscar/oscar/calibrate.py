@@ -11,6 +11,9 @@
    quantized-dequantized over each calibration sequence for every candidate ratio, and the
    ratio with the smallest relative error of the causal attention output at ``num_queries``
    query positions (spread over each sequence's second half) wins.
+4. :func:`select_rotations` (our extension) picks, per layer and for K and V separately, the
+   candidate rotation (e.g. with or without ``U``) whose fitted error is smallest: on SmolLM2
+   the query eigenbasis ``U`` helps values but not keys (README, OSCAR section).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ __all__ = [
     "Calibration",
     "calibrate",
     "fit_clips",
+    "select_rotations",
     "CLIP_CANDIDATES",
     "KEY_TARGETS",
     "VALUE_TARGETS",
@@ -293,6 +297,82 @@ def fit_clips(
         },
     }
     return rotations
+
+
+@torch.no_grad()
+def select_rotations(
+    model,
+    sequences,
+    candidates: dict[str, OscarRotations],
+    *,
+    bits: Sequence[int] = (2, 4),
+    select_bits: int = 2,
+    group_size: int | None = None,
+    clip_candidates: Sequence[float] = CLIP_CANDIDATES,
+    num_queries: int = 64,
+    log: Callable[[str], None] | None = None,
+) -> OscarRotations:
+    """Per layer and per K/V, the candidate rotation with the smallest fitted attention error.
+
+    Every candidate (e.g. ``{"full": U*H*P_br, "no-u": H*P_br}``, all of one shape) gets its
+    clips fitted (:func:`fit_clips`) on ``sequences``; for each layer, K takes the rotation (and
+    its fitted clip ratios for every width of ``bits``) of the candidate whose K error at
+    ``select_bits`` is smallest, and V likewise. The header records the choice per layer.
+    """
+    if not candidates:
+        raise ValueError("candidates must name at least one rotation")
+    if select_bits not in bits:
+        raise ValueError(f"select_bits ({select_bits}) must be one of bits {tuple(bits)}")
+    names = list(candidates)
+    shapes = {tuple(r.key.shape) for r in candidates.values()}
+    if len(shapes) != 1:
+        raise ValueError(f"candidates must share one shape, got {sorted(shapes)}")
+    fitted = {}
+    for name in names:
+        if log:
+            log(f"selection: fitting clips of candidate {name!r}")
+        fitted[name] = fit_clips(
+            model,
+            sequences,
+            candidates[name],
+            bits=bits,
+            group_size=group_size,
+            candidates=clip_candidates,
+            num_queries=num_queries,
+        )
+    first = fitted[names[0]]
+    layers = first.num_layers
+    out = {"key": [], "value": []}
+    clips = {(b, role): torch.zeros(layers, dtype=torch.float64) for b in bits for role in out}
+    choice = {"key": [], "value": []}
+    for role in ("key", "value"):
+        errors = torch.tensor(
+            [
+                fitted[n].header["clip_fit"][f"int{select_bits}.{role}"]["fitted_relative_error"]
+                for n in names
+            ]
+        )  # [candidate, layer]
+        best = errors.argmin(dim=0)
+        for layer in range(layers):
+            r = fitted[names[int(best[layer])]]
+            out[role].append(getattr(r, role)[layer])
+            for b in bits:
+                clips[(b, role)][layer] = r.clips[(b, role)][layer]
+            choice[role].append(names[int(best[layer])])
+        choice[f"{role}_error"] = errors.min(dim=0).values.mean().item()
+        choice[f"{role}_error_per_candidate"] = dict(zip(names, errors.mean(dim=1).tolist()))
+    header = {
+        **first.header,
+        "recipe": "selected per layer from " + ", ".join(names),
+        "selection": {"bits": select_bits, **choice},
+        "candidates": {
+            n: {k: fitted[n].header.get(k) for k in ("recipe", "key_target", "value_target")}
+            for n in names
+        },
+    }
+    header.pop("clip_fit", None)
+    header["clip_fit"] = {n: fitted[n].header["clip_fit"] for n in names}
+    return OscarRotations(torch.stack(out["key"]), torch.stack(out["value"]), clips, header)
 
 
 def default_sequences(tok, tokens: int, seq_len: int, text: str) -> list[torch.Tensor]:

@@ -42,6 +42,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--value-target", default="attention", choices=["attention", "proxy", "plain"])
     p.add_argument("--per-head", action="store_true", help="one rotation per KV head")
     p.add_argument(
+        "--select",
+        action="store_true",
+        help="per layer and for K and V, keep the --recipe rotation or H*P_br, whichever has the "
+        "smaller fitted attention error at INT2 (our extension; needs --clip-bits with 2)",
+    )
+    p.add_argument(
         "--clip-bits",
         type=int,
         nargs="*",
@@ -66,12 +72,14 @@ def _check(args) -> None:
     for b in args.clip_bits:
         if b not in (2, 4):
             raise ValueError(f"--clip-bits must be 2 or 4, got {b}")
+    if args.select and 2 not in args.clip_bits:
+        raise ValueError("--select chooses by the INT2 error: --clip-bits must include 2")
 
 
 def run(args, log=print) -> int:
     from .. import __version__
     from ..eval.model import load_model
-    from .calibrate import calibrate, default_sequences, fit_clips
+    from .calibrate import calibrate, default_sequences, fit_clips, select_rotations
 
     _check(args)
     if args.threads:
@@ -119,14 +127,19 @@ def run(args, log=print) -> int:
     if args.clip_bits:
         t3 = time.perf_counter()
         clip_seqs = default_sequences(tok, min(args.clip_tokens, args.tokens), args.seq_len, text)
-        fit_clips(
-            model,
-            clip_seqs,
-            rot,
-            bits=tuple(args.clip_bits),
-            num_queries=args.clip_queries,
-            log=log,
-        )
+        fit = dict(bits=tuple(args.clip_bits), num_queries=args.clip_queries, log=log)
+        if args.select:
+            kw = dict(
+                key_target=args.key_target, value_target=args.value_target, per_head=args.per_head
+            )
+            candidates = {args.recipe: rot, "no-u": cal.rotations("no-u", **kw)}
+            rot = select_rotations(model, clip_seqs, candidates, **fit)
+            sel = rot.header["selection"]
+            for role in ("key", "value"):
+                n = sel[role].count(args.recipe)
+                log(f"{role}: {args.recipe} rotation kept in {n} of {rot.num_layers} layers")
+        else:
+            fit_clips(model, clip_seqs, rot, **fit)
         t_fit = time.perf_counter() - t3
         for b in args.clip_bits:
             for role in ("key", "value"):

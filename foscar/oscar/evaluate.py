@@ -15,6 +15,7 @@ OSCAR INT2 + BF16 s/r, clips 0.96/0.92 U*H*P_br; 0.96/0.92; s/r (the ablations' 
 ... w/o P_br, w/o H, w/o U             U*H, U*P_br, H*P_br; 0.96/0.92; s/r
 ... no rotation                        identity; 0.96/0.92; s/r
 ... K^TK/V^TV targets                  U*H*P_br of K^T K and V^T V; 0.96/0.92; s/r
+OSCAR-select INT2 (+ BF16 s/r)         per layer U*H*P_br or H*P_br; fitted; none (s/r)
 OSCAR INT4 (+ BF16 s/r)                U*H*P_br; fitted for INT4; none (s/r)
 =====================================  =========================================================
 
@@ -73,6 +74,7 @@ def oscar_formats(
     *,
     calibration: Calibration | None = None,
     rotations: OscarRotations | None = None,
+    selected: OscarRotations | None = None,
     windows: tuple[int, int] = (64, 256),
 ) -> list[OscarEvalFormat]:
     """The rows of the module docstring.
@@ -80,6 +82,8 @@ def oscar_formats(
     calibration : gives every row; ``rotations`` (the full recipe with fitted clips) is then
         built from it unless passed.
     rotations : alone, gives the OSCAR rows of that artifact.
+    selected : rotations chosen per layer (:func:`foscar.oscar.select_rotations`) with fitted
+        clips: adds the "OSCAR-select" rows.
     windows : ``(sink, recent)`` BF16 tokens of the windowed rows.
     """
     if calibration is None and rotations is None:
@@ -117,6 +121,11 @@ def oscar_formats(
         )
     )
     rows += oscar_rows(rotations, 2)
+    if selected is not None:
+        rows += [
+            OscarEvalFormat(f"OSCAR-select INT2{x} (fitted clips)", f, 2, selected, 2)
+            for x, f in (("", _fmt(2, g)), (w, _fmt(2, g, None, s, r)))
+        ]
     rows.append(OscarEvalFormat(f"OSCAR INT2{w} (clips 0.96/0.92)", fixed, 2, rotations))
     for recipe, label in (
         ("no-br", "w/o P_br"),
