@@ -644,19 +644,16 @@ class QuantizedKVCache:
             )
 
         if n_demoted:
-            old_slot, old_ring, old_dst = cat(old_slot), cat(old_ring), cat(old_dst)
-            new_src, new_dst = cat(new_src), cat(new_dst)
-            hist_page, hist_row = cat(hist_page), cat(hist_row)
-            for name, src in (("k", k), ("v", v)):
-                # Every token is rounded to the window dtype on entry, so the quantizer sees the
-                # same values whether a token is demoted from the tail or arrives in a prefill.
-                tail = getattr(st, f"{name}_tail")
-                demoted = torch.empty(
-                    n_demoted, self.num_kv_heads, self.head_dim, dtype=tail.dtype, device=dev
-                )
-                demoted[old_dst] = tail[old_slot, :, old_ring]
-                demoted[new_dst] = src[new_src].to(tail.dtype)
-                self._write_history(layer, name, demoted, segments, hist_page, hist_row)
+            self._write_demoted(
+                layer,
+                k,
+                v,
+                (cat(old_slot), cat(old_ring), cat(old_dst)),
+                (cat(new_src), cat(new_dst)),
+                segments,
+                cat(hist_page),
+                cat(hist_row),
+            )
         wd = self.window_dtype
         if sink_src:
             src, slot, pos = cat(sink_src), cat(sink_slot), cat(sink_pos)
@@ -711,17 +708,16 @@ class QuantizedKVCache:
             return _host_to(dev, values)
 
         if hist_page:
-            old_slot, old_ring, old_dst = idx(old_slot), idx(old_ring), idx(old_dst)
-            new_src, new_dst = idx(new_src), idx(new_dst)
-            hist_page, hist_row = idx(hist_page), idx(hist_row)
-            for name, src in (("k", k), ("v", v)):
-                tail = getattr(st, f"{name}_tail")
-                demoted = torch.empty(
-                    len(hist_page), self.num_kv_heads, self.head_dim, dtype=tail.dtype, device=dev
-                )
-                demoted[old_dst] = tail[old_slot, :, old_ring]
-                demoted[new_dst] = src[new_src].to(tail.dtype)
-                self._write_history(layer, name, demoted, segments, hist_page, hist_row)
+            self._write_demoted(
+                layer,
+                k,
+                v,
+                (idx(old_slot), idx(old_ring), idx(old_dst)),
+                (idx(new_src), idx(new_dst)),
+                segments,
+                idx(hist_page),
+                idx(hist_row),
+            )
         wd = self.window_dtype
         if sink_src:
             src, slot, pos = idx(sink_src), idx(sink_slot), idx(sink_pos)
@@ -731,6 +727,30 @@ class QuantizedKVCache:
             src, slot, pos = idx(tail_src), idx(tail_slot), idx(tail_pos)
             st.k_tail[slot, :, pos] = k[src].to(wd)
             st.v_tail[slot, :, pos] = v[src].to(wd)
+
+    def _write_demoted(self, layer, k, v, old, new, segments, hist_page, hist_row) -> None:
+        """Quantize the demoted tokens of K and V into the history, in demotion order.
+
+        old: ``(slot, ring position, destination)`` of the tokens leaving the tail rings;
+        new: ``(source row, destination)`` of the tokens taken straight from this call's K/V;
+        hist_page, hist_row: where each demoted token lands (``[n]`` device indices).
+        """
+        st = self.layers[layer]
+        (old_slot, old_ring, old_dst), (new_src, new_dst) = old, new
+        for name, src in (("k", k), ("v", v)):
+            # Every token is rounded to the window dtype on entry, so the quantizer sees the
+            # same values whether a token is demoted from the tail or arrives in a prefill.
+            tail = getattr(st, f"{name}_tail")
+            demoted = torch.empty(
+                len(hist_page),
+                self.num_kv_heads,
+                self.head_dim,
+                dtype=tail.dtype,
+                device=tail.device,
+            )
+            demoted[old_dst] = tail[old_slot, :, old_ring]
+            demoted[new_dst] = src[new_src].to(tail.dtype)
+            self._write_history(layer, name, demoted, segments, hist_page, hist_row)
 
     def _write_history(self, layer: int, name, demoted, segments, hist_page, hist_row):
         """Quantize the demoted tokens ``[n, H, D]`` of K or V; store codes, s' and z'."""
