@@ -389,19 +389,8 @@ def _quantized_tile(
     q,
     qx,
     qsum_g,
-    kv_indices_ptr,
-    k_words_ptr,
-    k_scales_ptr,
-    v_words_ptr,
-    v_scales_ptr,
-    stride_kw_page,
-    stride_kw_head,
-    stride_ks_page,
-    stride_ks_head,
-    stride_vw_page,
-    stride_vw_head,
-    stride_vs_page,
-    stride_vs_head,
+    ptrs,  # (kv_indices, k_words, k_scales, v_words, v_scales)
+    strides,  # (k_words, k_scales, v_words, v_scales) x (page, head)
     HS: tl.constexpr,
     D: tl.constexpr,
     PAGE: tl.constexpr,
@@ -420,6 +409,17 @@ def _quantized_tile(
     TILE_ACC: tl.constexpr,
 ):
     m_i, l2, z2, acc = state
+    kv_indices_ptr, k_words_ptr, k_scales_ptr, v_words_ptr, v_scales_ptr = ptrs
+    (
+        stride_kw_page,
+        stride_kw_head,
+        stride_ks_page,
+        stride_ks_head,
+        stride_vw_page,
+        stride_vw_head,
+        stride_vs_page,
+        stride_vs_head,
+    ) = strides
     offs_n = tl.arange(0, BLOCK_N)
     valid = t * BLOCK_N + offs_n < n_q
     pages, row0 = _token_pages(kv_indices_ptr, page_base, t, n_pages, PAGE, BLOCK_N, MASKED)
@@ -797,6 +797,17 @@ def decode_split_kernel(
         )
         # the scale multipliers of token-wise K carry c = sm_scale * log2(e)
         k_mult = 1.0 if (K_CHANNEL or RECONSTRUCT) else qk_scale
+        ptrs = (kv_indices_ptr, k_words_ptr, k_scales_ptr, v_words_ptr, v_scales_ptr)
+        strides = (
+            stride_kw_page,
+            stride_kw_head,
+            stride_ks_page,
+            stride_ks_head,
+            stride_vw_page,
+            stride_vw_head,
+            stride_vs_page,
+            stride_vs_head,
+        )
         for t in range(t_begin, t_full):
             state = _quantized_tile(
                 t,
@@ -811,19 +822,8 @@ def decode_split_kernel(
                 q,
                 qx,
                 qsum_g,
-                kv_indices_ptr,
-                k_words_ptr,
-                k_scales_ptr,
-                v_words_ptr,
-                v_scales_ptr,
-                stride_kw_page,
-                stride_kw_head,
-                stride_ks_page,
-                stride_ks_head,
-                stride_vw_page,
-                stride_vw_head,
-                stride_vs_page,
-                stride_vs_head,
+                ptrs,
+                strides,
                 HS,
                 D,
                 PAGE,
@@ -855,19 +855,8 @@ def decode_split_kernel(
                 q,
                 qx,
                 qsum_g,
-                kv_indices_ptr,
-                k_words_ptr,
-                k_scales_ptr,
-                v_words_ptr,
-                v_scales_ptr,
-                stride_kw_page,
-                stride_kw_head,
-                stride_ks_page,
-                stride_ks_head,
-                stride_vw_page,
-                stride_vw_head,
-                stride_vs_page,
-                stride_vs_head,
+                ptrs,
+                strides,
                 HS,
                 D,
                 PAGE,
