@@ -327,7 +327,8 @@ def plot(rows, path: str) -> None:
     import matplotlib.pyplot as plt
 
     batches = sorted({r["batch"] for r in rows})
-    fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
+    width = 5 * len(batches) + 2.5  # 2.5 inches on the right for the legend
+    fig, axes = plt.subplots(1, len(batches), figsize=(width, 4), squeeze=False)
     for ax, b in zip(axes[0], batches):
         for lab in sorted({_label(r) for r in rows}):
             pts = sorted(
@@ -343,8 +344,9 @@ def plot(rows, path: str) -> None:
         ax.set_xlabel("context length (tokens)")
         ax.set_ylabel("speedup over FlashInfer BF16")
         ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=7)
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.tight_layout(rect=(0, 0, 1 - 2.5 / width, 1))  # the legend right of the panels
+    fig.legend(handles, labels, loc="center right", fontsize=8)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -389,9 +391,20 @@ def add_arguments(parser) -> None:
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--out", default="benchmarks/results/h200")
     parser.add_argument("--name", default=None, help="result file stem (default by grid)")
+    parser.add_argument(
+        "--replot",
+        metavar="JSON",
+        default=None,
+        help="redraw the PNG of a results file (no GPU needed) and exit",
+    )
 
 
 def run(args) -> int:
+    if args.replot:
+        with open(args.replot) as f:
+            rows = json.load(f)["rows"]
+        plot(rows, os.path.splitext(args.replot)[0] + ".png")
+        return 0
     if not torch.cuda.is_available():
         print("foscar bench needs a CUDA GPU", file=sys.stderr)
         return 2
