@@ -103,7 +103,7 @@ def test_rotated_cache_in_the_harness(setup):
     torch.testing.assert_close(nll_rot, nll_ref, atol=2e-2, rtol=2e-2)
     row = oscar_formats(D, calibration=cal, rotations=rot)[1]
     assert isinstance(row, OscarEvalFormat) and row.clip_bits == 2
-    cache = make_oscar_cache(model, row, pre, 8)
+    cache = row.make_cache(model, pre, 8)  # the harness's row interface
     tr = cache.kv.transforms[1]
     torch.testing.assert_close(tr.key_rotation[0], rot.key[1, 0])
     assert tr.key_clip == float(rot.clips[(2, "key")][1])

@@ -58,6 +58,10 @@ class OscarEvalFormat:
     rotations: OscarRotations
     clip_bits: int | None = None
 
+    def make_cache(self, model, prefill, extra_tokens: int):
+        """A rotated FoscarCache holding ``prefill`` (the harness's row interface)."""
+        return make_oscar_cache(model, self, prefill, extra_tokens)
+
 
 def _fmt(bits, g, clips=None, sink=0, recent=0) -> KVFormat:
     pk, pv = clips if clips is not None else (None, None)
