@@ -112,3 +112,27 @@ def test_calibrate_select(toy):
         (2, "value"),
     }
     assert any("rotation kept in" in line for line in lines)
+
+
+def test_prepare_rows_for_foscar_eval(toy):
+    from transformers import AutoTokenizer
+
+    from foscar.oscar.evaluate import prepare
+
+    model = LlamaForCausalLM.from_pretrained(toy / "model").eval()
+    tok = AutoTokenizer.from_pretrained(toy / "model")
+    held = [torch.arange(100, 164)]
+    rows, info = prepare(model, tok, tokens=256, seq_len=128, windows=(8, 16), held_out=held)
+    names = [r.name for r in rows]
+    assert "OSCAR INT2 + BF16 8/16 (fitted clips)" in names and len(names) == 13
+    assert info["calibration"]["calibration_sequences"] == [128, 128]
+    assert len(info["fitted_clips"]["int2.key"]) == 2 and len(info["selection"]["key"]) == 2
+    assert "w/o H" in info["attention_errors_heldout"]["errors"]
+    path = toy / "p.safetensors"
+    rows[1].rotations.save(path)
+    rows, info = prepare(model, tok, path=str(path))
+    assert [r.name for r in rows][:2] == [
+        "OSCAR INT2 (fitted clips)",
+        "OSCAR INT2 + BF16 64/256 (fitted clips)",
+    ]
+    assert info["file"] == str(path)

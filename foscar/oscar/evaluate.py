@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..formats import KVFormat, QuantFormat
-from .calibrate import Calibration, fit_clips
+from .calibrate import Calibration, calibrate, default_sequences, fit_clips, select_rotations
 from .policy import OscarRotations, oscar_cache
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "oscar_formats",
     "make_oscar_cache",
     "attention_errors",
+    "prepare",
     "RELEASED_CLIPS",
     "ERROR_VARIANTS",
 ]
@@ -220,3 +221,77 @@ def attention_errors(
             for role in ("key", "value")
         }
     return out
+
+
+def prepare(
+    model,
+    tok,
+    *,
+    tokens: int = 8192,
+    seq_len: int = 2048,
+    windows: tuple[int, int] = (64, 256),
+    path: str | None = None,
+    held_out: list | None = None,
+    log=None,
+) -> tuple[list[OscarEvalFormat], dict]:
+    """Calibrate OSCAR for ``foscar eval`` and return ``(rows, info)``.
+
+    Calibration text: the first ``tokens`` tokens of CPython's language reference (the text the
+    harness fits its own clipping on; never scored), in sequences of ``seq_len``. Clips are
+    fitted (INT2 and INT4) and OSCAR-select chosen on the first sequence. With ``path`` (a
+    ``foscar calibrate`` file) only that artifact's rows are returned. ``held_out``: token-id
+    sequences of the evaluation text for the attention-error table (skipped when None).
+    ``info`` goes into the result's config.
+    """
+    import time
+
+    from ..eval.texts import python_reference
+
+    if path is not None:
+        rot = OscarRotations.load(path)
+        return oscar_formats(rot.head_dim, rotations=rot, windows=windows), {
+            "file": str(path),
+            "header": rot.header,
+        }
+    ref = python_reference()
+    seqs = default_sequences(tok, tokens, seq_len, ref.text)
+    header = {
+        "model": getattr(model.config, "name_or_path", "") or "SmolLM2-135M-Instruct",
+        "calibration_text": f"{ref.source}, first {tokens} tokens",
+    }
+    t0 = time.perf_counter()
+    cal = calibrate(model, seqs, header=header, log=log)
+    t1 = time.perf_counter()
+    full = fit_clips(model, seqs[:1], cal.rotations(), log=log)
+    candidates = {"full": cal.rotations(), "no-u": cal.rotations("no-u")}
+    sel = select_rotations(model, seqs[:1], candidates, log=log)
+    t2 = time.perf_counter()
+    errors = attention_errors(model, cal, held_out) if held_out else None
+    t3 = time.perf_counter()
+    rows = oscar_formats(
+        cal.head_dim, calibration=cal, rotations=full, selected=sel, windows=windows
+    )
+    fit = full.header["clip_fit"]
+    info = {
+        "calibration": {
+            k: cal.header[k]
+            for k in ("calibration_text", "calibration_tokens", "calibration_sequences")
+        },
+        "seconds": {
+            "targets": round(t1 - t0, 1),
+            "clip_fit_and_selection": round(t2 - t1, 1),
+            "attention_errors": round(t3 - t2, 1),
+        },
+        "windows": list(windows),
+        "fitted_clips": {f"int{b}.{r}": c.tolist() for (b, r), c in full.clips.items()},
+        "clip_fit_errors": {
+            k: {kk: vv for kk, vv in v.items() if kk != "fitted_relative_error"}
+            for k, v in fit.items()
+            if k.startswith("int")
+        },
+        "selection": {r: sel.header["selection"][r] for r in ("key", "value")},
+        "selected_clips_int2": {r: sel.clips[(2, r)].tolist() for r in ("key", "value")},
+    }
+    if errors is not None:
+        info["attention_errors_heldout"] = {"bits": 2, "errors": errors}
+    return rows, info
