@@ -79,6 +79,8 @@ def test_targets_equal_their_definitions_over_the_sequences(tiny):
     seqs = sequences()
     cal = calibrate(tiny, seqs, proxy=True, dtype=f64)
     assert cal.num_layers == LAYERS and cal.header["calibration_tokens"] == 63
+    proxy = cal.rotations(value_target="proxy")
+    assert proxy.header["value_target"] == "proxy" and proxy.value.shape == (LAYERS, 1, D, D)
     cap = captured(tiny, seqs)
     for layer in range(LAYERS):
         rows = [c for c in cap if c[0] == layer]
