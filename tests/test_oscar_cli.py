@@ -117,7 +117,7 @@ def test_calibrate_select(toy):
 def test_prepare_rows_for_foscar_eval(toy):
     from transformers import AutoTokenizer
 
-    from foscar.oscar.evaluate import prepare
+    from foscar.oscar.evaluate import prepare, report
 
     model = LlamaForCausalLM.from_pretrained(toy / "model").eval()
     tok = AutoTokenizer.from_pretrained(toy / "model")
@@ -128,6 +128,8 @@ def test_prepare_rows_for_foscar_eval(toy):
     assert info["calibration"]["calibration_sequences"] == [128, 128]
     assert len(info["fitted_clips"]["int2.key"]) == 2 and len(info["selection"]["key"]) == 2
     assert "w/o H" in info["attention_errors_heldout"]["errors"]
+    md = report(info)
+    assert "256 tokens" in md and "| w/o H | " in md and "OSCAR-select key" in md
     path = toy / "p.safetensors"
     rows[1].rotations.save(path)
     rows, info = prepare(model, tok, path=str(path))

@@ -37,6 +37,7 @@ __all__ = [
     "make_oscar_cache",
     "attention_errors",
     "prepare",
+    "report",
     "RELEASED_CLIPS",
     "ERROR_VARIANTS",
 ]
@@ -295,3 +296,50 @@ def prepare(
     if errors is not None:
         info["attention_errors_heldout"] = {"bits": 2, "errors": errors}
     return rows, info
+
+
+def report(info: dict) -> str:
+    """Markdown of :func:`prepare`'s ``info``: calibration, fitted clips, selection, and the
+    held-out attention-error table."""
+    cal = info.get("calibration", {})
+    lines = ["### OSCAR calibration", ""]
+    if cal:
+        sec = info.get("seconds", {})
+        lines.append(
+            f"{cal['calibration_tokens']} tokens ({cal['calibration_text']}); targets "
+            f"{sec.get('targets', 0):.0f} s, clip fit and selection "
+            f"{sec.get('clip_fit_and_selection', 0):.0f} s."
+        )
+    for key, clips in info.get("fitted_clips", {}).items():
+        lines.append(
+            f"- fitted {key} clip ratios: mean {sum(clips) / len(clips):.3f}, "
+            f"range {min(clips):g}-{max(clips):g}"
+        )
+    for role, chosen in info.get("selection", {}).items():
+        lines.append(
+            f"- OSCAR-select {role}: U*H*P_br in {chosen.count('full')} of {len(chosen)} layers, "
+            f"H*P_br in {chosen.count('no-u')}"
+        )
+    errors = info.get("attention_errors_heldout", {}).get("errors")
+    if errors:
+        ratios = [r for r in next(iter(errors.values()))["key"] if r != "per-layer best"]
+        lines += [
+            "",
+            "Relative error of the attention output on held-out text, INT2 (token-wise, one "
+            "group per head row), K or V quantized alone, mean over layers:",
+            "",
+            "| rotation | "
+            + " | ".join(f"K p={r}" for r in ratios)
+            + " | K fitted | "
+            + " | ".join(f"V p={r}" for r in ratios)
+            + " | V fitted |",
+            "|---|" + "---|" * (2 * len(ratios) + 2),
+        ]
+        for name, e in errors.items():
+            cells = [
+                f"{e[role][r]:.3f}"
+                for role in ("key", "value")
+                for r in [*ratios, "per-layer best"]
+            ]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
