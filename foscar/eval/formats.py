@@ -5,6 +5,14 @@ offset per token and head, as OSCAR's released configuration has for head_dim 12
 a channel for channel-wise groups). Clipped formats use per-token clipping ratios ``p_K, p_V``
 calibrated on a separate text (:mod:`foscar.eval.calibrate`); KIVI is channel-wise K with
 token-wise V, min-max; windows are OSCAR's 64 sink + 256 recent BF16 tokens.
+
+The clipped rows clip an unrotated cache: OSCAR's clipping without OSCAR's rotation. On SmolLM2
+it loses to min-max (post-RoPE K has one channel per head 2-4x larger than all others, and even
+the mildest ratio, p = 0.98 = the largest of 64 values, cuts exactly that channel).
+
+More rows: anything with ``name``, ``fmt``, ``bits`` and a ``make_cache(model, prefill,
+extra_tokens)`` method (e.g. a rotated cache) can be passed to
+:func:`foscar.eval.run.evaluate` as ``extra_formats``.
 """
 
 from __future__ import annotations
@@ -20,9 +28,18 @@ SINK, RECENT = 64, 256
 
 @dataclass(frozen=True)
 class EvalFormat:
+    """One row of ``foscar eval``: a name, the cache format, its nominal bits (16 for BF16)."""
+
     name: str
     fmt: KVFormat
-    bits: int  # 16 for BF16
+    bits: int
+
+    def make_cache(self, model, prefill, extra_tokens: int):
+        """A :class:`FoscarCache` in this format holding ``prefill``, with room for
+        ``extra_tokens`` more tokens per row."""
+        from .metrics import make_cache
+
+        return make_cache(model, self.fmt, prefill, extra_tokens)
 
 
 def bf16_format(head_dim: int, max_len: int) -> KVFormat:

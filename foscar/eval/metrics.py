@@ -12,10 +12,13 @@ precision over the K/V it just computed), so each prompt is prefilled once into 
   (the same for every format), the next ones are decoded greedily through the cache, and each
   position is compared with the BF16 cache's tokens (end-of-sequence suppressed, so every row
   has the full count);
-* **needle in a haystack**: the haystack with the needle is prefilled; the question arrives as
-  a later turn, one multi-token step over the quantized cache (dequantized, the cache's extend
-  path), ending with the answer's lead ("The special magic number is"); the number's tokens are
-  then decoded greedily; the trial counts when the number appears in the answer.
+* **needle in a haystack**: the haystack with the needle is prefilled; the question, the
+  answer's lead ("The secret passcode is") and the answer itself (" 60494": a space and five
+  digits, one token each) follow as one teacher-forced step over the quantized cache (the
+  cache's extend path: the stored K/V dequantized, as a continued conversation reads them). The
+  trial counts when the argmax at every answer position is the right token, i.e. exactly when
+  greedy decoding would emit the number; the answer's NLL is kept as a graded score. One step
+  instead of one per answer token: a CPU can afford more depths.
 
 ``"FP32"`` runs the same loops over a ``DynamicCache`` holding the model's own K/V (fp32 on a
 CPU): the model without any KV rounding.
@@ -35,7 +38,7 @@ __all__ = [
     "make_cache",
     "decode_nll",
     "greedy_tokens",
-    "needle_answers",
+    "needle_scores",
 ]
 
 
@@ -118,8 +121,9 @@ class _Stepper:
         self.positions = prefill.positions
 
     @torch.no_grad()
-    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
-        """``tokens: [B, n]`` -> logits of the last one ``[B, vocab]`` fp32."""
+    def __call__(self, tokens: torch.Tensor, keep: int | None = None) -> torch.Tensor:
+        """``tokens: [B, n]`` -> logits of the last one ``[B, vocab]`` fp32, or with ``keep``
+        the logits of the last ``keep`` ones ``[B, keep, vocab]``."""
         b, n = tokens.shape
         self.mask = torch.cat([self.mask, self.mask.new_ones(b, n)], dim=1)
         pos = self.positions.unsqueeze(1) + torch.arange(n, device=tokens.device)
@@ -127,11 +131,11 @@ class _Stepper:
             input_ids=tokens,
             attention_mask=self.mask,
             position_ids=pos,
-            logits_to_keep=1,
+            logits_to_keep=keep or 1,
             **{self.kw: self.cache},
         )
         self.positions = self.positions + n
-        return out.logits[:, -1].float()
+        return out.logits[:, -1].float() if keep is None else out.logits[:, -keep:].float()
 
 
 def decode_nll(model, cache, prefill: Prefill, inputs: torch.Tensor, targets: torch.Tensor):
@@ -159,15 +163,18 @@ def greedy_tokens(model, cache, prefill: Prefill, count: int, suppress: list[int
     return torch.cat(tokens, dim=1)
 
 
-def needle_answers(model, cache, prefill: Prefill, question: list[int], count: int):
-    """Feed ``question`` (one multi-token step), then decode ``count - 1`` greedy tokens.
+def needle_scores(model, cache, prefill: Prefill, question: list[int], answers: torch.Tensor):
+    """Teacher-force ``question`` and each row's answer in one step over ``cache``.
 
-    Returns ``[B, count]`` token ids of the answer.
+    ``answers: [B, n]`` token ids (the same count per row). Returns ``(hit [B] bool, nll [B],
+    argmax [B, n])``: ``hit`` when the argmax at every answer position is the answer's token
+    (greedy decoding after ``question`` would emit the answer), ``nll`` the answer's summed
+    negative log-likelihood, ``argmax`` the predicted token at each answer position.
     """
     step = _Stepper(model, cache, prefill)
-    b = prefill.mask.shape[0]
-    q = torch.tensor([question], device=prefill.mask.device).expand(b, -1)
-    tokens = [step(q).argmax(dim=-1, keepdim=True)]
-    for _ in range(count - 1):
-        tokens.append(step(tokens[-1]).argmax(dim=-1, keepdim=True))
-    return torch.cat(tokens, dim=1)
+    b, n = answers.shape
+    q = torch.tensor([question], device=answers.device).expand(b, -1)
+    logits = step(torch.cat([q, answers[:, :-1]], dim=1), keep=n)  # [B, n, vocab]
+    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), answers, reduction="none")
+    argmax = logits.argmax(dim=-1)
+    return (argmax == answers).all(dim=1), nll.sum(dim=1), argmax

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["Progress", "markdown_table", "write_results", "plot", "ppl_gap"]
+__all__ = ["Progress", "markdown_table", "calibration_table", "write_results", "plot", "ppl_gap"]
 
 
 class Progress:
@@ -93,6 +93,28 @@ def markdown_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def calibration_table(result: dict) -> str:
+    """The clipping calibration: mean relative error of the attention output over the layers
+    for each candidate ratio ``p`` (``1`` = min-max), K and V quantized one at a time."""
+    cal = result["config"].get("calibration", {})
+    errors = cal.get("mean_relative_attention_error", {})
+    if not errors:
+        return ""
+    ratios = list(next(iter(errors.values())))
+    chosen = cal.get("clips", {})
+    lines = [
+        "| quantized | " + " | ".join(f"p = {p}" for p in ratios) + " | clipped rows use |",
+        "|---|" + "---|" * (len(ratios) + 1),
+    ]
+    for name, row in errors.items():
+        fmt, role = name.rsplit(" ", 1)
+        p = chosen.get(fmt, {}).get(f"p_{role}")
+        best = min(row, key=row.get)
+        cells = [f"**{e:.3f}**" if r == best else f"{e:.3f}" for r, e in row.items()]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {p:g} |")
+    return "\n".join(lines)
+
+
 def _k(n: int) -> str:
     return f"{n / 1024:.0f}K" if n >= 1024 and n % 1024 == 0 else str(n)
 
@@ -121,7 +143,8 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xlabel("prefix tokens")
     ax.set_ylabel("decode-path perplexity vs BF16 (%)")
     ax.set_title("perplexity gap (dotted: +1%)")
-    ax.legend(fontsize=7)
+    if ax.lines:
+        ax.legend(fontsize=7)
     names = [r["format"] for r in result["rows"]]
     ax = axes[1]
     agree = [100 * r.get("agreement", math.nan) for r in result["rows"]]
@@ -173,8 +196,26 @@ def write_results(result: dict, out_dir: str | Path, name: str) -> dict[str, Pat
         "Texts: " + "; ".join(f"{k}: {v}" for k, v in cfg.get("texts", {}).items()),
         "",
         f"Machine: {cfg.get('device')}; {cfg.get('versions')}; "
-        f"wall time {result.get('seconds', 0):.0f} s.",
+        f"wall time {result.get('seconds', 0):.0f} s"
+        + (
+            f" (1-minute load average at the end: {result['load_average_at_end']:.1f})."
+            if result.get("load_average_at_end") is not None
+            else "."
+        ),
     ]
+    if cfg.get("command"):
+        lines += ["", f"Command: `{cfg['command']}`"]
+    table = calibration_table(result)
+    if table:
+        lines += [
+            "",
+            "Clipping calibration (mean relative error of the attention output over the layers "
+            f"on {cfg.get('calibration_tokens')} tokens of the calibration text, K or V "
+            "quantized alone; bold: the smallest; p = 1 is min-max, and the clipped rows take "
+            "the best p < 1):",
+            "",
+            table,
+        ]
     paths["md"].write_text("\n".join(lines) + "\n")
     try:
         plot(result, out / f"{name}.png")

@@ -1,17 +1,24 @@
 """``foscar eval``: every KV format against BF16 on a real model, through foscar's decode path.
 
-Default sizes fit a 2-core CPU (about 40 minutes with SmolLM2-135M); ``--full`` takes the sizes
-of the issue (256 scored tokens per prefix, 9 needle depths, 8 agreement prompts), and every
-size has its own flag. What each measurement does is in :mod:`foscar.eval.metrics`, where each
-text comes from in :mod:`foscar.eval.texts`, the formats in :mod:`foscar.eval.formats`.
+Default sizes fit a 2-core CPU (about 45 minutes with SmolLM2-135M on an idle machine: 64
+scored tokens per prefix, 5 needle depths, 3 agreement prompts); ``--full`` takes the sizes of
+the issue (256 scored tokens per prefix, 9 needle depths, 8 agreement prompts), and every size
+has its own flag. On a machine shared with other jobs, run it with ``OMP_WAIT_POLICY=PASSIVE``
+(set before torch starts): with more busy threads than cores, OpenMP's spinning threads made
+each decode step 20x slower on 2 cores; passive waiting kept it at the idle speed.
+
+What each measurement does is in :mod:`foscar.eval.metrics`, where each text comes from in
+:mod:`foscar.eval.texts`, the formats in :mod:`foscar.eval.formats`.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import platform
 import random
+import shlex
 import sys
 import time
 
@@ -25,9 +32,11 @@ from .report import Progress, markdown_table, write_results
 
 __all__ = ["add_arguments", "run", "evaluate"]
 
-NEEDLE = "The special magic number is {value}."
-QUESTION = "What is the special magic number mentioned in the text above?"
-LEAD = "The special magic number is"
+# "secret passcode": no word of it occurs in the haystack (the Python reference speaks of
+# "special" methods, and SmolLM2 answered "special magic number" questions with its words)
+NEEDLE = "The secret passcode is {value}."
+QUESTION = "What is the secret passcode mentioned in the text above?"
+LEAD = "The secret passcode is"
 PPL_OFFSET = 256  # scored windows start after this many tokens of the paper (its header)
 PASSAGE_TOKENS = 700
 
@@ -52,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the issue's sizes: 256 scored tokens, 9 depths, 8 prompts",
     )
     p.add_argument("--ppl-prefixes", type=int, nargs="+", default=[1024, 4096, 8192])
-    p.add_argument("--ppl-tokens", type=int, default=None, help="scored tokens per prefix (32)")
+    p.add_argument("--ppl-tokens", type=int, default=None, help="scored tokens per prefix (64)")
     p.add_argument("--ppl-segments", type=int, default=1, help="scored windows per prefix")
     p.add_argument("--agreement-prompts", type=int, default=None, help="chat prompts (3)")
     p.add_argument("--agreement-tokens", type=int, default=64)
@@ -62,7 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         nargs="+",
         default=None,
-        help="fractions of the haystack (default 0.1 0.5 0.9; --full: 0.1 .. 0.9)",
+        help="fractions of the haystack (default 0.1 0.3 0.5 0.7 0.9; --full: 0.1 .. 0.9)",
     )
     p.add_argument("--calibration-tokens", type=int, default=2048)
     p.add_argument(
@@ -84,12 +93,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _sizes(args) -> None:
     if args.ppl_tokens is None:
-        args.ppl_tokens = 256 if args.full else 32
+        args.ppl_tokens = 256 if args.full else 64
     if args.agreement_prompts is None:
         args.agreement_prompts = 8 if args.full else 3
     if args.needle_depths is None:
         args.needle_depths = (
-            [round(0.1 * i, 1) for i in range(1, 10)] if args.full else [0.1, 0.5, 0.9]
+            [round(0.1 * i, 1) for i in range(1, 10)] if args.full else [0.1, 0.3, 0.5, 0.7, 0.9]
         )
     for name in (
         "ppl_tokens",
@@ -131,10 +140,14 @@ def _encode(tok, text: str) -> list[int]:
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
-def evaluate(args, out=sys.stdout) -> dict:
-    """Run the measurements; returns the result dict (also printed as a table)."""
+def evaluate(args, out=sys.stdout, extra_formats=()) -> dict:
+    """Run the measurements; returns the result dict (also printed as a table).
+
+    ``extra_formats``: more rows after the built-in ones (:mod:`foscar.eval.formats` says what
+    a row needs), filtered by ``--formats`` like them.
+    """
     from ..integrations.transformers import use_foscar_attention
-    from .metrics import decode_nll, greedy_tokens, make_cache, needle_answers, record_prefill
+    from .metrics import decode_nll, greedy_tokens, make_cache, needle_scores, record_prefill
     from .model import load_model
 
     _sizes(args)
@@ -165,7 +178,9 @@ def evaluate(args, out=sys.stdout) -> dict:
     probe = eval_formats(
         head_dim, max_len, {(b, a): (0.9, 0.9) for b in (4, 2) for a in ("token", "channel")}
     )
-    names = ["FP32"] + [f.name for f in probe]
+    names = ["FP32"] + [f.name for f in probe] + [f.name for f in extra_formats]
+    if len(set(names)) != len(names):
+        raise ValueError(f"format names must be unique, got {names}")
     if args.formats:
         names = [n for n in names if n in ("FP32", "BF16") or any(s in n for s in args.formats)]
     nf = len(names)
@@ -177,7 +192,8 @@ def evaluate(args, out=sys.stdout) -> dict:
         weights["agreement"] = nf * args.agreement_tokens * args.agreement_prompts * 1.5
     if "needle" in args.metrics:
         for n in args.needle_lengths:
-            weights[f"needle {n}"] = nf * 8 * len(args.needle_depths) * (1 + n / 1024)
+            # per row: the cache's load and one step (the shared prefill spread over the rows)
+            weights[f"needle {n}"] = nf * 4 * len(args.needle_depths) * (1 + n / 1024)
     bar = Progress(sum(weights.values()), out)
 
     # ---- calibration of the clipping ratios (Python reference, its first tokens)
@@ -196,7 +212,7 @@ def evaluate(args, out=sys.stdout) -> dict:
         f"calibration on {cal.shape[1]} tokens: clipped p_K, p_V = "
         + ", ".join(f"INT{b} {a}: {pk:g}/{pv:g}" for (b, a), (pk, pv) in clips.items()),
     )
-    formats = {f.name: f for f in eval_formats(head_dim, max_len, clips)}
+    formats = {f.name: f for f in [*eval_formats(head_dim, max_len, clips), *extra_formats]}
     rows = {n: {"format": n} for n in names}
     for n, row in rows.items():
         if n == "FP32":
@@ -206,8 +222,10 @@ def evaluate(args, out=sys.stdout) -> dict:
             bits = 16.0 if n == "BF16" else effective_bits(4096, formats[n].fmt)
             row.update(short=formats[n].fmt.short(), bits_per_element=bits)
 
-    def fmt_of(name):
-        return "FP32" if name == "FP32" else formats[name].fmt
+    def cache_for(name, prefill, extra_tokens):
+        if name == "FP32":
+            return make_cache(model, "FP32", prefill, extra_tokens)
+        return formats[name].make_cache(model, prefill, extra_tokens)
 
     # ---- decode-path perplexity
     starts = [PPL_OFFSET + max(prefixes.values()) + j * m for j in range(args.ppl_segments)]
@@ -220,7 +238,7 @@ def evaluate(args, out=sys.stdout) -> dict:
             inputs = torch.tensor([paper_ids[s - 1 : s + m - 1] for s in starts], device=device)
             targets = torch.tensor([paper_ids[s : s + m] for s in starts], device=device)
             for name in names:
-                cache = make_cache(model, fmt_of(name), pre, m + 8)
+                cache = cache_for(name, pre, m + 8)
                 nll = decode_nll(model, cache, pre, inputs, targets)
                 ppl = math.exp(nll.mean().item())
                 rows[name].setdefault("ppl", {})[str(nominal)] = ppl
@@ -243,7 +261,7 @@ def evaluate(args, out=sys.stdout) -> dict:
         count = args.agreement_tokens
         generated = {}
         for name in ["BF16"] + [n for n in names if n != "BF16"]:
-            cache = make_cache(model, fmt_of(name), pre, count + 8)
+            cache = cache_for(name, pre, count + 8)
             generated[name] = greedy_tokens(model, cache, pre, count, ban)
             same = (generated[name] == generated["BF16"]).float()
             rows[name]["agreement"] = same.mean().item()
@@ -260,38 +278,41 @@ def evaluate(args, out=sys.stdout) -> dict:
     if "needle" in args.metrics:
         head, tail = _chat_parts(tok)
         question = _encode(tok, "\n\n" + QUESTION + tail + LEAD)
-        answer_tokens = 7
         rng = random.Random(args.seed)
         hay = ref_ids[texts.NEEDLE_OFFSET :]
         for length in args.needle_lengths:
-            budget = min(length, max_pos) - len(question) - answer_tokens - 40
-            values, prompts = [], []
-            for depth in args.needle_depths:
-                value = str(rng.randrange(10000, 100000))
-                text = tok.decode(hay[:budget])
+            values = [str(rng.randrange(10000, 100000)) for _ in args.needle_depths]
+            # " 60494": a space and five digits, one token each (checked: same count per row)
+            answers = [_encode(tok, LEAD + " " + v)[len(_encode(tok, LEAD)) :] for v in values]
+            if len({len(a) for a in answers}) != 1:
+                raise ValueError(f"answers of unequal token counts: {answers}")
+            budget = min(length, max_pos) - len(question) - len(answers[0]) - 40
+            text = tok.decode(hay[:budget])
+            prompts = []
+            for depth, value in zip(args.needle_depths, values):
                 cut = int(depth * len(text))
                 nl = text.find("\n", cut, cut + 400)
                 cut = nl if nl >= 0 else cut
-                text = text[:cut] + "\n" + NEEDLE.format(value=value) + "\n" + text[cut:]
-                ids = _encode(tok, head + text)
-                prompts.append(ids[: budget + 30])
-                values.append(value)
+                needle = "\n" + NEEDLE.format(value=value) + "\n"
+                prompts.append(_encode(tok, head + text[:cut] + needle + text[cut:])[: budget + 30])
             pre = record_prefill(model, prompts)
+            target = torch.tensor(answers, device=device)
             for name in names:
-                cache = make_cache(model, fmt_of(name), pre, len(question) + answer_tokens + 8)
-                answers = needle_answers(model, cache, pre, question, answer_tokens)
-                texts_out = [tok.decode(a, skip_special_tokens=True) for a in answers]
-                found = [v in t for v, t in zip(values, texts_out)]
+                cache = cache_for(name, pre, len(question) + len(answers[0]) + 8)
+                hit, nll, argmax = needle_scores(model, cache, pre, question, target)
                 rows[name].setdefault("needle", {})[str(length)] = {
-                    "found": sum(found),
-                    "trials": len(found),
+                    "found": int(hit.sum()),
+                    "trials": len(values),
                     "depths": args.needle_depths,
-                    "hits": found,
-                    "answers": texts_out,
+                    "hits": hit.tolist(),
+                    "answer_nll": nll.tolist(),
+                    "values": values,
+                    "argmax": [tok.decode(a) for a in argmax],
                 }
                 bar.step(
                     weights[f"needle {length}"] / nf,
-                    f"needle {length}: {name}: {sum(found)}/{len(found)}",
+                    f"needle {length}: {name}: {int(hit.sum())}/{len(values)} "
+                    f"(answer NLL {nll.mean().item():.2f})",
                 )
             del pre
 
@@ -313,14 +334,7 @@ def evaluate(args, out=sys.stdout) -> dict:
             "needle_lengths": args.needle_lengths,
             "needle_depths": args.needle_depths,
             "calibration_tokens": int(cal.shape[1]),
-            "sizes": (
-                f"perplexity: {args.ppl_segments} window(s) of {m} scored tokens after prefixes "
-                f"of {list(prefixes.values())} tokens; greedy agreement: "
-                f"{args.agreement_prompts} prompts x {args.agreement_tokens} tokens; needle: "
-                f"depths {args.needle_depths} at {args.needle_lengths} tokens; "
-                f"calibration: {int(cal.shape[1])} tokens"
-                + (" (--full)" if args.full else " (default sizes; --full for the issue's)")
-            ),
+            "sizes": _sizes_text(args, list(prefixes.values()), int(cal.shape[1])),
             "texts": {
                 "calibration": texts.python_reference().source + ", first tokens",
                 "perplexity": texts.paper().source + f", windows from token {PPL_OFFSET}",
@@ -347,9 +361,24 @@ def evaluate(args, out=sys.stdout) -> dict:
         },
         "rows": list(rows.values()),
         "seconds": time.perf_counter() - t_start,
+        # other work on the machine stretches the wall time: the 1-minute load average at the end
+        "load_average_at_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
     print(markdown_table(result), file=out, flush=True)
     return result
+
+
+def _sizes_text(args, prefix_tokens: list[int], calibration_tokens: int) -> str:
+    parts = {
+        "ppl": f"perplexity: {args.ppl_segments} window(s) of {args.ppl_tokens} scored tokens "
+        f"after prefixes of {prefix_tokens} tokens",
+        "agreement": f"greedy agreement: {args.agreement_prompts} prompts x "
+        f"{args.agreement_tokens} tokens",
+        "needle": f"needle: depths {args.needle_depths} at {args.needle_lengths} tokens",
+    }
+    text = "; ".join(parts[k] for k in parts if k in args.metrics)
+    text += f"; calibration: {calibration_tokens} tokens"
+    return text + (" (--full)" if args.full else " (default sizes; --full for the issue's)")
 
 
 def _versions() -> str:
@@ -363,6 +392,7 @@ def run(args) -> int:
         "benchmarks/results/h200" if torch.cuda.is_available() else "benchmarks/results/cpu"
     )
     result = evaluate(args)
+    result["config"]["command"] = "foscar " + shlex.join(sys.argv[1:])
     paths = write_results(result, out_dir, args.name)
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
