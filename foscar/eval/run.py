@@ -392,7 +392,9 @@ def run(args) -> int:
         "benchmarks/results/h200" if torch.cuda.is_available() else "benchmarks/results/cpu"
     )
     result = evaluate(args)
-    result["config"]["command"] = "foscar " + shlex.join(sys.argv[1:])
+    omp = ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")
+    env = [f"{k}={os.environ[k]}" for k in omp if k in os.environ]
+    result["config"]["command"] = " ".join([*env, "foscar", shlex.join(sys.argv[1:])])
     paths = write_results(result, out_dir, args.name)
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
