@@ -286,3 +286,38 @@ def test_select_rotations_takes_the_better_candidate_per_layer(tiny):
         select_rotations(tiny, seqs, cands, bits=(4,))
     with pytest.raises(ValueError, match="candidates must share one shape"):
         select_rotations(tiny, seqs, {**cands, "head": cal.rotations(per_head=True)})
+
+
+def test_windowed_attention_reads_exact_keys_inside_the_windows():
+    """The clip fit's attention with BF16 windows, against a per-query loop."""
+    from foscar.oscar.calibrate import _causal_attention, _window_mask
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(4, 5, 8, dtype=f64, generator=g)
+    k, v, kq, vq = (torch.randn(2, 20, 8, dtype=f64, generator=g) for _ in range(4))
+    positions = torch.tensor([6, 10, 13, 17, 19])
+    window = _window_mask(positions, 20, (2, 3))
+    out = _causal_attention(q, k, v, positions, 0.5, kq=kq, vq=vq, window=window)
+    for i, t in enumerate(positions.tolist()):
+        exact = [j < 2 or j > t - 3 for j in range(t + 1)]
+        ks = torch.stack([k[:, j] if e else kq[:, j] for j, e in enumerate(exact)], 1)
+        vs = torch.stack([v[:, j] if e else vq[:, j] for j, e in enumerate(exact)], 1)
+        for h in range(4):
+            p = torch.softmax(q[h, i] @ ks[h // 2].T * 0.5, -1)
+            torch.testing.assert_close(out[h, i], p @ vs[h // 2], atol=1e-12, rtol=0)
+    assert _window_mask(positions, 20, (0, 0)) is None
+    assert _window_mask(positions, 20, (3, 0))[:, :3].all()
+
+
+@torch.no_grad()
+def test_clip_fit_with_windows(tiny):
+    seqs = sequences()
+    cal = calibrate(tiny, seqs)
+    # windows holding every token: nothing is quantized, every candidate has zero error
+    r = fit_clips(tiny, seqs[:1], cal.rotations(), bits=(2,), num_queries=4, windows=(64, 0))
+    assert r.header["clip_fit"]["windows"] == [64, 0]
+    assert max(r.header["clip_fit"]["int2.key"]["mean_relative_error"]) == 0
+    r = fit_clips(tiny, seqs[:1], cal.rotations(), bits=(2,), num_queries=4, windows=(4, 8))
+    assert min(r.header["clip_fit"]["int2.value"]["mean_relative_error"]) > 0
+    with pytest.raises(ValueError, match="windows must be"):
+        fit_clips(tiny, seqs, cal.rotations(), windows=(4, -1))

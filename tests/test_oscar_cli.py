@@ -71,6 +71,7 @@ def test_calibrate_writes_a_loadable_file(toy):
     )
     assert set(r.clips) == {(2, "key"), (2, "value"), (4, "key"), (4, "value")}
     assert h["clip_fit"]["tokens"] == 128 and h["timing_seconds"]["targets"] >= 0
+    assert h["clip_fit"]["windows"] == [64, 256]
     assert any("wrote" in line for line in lines)
 
 
@@ -79,6 +80,8 @@ def test_calibrate_rejects_bad_arguments(toy):
         oscar_cli.run(parse(["--tokens", "0"]))
     with pytest.raises(ValueError, match="--clip-bits must be 2 or 4"):
         oscar_cli.run(parse(["--clip-bits", "3"]))
+    with pytest.raises(ValueError, match="--fit-windows must be non-negative"):
+        oscar_cli.run(parse(["--fit-windows", "64", "-1"]))
     with pytest.raises(ValueError, match="--select chooses by the INT2 error"):
         oscar_cli.run(parse(["--select", "--clip-bits", "4"]))
     with pytest.raises(ValueError, match="--text .* is not a file"):

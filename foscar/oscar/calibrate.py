@@ -196,14 +196,42 @@ def _fake_quantize(x: torch.Tensor, f: QuantFormat) -> torch.Tensor:
     return dequantize(codes, scale, offset, f, dtype=torch.float32)
 
 
-def _causal_attention(q, k, v, positions, scaling):
-    """Queries ``q: [H_q, n, d]`` at ``positions`` over ``k, v: [H_kv, T, d]`` (causal)."""
+def _causal_attention(q, k, v, positions, scaling, *, kq=None, vq=None, window=None):
+    """Queries ``q: [H_q, n, d]`` at ``positions`` over ``k, v: [H_kv, T, d]`` (causal).
+
+    ``kq``, ``vq``: quantized K / V read instead of ``k``, ``v`` outside ``window``
+    (``[n, T]`` bool: the keys each query reads from the BF16 windows; None: none).
+    """
     group = q.shape[0] // k.shape[0]
-    k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
-    s = torch.einsum("hnd,htd->hnt", q, k) * scaling
+
+    def heads(x):
+        return x.repeat_interleave(group, 0)
+
+    s = torch.einsum("hnd,htd->hnt", q, heads(k))
+    if kq is not None:
+        sq = torch.einsum("hnd,htd->hnt", q, heads(kq))
+        s = sq if window is None else torch.where(window, s, sq)
     visible = torch.arange(k.shape[1], device=q.device) <= positions[:, None]
-    s = s.masked_fill(~visible, float("-inf"))
-    return torch.einsum("hnt,htd->hnd", torch.softmax(s, -1), v)
+    p = torch.softmax((s * scaling).masked_fill(~visible, float("-inf")), -1)
+    if vq is None:
+        return torch.einsum("hnt,htd->hnd", p, heads(v))
+    if window is None:
+        return torch.einsum("hnt,htd->hnd", p, heads(vq))
+    return torch.einsum("hnt,htd->hnd", p * window, heads(v)) + torch.einsum(
+        "hnt,htd->hnd", p * ~window, heads(vq)
+    )
+
+
+def _window_mask(positions: torch.Tensor, length: int, windows: tuple[int, int]):
+    """``[n, T]`` bool: keys in the BF16 sink or in the recent window of each query (None if
+    there are no windows). A decode at position ``t`` reads keys ``t+1-recent .. t`` from the
+    recent window (the cache demotes one token at a time for token-wise groups)."""
+    sink, recent = windows
+    if not sink and not recent:
+        return None
+    j = torch.arange(length, device=positions.device)
+    recent_keys = j >= positions[:, None] + 1 - recent if recent else j > positions[:, None]
+    return (j < sink) | recent_keys
 
 
 def _rotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
@@ -223,13 +251,17 @@ def fit_clips(
     group_size: int | None = None,
     candidates: Sequence[float] = CLIP_CANDIDATES,
     num_queries: int = 64,
+    windows: tuple[int, int] = (0, 0),
     log: Callable[[str], None] | None = None,
 ) -> OscarRotations:
     """Fit a clip ratio per layer for K and V of token-wise INT``bits`` (module docstring).
 
     Fills ``rotations.clips[(bits, "key"|"value")]`` (``[L]``) and records the mean relative
     attention-output error per candidate in ``rotations.header["clip_fit"]``. ``group_size``
-    defaults to ``min(head_dim, 128)``. Returns ``rotations``.
+    defaults to ``min(head_dim, 128)``. ``windows = (sink, recent)``: the BF16 tokens the cache
+    will keep, which the fit leaves exact (the sink's first tokens draw much of the attention,
+    so fitting without the windows the cache has fits the clips to the wrong tokens). Returns
+    ``rotations``.
     """
     shapes = model_shapes(model)
     rotations.check(
@@ -239,6 +271,10 @@ def fit_clips(
     )
     seqs = _sequences(sequences)
     g = group_size or min(shapes["head_dim"], 128)
+    if len(windows) != 2 or any(
+        isinstance(w, bool) or not isinstance(w, int) or w < 0 for w in windows
+    ):
+        raise ValueError(f"windows must be (sink, recent) non-negative ints, got {windows!r}")
     cands = [float(p) for p in candidates]
     for p in cands:
         QuantFormat(2, "token", g, p)  # validates every ratio
@@ -258,12 +294,14 @@ def fit_clips(
         # the cache rounds every token to BF16: so does the exact reference here
         kb, vb = kr.to(torch.bfloat16).float(), vr.to(torch.bfloat16).float()
         exact = _causal_attention(qs, kb, vb, positions, scaling)
+        window = _window_mask(positions, t, tuple(windows))
         for i, b in enumerate(bits):
             norm[i, :, layer] += float(exact.double().square().sum())
             for j, p in enumerate(cands):
                 f = QuantFormat(b, "token", g, None if p == 1.0 else p)
-                ek = _causal_attention(qs, _fake_quantize(kr, f), vb, positions, scaling)
-                ev = _causal_attention(qs, kb, _fake_quantize(vr, f), positions, scaling)
+                kq, vq = _fake_quantize(kr, f), _fake_quantize(vr, f)
+                ek = _causal_attention(qs, kb, vb, positions, scaling, kq=kq, window=window)
+                ev = _causal_attention(qs, kb, vb, positions, scaling, vq=vq, window=window)
                 err[i, 0, layer, j] += float((ek - exact).double().square().sum())
                 err[i, 1, layer, j] += float((ev - exact).double().square().sum())
 
@@ -291,6 +329,7 @@ def fit_clips(
         "clip_fit": {
             "group_size": g,
             "num_queries": num_queries,
+            "windows": list(windows),
             "tokens": int(sum(s.numel() for s in seqs)),
             "seconds": round(time.perf_counter() - t0, 2),
             **table,
@@ -310,6 +349,7 @@ def select_rotations(
     group_size: int | None = None,
     clip_candidates: Sequence[float] = CLIP_CANDIDATES,
     num_queries: int = 64,
+    windows: tuple[int, int] = (0, 0),
     log: Callable[[str], None] | None = None,
 ) -> OscarRotations:
     """Per layer and per K/V, the candidate rotation with the smallest fitted attention error.
@@ -339,6 +379,7 @@ def select_rotations(
             group_size=group_size,
             candidates=clip_candidates,
             num_queries=num_queries,
+            windows=windows,
         )
     first = fitted[names[0]]
     layers = first.num_layers

@@ -4,7 +4,8 @@ Default: SmolLM2-135M-Instruct (the ``foscar eval`` model) over the first 8192 t
 CPython's language reference (``pydoc_data.topics``, the text ``foscar eval`` calibrates its
 clipping on and never scores), in sequences of 2048 tokens; one rotation per layer for K and V
 (``R = U * H * P_br`` of the query covariance and of the score-weighted value covariance), and
-per-layer clip ratios fitted for INT2 and INT4 on the first 2048 tokens.
+per-layer clip ratios fitted for INT2 and INT4 on the first 2048 tokens, with the 64 sink and 256
+recent tokens the cache keeps in BF16 left exact.
 """
 
 from __future__ import annotations
@@ -56,6 +57,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--clip-tokens", type=int, default=2048, help="tokens the clip fit reads")
     p.add_argument("--clip-queries", type=int, default=64, help="query positions per sequence")
+    p.add_argument(
+        "--fit-windows",
+        type=int,
+        nargs=2,
+        default=[64, 256],
+        metavar=("SINK", "RECENT"),
+        help="BF16 windows the clip fit leaves exact, as the cache will (default 64 256)",
+    )
     p.add_argument("--chunk", type=int, default=512, help="query chunk of the value target")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument(
@@ -72,6 +81,8 @@ def _check(args) -> None:
     for b in args.clip_bits:
         if b not in (2, 4):
             raise ValueError(f"--clip-bits must be 2 or 4, got {b}")
+    if any(w < 0 for w in args.fit_windows):
+        raise ValueError(f"--fit-windows must be non-negative, got {args.fit_windows}")
     if args.select and 2 not in args.clip_bits:
         raise ValueError("--select chooses by the INT2 error: --clip-bits must include 2")
 
@@ -127,7 +138,12 @@ def run(args, log=print) -> int:
     if args.clip_bits:
         t3 = time.perf_counter()
         clip_seqs = default_sequences(tok, min(args.clip_tokens, args.tokens), args.seq_len, text)
-        fit = dict(bits=tuple(args.clip_bits), num_queries=args.clip_queries, log=log)
+        fit = dict(
+            bits=tuple(args.clip_bits),
+            num_queries=args.clip_queries,
+            windows=tuple(args.fit_windows),
+            log=log,
+        )
         if args.select:
             kw = dict(
                 key_target=args.key_target, value_target=args.value_target, per_head=args.per_head

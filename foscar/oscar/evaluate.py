@@ -187,6 +187,7 @@ def attention_errors(
     candidates=(1.0, 0.96, 0.92, 0.85, 0.8, 0.75, 0.7),
     num_queries: int = 64,
     variants: dict | None = None,
+    windows: tuple[int, int] = (0, 0),
 ) -> dict:
     """Relative error of the attention output on held-out ``sequences`` for each rotation.
 
@@ -206,6 +207,7 @@ def attention_errors(
             bits=(bits,),
             candidates=candidates,
             num_queries=num_queries,
+            windows=windows,
         )
         fit = rot.header["clip_fit"]
         out[name] = {
@@ -239,7 +241,8 @@ def prepare(
 
     Calibration text: the first ``tokens`` tokens of CPython's language reference (the text the
     harness fits its own clipping on; never scored), in sequences of ``seq_len``. Clips are
-    fitted (INT2 and INT4) and OSCAR-select chosen on the first sequence. With ``path`` (a
+    fitted (INT2 and INT4, with ``windows`` left exact) and OSCAR-select chosen on the first
+    sequence. With ``path`` (a
     ``foscar calibrate`` file) only that artifact's rows are returned. ``held_out``: token-id
     sequences of the evaluation text for the attention-error table (skipped when None).
     ``info`` goes into the result's config.
@@ -263,11 +266,11 @@ def prepare(
     t0 = time.perf_counter()
     cal = calibrate(model, seqs, header=header, log=log)
     t1 = time.perf_counter()
-    full = fit_clips(model, seqs[:1], cal.rotations(), log=log)
+    full = fit_clips(model, seqs[:1], cal.rotations(), windows=windows, log=log)
     candidates = {"full": cal.rotations(), "no-u": cal.rotations("no-u")}
-    sel = select_rotations(model, seqs[:1], candidates, log=log)
+    sel = select_rotations(model, seqs[:1], candidates, windows=windows, log=log)
     t2 = time.perf_counter()
-    errors = attention_errors(model, cal, held_out) if held_out else None
+    errors = attention_errors(model, cal, held_out, windows=windows) if held_out else None
     t3 = time.perf_counter()
     rows = oscar_formats(
         cal.head_dim, calibration=cal, rotations=full, selected=sel, windows=windows
@@ -294,7 +297,7 @@ def prepare(
         "selected_clips_int2": {r: sel.clips[(2, r)].tolist() for r in ("key", "value")},
     }
     if errors is not None:
-        info["attention_errors_heldout"] = {"bits": 2, "errors": errors}
+        info["attention_errors_heldout"] = {"bits": 2, "windows": list(windows), "errors": errors}
     return rows, info
 
 
