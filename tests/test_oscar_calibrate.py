@@ -243,8 +243,10 @@ def test_transformers_cache_with_rotations(tiny):
     kw = cache_kwarg(tiny)
 
     def logits(cache):
-        tiny(input_ids=ids[:, :-2], **{kw: cache})
-        tiny(input_ids=ids[:, -2:-1], **{kw: cache})  # a decode step over the cache
+        tiny(input_ids=ids[:, :-5], **{kw: cache})
+        tiny(input_ids=ids[:, -5:-4], **{kw: cache})  # a decode step over the cache
+        # an extend step (3 tokens: the dequantized cache in model coordinates), then a decode
+        tiny(input_ids=ids[:, -4:-1], **{kw: cache})
         return tiny(input_ids=ids[:, -1:], **{kw: cache}).logits[0, -1]
 
     window = KVFormat(QuantFormat(2, "token", D), QuantFormat(2, "token", D), recent_tokens=64)
