@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -17,11 +18,15 @@ class Progress:
     def __init__(self, total: float, out=sys.stdout, width: int = 24) -> None:
         self.total, self.done, self.out, self.width = max(total, 1e-9), 0.0, out, width
         self.start = time.perf_counter()
+        #: 1-minute load averages seen at each step (other jobs stretch the wall time)
+        self.loads: list[float] = []
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
 
     def step(self, weight: float, text: str) -> None:
+        if hasattr(os, "getloadavg"):
+            self.loads.append(os.getloadavg()[0])
         self.done = min(self.total, self.done + weight)
         frac = self.done / self.total
         fill = round(frac * self.width)
@@ -93,6 +98,16 @@ def markdown_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _load_text(result: dict) -> str:
+    load = result.get("load_average")
+    if load:
+        mean, peak = load["mean"], load["max"]
+        return f" (1-minute load average during the run: mean {mean:.1f}, max {peak:.1f})"
+    if result.get("load_average_at_end") is not None:
+        return f" (1-minute load average at the end: {result['load_average_at_end']:.1f})"
+    return ""
+
+
 def calibration_table(result: dict) -> str:
     """The clipping calibration: mean relative error of the attention output over the layers
     for each candidate ratio ``p`` (``1`` = min-max), K and V quantized one at a time."""
@@ -128,7 +143,7 @@ def plot(result: dict, path: Path) -> None:
 
     rows = [r for r in result["rows"] if r["format"] not in ("BF16",)]
     base = next(r for r in result["rows"] if r["format"] == "BF16")
-    fig, axes = plt.subplots(1, 3, figsize=(18, 6))
+    fig, axes = plt.subplots(1, 3, figsize=(18, 7.5))
     ax = axes[0]
     prefixes = [str(n) for n in result["config"]["ppl_prefixes"]]
     for r in rows:
@@ -143,8 +158,8 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xlabel("prefix tokens")
     ax.set_ylabel("decode-path perplexity vs BF16 (%)")
     ax.set_title("perplexity gap (dotted: +1%)")
-    if ax.lines:
-        ax.legend(fontsize=7)
+    if ax.lines:  # below the panel: the gaps of every sign are data
+        ax.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.12))
     names = [r["format"] for r in result["rows"]]
     ax = axes[1]
     agree = [100 * r.get("agreement", math.nan) for r in result["rows"]]
@@ -196,12 +211,7 @@ def write_results(result: dict, out_dir: str | Path, name: str) -> dict[str, Pat
         "Texts: " + "; ".join(f"{k}: {v}" for k, v in cfg.get("texts", {}).items()),
         "",
         f"Machine: {cfg.get('device')}; {cfg.get('versions')}; "
-        f"wall time {result.get('seconds', 0):.0f} s"
-        + (
-            f" (1-minute load average at the end: {result['load_average_at_end']:.1f})."
-            if result.get("load_average_at_end") is not None
-            else "."
-        ),
+        f"wall time {result.get('seconds', 0):.0f} s{_load_text(result)}.",
     ]
     if cfg.get("command"):
         lines += ["", f"Command: `{cfg['command']}`"]
@@ -212,7 +222,8 @@ def write_results(result: dict, out_dir: str | Path, name: str) -> dict[str, Pat
             "Clipping calibration (mean relative error of the attention output over the layers "
             f"on {cfg.get('calibration_tokens')} tokens of the calibration text, K or V "
             "quantized alone; bold: the smallest; p = 1 is min-max, and the clipped rows take "
-            "the best p < 1):",
+            "the best p < 1 even where p = 1 wins: they measure OSCAR's clipping on an unrotated "
+            "cache):",
             "",
             table,
         ]
