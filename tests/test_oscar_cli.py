@@ -43,7 +43,12 @@ def toy(tmp_path_factory):
     )
     LlamaForCausalLM(cfg).save_pretrained(root / "model")
     tok.save_pretrained(root / "model")
-    (root / "text.txt").write_text(python_reference().text[:20000])
+    text = python_reference().text
+    (root / "text.txt").write_text(text[:20000])
+    papers = root / "papers"  # small stand-ins for the evaluation texts
+    papers.mkdir()
+    (papers / "foscar-paper.txt").write_text(text[200000:260000])
+    (papers / "oscar-summary.txt").write_text(text[300000:301500])
     return root
 
 
@@ -141,3 +146,53 @@ def test_prepare_rows_for_foscar_eval(toy):
         "OSCAR INT2 + BF16 64/256 (fitted clips)",
     ]
     assert info["file"] == str(path)
+
+
+def test_foscar_eval_with_oscar_rows(toy, monkeypatch):
+    """foscar eval --oscar at toy sizes: OSCAR's rows are measured beside the harness's."""
+    import io
+
+    from foscar.eval import run as eval_run
+    from foscar.eval.report import write_results
+
+    monkeypatch.setenv("FOSCAR_PAPERS", str(toy / "papers"))
+
+    def evaluate(*extra):
+        p = argparse.ArgumentParser()
+        eval_run.add_arguments(p)
+        args = p.parse_args(
+            ["--model", str(toy / "model"), "--device", "cpu", "--ppl-prefixes", "128",
+             "--ppl-tokens", "2", "--agreement-prompts", "2", "--agreement-tokens", "2",
+             "--needle-lengths", "256", "--needle-depths", "0.5", "--calibration-tokens", "96",
+             "--metrics", "ppl", "needle", *extra]
+        )  # fmt: skip
+        return eval_run.evaluate(args, out=io.StringIO())
+
+    result = evaluate(
+        "--oscar", "--oscar-tokens", "256", "--oscar-windows", "8", "16",
+        "--formats", "OSCAR INT2 + BF16 8/16 (fitted", "w/o H",
+    )  # fmt: skip
+    names = [r["format"] for r in result["rows"]]
+    assert names == [
+        "FP32",
+        "BF16",
+        "OSCAR INT2 + BF16 8/16 (fitted clips)",
+        "OSCAR INT2 + BF16 8/16 w/o H (clips 0.96/0.92)",
+    ]
+    rows = {r["format"]: r for r in result["rows"]}
+    assert all("128" in r["ppl"] and r["needle"]["256"]["trials"] == 1 for r in rows.values())
+    oscar = result["config"]["oscar"]
+    assert oscar["calibration"]["calibration_tokens"] == 256 and oscar["windows"] == [8, 16]
+    assert "foscar-paper.txt" in oscar["attention_errors_heldout"]["text"]
+    paths = write_results(result, toy / "out", "oscar")
+    assert "### OSCAR calibration" in paths["md"].read_text()
+    # the rows of a saved file
+    path = toy / "eval.safetensors"
+    oscar_cli.run(
+        parse(["--model", str(toy / "model"), "--text", str(toy / "text.txt"), "--tokens", "128",
+               "--seq-len", "128", "--clip-bits", "2", "--clip-queries", "4", "--out", str(path)]),
+        log=lambda s: None,
+    )  # fmt: skip
+    result = evaluate("--oscar-file", str(path), "--formats", "OSCAR INT2 (")
+    assert [r["format"] for r in result["rows"]][2:] == ["OSCAR INT2 (fitted clips)"]
+    assert result["config"]["oscar"]["file"] == str(path)

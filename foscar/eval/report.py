@@ -227,6 +227,10 @@ def write_results(result: dict, out_dir: str | Path, name: str) -> dict[str, Pat
             "",
             table,
         ]
+    if cfg.get("oscar"):
+        from ..oscar.evaluate import report as oscar_report
+
+        lines += ["", oscar_report(cfg["oscar"])]
     paths["md"].write_text("\n".join(lines) + "\n")
     try:
         plot(result, out / f"{name}.png")

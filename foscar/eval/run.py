@@ -89,6 +89,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="folder (default: benchmarks/results/<cpu|h200>)")
     p.add_argument("--name", default="eval_smollm2", help="result file stem")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--oscar",
+        action="store_true",
+        help="add OSCAR's rows and ablations (foscar.oscar.evaluate): rotations and clips "
+        "calibrated here on --oscar-tokens of the calibration text",
+    )
+    p.add_argument("--oscar-file", default=None, help="add the rows of a foscar calibrate file")
+    p.add_argument("--oscar-tokens", type=int, default=8192, help="OSCAR calibration tokens")
+    p.add_argument(
+        "--oscar-windows",
+        type=int,
+        nargs=2,
+        default=[64, 256],
+        metavar=("SINK", "RECENT"),
+        help="BF16 sink and recent tokens of OSCAR's windowed rows (64 256)",
+    )
 
 
 def _sizes(args) -> None:
@@ -173,6 +189,27 @@ def evaluate(args, out=sys.stdout, extra_formats=()) -> dict:
     paper_ids = _encode(tok, texts.paper().text)
     ref_ids = _encode(tok, texts.python_reference().text)
     summary_text = texts.oscar_summary().text
+
+    # ---- OSCAR's rows: calibrated here (or read from a file) before anything is measured
+    oscar = None
+    if args.oscar or args.oscar_file:
+        from ..oscar.evaluate import prepare
+
+        held_out = [torch.tensor(paper_ids[PPL_OFFSET : PPL_OFFSET + 2048], device=device)]
+        oscar_rows, oscar = prepare(
+            model,
+            tok,
+            tokens=args.oscar_tokens,
+            windows=tuple(args.oscar_windows),
+            path=args.oscar_file,
+            held_out=held_out,
+            log=lambda s: print(f"OSCAR {s}", file=out, flush=True),
+        )
+        if oscar.get("attention_errors_heldout"):
+            oscar["attention_errors_heldout"]["text"] = (
+                texts.paper().source + f", tokens {PPL_OFFSET}..{PPL_OFFSET + 2048}"
+            )
+        extra_formats = [*extra_formats, *oscar_rows]
 
     # ---- work units for the progress bar (cost ~ steps x (1 + context / 1K))
     probe = eval_formats(
@@ -358,6 +395,7 @@ def evaluate(args, out=sys.stdout, extra_formats=()) -> dict:
                 },
             },
             "formats": {n: rows[n]["short"] for n in names},
+            **({"oscar": oscar} if oscar else {}),
         },
         "rows": list(rows.values()),
         "seconds": time.perf_counter() - t_start,
