@@ -1,6 +1,7 @@
 """Compile the Triton decode kernel for sm_90a on any machine (no GPU needed) and count SASS.
 
-    python benchmarks/sass_count.py [--bits 2] [--reconstruct] [--dump out.sass]
+    python benchmarks/sass_count.py [--bits 2] [--k-axis channel] [--v-axis token] [--block-n 64]
+        [--config] [--reconstruct] [--dump out.sass]
 
 Counts the instructions of the main loop (the largest backward branch's body) by class and
 prints lane-instructions per stored value = loop instructions * 32 * num_warps / (2 * BLOCK_N * D).
@@ -19,7 +20,7 @@ import tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 
-from foscar.configs import column_widths
+from foscar.configs import column_widths, triton_decode_config
 from foscar.formats import KVFormat, QuantFormat
 from foscar.kernels import triton_decode as kern
 
@@ -34,6 +35,7 @@ def compile_kernel(
     num_warps=4,
     num_stages=1,
     reconstruct=False,
+    maxnreg=None,
 ):
     hs, hpk, hpv = column_widths(fmt, head_dim, ratio, block_n, reconstruct)
     sig = {}
@@ -92,7 +94,11 @@ def compile_kernel(
     return triton.compile(
         src,
         target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": num_warps, "num_stages": num_stages},
+        options={
+            "num_warps": num_warps,
+            "num_stages": num_stages,
+            **({"maxnreg": maxnreg} if maxnreg else {}),
+        },
     )
 
 
@@ -153,10 +159,26 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--block-n", type=int, default=128)
     ap.add_argument("--reconstruct", action="store_true")
+    ap.add_argument("--num-stages", type=int, default=1)
+    ap.add_argument("--maxnreg", type=int, default=None)
+    ap.add_argument(
+        "--config",
+        action="store_true",
+        help="compile with the launch config foscar picks (block_n, stages, register cap)",
+    )
     ap.add_argument("--dump", default=None)
     a = ap.parse_args()
     fmt = KVFormat(QuantFormat(a.bits, a.k_axis, a.group), QuantFormat(a.bits, a.v_axis, a.group))
-    c = compile_kernel(fmt, block_n=a.block_n, reconstruct=a.reconstruct)
+    if a.config:
+        cfg = triton_decode_config(fmt, 128, 4, a.reconstruct, ctas=64)
+        a.block_n, a.num_stages, a.maxnreg = cfg.block_n, cfg.num_stages, cfg.maxnreg
+    c = compile_kernel(
+        fmt,
+        block_n=a.block_n,
+        num_stages=a.num_stages,
+        reconstruct=a.reconstruct,
+        maxnreg=a.maxnreg,
+    )
     sass = sass_of(c)
     if a.dump:
         open(a.dump, "w").write(sass)
@@ -164,7 +186,8 @@ def main() -> None:
     counts = classify(body)
     per_value = len(body) * 32 * 4 / (2 * a.block_n * 128)
     print(
-        f"{fmt.short()} block_n={a.block_n} reconstruct={a.reconstruct}: "
+        f"{fmt.short()} block_n={a.block_n} stages={a.num_stages} maxnreg={a.maxnreg} "
+        f"reconstruct={a.reconstruct}: "
         f"{resources(c)} loop={len(body)} instr -> "
         f"{per_value:.2f} lane-instr/value"
     )

@@ -298,8 +298,10 @@ def _load_channel_scales(
     BLOCK_N: tl.constexpr,
     NTG: tl.constexpr,
 ):
-    """Channel-wise ``(s', z')`` of the ``NTG`` token groups of tile ``t``: two ``[NTG, D]``.
+    """Channel-wise ``(s', z')`` of the ``NTG`` token groups of tile ``t``: two ``[D, NTG]``.
 
+    Transposed (channels first): the folds consume them as columns, beside ``Q^T`` (channel-wise
+    K) and the ``[D, (j, h)]`` PV accumulator (channel-wise V), so no permute is needed.
     A sequence's scales, flattened as ``[groups, D]``, are cut into pages of ``PAGE*D/GROUP``
     entries (foscar.cache); groups past the history read ``(1, 0)``.
     """
@@ -311,20 +313,20 @@ def _load_channel_scales(
     first = j * D  # flat index of the group's first entry
     chunk = tl.arange(0, CH)
     page = tl.load(
-        kv_indices_ptr + page_base + first[:, None] // PER_PAGE + chunk[None, :],
-        mask=valid[:, None],
+        kv_indices_ptr + page_base + first[None, :] // PER_PAGE + chunk[:, None],
+        mask=valid[None, :],
         other=0,
-    ).to(tl.int64)  # [NTG, CH]
-    entry = (first % PER_PAGE)[:, None, None] + tl.arange(0, CW)[None, None, :]  # [NTG, 1, CW]
-    off = head_off + page[:, :, None] * stride_page + entry * 2
+    ).to(tl.int64)  # [CH, NTG]
+    entry = (first % PER_PAGE)[None, None, :] + tl.arange(0, CW)[None, :, None]  # [1, CW, NTG]
+    off = head_off + page[:, None, :] * stride_page + entry * 2
     pair = tl.arange(0, 2)
     sz = tl.load(
         scales_ptr + off[:, :, :, None] + pair[None, None, None, :],
-        mask=valid[:, None, None, None],
+        mask=valid[None, None, :, None],
         other=0.0,
-    )  # [NTG, CH, CW, 2]
-    s, z = tl.split(sz.reshape(NTG, D, 2))
-    return tl.where(valid[:, None], s, 1.0), z
+    )  # [CH, CW, NTG, 2]
+    s, z = tl.split(sz.reshape(D, NTG, 2))
+    return tl.where(valid[None, :], s, 1.0), z
 
 
 @triton.jit
@@ -346,7 +348,7 @@ def _load_scales(
     CHANNEL: tl.constexpr,
     MASKED: tl.constexpr,
 ):
-    """``(s', z')`` of one tile: ``[NTG, D]`` for channel-wise groups, ``[BLOCK_N, D/GROUP]``
+    """``(s', z')`` of one tile: ``[D, NTG]`` for channel-wise groups, ``[BLOCK_N, D/GROUP]``
     for token-wise ones (rows past the history read ``(1, 0)`` in the masked tile)."""
     if CHANNEL:
         NTG: tl.constexpr = BLOCK_N // GROUP if BLOCK_N > GROUP else 1
@@ -493,7 +495,9 @@ def _quantized_tile(
     if RECONSTRUCT:
         kf = k_op.to(tl.float32)
         if K_CHANNEL:
-            kf = kf.reshape(NTK, BLOCK_N // NTK, D) * ks[:, None, :] + kz[:, None, :]
+            ks_r = tl.trans(ks)
+            kz_r = tl.trans(kz)
+            kf = kf.reshape(NTK, BLOCK_N // NTK, D) * ks_r[:, None, :] + kz_r[:, None, :]
         else:
             kf = kf.reshape(BLOCK_N, NGK, K_GROUP) * ks[:, :, None] + kz[:, :, None]
         k_op = _to_operand(_round_bf16(kf.reshape(BLOCK_N, D), INTERP), INTERP)
@@ -502,12 +506,11 @@ def _quantized_tile(
     elif K_CHANNEL:
         # operand-fold into Q per token group j: Qx[:, (j,h)] = bf16(c * Q[h] * s'_j), and
         # the offset correction sum_d Qx[d,(j,h)] * z'_j[d] / s'_j[d] from the rounded Qx
-        qs = q[:, None, :] * ks[None, :, :]  # [HS, NTK, D]
-        qs = _round_bf16(qs, INTERP)
-        corr = tl.sum(qs * _fast_div(kz, ks, INTERP)[None, :, :], axis=2)  # [HS, NTK]
-        qs_t = tl.permute(qs, (2, 1, 0)).reshape(D, NTK * HS)
-        part = tl.dot(k_op, _to_operand(_pad_cols(qs_t, HPK, 0.0), INTERP))  # [N, HPK]
-        corr_cols = _pad_cols(tl.trans(corr).reshape(1, NTK * HS), HPK, 0.0)
+        # (q arrives as c * Q^T [D, HS] and the scales as [D, NTK]: no permute)
+        qs = _round_bf16(q[:, None, :] * ks[:, :, None], INTERP)  # [D, NTK, HS]
+        corr = tl.sum(qs * _fast_div(kz, ks, INTERP)[:, :, None], axis=0)  # [NTK, HS]
+        part = tl.dot(k_op, _to_operand(_pad_cols(qs.reshape(D, NTK * HS), HPK, 0.0), INTERP))
+        corr_cols = _pad_cols(corr.reshape(1, NTK * HS), HPK, 0.0)
         s = _pick_block(part + corr_cols, tok_k, NTK, HS)
     else:
         # acc-fold: S = sum_g s'[n,g] * (Q_g . y[n,g]) + z'[n,g] * sum(Q_g), c folded in
@@ -532,10 +535,7 @@ def _quantized_tile(
     if RECONSTRUCT:
         vf = vt_op.to(tl.float32)
         if V_CHANNEL:
-            vf = (
-                vf.reshape(D, NTV, BLOCK_N // NTV) * tl.trans(vs)[:, :, None]
-                + tl.trans(vz)[:, :, None]
-            )
+            vf = vf.reshape(D, NTV, BLOCK_N // NTV) * vs[:, :, None] + vz[:, :, None]
         else:
             vf = (
                 vf.reshape(NGV, V_GROUP, BLOCK_N) * tl.trans(vs)[:, None, :]
@@ -556,8 +556,8 @@ def _quantized_tile(
         part = tl.dot(vt_op, _to_operand(p_cols, INTERP), tl.zeros([D, HPV], tl.float32))
         rowsum = tl.sum(p_cols, axis=0)  # [HPV]
         ones = tl.full([1, HS], 1.0, tl.float32)
-        vs_cols = _spread_cols(ones + tl.zeros([D, HS], tl.float32), tl.trans(vs), NTV, HS, HPV)
-        vz_cols = _spread_cols(ones + tl.zeros([D, HS], tl.float32), tl.trans(vz), NTV, HS, HPV)
+        vs_cols = _spread_cols(ones + tl.zeros([D, HS], tl.float32), vs, NTV, HS, HPV)
+        vz_cols = _spread_cols(ones + tl.zeros([D, HS], tl.float32), vz, NTV, HS, HPV)
         alpha_cols = _pad_cols(
             tl.reshape(alpha[None, None, :] + tl.zeros([1, NTV, 1], tl.float32), (1, NTV * HS)),
             HPV,
@@ -766,10 +766,11 @@ def decode_split_kernel(
         if RECONSTRUCT:
             qx = _to_operand(_pad_cols(tl.trans(q * qk_scale), HPK, 0.0), INTERP)
             qsum_g = tl.zeros([1, HS], tl.float32)
+            q_fold = q
         elif K_CHANNEL:
             qx = tl.zeros([D, HPK], tl.float32)  # rebuilt per tile from the group scales
             qsum_g = tl.zeros([1, HS], tl.float32)
-            q = q * qk_scale
+            q_fold = tl.trans(q * qk_scale)  # [D, HS]: the fold scales its rows
         else:
             # Qx[:, (g, h)] = Q[h] restricted to channel group g (exact in bf16)
             in_group = (offs_d[:, None] // K_GROUP == tl.arange(0, NGK)[None, :]).to(tl.float32)
@@ -779,6 +780,7 @@ def decode_split_kernel(
             qsum_g = tl.trans(qsum_g) * qk_scale  # [NGK, HS]
             if NGK == 1:
                 qsum_g = qsum_g.reshape(HS)[None, :]
+            q_fold = q
 
         if RECONSTRUCT:
             acc = tl.zeros([D, HPV], tl.float32)
@@ -819,7 +821,7 @@ def decode_split_kernel(
                 magic,
                 k_mult,
                 zero,
-                q,
+                q_fold,
                 qx,
                 qsum_g,
                 ptrs,
@@ -852,7 +854,7 @@ def decode_split_kernel(
                 magic,
                 k_mult,
                 zero,
-                q,
+                q_fold,
                 qx,
                 qsum_g,
                 ptrs,
