@@ -4,7 +4,9 @@
         [--config] [--reconstruct] [--dump out.sass]
 
 Counts the instructions of the main loop (the largest backward branch's body) by class and
-prints lane-instructions per stored value = loop instructions * 32 * num_warps / (2 * BLOCK_N * D).
+prints lane-instructions per stored value = loop instructions * 32 * num_warps / (2 * tokens * D),
+where one iteration covers BLOCK_N tokens, or a whole channel-wise K group when the group is
+longer than a tile (the kernel folds Q once per group and runs the group's tiles in one iteration).
 Uses triton's bundled ptxas and cuobjdump; benchmarks/NOTES.md records the results.
 """
 
@@ -184,11 +186,16 @@ def main() -> None:
         open(a.dump, "w").write(sass)
     body = main_loop(sass)
     counts = classify(body)
-    per_value = len(body) * 32 * 4 / (2 * a.block_n * 128)
+    # channel-wise K groups longer than a tile: one loop iteration runs the group's tiles
+    tokens = a.block_n
+    if a.k_axis == "channel" and not a.reconstruct and a.group > a.block_n:
+        tokens = a.group
+    per_value = len(body) * 32 * 4 / (2 * tokens * 128)
     print(
         f"{fmt.short()} block_n={a.block_n} stages={a.num_stages} maxnreg={a.maxnreg} "
         f"reconstruct={a.reconstruct}: "
-        f"{resources(c)} loop={len(body)} instr -> "
+        f"{resources(c)} loop={len(body)} instr ({tokens} tokens, "
+        f"{len(body) * a.block_n / tokens:.0f} per {a.block_n}-token tile) -> "
         f"{per_value:.2f} lane-instr/value"
     )
     print("  " + " ".join(f"{k}={v}" for k, v in counts.most_common(18)))

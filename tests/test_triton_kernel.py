@@ -118,6 +118,24 @@ def test_split_counts_and_poisoned_workspace(splits):
     check_against_reference(o, lse, q, cache, batch)
 
 
+@pytest.mark.parametrize("block_n,splits", [(32, 3), (64, 1), (64, 5), (128, 2)])
+@pytest.mark.parametrize("va", ["token", "channel"])
+def test_channel_key_fold_once_per_group(block_n, splits, va):
+    """Channel-wise K groups longer than a tile are folded into Q once per group and split
+    on group boundaries (4, 2 and 1 tiles per group; more splits than groups included)."""
+    from foscar.backends import triton as tb
+    from foscar.configs import TritonDecodeConfig
+
+    fmt = KVFormat(QuantFormat(2, "channel", 128), QuantFormat(4, va, 64), recent_tokens=5)
+    cache, batch = build_cache(fmt, (3, 300, 700), device=KERNEL_DEVICE, seed=block_n)
+    q = queries(batch, 8, 128, KERNEL_DEVICE)
+    cfg = TritonDecodeConfig(block_n=block_n)
+    o, lse = tb.decode(
+        q, cache, batch, 1 / math.sqrt(128), config=cfg, splits=splits, return_lse=True
+    )
+    check_against_reference(o, lse, q, cache, batch)
+
+
 def test_one_token_returns_its_value_row():
     """With one cached token, every head's output is that token's dequantized V row."""
     fmt = KVFormat(QuantFormat(2, "token", 128), QuantFormat(2, "token", 32))

@@ -376,6 +376,24 @@ def _load_scales(
         return s, z
 
 
+# ---------------------------------------------------------------------------- folds
+@triton.jit
+def _fold_channel_k(qt, ks, kz, HPK: tl.constexpr, INTERP: tl.constexpr):
+    """Channel-wise K operand-fold into Q for the token groups ``j`` of ``ks, kz: [D, NT]``.
+
+    ``qt = c * Q^T [D, HS]`` -> ``Qx [D, HPK]`` operand with ``Qx[:, (j, h)] = bf16(qt[:, h] *
+    s'_j)`` and the offset correction ``[1, HPK]`` ``sum_d Qx[d, (j, h)] * z'_j[d] / s'_j[d]``
+    from the rounded Qx (Note [offset cancellation]); padded columns are zero.
+    """
+    D: tl.constexpr = qt.shape[0]
+    HS: tl.constexpr = qt.shape[1]
+    NT: tl.constexpr = ks.shape[1]
+    qs = _round_bf16(qt[:, None, :] * ks[:, :, None], INTERP)  # [D, NT, HS]
+    corr = tl.sum(qs * _fast_div(kz, ks, INTERP)[:, :, None], axis=0)  # [NT, HS]
+    qx = _to_operand(_pad_cols(qs.reshape(D, NT * HS), HPK, 0.0), INTERP)
+    return qx, _pad_cols(corr.reshape(1, NT * HS), HPK, 0.0)
+
+
 # ---------------------------------------------------------------------------- one tile
 @triton.jit
 def _quantized_tile(
@@ -452,25 +470,30 @@ def _quantized_tile(
     tok_k = offs_n // K_GROUP if BLOCK_N > K_GROUP else offs_n * 0  # token group within tile
     tok_v = offs_n // V_GROUP if BLOCK_N > V_GROUP else offs_n * 0
 
+    # channel-wise K groups longer than the tile: the caller folds Q once per group and
+    # passes the operand as qx and the offset correction as qsum_g
+    K_FOLD_ONCE: tl.constexpr = K_CHANNEL and (not RECONSTRUCT) and K_GROUP > BLOCK_N
+
     # ---- scales (the masked tile replaces scales of rows past the history by (1, 0))
-    ks, kz = _load_scales(
-        k_scales_ptr,
-        kv_indices_ptr,
-        pages,
-        row0,
-        page_base,
-        t,
-        n_q,
-        valid,
-        stride_ks_page,
-        kvh * stride_ks_head,
-        D,
-        K_GROUP,
-        PAGE,
-        BLOCK_N,
-        K_CHANNEL,
-        MASKED,
-    )
+    if not K_FOLD_ONCE:
+        ks, kz = _load_scales(
+            k_scales_ptr,
+            kv_indices_ptr,
+            pages,
+            row0,
+            page_base,
+            t,
+            n_q,
+            valid,
+            stride_ks_page,
+            kvh * stride_ks_head,
+            D,
+            K_GROUP,
+            PAGE,
+            BLOCK_N,
+            K_CHANNEL,
+            MASKED,
+        )
     vs, vz = _load_scales(
         v_scales_ptr,
         kv_indices_ptr,
@@ -505,12 +528,14 @@ def _quantized_tile(
         s = _pick_block(s_cols, offs_n * 0, 1, HS)
     elif K_CHANNEL:
         # operand-fold into Q per token group j: Qx[:, (j,h)] = bf16(c * Q[h] * s'_j), and
-        # the offset correction sum_d Qx[d,(j,h)] * z'_j[d] / s'_j[d] from the rounded Qx
-        # (q arrives as c * Q^T [D, HS] and the scales as [D, NTK]: no permute)
-        qs = _round_bf16(q[:, None, :] * ks[:, :, None], INTERP)  # [D, NTK, HS]
-        corr = tl.sum(qs * _fast_div(kz, ks, INTERP)[:, :, None], axis=0)  # [NTK, HS]
-        part = tl.dot(k_op, _to_operand(_pad_cols(qs.reshape(D, NTK * HS), HPK, 0.0), INTERP))
-        corr_cols = _pad_cols(corr.reshape(1, NTK * HS), HPK, 0.0)
+        # the offset correction from the rounded Qx (_fold_channel_k); once per group when a
+        # group spans several tiles (K_FOLD_ONCE), else here for the tile's NTK groups
+        if K_FOLD_ONCE:
+            qx_t = qx
+            corr_cols = qsum_g
+        else:
+            qx_t, corr_cols = _fold_channel_k(q, ks, kz, HPK, INTERP)
+        part = tl.dot(k_op, qx_t)  # [N, HPK]
         s = _pick_block(part + corr_cols, tok_k, NTK, HS)
     else:
         # acc-fold: S = sum_g s'[n,g] * (Q_g . y[n,g]) + z'[n,g] * sum(Q_g), c folded in
@@ -757,7 +782,12 @@ def decode_split_kernel(
         page_base = tl.load(kv_indptr_ptr + b)
         n_pages = tl.load(kv_indptr_ptr + b + 1) - page_base
         n_tiles = tl.cdiv(n_q, BLOCK_N)
-        per_split = tl.cdiv(n_tiles, num_splits)
+        # channel-wise K groups longer than a tile are folded into Q once per group: splits
+        # take whole groups (the history holds whole groups: foscar.cache demotes
+        # fmt.demotion_quantum tokens at a time, a multiple of every channel-wise group size)
+        K_FOLD_ONCE: tl.constexpr = K_CHANNEL and (not RECONSTRUCT) and K_GROUP > BLOCK_N
+        KPT: tl.constexpr = K_GROUP // BLOCK_N if K_FOLD_ONCE else 1  # tiles per fold
+        per_split = tl.cdiv(tl.cdiv(n_tiles, KPT), num_splits) * KPT
         t_begin = split * per_split
         t_end = tl.minimum(t_begin + per_split, n_tiles)
         t_full = tl.maximum(tl.minimum(t_end, n_q // BLOCK_N), t_begin)
@@ -810,72 +840,123 @@ def decode_split_kernel(
             stride_vs_page,
             stride_vs_head,
         )
-        for t in range(t_begin, t_full):
-            state = _quantized_tile(
-                t,
-                state,
-                n_q,
-                page_base,
-                n_pages,
-                kvh,
-                magic,
-                k_mult,
-                zero,
-                q_fold,
-                qx,
-                qsum_g,
-                ptrs,
-                strides,
-                HS,
-                D,
-                PAGE,
-                BLOCK_N,
-                K_BITS,
-                V_BITS,
-                K_CHANNEL,
-                V_CHANNEL,
-                K_GROUP,
-                V_GROUP,
-                HPK,
-                HPV,
-                RECONSTRUCT,
-                False,
-                INTERP,
-                TILE_ACC,
-            )
-        if t_full < t_end:
-            state = _quantized_tile(
-                t_full,
-                state,
-                n_q,
-                page_base,
-                n_pages,
-                kvh,
-                magic,
-                k_mult,
-                zero,
-                q_fold,
-                qx,
-                qsum_g,
-                ptrs,
-                strides,
-                HS,
-                D,
-                PAGE,
-                BLOCK_N,
-                K_BITS,
-                V_BITS,
-                K_CHANNEL,
-                V_CHANNEL,
-                K_GROUP,
-                V_GROUP,
-                HPK,
-                HPV,
-                RECONSTRUCT,
-                True,
-                INTERP,
-                TILE_ACC,
-            )
+        if K_FOLD_ONCE:
+            for grp in range(t_begin // KPT, t_end // KPT):
+                ks, kz = _load_channel_scales(
+                    k_scales_ptr,
+                    kv_indices_ptr,
+                    page_base,
+                    grp * KPT,
+                    n_q,
+                    stride_ks_page,
+                    kvh * stride_ks_head,
+                    D,
+                    K_GROUP,
+                    PAGE,
+                    BLOCK_N,
+                    1,
+                )
+                qx_g, corr_g = _fold_channel_k(q_fold, ks, kz, HPK, INTERP)
+                for sub in tl.static_range(KPT):
+                    state = _quantized_tile(
+                        grp * KPT + sub,
+                        state,
+                        n_q,
+                        page_base,
+                        n_pages,
+                        kvh,
+                        magic,
+                        k_mult,
+                        zero,
+                        q_fold,
+                        qx_g,
+                        corr_g,
+                        ptrs,
+                        strides,
+                        HS,
+                        D,
+                        PAGE,
+                        BLOCK_N,
+                        K_BITS,
+                        V_BITS,
+                        K_CHANNEL,
+                        V_CHANNEL,
+                        K_GROUP,
+                        V_GROUP,
+                        HPK,
+                        HPV,
+                        RECONSTRUCT,
+                        False,
+                        INTERP,
+                        TILE_ACC,
+                    )
+        else:
+            for t in range(t_begin, t_full):
+                state = _quantized_tile(
+                    t,
+                    state,
+                    n_q,
+                    page_base,
+                    n_pages,
+                    kvh,
+                    magic,
+                    k_mult,
+                    zero,
+                    q_fold,
+                    qx,
+                    qsum_g,
+                    ptrs,
+                    strides,
+                    HS,
+                    D,
+                    PAGE,
+                    BLOCK_N,
+                    K_BITS,
+                    V_BITS,
+                    K_CHANNEL,
+                    V_CHANNEL,
+                    K_GROUP,
+                    V_GROUP,
+                    HPK,
+                    HPV,
+                    RECONSTRUCT,
+                    False,
+                    INTERP,
+                    TILE_ACC,
+                )
+            if t_full < t_end:
+                state = _quantized_tile(
+                    t_full,
+                    state,
+                    n_q,
+                    page_base,
+                    n_pages,
+                    kvh,
+                    magic,
+                    k_mult,
+                    zero,
+                    q_fold,
+                    qx,
+                    qsum_g,
+                    ptrs,
+                    strides,
+                    HS,
+                    D,
+                    PAGE,
+                    BLOCK_N,
+                    K_BITS,
+                    V_BITS,
+                    K_CHANNEL,
+                    V_CHANNEL,
+                    K_GROUP,
+                    V_GROUP,
+                    HPK,
+                    HPV,
+                    RECONSTRUCT,
+                    True,
+                    INTERP,
+                    TILE_ACC,
+                )
         m_i, l2, z2, acc = state
         l_i = tl.sum(l2, axis=0)  # [HS]
         if RECONSTRUCT:
