@@ -377,7 +377,7 @@ def unpack_codes(
     mapping.check_bits(bits)
     if order is not None:
         inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel())
+        inverse[order] = torch.arange(order.numel(), device=order.device)
         return unpack_codes(words, bits, mapping)[..., inverse.to(words.device)]
     w = words.to(torch.int32)
     mask = (1 << bits) - 1
