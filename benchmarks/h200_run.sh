@@ -5,6 +5,7 @@
 #   bash benchmarks/h200_run.sh memcheck # compute-sanitizer memcheck over a kernel subset
 #   bash benchmarks/h200_run.sh tune [--round 3]   # launch-config sweep of the Triton kernel
 #   bash benchmarks/h200_run.sh diagnose-int4       # bisect + memcheck of the INT4 g=32 fault
+#   bash benchmarks/h200_run.sh gluon-first [correct] [time] # Gluon prototype on the GPU
 #   bash benchmarks/h200_run.sh grid    # foscar bench: the 13-point grid and --axes all
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -53,6 +54,18 @@ case "$mode" in
     python3 benchmarks/diagnose_int4_groups.py 2>&1 | tee "$OUT/diagnose_int4.log"
     timeout 240 compute-sanitizer --tool memcheck --print-limit 10 \
       python3 benchmarks/diagnose_int4_groups.py K4g32-V2g128-len64 2>&1 | head -80 | tee "$OUT/memcheck_int4.log"
+    ;;
+  gluon-first)
+    # first device run of the Gluon prototype: smoke (+ racecheck/synccheck), correctness, timing
+    d=benchmarks/prototypes/gluon
+    timeout 150 python3 $d/device_first_run.py --part smoke 2>&1 | tee "$OUT/gluon_smoke.out"
+    for tool in racecheck synccheck; do
+      timeout 150 compute-sanitizer --tool $tool --print-limit 10 python3 $d/device_first_run.py --part smoke \
+        2>&1 | head -100 | tee "$OUT/gluon_$tool.log"
+    done
+    timeout 200 compute-sanitizer --tool memcheck --print-limit 6 python3 $d/device_first_run.py --part smoke \
+      2>&1 | head -120 | tee "$OUT/gluon_memcheck.log"
+    for part in "${@:2}"; do python3 $d/device_first_run.py --part "$part" 2>&1 | tee "$OUT/gluon_$part.out"; done
     ;;
   grid-lite)
     # the 13-point grid with foscar and FlashInfer BF16 only (when device time is short)

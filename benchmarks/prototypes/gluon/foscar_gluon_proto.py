@@ -253,7 +253,7 @@ def _tile(i, t, n_q, st, kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty, qt_sm
         mbarrier.arrive(empty.index(s))  # stage s may be refilled (Gluon puts a partition bar.sync first)
 
     k_op = _k_operand(kw, magic, HS)
-    s_tok = warpgroup_mma(k_op, qt_smem, gl.zeros([64, HS], gl.float32, acc_l), use_acc=False,
+    s_tok = warpgroup_mma(k_op, qt_smem.permute((1, 0)), gl.zeros([64, HS], gl.float32, acc_l), use_acc=False,
                           is_async=True)
     if LATE_ARRIVE:
         mbarrier.arrive(empty.index(s))  # after the QK wgmma is issued
@@ -284,9 +284,9 @@ def _tile(i, t, n_q, st, kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty, qt_sm
     # operand-fold of token-wise V into P, offset term from the rounded P'
     pv = (p * vs[:, None]).to(gl.bfloat16)
     z_i = z_i * alpha[None, :] + pv.to(gl.float32) * ratio[:, None]
-    p_smem.store(pv)
+    p_smem.store(gl.permute(pv, [1, 0]))  # P'^T [HS, 64]: K-major B operand
     fence_async_shared()
-    o_tok = warpgroup_mma(vt_op, p_smem, gl.zeros([128, HS], gl.float32, acc_l), use_acc=False,
+    o_tok = warpgroup_mma(vt_op, p_smem.permute((1, 0)), gl.zeros([128, HS], gl.float32, acc_l), use_acc=False,
                           is_async=True)
     if PIPE:
         alpha_prev = alpha
@@ -305,8 +305,8 @@ def _consume(C: gl.constexpr, kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty, 
     PIPE: gl.constexpr = (OPT & 2) != 0
     acc_l: gl.constexpr = acc_layout(HS)
     p_smem = p_bufs.index(C)
-    qf = qt_smem.load(gl.BlockedLayout([1, HS], [32, 1], [4, 1], [1, 0])).to(gl.float32)
-    qsum = gl.convert_layout(gl.sum(qf, axis=0), gl.SliceLayout(0, acc_l)) * qk_scale
+    qf = qt_smem.load(gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])).to(gl.float32)
+    qsum = gl.convert_layout(gl.sum(qf, axis=1), gl.SliceLayout(0, acc_l)) * qk_scale
     acc = gl.zeros([128, HS], gl.float32, acc_l)
     st = (gl.full([HS], -float("inf"), gl.float32, gl.SliceLayout(0, acc_l)),
           gl.zeros([64, HS], gl.float32, acc_l),
@@ -334,25 +334,29 @@ def _consume(C: gl.constexpr, kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty, 
 
 @gluon.jit
 def _consumer1(kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty, qt_smem, p_bufs, m_smem, l_smem,
-               o_smem, merge_bar, t_begin, t_full, t_end, n_q, qk_scale, magic, SPC: gl.constexpr,
+               o_smem, t_begin, t_full, t_end, n_q, qk_scale, magic, SPC: gl.constexpr,
                HS: gl.constexpr, OPT: gl.constexpr):
+    """Consumer 1 leaves its state in shared memory; the kernel merges it after the partitions
+    join (the join is a CTA barrier, so no mbarrier hand-off is needed)."""
     m1, l1, num1 = _consume(1, kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty, qt_smem, p_bufs,
                             t_begin, t_full, t_end, n_q, qk_scale, magic, SPC, HS, OPT)
     m_smem.store(m1)
     l_smem.store(l1)
     o_smem.store(num1)
-    mbarrier.arrive(merge_bar)
 
 
 @gluon.jit
-def _consumer0_and_merge(kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty, qt_smem, p_bufs, m_smem,
-                         l_smem, o_smem, merge_bar, t_begin, t_full, t_end, n_q, qk_scale, magic,
-                         o_base, lse_base, stride_op_h, stride_lp_h, H: gl.constexpr,
-                         SPC: gl.constexpr, HS: gl.constexpr, OPT: gl.constexpr):
+def _consumer0(kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty, qt_smem, p_bufs, t_begin, t_full,
+               t_end, n_q, qk_scale, magic, SPC: gl.constexpr, HS: gl.constexpr, OPT: gl.constexpr):
+    return _consume(0, kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty, qt_smem, p_bufs,
+                    t_begin, t_full, t_end, n_q, qk_scale, magic, SPC, HS, OPT)
+
+
+@gluon.jit
+def _merge_and_store(m0, l0, num0, m_smem, l_smem, o_smem, o_base, lse_base, stride_op_h,
+                     stride_lp_h, H: gl.constexpr, HS: gl.constexpr):
+    """Merge consumer 1's state (shared memory) into consumer 0's and write this split's partial."""
     acc_l: gl.constexpr = acc_layout(HS)
-    m0, l0, num0 = _consume(0, kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty, qt_smem, p_bufs,
-                            t_begin, t_full, t_end, n_q, qk_scale, magic, SPC, HS, OPT)
-    mbarrier.wait(merge_bar, 0)
     m1 = m_smem.load(gl.SliceLayout(0, acc_l))
     l1 = l_smem.load(gl.SliceLayout(0, acc_l))
     num1 = o_smem.load(acc_l)
@@ -442,22 +446,22 @@ def foscar_gluon_decode_split(
     vs_bufs = gl.allocate_shared_memory(gl.float32, [NS] + vs_desc.block_type.shape, vs_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    merge_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NS):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
-    mbarrier.init(merge_bar, count=1)
 
-    # Q^T [D, HS] bf16, the B operand of the QK product (heads past H are zero)
-    ql: gl.constexpr = gl.BlockedLayout([1, HS], [32, 1], [4, 1], [1, 0])
-    d = gl.arange(0, 128, layout=gl.SliceLayout(1, ql))
-    h = gl.arange(0, HS, layout=gl.SliceLayout(0, ql))
-    qt = gl.load(q_ptr + b * stride_q_b + (kvh * H + h)[None, :] * stride_q_h + d[:, None],
-                 mask=(h < H)[None, :], other=0.0)
-    qt_smem = gl.allocate_shared_memory(gl.bfloat16, [128, HS],
-                                        gl.NVMMASharedLayout.get_default_for([128, HS], gl.bfloat16), qt)
-    p_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, 64, HS],
-                                       gl.NVMMASharedLayout.get_default_for([64, HS], gl.bfloat16))
+    # Q [HS, D] bf16, K-major: its transposed view is the B operand of the QK product (heads past
+    # H are zero). B operands are stored K-major (MN-major B with 16-byte rows read out of bounds
+    # on the H200: compute-sanitizer, session 3)
+    ql: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    h = gl.arange(0, HS, layout=gl.SliceLayout(1, ql))
+    d = gl.arange(0, 128, layout=gl.SliceLayout(0, ql))
+    qt = gl.load(q_ptr + b * stride_q_b + (kvh * H + h)[:, None] * stride_q_h + d[None, :],
+                 mask=(h < H)[:, None], other=0.0)
+    qt_smem = gl.allocate_shared_memory(gl.bfloat16, [HS, 128],
+                                        gl.NVMMASharedLayout.get_default_for([HS, 128], gl.bfloat16), qt)
+    p_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, HS, 64],
+                                       gl.NVMMASharedLayout.get_default_for([HS, 64], gl.bfloat16))
     m_smem = gl.allocate_shared_memory(gl.float32, [HS], plain_shared_layout(1))
     l_smem = gl.allocate_shared_memory(gl.float32, [HS], plain_shared_layout(1))
     o_smem = gl.allocate_shared_memory(gl.float32, [128, HS], plain_shared_layout(2))
@@ -474,17 +478,16 @@ def foscar_gluon_decode_split(
     o_base = o_part_ptr + b * stride_op_b + (kvh * H) * stride_op_h + split * stride_op_split
     lse_base = lse_part_ptr + b * stride_lp_b + (kvh * H) * stride_lp_h + split
 
-    gl.warp_specialize([
-        (_consumer0_and_merge, (kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty, qt_smem, p_bufs,
-                                m_smem, l_smem, o_smem, merge_bar, t_begin, t_full, t_end, n_q,
-                                qk_scale, magic, o_base, lse_base, stride_op_h, stride_lp_h, H, SPC, HS,
-                                OPT)),
+    m0, l0, num0 = gl.warp_specialize([
+        (_consumer0, (kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty, qt_smem, p_bufs, t_begin,
+                      t_full, t_end, n_q, qk_scale, magic, SPC, HS, OPT)),
         (_consumer1, (kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty, qt_smem, p_bufs, m_smem,
-                      l_smem, o_smem, merge_bar, t_begin, t_full, t_end, n_q, qk_scale, magic, SPC,
-                      HS, OPT)),
+                      l_smem, o_smem, t_begin, t_full, t_end, n_q, qk_scale, magic, SPC, HS, OPT)),
         (_producer, (kw_desc, ks_desc, vw_desc, vs_desc, kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready,
                      empty, kv_indices_ptr, page_base, t_begin, t_end, kvh, SPC, OPT)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    _merge_and_store(m0, l0, num0, m_smem, l_smem, o_smem, o_base, lse_base, stride_op_h,
+                     stride_lp_h, H, HS)
 
 
 # ------------------------------------------------------------------------------- numpy emulation
