@@ -20,7 +20,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["TritonDecodeConfig", "triton_decode_config", "num_splits", "column_widths"]
+__all__ = [
+    "TritonDecodeConfig",
+    "triton_decode_config",
+    "num_splits",
+    "column_widths",
+    "GluonDecodeConfig",
+    "gluon_decode_config",
+    "GLUON_OVER_TRITON_US",
+]
 
 
 @dataclass(frozen=True)
@@ -90,3 +98,41 @@ def num_splits(
     ctas = batch * num_kv_heads
     wanted = (cfg.ctas_per_sm * num_sms) // ctas
     return max(1, min(wanted, tiles // cfg.min_tiles_per_split, tiles))
+
+
+# ------------------------------------------------------------------------------ Gluon (sm_90)
+@dataclass(frozen=True)
+class GluonDecodeConfig:
+    """Launch knobs of foscar.kernels.gluon_decode (12 warps per CTA: 2 consumer warpgroups and
+    a producer warp padded to a warpgroup).
+
+    Default: 2 CTAs per SM (``maxnreg=80`` at launch, consumers raised to 112 registers, the
+    producer lowered to 24; no spills) with 4 ring stages per consumer. Measured on the H200
+    (benchmarks/NOTES.md 12, `bash benchmarks/h200_run.sh gluon-first time`): 2 CTAs/SM beat 1
+    (232 registers) at every point, INT2 B=64 L=128K 2686 -> 2233 us, B=1 L=128K 87 -> 49-55 us;
+    4 stages per consumer equal 2 except B=1 L=128K (48.5 vs 54.7 us).
+    """
+
+    stages_per_consumer: int = 4
+    consumer_regs: int = 112
+    producer_regs: int = 24
+    maxnreg: int | None = 80
+    ctas_per_sm: int = 2
+    opt: int = 5  # kernel variant bits (foscar.kernels.gluon_decode, consumer section)
+
+
+def gluon_decode_config() -> GluonDecodeConfig:
+    return GluonDecodeConfig()
+
+
+#: Where ``backend="auto"`` takes the Gluon kernel over the Triton one, measured in one process
+#: on the H200 (INT2 token-wise K/V g=128, H_Q=32, H_KV=8, D=128; microseconds, Triton -> Gluon,
+#: `bash benchmarks/h200_run.sh gluon-first time`, benchmarks/NOTES.md 12). Gluon is faster at
+#: every point measured, so auto takes it wherever it covers the format.
+GLUON_OVER_TRITON_US = {
+    (1, 131072): (113.2, 48.5),
+    (8, 32768): (133.3, 100.7),
+    (8, 131072): (492.8, 360.3),
+    (64, 16384): (488.8, 301.4),
+    (64, 131072): (3779.8, 2232.8),
+}

@@ -7,13 +7,14 @@ import math
 import torch
 
 from . import reference
+from .backends import gluon as gluon_backend
 from .backends import triton as triton_backend
 from .cache import DecodeBatch, QuantizedKVCache, rotate_rows
 
 __all__ = ["decode_attention", "default_backend", "BACKENDS"]
 
 #: ``"triton-reconstruct"`` is the per-value reconstruction baseline (benchmarks only).
-BACKENDS = ("auto", "triton", "reference", "triton-reconstruct")
+BACKENDS = ("auto", "gluon", "triton", "reference", "triton-reconstruct")
 #: Tokens per tile of the CPU reference backend. Per-tile Python work dominates on a CPU: at
 #: 8K tokens (3 KV heads, D=64) one call takes 67 ms with 256-token tiles and 31 ms with 1024
 #: (2 cores); the result changes only by fp32 rounding.
@@ -21,7 +22,16 @@ REFERENCE_BLOCK_N = 1024
 
 
 def default_backend(cache: QuantizedKVCache, q: torch.Tensor) -> str:
-    """The backend ``"auto"`` picks: the Triton kernel on a GPU when it covers the format."""
+    """The backend ``"auto"`` picks: on a Hopper GPU the Gluon kernel where it covers the format
+    (faster than the Triton kernel at every point measured: ``configs.GLUON_OVER_TRITON_US``),
+    else the Triton kernel on a GPU when it covers the format, else the reference."""
+    if (
+        q.is_cuda
+        and q.dtype == torch.bfloat16
+        and gluon_backend.available(q.device)
+        and gluon_backend.supports(cache, q.shape[1]) is None
+    ):
+        return "gluon"
     if (
         q.is_cuda
         and triton_backend.available(q.device)
@@ -57,9 +67,12 @@ def decode_attention(
         CUDA-graph replays allocates nothing.
     sm_scale : float, optional
         Logit scale (default ``1 / sqrt(head_dim)``).
-    backend : ``"auto"``, ``"triton"``, ``"reference"`` or ``"triton-reconstruct"``
-        ``"auto"`` takes the Triton kernel for bf16 queries on a GPU when it covers the format
-        (bf16 mapping, head_dim 64 or 128, at most 16 query heads per KV head), else the
+    backend : ``"auto"``, ``"gluon"``, ``"triton"``, ``"reference"`` or ``"triton-reconstruct"``
+        ``"gluon"`` is the warp-specialized Hopper kernel (sm_90; token-wise INT2 K and V with
+        g=128, head_dim 128, page size 64, up to 8 query heads per KV head; windows included).
+        ``"auto"`` takes it where it applies, else the Triton kernel for bf16 queries on a GPU
+        when it covers the format (bf16 mapping, head_dim 64 or 128, at most 16 query heads
+        per KV head), else the
         reference, the folded torch computation (:func:`foscar.reference.attend_folded`) in
         fp32 (fp64 for fp64 queries). ``"triton-reconstruct"`` dequantizes every value before
         the products (the baseline folding is measured against).
@@ -117,6 +130,19 @@ def decode_attention(
 
 def _decode(q, cache, batch, sm_scale, backend, return_lse, out, lse):
     """The backend call of :func:`decode_attention` (validated arguments, stored coordinates)."""
+    if backend == "gluon":
+        if not gluon_backend.available(q.device):
+            raise ValueError(
+                f"backend 'gluon' needs triton's Gluon and a Hopper (sm_90) GPU; q is on {q.device}"
+            )
+        reason = gluon_backend.supports(cache, q.shape[1])
+        if reason:
+            raise ValueError(f"backend 'gluon' does not cover this cache: {reason}")
+        if q.dtype != torch.bfloat16:
+            raise TypeError(f"backend 'gluon' needs bfloat16 queries, got {q.dtype}")
+        return gluon_backend.decode(
+            q, cache, batch, sm_scale, out=out, lse=lse, return_lse=return_lse
+        )
     if backend.startswith("triton"):
         if not triton_backend.available(q.device):
             raise ValueError(

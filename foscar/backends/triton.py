@@ -116,13 +116,11 @@ def decode(
     splits: int | None = None,
 ):
     """Run the split kernel and the merge kernel; returns ``out`` (and ``lse``)."""
-    kern = _triton()
     bsz, num_q_heads, d = q.shape
     ratio = num_q_heads // cache.num_kv_heads
     cfg = config or triton_decode_config(
         cache.fmt, d, ratio, reconstruct, ctas=bsz * cache.num_kv_heads
     )
-    hs, hpk, hpv = column_widths(cache.fmt, d, ratio, cfg.block_n, reconstruct)
     if splits is None:
         sms = _num_sms(q.device.index or 0) if q.is_cuda else 4
         splits = num_splits(bsz, cache.num_kv_heads, max(batch.num_quantized_host), cfg, sms)
@@ -131,13 +129,26 @@ def decode(
     has_windows = fmt.sink_tokens > 0 or fmt.tail_capacity > 1
     parts = splits + int(has_windows)
     o_part, lse_part = _workspace(batch, (bsz, num_q_heads, parts, d), q.device)
-    st = cache.layers[batch.layer]
     if out is None:
         out = torch.empty_like(q)
     if return_lse and lse is None:
         lse = torch.empty(bsz, num_q_heads, dtype=torch.float32, device=q.device)
-    interp = interpreting()
-    kern.decode_split_kernel[(bsz, cache.num_kv_heads, parts)](
+    _launch_split(q, cache, batch, sm_scale, o_part, lse_part, splits, parts, cfg, reconstruct)
+    merge_partials(o_part, lse_part, out, lse if return_lse else None)
+    return (out, lse) if return_lse else out
+
+
+def _launch_split(q, cache, batch, sm_scale, o_part, lse_part, splits, programs, cfg, reconstruct):
+    """The split kernel over ``programs`` split indices: ``0 .. splits - 1`` read the quantized
+    history, index ``splits`` (when the format has windows) the BF16 sink and tail."""
+    kern = _triton()
+    fmt = cache.fmt
+    st = cache.layers[batch.layer]
+    d = q.shape[2]
+    ratio = q.shape[1] // cache.num_kv_heads
+    hs, hpk, hpv = column_widths(fmt, d, ratio, cfg.block_n, reconstruct)
+    has_windows = fmt.sink_tokens > 0 or fmt.tail_capacity > 1
+    kern.decode_split_kernel[(q.shape[0], cache.num_kv_heads, programs)](
         q_ptr=q,
         k_words_ptr=st.k_words,
         k_scales_ptr=st.k_scales,
@@ -195,12 +206,26 @@ def decode(
         HPK=hpk,
         HPV=hpv,
         RECONSTRUCT=reconstruct,
-        INTERP=interp,
+        INTERP=interpreting(),
         TILE_ACC=cfg.tile_acc,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )
+
+
+def window_partial(q, cache, batch, sm_scale, o_part, lse_part) -> None:
+    """Only the BF16 window program, into ``o_part[:, :, 0]`` / ``lse_part[:, :, 0]`` (views of a
+    larger workspace: another backend covers the history splits)."""
+    cfg = triton_decode_config(cache.fmt, q.shape[2], q.shape[1] // cache.num_kv_heads)
+    _launch_split(q, cache, batch, sm_scale, o_part, lse_part, 0, 1, cfg, False)
+
+
+def merge_partials(o_part, lse_part, out, lse=None) -> None:
+    """LSE merge of the split partials ``o_part: [B, Hq, parts, D]`` into ``out`` (and ``lse``)."""
+    kern = _triton()
+    bsz, num_q_heads, parts, d = o_part.shape
+    return_lse = lse is not None
     kern.merge_splits_kernel[(bsz, num_q_heads)](
         o_part_ptr=o_part,
         lse_part_ptr=lse_part,
@@ -219,7 +244,6 @@ def decode(
         D=d,
         BLOCK_P=max(2, 1 << (parts - 1).bit_length()),
         WRITE_LSE=return_lse,
-        INTERP=interp,
+        INTERP=interpreting(),
         num_warps=4,
     )
-    return (out, lse) if return_lse else out

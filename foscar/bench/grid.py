@@ -87,6 +87,15 @@ def random_cache(fmt: KVFormat, batch: int, kv_len: int, shape: Shape, device, s
     return cache, cache.plan(ids)
 
 
+#: foscar's methods in the results and the decode_attention backend each one times
+FOSCAR_BACKENDS = {
+    "foscar-gluon": "gluon",
+    "foscar-triton": "triton",
+    "foscar-reconstruct": "triton-reconstruct",
+}
+FOSCAR_METHODS_BY_BACKEND = {b: m for m, b in FOSCAR_BACKENDS.items()}
+
+
 def make_foscar(
     bits: int,
     k_axis: str,
@@ -109,7 +118,7 @@ def make_foscar(
 
     step()
     torch.cuda.synchronize()
-    method = "foscar-triton" if backend == "triton" else "foscar-reconstruct"
+    method = FOSCAR_METHODS_BY_BACKEND[backend]
     info = {
         "method": method,
         "kv_bytes": foscar_kv_bytes(fmt, batch, kv_len, shape),
@@ -188,7 +197,7 @@ def run_grid(
     items = []
     for batch, kv_len in points:
         for m in methods:
-            if m in ("foscar-triton", "foscar-reconstruct"):
+            if m in FOSCAR_BACKENDS:
                 for bits in bits_list:
                     for k_axis, v_axis in axes:
                         items.append((m, bits, k_axis, v_axis, batch, kv_len))
@@ -203,7 +212,7 @@ def run_grid(
             continue
         try:
             if m.startswith("foscar"):
-                backend = "triton" if m == "foscar-triton" else "triton-reconstruct"
+                backend = FOSCAR_BACKENDS[m]
                 step, info = make_foscar(
                     bits, k_axis, v_axis, batch, kv_len, shape, backend, device
                 )
@@ -221,6 +230,9 @@ def run_grid(
         except ImportError as exc:
             skipped[m] = str(exc).splitlines()[0][:120]
             progress.step(f"{m}: skipped ({skipped[m]})")
+            continue
+        except ValueError as exc:  # a foscar backend that does not cover this format
+            progress.step(f"{m} {bits}b K{k_axis[0]}V{v_axis[0]}: not covered ({str(exc)[:160]})")
             continue
         except RuntimeError as exc:
             progress.step(f"{m} B={batch} L={kv_len}: unavailable ({str(exc)[:160]})")
@@ -379,6 +391,7 @@ def add_arguments(parser) -> None:
         "--methods",
         nargs="+",
         default=[
+            "foscar-gluon",
             "foscar-triton",
             "foscar-reconstruct",
             "flashinfer-bf16",
@@ -420,7 +433,11 @@ def run(args) -> int:
                 "decode_axes",
                 AXES_GRID,
                 AXES,
-                [m for m in args.methods if m in ("foscar-triton", "flashinfer-bf16")],
+                [
+                    m
+                    for m in args.methods
+                    if m in ("foscar-triton", "foscar-gluon", "flashinfer-bf16")
+                ],
             )
         )
     if grid == "quick":

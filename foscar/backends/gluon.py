@@ -1,0 +1,221 @@
+"""Launcher of the warp-specialized Hopper kernel (foscar.kernels.gluon_decode).
+
+The Gluon kernel reads the quantized history (one 64-token page per tile, TMA ring, wgmma with
+register operands built from the packed words); a format's BF16 sink/recent windows are read by
+the Triton kernel's window program into one more partial, and the Triton merge kernel combines
+the partials. Everything per call is cached (TMA descriptors on the cache, the split workspace on
+the DecodeBatch), so a CUDA-graph replay allocates nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from ..cache import DecodeBatch, QuantizedKVCache
+from ..configs import GluonDecodeConfig, gluon_decode_config
+from ..formats import GroupAxis, OperandMapping
+from . import triton as triton_backend
+
+__all__ = ["available", "supports", "decode", "num_splits"]
+
+HEAD_DIM = 128
+PAGE_SIZE = 64
+MAX_HEADS_PER_KV = 8  # the wgmma N of the QK and PV products (HS = 8)
+
+
+@functools.cache
+def _gluon():
+    try:
+        from ..kernels import gluon_decode
+    except Exception:  # triton without Gluon (or without its Hopper module)
+        return None
+    return gluon_decode
+
+
+def available(device: torch.device) -> bool:
+    """Gluon is importable and ``device`` is a Hopper GPU (sm_90: wgmma, TMA, setmaxnreg)."""
+    if device.type != "cuda" or _gluon() is None or not triton_backend.available(device):
+        return False
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def supports(cache: QuantizedKVCache, num_q_heads: int) -> str | None:
+    """``None`` if the Gluon kernel covers this cache and head count, else the reason."""
+    fmt = cache.fmt
+    if fmt.mapping is not OperandMapping.BF16:
+        return f"the Gluon kernel builds bf16 operands; mapping is {fmt.mapping.value!r}"
+    for name, f in (("key", fmt.key), ("value", fmt.value)):
+        if (f.bits, f.axis, f.group_size) != (2, GroupAxis.TOKEN, HEAD_DIM):
+            return f"the Gluon kernel covers token-wise INT2 with g=128; {name} is {f.short()}"
+    if cache.head_dim != HEAD_DIM:
+        return f"the Gluon kernel needs head_dim {HEAD_DIM}, got {cache.head_dim}"
+    if cache.page_size != PAGE_SIZE:
+        return (
+            f"the Gluon kernel needs page_size {PAGE_SIZE} (a page per tile), got {cache.page_size}"
+        )
+    ratio = num_q_heads // cache.num_kv_heads
+    if ratio > MAX_HEADS_PER_KV:
+        return f"at most {MAX_HEADS_PER_KV} query heads per KV head, got {ratio}"
+    return triton_backend.supports(cache, num_q_heads)  # the window program and the merge
+
+
+def num_splits(batch: int, num_kv_heads: int, max_tokens: int, cfg: GluonDecodeConfig, sms: int):
+    """Splits per (sequence, KV head): enough CTAs for ``cfg.ctas_per_sm`` per SM, rounded up
+    (measured on the H200, benchmarks/NOTES.md 12), at least 2 pages per split."""
+    pages = math.ceil(max_tokens / PAGE_SIZE)
+    wanted = math.ceil(cfg.ctas_per_sm * sms / (batch * num_kv_heads))
+    return max(1, min(wanted, max(1, pages // 2)))
+
+
+def _descriptors(cache: QuantizedKVCache, layer: int):
+    """TMA descriptors of one layer's pools, built once per pool tensor (cached on the cache):
+    words ``[pages, H, 64, 8]`` int32 (box ``[1, 1, 64, 8]``), scales viewed ``[pages, H, 128]``
+    fp32 (box ``[1, 1, 128]``)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    st = cache.layers[layer]
+    pools = (st.k_words, st.k_scales, st.v_words, st.v_scales)
+    key = (layer, tuple(t.data_ptr() for t in pools))
+    memo = cache.__dict__.setdefault("_gluon_descriptors", {})
+    if key not in memo:
+        kern = _gluon()
+        words_layout, scales_layout = kern.descriptor_layouts()
+        descs = []
+        for words, scales in ((st.k_words, st.k_scales), (st.v_words, st.v_scales)):
+            sv = scales.view(scales.shape[0], scales.shape[1], -1)
+            descs.append(
+                TensorDescriptor(
+                    words,
+                    list(words.shape),
+                    list(words.stride()),
+                    [1, 1, kern.PAGE, kern.WORDS],
+                    words_layout,
+                )
+            )
+            descs.append(
+                TensorDescriptor(
+                    sv, list(sv.shape), list(sv.stride()), [1, 1, 2 * kern.PAGE], scales_layout
+                )
+            )
+        memo[key] = tuple(descs)  # k words, k scales, v words, v scales
+    return memo[key]
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def decode(
+    q: torch.Tensor,
+    cache: QuantizedKVCache,
+    batch: DecodeBatch,
+    sm_scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    return_lse: bool = False,
+    config: GluonDecodeConfig | None = None,
+    splits: int | None = None,
+):
+    """Gluon history splits (+ the Triton window program) + the merge; returns ``out`` (and lse)."""
+    kern = _gluon()
+    bsz, num_q_heads, d = q.shape
+    cfg = config or gluon_decode_config()
+    if splits is None:
+        sms = _num_sms(q.device.index or 0)
+        splits = num_splits(bsz, cache.num_kv_heads, max(batch.num_quantized_host), cfg, sms)
+    fmt = cache.fmt
+    has_windows = fmt.sink_tokens > 0 or fmt.tail_capacity > 1
+    parts = splits + int(has_windows)
+    o_part, lse_part = triton_backend._workspace(batch, (bsz, num_q_heads, parts, d), q.device)
+    if out is None:
+        out = torch.empty_like(q)
+    if return_lse and lse is None:
+        lse = torch.empty(bsz, num_q_heads, dtype=torch.float32, device=q.device)
+    kw, ks, vw, vs = _descriptors(cache, batch.layer)
+    kern.gluon_decode_split_kernel[(bsz, cache.num_kv_heads, splits)](
+        q,
+        kw,
+        ks,
+        vw,
+        vs,
+        batch.kv_indptr,
+        batch.kv_indices,
+        batch.num_quantized,
+        o_part,
+        lse_part,
+        sm_scale * 1.4426950408889634,
+        kern.MAGIC,
+        splits,
+        q.stride(0),
+        q.stride(1),
+        o_part.stride(0),
+        o_part.stride(1),
+        o_part.stride(2),
+        lse_part.stride(0),
+        lse_part.stride(1),
+        H=num_q_heads // cache.num_kv_heads,
+        HS=MAX_HEADS_PER_KV,
+        SPC=cfg.stages_per_consumer,
+        CONSUMER_REGS=cfg.consumer_regs,
+        PRODUCER_REGS=cfg.producer_regs,
+        OPT=cfg.opt,
+        num_warps=4,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
+    )
+    if has_windows:
+        triton_backend.window_partial(
+            q, cache, batch, sm_scale, o_part[:, :, splits:], lse_part[:, :, splits:]
+        )
+    triton_backend.merge_partials(o_part, lse_part, out, lse if return_lse else None)
+    return (out, lse) if return_lse else out
+
+
+def compile_sm90(cfg: GluonDecodeConfig | None = None, heads_per_kv: int = 4):
+    """Compile the kernel for sm_90a without a GPU (tests, SASS counts): a CompiledKernel whose
+    ``asm`` holds ttgir/ptx/cubin. The layout proofs of the operand programs
+    (``convert_layout(..., assert_trivial=True)``) run here, so this fails if the bit operations
+    stop landing in the wgmma fragments."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    kern = _gluon()
+    cfg = cfg or gluon_decode_config()
+    words_layout, scales_layout = kern.descriptor_layouts()
+
+    def desc(dtype, block, layout):
+        return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout!r}>"
+
+    words_box, scales_box = [1, 1, kern.PAGE, kern.WORDS], [1, 1, 2 * kern.PAGE]
+    sig = {
+        "q_ptr": "*bf16",
+        "kw_desc": desc("i32", words_box, words_layout),
+        "ks_desc": desc("fp32", scales_box, scales_layout),
+        "vw_desc": desc("i32", words_box, words_layout),
+        "vs_desc": desc("fp32", scales_box, scales_layout),
+        "kv_indptr_ptr": "*i32",
+        "kv_indices_ptr": "*i32",
+        "num_quantized_ptr": "*i32",
+        "o_part_ptr": "*fp32",
+        "lse_part_ptr": "*fp32",
+        "qk_scale": "fp32",
+        "magic": "i32",
+    }
+    consts = dict(
+        H=heads_per_kv,
+        HS=MAX_HEADS_PER_KV,
+        SPC=cfg.stages_per_consumer,
+        CONSUMER_REGS=cfg.consumer_regs,
+        PRODUCER_REGS=cfg.producer_regs,
+        OPT=cfg.opt,
+    )
+    fn = kern.gluon_decode_split_kernel
+    full = {n: sig.get(n, "constexpr" if n in consts else "i32") for n in fn.arg_names}
+    src = GluonASTSource(fn, full, constexprs=consts, attrs={})
+    opts = {"num_warps": 4, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)

@@ -1,0 +1,727 @@
+"""Warp-specialized FOSCAR decode split kernel for Hopper (sm_90a), in Triton's Gluon dialect.
+
+Launched by :mod:`foscar.backends.gluon`; the merge of the splits is the Triton
+``merge_splits_kernel``. Scope: token-wise INT2 K and V, group size g = D = 128, head_dim 128,
+page size 64 = one tile, up to 8 query heads per KV head (padded to HS = 8, the wgmma N), the
+quantized history only (formats with BF16 sink/recent windows go to the Triton kernel).
+
+Partitions (``gl.warp_specialize``, triton 3.6.0):
+    default  (4 warps): consumer 0, tiles t_begin + 0, 2, 4, ...
+    worker 0 (4 warps): consumer 1, tiles t_begin + 1, 3, 5, ...; leaves its softmax state in
+                        shared memory, merged by the default warps after the partitions join
+    worker 1 (1 warp) : producer, TMA copies of one page of packed K/V words and (s', z')
+                        scales per tile into a ring of 2 x SPC stages (SPC per consumer)
+
+Per tile, a consumer (one warpgroup) does
+    LDS packed words -> K operand [64 tok, 128 ch] bf16 in registers (SHF + LOP3)
+    S^T = K_op @ Q^T        wgmma m64n8k16 x 8, A from registers, Q [8, 128] K-major in smem
+    V^T operand [128 ch, 64 tok] (PRMT + SHF + LOP3) while the QK wgmma runs
+    acc-fold of K (per token s'_K, z'_K), online softmax over the 64 tokens (cross-warp max)
+    operand-fold of V into P: P' = bf16(P * s'_V); offset term z2 += P' * z'_V / s'_V
+    O^T(tile) = V^T_op @ P'   wgmma m64n8k16 x 2 x 4, P'^T [8, 64] K-major through smem,
+    added to the running O^T on the CUDA cores (Note [tensor-core accumulation] in
+    foscar.kernels.triton_decode)
+
+Data contract (foscar.cache; the same as ``decode_split_kernel``):
+    q:        [B, Hq, D] bf16
+    k_words:  [pages, Hkv, PAGE, D*2/32] int32 (channel order of role "key") -> TMA box [1,1,64,8]
+    k_scales: [pages, Hkv, PAGE*D/g, 2] fp32 viewed as [pages, Hkv, 2*PAGE]  -> TMA box [1,1,128]
+    v_*:      likewise (role "value")
+    o_part:   [B, Hq, num_splits, D] fp32, normalised partial outputs
+    lse_part: [B, Hq, num_splits] fp32, log2-domain LSE (-inf when empty)
+
+Packed words: foscar's layouts fit the wgmma register fragments unchanged (every
+``convert_layout(..., assert_trivial=True)`` below is a compile-time proof that the bit
+operations land each bf16 pair in the register the m64nNk16 A fragment wants):
+    K: thread (warp w, lane l) owns rows l//4 + 8i + 16w and words 2*(l%4) + {0,1} of its rows
+       (2 x LDS.64 per tile); register (i, i', kb) = field 2*(kb%4) + i' of word 2*(l%4) + kb//4.
+    V: thread owns byte (l//4)%4 of word 2w + (l//4)//4 of 16 tokens (16 x LDS.32, 4 threads read
+       the same word); one PRMT per token pair joins the bytes, 4 SHF/LOP3 pairs make 8 operands.
+
+B operands are stored K-major: MN-major Q^T / P' with 16-byte rows made the wgmma read shared
+memory out of bounds on the H200 (compute-sanitizer memcheck, benchmarks/NOTES.md 12).
+The CPU checks of the operand programs and layouts are in tests/test_gluon_kernel.py and
+benchmarks/prototypes/gluon/foscar_gluon_proto.py (numpy emulation, SASS counts).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+
+__all__ = ["gluon_decode_split_kernel", "descriptor_layouts", "D", "PAGE", "WORDS", "MAGIC"]
+
+MAGIC = 0x43004300  # two bf16 128.0: the mantissa-injection base of both halves
+
+D = 128
+PAGE = 64
+WORDS = D * 2 // 32  # 8 int32 words per token row (INT2)
+
+
+# ------------------------------------------------------------------------------------------ layouts
+@gluon.constexpr_function
+def acc_layout(HS):
+    """wgmma accumulator (and, sliced, per-token / per-head vectors): one warpgroup, n = HS."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HS, 16])
+
+
+@gluon.constexpr_function
+def a_operand_layout(HS):
+    """wgmma A operand in registers, bf16 (k_width 2: a bf16 pair per 32-bit register)."""
+    return gl.DotOperandLayout(operand_index=0, parent=acc_layout(HS), k_width=2)
+
+
+@gluon.constexpr_function
+def k_words3_layout():
+    """[64 tokens, 8 words, 8 fields]: words exactly as the m64n8 accumulator (thread owns rows
+    l//4 + 8i + 16w, words 2*(l%4) + e), the 8 extraction fields in registers."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1, 0], [8, 0, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]],
+        lane_bases=[[0, 2, 0], [0, 4, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=[[16, 0, 0], [32, 0, 0]],
+        block_bases=[],
+        shape=[64, 8, 8],
+    )
+
+
+@gluon.constexpr_function
+def v_words4_layout():
+    """[32 token pairs m, 8 words, 4 bytes X, 4 fields]: pair m = 8kb + 4i' + T with T = lane%4,
+    word = 2w + (lane//4)//4, byte X = (lane//4)%4, the fields and (kb, i') in registers."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[4, 0, 0, 0], [8, 0, 0, 0], [16, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2]],
+        lane_bases=[[1, 0, 0, 0], [2, 0, 0, 0], [0, 0, 1, 0], [0, 0, 2, 0], [0, 1, 0, 0]],
+        warp_bases=[[0, 2, 0, 0], [0, 4, 0, 0]],
+        block_bases=[],
+        shape=[32, 8, 4, 4],
+    )
+
+
+@gluon.constexpr_function
+def v_words_load_layout():
+    """[64 tokens, 8 words] as the V path reads them from smem: token bit 0 (the pair's parity)
+    in a register, lanes 2,3 replicated (the 4 threads that take different bytes of one word)."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[1, 0], [8, 0], [16, 0], [32, 0]],
+        lane_bases=[[2, 0], [4, 0], [0, 0], [0, 0], [0, 1]],
+        warp_bases=[[0, 2], [0, 4]],
+        block_bases=[],
+        shape=[64, 8],
+    )
+
+
+@gluon.constexpr_function
+def scale_pair_layout():
+    """[64 tokens, 2] (s', z') pairs: tokens as the accumulator's rows, the pair in registers."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [8, 0]],
+        lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]],
+        block_bases=[],
+        shape=[64, 2],
+    )
+
+
+@gluon.constexpr_function
+def warp_max_layout(HS):
+    """[4 warps, HS] per-warp maxima, every thread holding all 4 of its heads' values (so the
+    final max over warps is register-only and lands in SliceLayout(0, acc_layout(HS)))."""
+    regs = [[0, 1]] + ([[0, 8]] if HS == 16 else []) + [[1, 0], [2, 0]]
+    return gl.DistributedLinearLayout(
+        reg_bases=regs,
+        lane_bases=[[0, 2], [0, 4], [0, 0], [0, 0], [0, 0]],
+        warp_bases=[[0, 0], [0, 0]],
+        block_bases=[],
+        shape=[4, HS],
+    )
+
+
+@gluon.constexpr_function
+def plain_shared_layout(rank):
+    return gl.SwizzledSharedLayout(
+        vec=1, per_phase=1, max_phase=1, order=list(range(rank - 1, -1, -1))
+    )
+
+
+# ------------------------------------------------------------------------------ bits -> operands
+@gluon.jit
+def _prmt(a, b, sel):
+    return gl.inline_asm_elementwise(
+        "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel], dtype=gl.int32, is_pure=True, pack=1
+    )
+
+
+@gluon.jit
+def _bf16_pair(x):
+    """int32 [...] holding two bf16 (low, high) -> bf16 [..., 2] (register views, no SASS)."""
+    lo = (x & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
+    hi = (x >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
+    return gl.join(lo, hi)
+
+
+@gluon.jit
+def _k_operand(words, magic, HS: gl.constexpr):
+    """K operand [64 tokens, 128 channels] bf16 (natural channel order) in the wgmma A layout,
+    from words [64, 8] in SliceLayout(2, k_words3_layout())."""
+    L3: gl.constexpr = k_words3_layout()
+    f = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    x = ((gl.expand_dims(words, 2) >> (2 * f)[None, None, :]) & 0x00030003) | magic  # [n, word, k]
+    y = _bf16_pair(x)  # [n, word = 2T + e, k = 2*kbl + i', j]
+    y = y.reshape([64, 4, 2, 4, 2, 2])  # n, T, e, kbl, i', j
+    y = gl.permute(
+        y, [0, 2, 3, 4, 1, 5]
+    )  # n, e, kbl, i', T, j : channel 64e + 16kbl + 8i' + 2T + j
+    return gl.convert_layout(y.reshape([64, 128]), a_operand_layout(HS), assert_trivial=True)
+
+
+@gluon.jit
+def _vt_operand(words, magic, HS: gl.constexpr):
+    """V^T operand [128 channels, 64 tokens] bf16 in the wgmma A layout, from words [64, 8] in
+    v_words_load_layout(). One PRMT joins byte X of an even and an odd token (twice each)."""
+    L4: gl.constexpr = v_words4_layout()
+    L3: gl.constexpr = gl.SliceLayout(3, L4)
+    even, odd = gl.split(gl.permute(words.reshape([32, 2, 8]), [0, 2, 1]))  # [m, word] each
+    even = gl.convert_layout(even, gl.SliceLayout(2, L3), assert_trivial=True)
+    odd = gl.convert_layout(odd, gl.SliceLayout(2, L3), assert_trivial=True)
+    X = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    sel = X | (X << 4) | ((X + 4) << 8) | ((X + 4) << 12)  # bytes (a.X, a.X, b.X, b.X)
+    xb = _prmt(gl.expand_dims(even, 2), gl.expand_dims(odd, 2), sel[None, None, :])  # [m, word, X]
+    f = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4))))
+    x = ((gl.expand_dims(xb, 3) >> (2 * f)[None, None, None, :]) & 0x00030003) | magic
+    y = _bf16_pair(x)  # [m, word, X, f, J]
+    y = y.reshape([4, 2, 4, 4, 2, 4, 2, 2, 2])  # kb, i', T, w, g2, X, b, a, J
+    y = gl.permute(y, [6, 3, 7, 4, 5, 0, 1, 2, 8])  # b, w, a, g2, X | kb, i', T, J
+    return gl.convert_layout(y.reshape([128, 64]), a_operand_layout(HS), assert_trivial=True)
+
+
+@gluon.jit
+def _scale_pairs(buf, HS: gl.constexpr):
+    """(s', z') of the 64 tokens of a tile, each [64] in the accumulator's row layout."""
+    sz = buf.reshape([64, 2]).load(scale_pair_layout())
+    s, z = gl.split(sz)
+    row_l: gl.constexpr = gl.SliceLayout(1, acc_layout(HS))
+    return (
+        gl.convert_layout(s, row_l, assert_trivial=True),
+        gl.convert_layout(z, row_l, assert_trivial=True),
+    )
+
+
+@gluon.jit
+def _rcp(x):
+    return gl.inline_asm_elementwise(
+        "rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True, pack=1
+    )
+
+
+@gluon.jit
+def _col_max(sc, HS: gl.constexpr, FAST_MAX: gl.constexpr):
+    """max over the 64 token rows of sc [64, HS] (acc layout) -> [HS] in SliceLayout(0, acc)."""
+    if FAST_MAX:
+        # per-warp max (shuffles only), then one exchange of the 4 warp maxima through smem
+        wmax = gl.max(sc.reshape([4, 16, HS]), axis=1)  # [4 warps, HS]
+        wmax = gl.convert_layout(wmax, warp_max_layout(HS))
+        return gl.convert_layout(
+            gl.max(wmax, axis=0), gl.SliceLayout(0, acc_layout(HS)), assert_trivial=True
+        )
+    else:
+        return gl.max(sc, axis=0)
+
+
+# ------------------------------------------------------------------------------------- consumer
+# OPT bits (constexpr): 1 = one-barrier cross-warp max; 2 = deferred PV wait (the PV wgmma of tile
+# i in flight across the loop back-edge: ptxas C7512 serializes every wgmma, do not use);
+# 4 = rcp.approx for z'/s'; 8 = arrive on `empty` after the QK wgmma issue (same barrier count);
+# 32 = memory-only timing ablation (consumers only wait/arrive); 64 = compute-only timing
+# ablation (after the first 2*SPC tiles the producer arrives without loading). Default 5.
+@gluon.jit
+def _tile(
+    i,
+    t,
+    n_q,
+    st,
+    ring,
+    qt_smem,
+    p_smem,
+    qsum,
+    qk_scale,
+    magic,
+    C: gl.constexpr,
+    SPC: gl.constexpr,
+    HS: gl.constexpr,
+    MASKED: gl.constexpr,
+    OPT: gl.constexpr,
+):
+    FAST_MAX: gl.constexpr = (OPT & 1) != 0
+    PIPE: gl.constexpr = (OPT & 2) != 0
+    FAST_RCP: gl.constexpr = (OPT & 4) != 0
+    acc_l: gl.constexpr = acc_layout(HS)
+    kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty = ring
+    m_i, l_i, z_i, acc, o_tok, alpha_prev, vt_prev = st
+    s = C * SPC + i % SPC
+    mbarrier.wait(ready.index(s), (i // SPC) & 1)
+    MEMORY_ONLY: gl.constexpr = (OPT & 32) != 0
+    if MEMORY_ONLY:  # timing ablation: stream the ring, no math (the output is garbage)
+        mbarrier.arrive(empty.index(s))
+        return m_i, l_i, z_i, acc, o_tok, alpha_prev, vt_prev
+    kw = kw_bufs.index(s).reshape([64, 8]).load(gl.SliceLayout(2, k_words3_layout()))
+    vw = vw_bufs.index(s).reshape([64, 8]).load(v_words_load_layout())
+    ks, kz = _scale_pairs(ks_bufs.index(s), HS)
+    vs, vz = _scale_pairs(vs_bufs.index(s), HS)
+    LATE_ARRIVE: gl.constexpr = (OPT & 8) != 0
+    if not LATE_ARRIVE:
+        mbarrier.arrive(
+            empty.index(s)
+        )  # stage s may be refilled (Gluon puts a partition bar.sync first)
+
+    k_op = _k_operand(kw, magic, HS)
+    s_tok = warpgroup_mma(
+        k_op,
+        qt_smem.permute((1, 0)),
+        gl.zeros([64, HS], gl.float32, acc_l),
+        use_acc=False,
+        is_async=True,
+    )
+    if LATE_ARRIVE:
+        mbarrier.arrive(empty.index(s))  # after the QK wgmma is issued
+    vt_op = _vt_operand(vw, magic, HS)  # meant to overlap the QK wgmma
+    if FAST_RCP:
+        ratio = vz * _rcp(vs)
+    else:
+        ratio = gl.fdiv(vz, vs)
+    if PIPE:
+        # waits for QK(i) and for PV(i-1), issued at the end of the previous tile
+        s_acc, k_op, o_prev, vt_prev = warpgroup_mma_wait(0, deps=[s_tok, k_op, o_tok, vt_prev])
+        acc = acc * alpha_prev[None, :] + o_prev
+    else:
+        s_acc, k_op = warpgroup_mma_wait(0, deps=[s_tok, k_op])
+
+    # acc-fold of token-wise K: S = c * (s'_K * (Q . y_K) + z'_K * sum(Q)), c in ks and qsum
+    sc = s_acc * (ks * qk_scale)[:, None] + kz[:, None] * qsum[None, :]
+    if MASKED:
+        rows = gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
+        valid = t * 64 + rows < n_q
+        sc = gl.where(valid[:, None], sc, -float("inf"))
+        vs = gl.where(valid, vs, 1.0)
+        ratio = gl.where(valid, ratio, 0.0)
+    m_new = gl.maximum(m_i, _col_max(sc, HS, FAST_MAX))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(sc - m_new[None, :])
+    l_i = l_i * alpha[None, :] + p  # row sums reduced once after the loop
+    # operand-fold of token-wise V into P, offset term from the rounded P'
+    pv = (p * vs[:, None]).to(gl.bfloat16)
+    z_i = z_i * alpha[None, :] + pv.to(gl.float32) * ratio[:, None]
+    p_smem.store(gl.permute(pv, [1, 0]))  # P'^T [HS, 64]: K-major B operand
+    fence_async_shared()
+    o_tok = warpgroup_mma(
+        vt_op,
+        p_smem.permute((1, 0)),
+        gl.zeros([128, HS], gl.float32, acc_l),
+        use_acc=False,
+        is_async=True,
+    )
+    if PIPE:
+        alpha_prev = alpha
+        vt_prev = vt_op
+    else:
+        o_t, vt_op = warpgroup_mma_wait(0, deps=[o_tok, vt_op])
+        acc = acc * alpha[None, :] + o_t  # fresh accumulator per tile, added in fp32
+    return m_new, l_i, z_i, acc, o_tok, alpha_prev, vt_prev
+
+
+@gluon.jit
+def _consume(
+    C: gl.constexpr,
+    ring,
+    qt_smem,
+    p_bufs,
+    t_begin,
+    t_full,
+    t_end,
+    n_q,
+    qk_scale,
+    magic,
+    SPC: gl.constexpr,
+    HS: gl.constexpr,
+    OPT: gl.constexpr,
+):
+    """Consumer C's loop over tiles t_begin + C + 2i; returns (m, l, unnormalised O^T [D, HS])."""
+    PIPE: gl.constexpr = (OPT & 2) != 0
+    acc_l: gl.constexpr = acc_layout(HS)
+    p_smem = p_bufs.index(C)
+    qf = qt_smem.load(gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])).to(gl.float32)
+    qsum = gl.convert_layout(gl.sum(qf, axis=1), gl.SliceLayout(0, acc_l)) * qk_scale
+    acc = gl.zeros([128, HS], gl.float32, acc_l)
+    st = (
+        gl.full([HS], -float("inf"), gl.float32, gl.SliceLayout(0, acc_l)),
+        gl.zeros([64, HS], gl.float32, acc_l),
+        gl.zeros([64, HS], gl.float32, acc_l),
+        acc,
+        warpgroup_mma_init(acc),
+        gl.full([HS], 1.0, gl.float32, gl.SliceLayout(0, acc_l)),
+        gl.zeros([128, 64], gl.bfloat16, a_operand_layout(HS)),
+    )
+    n_all = gl.maximum(t_end - t_begin - C + 1, 0) // 2
+    n_full = gl.maximum(t_full - t_begin - C + 1, 0) // 2
+    for i in range(n_full):
+        st = _tile(
+            i,
+            t_begin + C + 2 * i,
+            n_q,
+            st,
+            ring,
+            qt_smem,
+            p_smem,
+            qsum,
+            qk_scale,
+            magic,
+            C,
+            SPC,
+            HS,
+            False,
+            OPT,
+        )
+    if n_full < n_all:
+        st = _tile(
+            n_full,
+            t_begin + C + 2 * n_full,
+            n_q,
+            st,
+            ring,
+            qt_smem,
+            p_smem,
+            qsum,
+            qk_scale,
+            magic,
+            C,
+            SPC,
+            HS,
+            True,
+            OPT,
+        )
+    m_i, l_i, z_i, acc, o_tok, alpha_prev, vt_prev = st
+    if PIPE:
+        o_prev, vt_prev = warpgroup_mma_wait(0, deps=[o_tok, vt_prev])
+        acc = acc * alpha_prev[None, :] + o_prev
+    l_tot = gl.sum(l_i, axis=0)
+    num = acc + gl.sum(z_i, axis=0)[None, :]  # V offset term: one scalar per head for g = D
+    return m_i, l_tot, num
+
+
+@gluon.jit
+def _consumer1(
+    kw_bufs,
+    ks_bufs,
+    vw_bufs,
+    vs_bufs,
+    ready,
+    empty,
+    qt_smem,
+    p_bufs,
+    m_smem,
+    l_smem,
+    o_smem,
+    t_begin,
+    t_full,
+    t_end,
+    n_q,
+    qk_scale,
+    magic,
+    SPC: gl.constexpr,
+    HS: gl.constexpr,
+    OPT: gl.constexpr,
+):
+    """Consumer 1 leaves its state in shared memory; the kernel merges it after the partitions
+    join (the join is a CTA barrier, so no mbarrier hand-off is needed)."""
+    ring = (kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty)
+    m1, l1, num1 = _consume(
+        1, ring, qt_smem, p_bufs, t_begin, t_full, t_end, n_q, qk_scale, magic, SPC, HS, OPT
+    )
+    m_smem.store(m1)
+    l_smem.store(l1)
+    o_smem.store(num1)
+
+
+@gluon.jit
+def _consumer0(
+    kw_bufs,
+    ks_bufs,
+    vw_bufs,
+    vs_bufs,
+    ready,
+    empty,
+    qt_smem,
+    p_bufs,
+    t_begin,
+    t_full,
+    t_end,
+    n_q,
+    qk_scale,
+    magic,
+    SPC: gl.constexpr,
+    HS: gl.constexpr,
+    OPT: gl.constexpr,
+):
+    ring = (kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty)
+    return _consume(
+        0, ring, qt_smem, p_bufs, t_begin, t_full, t_end, n_q, qk_scale, magic, SPC, HS, OPT
+    )
+
+
+@gluon.jit
+def _merge_and_store(
+    m0,
+    l0,
+    num0,
+    m_smem,
+    l_smem,
+    o_smem,
+    o_base,
+    lse_base,
+    stride_op_h,
+    stride_lp_h,
+    H: gl.constexpr,
+    HS: gl.constexpr,
+):
+    """Merge consumer 1's state (shared memory) into consumer 0's and write this split's partial."""
+    acc_l: gl.constexpr = acc_layout(HS)
+    m1 = m_smem.load(gl.SliceLayout(0, acc_l))
+    l1 = l_smem.load(gl.SliceLayout(0, acc_l))
+    num1 = o_smem.load(acc_l)
+    m = gl.maximum(m0, m1)
+    m_safe = gl.where(m == -float("inf"), 0.0, m)
+    a0 = gl.exp2(m0 - m_safe)
+    a1 = gl.exp2(m1 - m_safe)
+    l_tot = l0 * a0 + l1 * a1
+    num = num0 * a0[None, :] + num1 * a1[None, :]
+    o = num / gl.where(l_tot > 0, l_tot, 1.0)[None, :]
+    lse = gl.where(l_tot > 0, m + gl.log2(gl.where(l_tot > 0, l_tot, 1.0)), -float("inf"))
+    d = gl.arange(0, 128, layout=gl.SliceLayout(1, acc_l))
+    h = gl.arange(0, HS, layout=gl.SliceLayout(0, acc_l))
+    gl.store(o_base + h[None, :] * stride_op_h + d[:, None], o, mask=(h < H)[None, :])
+    gl.store(lse_base + h * stride_lp_h, lse, mask=h < H)
+
+
+# ------------------------------------------------------------------------------------- producer
+@gluon.jit
+def _producer(
+    kw_desc,
+    ks_desc,
+    vw_desc,
+    vs_desc,
+    kw_bufs,
+    ks_bufs,
+    vw_bufs,
+    vs_bufs,
+    ready,
+    empty,
+    kv_indices_ptr,
+    page_base,
+    t_begin,
+    t_end,
+    kvh,
+    SPC: gl.constexpr,
+    OPT: gl.constexpr,
+):
+    COMPUTE_ONLY: gl.constexpr = (OPT & 64) != 0
+    nbytes: gl.constexpr = (
+        kw_desc.block_type.nbytes
+        + ks_desc.block_type.nbytes
+        + vw_desc.block_type.nbytes
+        + vs_desc.block_type.nbytes
+    )
+    n = t_end - t_begin
+    idx = kv_indices_ptr + page_base + t_begin
+    page_next = gl.load(idx, mask=n > 0, other=0)
+    for j in range(n):
+        # the page index of tile j+1 is loaded one iteration ahead: its latency overlaps the
+        # wait for a free stage instead of delaying the TMA issue
+        page = page_next
+        page_next = gl.load(idx + j + 1, mask=j + 1 < n, other=0)
+        i = j // 2
+        s = (j % 2) * SPC + i % SPC
+        mbarrier.wait(empty.index(s), ((i // SPC) & 1) ^ 1)  # fresh barriers pass phase 1
+        bar = ready.index(s)
+        if COMPUTE_ONLY and j >= 2 * SPC:
+            mbarrier.arrive(bar)  # timing ablation: consumers recompute stale stages, no HBM
+        else:
+            mbarrier.expect(bar, nbytes)
+            tma.async_copy_global_to_shared(kw_desc, [page, kvh, 0, 0], bar, kw_bufs.index(s))
+            tma.async_copy_global_to_shared(vw_desc, [page, kvh, 0, 0], bar, vw_bufs.index(s))
+            tma.async_copy_global_to_shared(ks_desc, [page, kvh, 0], bar, ks_bufs.index(s))
+            tma.async_copy_global_to_shared(vs_desc, [page, kvh, 0], bar, vs_bufs.index(s))
+
+
+# --------------------------------------------------------------------------------------- kernel
+@gluon.jit
+def gluon_decode_split_kernel(
+    q_ptr,  # [B, Hq, D] bf16
+    kw_desc,  # k_words [pages, Hkv, PAGE, 8] int32, box [1, 1, 64, 8]
+    ks_desc,  # k_scales viewed [pages, Hkv, 2*PAGE] fp32, box [1, 1, 128]
+    vw_desc,
+    vs_desc,
+    kv_indptr_ptr,  # [B + 1] int32
+    kv_indices_ptr,  # [nnz] int32
+    num_quantized_ptr,  # [B] int32
+    o_part_ptr,  # [B, Hq, num_splits (+1), D] fp32
+    lse_part_ptr,  # [B, Hq, num_splits (+1)] fp32, log2 domain
+    qk_scale,  # sm_scale * log2(e)
+    magic,  # 0x43004300
+    num_splits,
+    stride_q_b,
+    stride_q_h,
+    stride_op_b,
+    stride_op_h,
+    stride_op_split,
+    stride_lp_b,
+    stride_lp_h,
+    H: gl.constexpr,  # query heads per KV head
+    HS: gl.constexpr,  # padded: the wgmma N (8 or 16)
+    SPC: gl.constexpr,  # ring stages per consumer (2 x SPC in all)
+    CONSUMER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
+    OPT: gl.constexpr,  # see the consumer section
+):
+    gl.static_assert(HS >= H)
+    b = gl.program_id(0)
+    kvh = gl.program_id(1)
+    split = gl.program_id(2)
+
+    # ---- shared memory: the ring, Q^T, P' per consumer, merge buffers, barriers
+    NS: gl.constexpr = 2 * SPC
+    kw_bufs = gl.allocate_shared_memory(gl.int32, [NS] + kw_desc.block_type.shape, kw_desc.layout)
+    vw_bufs = gl.allocate_shared_memory(gl.int32, [NS] + vw_desc.block_type.shape, vw_desc.layout)
+    ks_bufs = gl.allocate_shared_memory(gl.float32, [NS] + ks_desc.block_type.shape, ks_desc.layout)
+    vs_bufs = gl.allocate_shared_memory(gl.float32, [NS] + vs_desc.block_type.shape, vs_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NS):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+
+    # Q [HS, D] bf16, K-major: its transposed view is the B operand of the QK product (heads past
+    # H are zero). B operands are stored K-major (MN-major B with 16-byte rows read out of bounds
+    # on the H200: compute-sanitizer, session 3)
+    ql: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    h = gl.arange(0, HS, layout=gl.SliceLayout(1, ql))
+    d = gl.arange(0, 128, layout=gl.SliceLayout(0, ql))
+    qt = gl.load(
+        q_ptr + b * stride_q_b + (kvh * H + h)[:, None] * stride_q_h + d[None, :],
+        mask=(h < H)[:, None],
+        other=0.0,
+    )
+    qt_smem = gl.allocate_shared_memory(
+        gl.bfloat16, [HS, 128], gl.NVMMASharedLayout.get_default_for([HS, 128], gl.bfloat16), qt
+    )
+    p_bufs = gl.allocate_shared_memory(
+        gl.bfloat16, [2, HS, 64], gl.NVMMASharedLayout.get_default_for([HS, 64], gl.bfloat16)
+    )
+    m_smem = gl.allocate_shared_memory(gl.float32, [HS], plain_shared_layout(1))
+    l_smem = gl.allocate_shared_memory(gl.float32, [HS], plain_shared_layout(1))
+    o_smem = gl.allocate_shared_memory(gl.float32, [128, HS], plain_shared_layout(2))
+    fence_async_shared()
+
+    # ---- this split's tiles (one page each), as decode_split_kernel computes them
+    n_q = gl.load(num_quantized_ptr + b)
+    page_base = gl.load(kv_indptr_ptr + b)
+    n_tiles = gl.cdiv(n_q, 64)
+    per_split = gl.cdiv(n_tiles, num_splits)
+    t_begin = gl.minimum(split * per_split, n_tiles)
+    t_end = gl.minimum(t_begin + per_split, n_tiles)
+    t_full = gl.maximum(gl.minimum(t_end, n_q // 64), t_begin)
+    o_base = o_part_ptr + b * stride_op_b + (kvh * H) * stride_op_h + split * stride_op_split
+    lse_base = lse_part_ptr + b * stride_lp_b + (kvh * H) * stride_lp_h + split
+
+    m0, l0, num0 = gl.warp_specialize(
+        [
+            (
+                _consumer0,
+                (
+                    kw_bufs,
+                    ks_bufs,
+                    vw_bufs,
+                    vs_bufs,
+                    ready,
+                    empty,
+                    qt_smem,
+                    p_bufs,
+                    t_begin,
+                    t_full,
+                    t_end,
+                    n_q,
+                    qk_scale,
+                    magic,
+                    SPC,
+                    HS,
+                    OPT,
+                ),
+            ),
+            (
+                _consumer1,
+                (
+                    kw_bufs,
+                    ks_bufs,
+                    vw_bufs,
+                    vs_bufs,
+                    ready,
+                    empty,
+                    qt_smem,
+                    p_bufs,
+                    m_smem,
+                    l_smem,
+                    o_smem,
+                    t_begin,
+                    t_full,
+                    t_end,
+                    n_q,
+                    qk_scale,
+                    magic,
+                    SPC,
+                    HS,
+                    OPT,
+                ),
+            ),
+            (
+                _producer,
+                (
+                    kw_desc,
+                    ks_desc,
+                    vw_desc,
+                    vs_desc,
+                    kw_bufs,
+                    ks_bufs,
+                    vw_bufs,
+                    vs_bufs,
+                    ready,
+                    empty,
+                    kv_indices_ptr,
+                    page_base,
+                    t_begin,
+                    t_end,
+                    kvh,
+                    SPC,
+                    OPT,
+                ),
+            ),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, PRODUCER_REGS],
+    )
+    _merge_and_store(
+        m0, l0, num0, m_smem, l_smem, o_smem, o_base, lse_base, stride_op_h, stride_lp_h, H, HS
+    )
+
+
+def descriptor_layouts():
+    """Shared layouts of the TMA boxes: words [1, 1, PAGE, WORDS] int32 (32-byte swizzle),
+    scales [1, 1, 2 * PAGE] fp32."""
+    words = gl.NVMMASharedLayout.get_default_for([1, 1, PAGE, WORDS], gl.int32)
+    scales = gl.NVMMASharedLayout.get_default_for([1, 1, 2 * PAGE], gl.float32)
+    return words, scales

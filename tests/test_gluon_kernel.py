@@ -1,0 +1,230 @@
+"""The warp-specialized Hopper kernel (backend "gluon") against the fp64 reference.
+
+On the CPU (CI): what can be checked without a GPU: the kernel compiles for sm_90a with the
+package's launch config (the compile proves that the operand bit programs land in the wgmma
+register fragments: ``convert_layout(..., assert_trivial=True)``) without spills, the backend's
+coverage and its errors, the dispatch of ``backend="auto"`` and the split rule. Gluon kernels do
+not run in the interpreter, so everything that launches the kernel is GPU-only (sm_90); on the
+device these run the Triton path's checks over this backend: NaN-poisoned outputs, odd
+lengths, every GQA ratio it covers, windows, ragged batches, the paper shape, CUDA graphs.
+"""
+
+import math
+import os
+import subprocess
+import tempfile
+
+import pytest
+import torch
+from kernel_cases import build_cache, check_against_reference, queries, rel_l2
+
+from foscar import KVFormat, QuantFormat, decode_attention
+from foscar.configs import GluonDecodeConfig, gluon_decode_config
+
+pytest.importorskip("triton")
+gluon_backend = pytest.importorskip("foscar.backends.gluon")
+if gluon_backend._gluon() is None:
+    pytest.skip("this triton has no Gluon", allow_module_level=True)
+
+HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+sm90_only = pytest.mark.skipif(
+    not HAS_SM90, reason="launches the Gluon kernel: needs a Hopper GPU (no interpreter path)"
+)
+INT2 = QuantFormat(2, "token", 128)
+FMT = KVFormat(INT2, INT2)
+# lengths 1, primes, a page multiple and its neighbours: single-token, partial-page, multi-page
+LENGTHS = (1, 17, 63, 64, 65, 263, 4099)
+
+
+# ---------------------------------------------------------------------------- CPU
+def test_compiles_for_sm90_without_spills():
+    ck = gluon_backend.compile_sm90()
+    assert ck.metadata.num_warps == 12  # 2 consumer warpgroups + the producer's warpgroup
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ck.asm["ptx"])
+        info = subprocess.run(
+            [ptxas, "-arch=sm_90a", "-v", path, "-o", os.path.join(tmp, "k.cubin")],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stderr
+    assert "0 bytes spill stores" in info, info
+    cfg = gluon_decode_config()
+    assert f"Used {cfg.maxnreg} registers" in info, info  # 2 CTAs of 12 warps per SM
+    assert ck.asm["ptx"].count("wgmma.mma_async") >= 16  # QK and PV on the tensor cores
+
+
+@pytest.mark.parametrize(
+    "fmt, heads, reason",
+    [
+        (KVFormat(QuantFormat(4, "token", 128), INT2), 8, "key is i4t128"),
+        (KVFormat(INT2, QuantFormat(2, "channel", 128)), 8, "value is i2c128"),
+        (KVFormat(INT2, QuantFormat(2, "token", 64)), 8, "value is i2t64"),
+        (KVFormat(INT2, INT2, mapping="e4m3"), 8, "mapping is 'e4m3'"),
+        (FMT, 18, "at most 8 query heads per KV head, got 9"),
+    ],
+)
+def test_supports_names_what_it_does_not_cover(fmt, heads, reason):
+    cache, _ = build_cache(fmt, (5,))
+    assert reason in gluon_backend.supports(cache, heads)
+
+
+def test_supports_head_dim_and_page_size():
+    fmt64 = KVFormat(QuantFormat(2, "token", 64), QuantFormat(2, "token", 64))
+    cache, _ = build_cache(fmt64, (5,), head_dim=64)
+    assert "key is i2t64" in gluon_backend.supports(cache, 4)
+    fmt256 = KVFormat(INT2, INT2)
+    cache, _ = build_cache(fmt256, (5,), head_dim=256)
+    assert "head_dim 128, got 256" in gluon_backend.supports(cache, 4)
+    cache, _ = build_cache(FMT, (5,), page_size=32)
+    assert "page_size 64" in gluon_backend.supports(cache, 4)
+    for fmt in (FMT, KVFormat(INT2, INT2, sink_tokens=64, recent_tokens=256)):
+        cache, _ = build_cache(fmt, (5,))
+        assert gluon_backend.supports(cache, 8) is None
+
+
+def test_cpu_call_is_refused_and_auto_does_not_pick_it():
+    cache, batch = build_cache(FMT, (70, 3))
+    q = queries(batch, 8, 128, "cpu")
+    with pytest.raises(ValueError, match="backend 'gluon' needs .* Hopper"):
+        decode_attention(q, cache, batch, backend="gluon")
+    from foscar.decode import default_backend
+
+    assert default_backend(cache, q) != "gluon"
+
+
+@pytest.mark.parametrize(
+    "batch, tokens, expected",
+    [(1, 32768, 33), (1, 131072, 33), (8, 131072, 5), (64, 131072, 1), (1, 64, 1), (1, 300, 2)],
+)
+def test_split_rule(batch, tokens, expected):
+    """Enough CTAs for 2 per SM on 132 SMs (rounded up), at least 2 pages per split."""
+    cfg = GluonDecodeConfig()
+    assert gluon_backend.num_splits(batch, 8, tokens, cfg, 132) == expected
+
+
+# ---------------------------------------------------------------------------- sm_90 only
+def run(q, cache, batch, **kw):
+    """Decode into NaN-poisoned outputs, so that any unwritten element fails the check."""
+    out = torch.full_like(q, math.nan)
+    lse = torch.full(q.shape[:2], math.nan, dtype=torch.float32, device=q.device)
+    o, lse = decode_attention(
+        q, cache, batch, backend="gluon", return_lse=True, out=out, lse=lse, **kw
+    )
+    assert o.data_ptr() == out.data_ptr()
+    return o, lse
+
+
+@sm90_only
+@pytest.mark.parametrize("ratio", [1, 2, 3, 4, 5, 8])
+def test_odd_lengths_every_gqa_ratio(ratio):
+    cache, batch = build_cache(FMT, LENGTHS, num_kv_heads=2, device="cuda", seed=ratio)
+    q = queries(batch, 2 * ratio, 128, "cuda")
+    check_against_reference(*run(q, cache, batch), q, cache, batch)
+
+
+@sm90_only
+@pytest.mark.parametrize("sink,recent", [(4, 0), (0, 37), (64, 256)])
+def test_bf16_windows(sink, recent):
+    fmt = KVFormat(
+        INT2, QuantFormat(2, "token", 128, clip=0.92), sink_tokens=sink, recent_tokens=recent
+    )
+    cache, batch = build_cache(fmt, (2, 90, 800, 5000), device="cuda")
+    q = queries(batch, 8, 128, "cuda")
+    check_against_reference(*run(q, cache, batch), q, cache, batch)
+
+
+@sm90_only
+@pytest.mark.parametrize("splits", [1, 2, 7, 64])
+def test_split_counts_and_poisoned_workspace(splits):
+    """More splits than pages leaves empty splits (lse -inf), which the merge must drop."""
+    cache, batch = build_cache(FMT, (1, 700, 4097), device="cuda")
+    q = queries(batch, 8, 128, "cuda")
+    gluon_backend.decode(q, cache, batch, 1 / math.sqrt(128), splits=splits)  # the workspace
+    for o_part, lse_part in batch._workspaces.values():
+        o_part.fill_(math.nan)
+        lse_part.fill_(math.nan)
+    o, lse = gluon_backend.decode(
+        q, cache, batch, 1 / math.sqrt(128), splits=splits, return_lse=True
+    )
+    check_against_reference(o, lse, q, cache, batch)
+
+
+@sm90_only
+def test_one_token_returns_its_value_row():
+    from foscar.reference import dequantize_sequence
+
+    cache, batch = build_cache(FMT, (1, 1), decode_steps=0, device="cuda")
+    q = queries(batch, 8, 128, "cuda")
+    o, _ = run(q, cache, batch)
+    for i in range(2):
+        _, v = dequantize_sequence(cache, batch, i, torch.float64)
+        assert rel_l2(o[i], v[:, 0].repeat_interleave(4, dim=0)) < 2**-8
+
+
+@sm90_only
+def test_agrees_with_the_triton_backend():
+    cache, batch = build_cache(FMT, (4096, 33, 9000), num_kv_heads=8, device="cuda")
+    q = queries(batch, 32, 128, "cuda")
+    o_gluon, lse_gluon = run(q, cache, batch)
+    o_triton, lse_triton = decode_attention(q, cache, batch, backend="triton", return_lse=True)
+    assert rel_l2(o_gluon, o_triton) < 5e-3
+    assert float((lse_gluon - lse_triton).abs().max()) < 1e-2
+
+
+@sm90_only
+def test_auto_picks_gluon_on_hopper():
+    from foscar.decode import default_backend
+
+    cache, batch = build_cache(FMT, (100,), device="cuda")
+    q = queries(batch, 8, 128, "cuda")
+    assert default_backend(cache, q) == "gluon"
+    cache4, _ = build_cache(KVFormat(QuantFormat(4, "token", 128), INT2), (100,), device="cuda")
+    assert default_backend(cache4, q) == "triton"
+
+
+@sm90_only
+def test_paper_shape():
+    """H_Q=32, H_KV=8, D=128, page 64, g=128, 32K tokens, zero-mean data."""
+    cache, batch = build_cache(FMT, (32768, 4099), num_kv_heads=8, device="cuda", seed=2)
+    q = queries(batch, 32, 128, "cuda")
+    check_against_reference(*run(q, cache, batch), q, cache, batch)
+
+
+@sm90_only
+@pytest.mark.parametrize("seed", range(3))
+def test_random_ragged_batches(seed):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 20000, (16,), generator=g).tolist()
+    fmt = KVFormat(INT2, INT2, sink_tokens=64 * (seed % 2), recent_tokens=256 * (seed % 2))
+    cache, batch = build_cache(fmt, lengths, num_kv_heads=8, device="cuda", seed=seed)
+    q = queries(batch, 32, 128, "cuda")
+    check_against_reference(*run(q, cache, batch), q, cache, batch)
+
+
+@sm90_only
+@pytest.mark.parametrize("windows", [False, True])
+def test_cuda_graph_replay(windows):
+    """Capture once, replay with new queries: no host sync, no allocation in the hot path."""
+    fmt = KVFormat(INT2, INT2, sink_tokens=16 * windows, recent_tokens=64 * windows)
+    cache, batch = build_cache(fmt, (3000, 17, 9000), num_kv_heads=8, device="cuda")
+    q = queries(batch, 32, 128, "cuda")
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device="cuda")
+    kw = dict(backend="gluon", out=out, lse=lse, return_lse=True)
+    decode_attention(q, cache, batch, **kw)  # compile, descriptors, workspace
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_attention(q, cache, batch, **kw)
+    for seed in range(3):
+        q.copy_(queries(batch, 32, 128, "cuda", seed=10 + seed))
+        out.fill_(math.nan)
+        lse.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        check_against_reference(out, lse, q, cache, batch)
