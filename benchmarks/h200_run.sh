@@ -34,7 +34,8 @@ case "$mode" in
     ;;
   tests)
     # the kernel suite (GPU-only tests included); the CPU-only suites run in CI
-    python3 -m pytest -q -p no:cacheprovider -rs tests/test_triton_kernel.py 2>&1 | tee "$OUT/gpu_tests.log"
+    python3 -m pytest -q -p no:cacheprovider -rs tests/test_gluon_kernel.py tests/test_triton_kernel.py \
+      2>&1 | tee "$OUT/gpu_tests.log"
     ;;
   memcheck)
     # compute-sanitizer memcheck over every format, group size, the windows and a graph replay
