@@ -10,6 +10,8 @@ benchmarks/results/h200/tune/, discussion in benchmarks/NOTES.md):
         split count fills the 4 slots (INT2 B=1 L=128K 78 -> 74 us, B=64 L=16K 544 -> 495 us).
     round 4: the split count that fills the resident slots exactly once wins; one CTA more
         than the slots costs a second wave (INT2 B=8 L=128K: 8 splits 495 us, 9 splits 703 us).
+    session 3 (static SASS only, not yet measured on the H200): channel-wise K at 64 tokens
+        capped at 168 registers (3 CTAs/SM, no spills) instead of 128 (4 CTAs/SM, spills).
     block_n=64 uncapped when a product needs more than 16 columns, and for the reconstruct
         baseline, which spills at block_n=128; block_n=32 for token-wise K with 4+ groups per
         row (larger tiles fault, NOTES.md 5).
@@ -78,6 +80,14 @@ def triton_decode_config(
         # and the kernel faults on the H200 ("out-of-range shared or local address" in the PV
         # product, benchmarks/NOTES.md 5); 32-token tiles (mma.sync) run correctly
         return TritonDecodeConfig(block_n=32)
+    if not reconstruct and fmt.key.axis.value == "channel":
+        # channel-wise K (NOTES.md 11): the Q fold needs ~168 registers at 64 tokens (g >= 64);
+        # under the 128 cap it spilled 96-128 B per thread. 168 is the most that keeps 3 CTAs
+        # per SM (65536 / (3 * 128) = 170.7, allocated in steps of 8). With g = 32 (two groups
+        # per tile) it needs 186-255 registers: 2 CTAs per SM, uncapped.
+        if fmt.key.group_size >= 64:
+            return TritonDecodeConfig(block_n=64, maxnreg=168, ctas_per_sm=3)
+        return TritonDecodeConfig(block_n=64, ctas_per_sm=2)
     if reconstruct or hpk > 16 or hpv > 16:
         return TritonDecodeConfig(block_n=64, ctas_per_sm=3)
     return TritonDecodeConfig(block_n=64, maxnreg=128, ctas_per_sm=4)

@@ -38,3 +38,20 @@ def test_token_wise_key_with_many_groups_uses_small_tiles():
         assert triton_decode_config(fmt, 128, 4).block_n == 32
     fmt = KVFormat(QuantFormat(4, "token", 64), QuantFormat(2, "token", 128))
     assert triton_decode_config(fmt, 128, 4).block_n == 64
+
+
+def test_channel_wise_key_configs():
+    """Channel-wise K: 168 registers keep 3 CTAs per SM without the spills of the 128 cap
+    (benchmarks/NOTES.md 11); g = 32 needs more and gets 2 CTAs per SM uncapped."""
+    for bits in (2, 4):
+        for va in ("token", "channel"):
+            for g in (64, 128):
+                fmt = KVFormat(QuantFormat(bits, "channel", g), QuantFormat(bits, va, 128))
+                cfg = triton_decode_config(fmt, 128, 4, ctas=64)
+                assert (cfg.block_n, cfg.maxnreg, cfg.ctas_per_sm) == (64, 168, 3)
+            fmt = KVFormat(QuantFormat(bits, "channel", 32), QuantFormat(bits, va, 128))
+            cfg = triton_decode_config(fmt, 128, 4, ctas=64)
+            assert (cfg.block_n, cfg.maxnreg, cfg.ctas_per_sm) == (64, None, 2)
+    # the reconstruct baseline keeps its own config
+    fmt = KVFormat(QuantFormat(2, "channel", 128), QuantFormat(2, "token", 128))
+    assert triton_decode_config(fmt, 128, 4, reconstruct=True).maxnreg is None
