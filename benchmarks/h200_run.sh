@@ -6,6 +6,7 @@
 #   bash benchmarks/h200_run.sh tune [--round 3]   # launch-config sweep of the Triton kernel
 #   bash benchmarks/h200_run.sh diagnose-int4       # bisect + memcheck of the INT4 g=32 fault
 #   bash benchmarks/h200_run.sh gluon-first [correct] [time] # Gluon prototype on the GPU
+#   bash benchmarks/h200_run.sh gluon-probe # Gluon split counts + ncu profiles (Gluon, Triton)
 #   bash benchmarks/h200_run.sh grid    # foscar bench: the 13-point grid and --axes all
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -67,6 +68,19 @@ case "$mode" in
     timeout 200 compute-sanitizer --tool memcheck --print-limit 6 python3 $d/device_first_run.py --part smoke \
       2>&1 | head -120 | tee "$OUT/gluon_memcheck.log"
     for part in "${@:2}"; do python3 $d/device_first_run.py --part "$part" 2>&1 | tee "$OUT/gluon_$part.out"; done
+    ;;
+  gluon-probe)
+    # split counts around the Gluon rule, then ncu stall/issue profiles of the Gluon and Triton
+    # kernels (launch 3 of 5, so compilation and first-touch are out of the profile)
+    python3 benchmarks/gluon_probe.py splits 2>&1 | tee "$OUT/gluon_splits.log"
+    for spec in "64 16384 gluon" "64 16384 triton" "8 131072 gluon" "8 32768 triton channel token"; do
+      tag=$(echo $spec | tr ' ' _)
+      timeout 150 ncu --clock-control none --launch-skip 2 --launch-count 1 \
+        -k regex:"gluon_decode_split_kernel|decode_split_kernel" \
+        --section SpeedOfLight --section SchedulerStats --section WarpStateStats --section Occupancy \
+        --section LaunchStats python3 benchmarks/gluon_probe.py launch $spec > "$OUT/ncu_$tag.txt" 2>&1
+      grep -E "Duration|Throughput|Issue Slots|Issued Warp|No Eligible|Active Warps|Eligible Warps|Achieved Occupancy|Registers Per|Stall|Warp Cycles Per Issued" "$OUT/ncu_$tag.txt" | head -30
+    done
     ;;
   grid-lite)
     # the 13-point grid with foscar and FlashInfer BF16 only (when device time is short)
