@@ -284,6 +284,76 @@ def _load_token_scales(
 
 
 @triton.jit
+def _channel_scale_pages(
+    kv_indices_ptr,
+    page_base,
+    t,
+    n_q,
+    D: tl.constexpr,
+    GROUP: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NTG: tl.constexpr,
+):
+    """Pages ``[CH, NTG]`` that hold the channel-wise scales of the ``NTG`` token groups of
+    tile ``t`` (0 for groups past the history).
+
+    A sequence's scales, flattened as ``[groups, D]``, are cut into pages of ``PAGE*D/GROUP``
+    entries (foscar.cache), so one group's ``D`` entries span ``CH`` pages (or part of one).
+    """
+    PER_PAGE: tl.constexpr = PAGE * D // GROUP
+    CH: tl.constexpr = D // PER_PAGE if D > PER_PAGE else 1
+    j = (t * BLOCK_N) // GROUP + tl.arange(0, NTG)
+    valid = j * GROUP < n_q
+    chunk = tl.arange(0, CH)
+    return tl.load(
+        kv_indices_ptr + page_base + (j * D)[None, :] // PER_PAGE + chunk[:, None],
+        mask=valid[None, :],
+        other=0,
+    ).to(tl.int64)
+
+
+@triton.jit
+def _channel_scales_at(
+    scales_ptr,
+    page,
+    t,
+    n_q,
+    stride_page,
+    head_off,
+    D: tl.constexpr,
+    GROUP: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NTG: tl.constexpr,
+):
+    """Channel-wise ``(s', z')`` of the token groups of tile ``t`` from their pages
+    (:func:`_channel_scale_pages`): two ``[D, NTG]``; groups past the history read ``(1, 0)``.
+
+    Transposed (channels first): the folds consume them as columns, beside ``Q^T`` (channel-wise
+    K) and the ``[D, (j, h)]`` PV accumulator (channel-wise V), so no permute is needed.
+    """
+    PER_PAGE: tl.constexpr = PAGE * D // GROUP
+    CH: tl.constexpr = D // PER_PAGE if D > PER_PAGE else 1
+    CW: tl.constexpr = D // CH
+    j = (t * BLOCK_N) // GROUP + tl.arange(0, NTG)
+    valid = j * GROUP < n_q
+    first = j * D  # flat index of the group's first entry
+    entry = (first % PER_PAGE)[None, None, :] + tl.arange(0, CW)[None, :, None]  # [1, CW, NTG]
+    off = head_off + page[:, None, :] * stride_page + entry * 2
+    pair = tl.arange(0, 2)
+    # (1, 0) as the load's fallback: no select after the load, whose result may be consumed
+    # only in the next tile (prefetch)
+    sz = tl.load(
+        scales_ptr + off[:, :, :, None] + pair[None, None, None, :],
+        mask=valid[None, None, :, None],
+        other=(pair == 0).to(tl.float32)[None, None, None, :],
+    )  # [CH, CW, NTG, 2]
+    s, z = tl.split(sz.reshape(D, NTG, 2))
+    return s, z
+
+
+@triton.jit
 def _load_channel_scales(
     scales_ptr,
     kv_indices_ptr,
@@ -298,35 +368,11 @@ def _load_channel_scales(
     BLOCK_N: tl.constexpr,
     NTG: tl.constexpr,
 ):
-    """Channel-wise ``(s', z')`` of the ``NTG`` token groups of tile ``t``: two ``[D, NTG]``.
-
-    Transposed (channels first): the folds consume them as columns, beside ``Q^T`` (channel-wise
-    K) and the ``[D, (j, h)]`` PV accumulator (channel-wise V), so no permute is needed.
-    A sequence's scales, flattened as ``[groups, D]``, are cut into pages of ``PAGE*D/GROUP``
-    entries (foscar.cache); groups past the history read ``(1, 0)``.
-    """
-    PER_PAGE: tl.constexpr = PAGE * D // GROUP
-    CH: tl.constexpr = D // PER_PAGE if D > PER_PAGE else 1  # pages one group's scales span
-    CW: tl.constexpr = D // CH
-    j = (t * BLOCK_N) // GROUP + tl.arange(0, NTG)
-    valid = j * GROUP < n_q
-    first = j * D  # flat index of the group's first entry
-    chunk = tl.arange(0, CH)
-    page = tl.load(
-        kv_indices_ptr + page_base + first[None, :] // PER_PAGE + chunk[:, None],
-        mask=valid[None, :],
-        other=0,
-    ).to(tl.int64)  # [CH, NTG]
-    entry = (first % PER_PAGE)[None, None, :] + tl.arange(0, CW)[None, :, None]  # [1, CW, NTG]
-    off = head_off + page[:, None, :] * stride_page + entry * 2
-    pair = tl.arange(0, 2)
-    sz = tl.load(
-        scales_ptr + off[:, :, :, None] + pair[None, None, None, :],
-        mask=valid[None, None, :, None],
-        other=0.0,
-    )  # [CH, CW, NTG, 2]
-    s, z = tl.split(sz.reshape(D, NTG, 2))
-    return tl.where(valid[None, :], s, 1.0), z
+    """Channel-wise ``(s', z')`` of the ``NTG`` token groups of tile ``t``: two ``[D, NTG]``."""
+    page = _channel_scale_pages(kv_indices_ptr, page_base, t, n_q, D, GROUP, PAGE, BLOCK_N, NTG)
+    return _channel_scales_at(
+        scales_ptr, page, t, n_q, stride_page, head_off, D, GROUP, PAGE, BLOCK_N, NTG
+    )
 
 
 @triton.jit
@@ -428,7 +474,7 @@ def _quantized_tile(
     INTERP: tl.constexpr,
     TILE_ACC: tl.constexpr,
 ):
-    m_i, l2, z2, acc = state
+    m_i, l2, z2, acc, pf_s, pf_z, pf_page = state
     kv_indices_ptr, k_words_ptr, k_scales_ptr, v_words_ptr, v_scales_ptr = ptrs
     (
         stride_kw_page,
@@ -494,24 +540,47 @@ def _quantized_tile(
             K_CHANNEL,
             MASKED,
         )
-    vs, vz = _load_scales(
-        v_scales_ptr,
-        kv_indices_ptr,
-        pages,
-        row0,
-        page_base,
-        t,
-        n_q,
-        valid,
-        stride_vs_page,
-        kvh * stride_vs_head,
-        D,
-        V_GROUP,
-        PAGE,
-        BLOCK_N,
-        V_CHANNEL,
-        MASKED,
-    )
+    # channel-wise V (acc-fold): the scales are prefetched one tile ahead and their pages two
+    # tiles ahead (Note [channel-wise V scale prefetch])
+    V_PREFETCH: tl.constexpr = V_CHANNEL and not RECONSTRUCT
+    if V_PREFETCH:
+        vs = pf_s
+        vz = pf_z
+        pf_s, pf_z = _channel_scales_at(
+            v_scales_ptr,
+            pf_page,
+            t + 1,
+            n_q,
+            stride_vs_page,
+            kvh * stride_vs_head,
+            D,
+            V_GROUP,
+            PAGE,
+            BLOCK_N,
+            NTV,
+        )
+        pf_page = _channel_scale_pages(
+            kv_indices_ptr, page_base, t + 2, n_q, D, V_GROUP, PAGE, BLOCK_N, NTV
+        )
+    else:
+        vs, vz = _load_scales(
+            v_scales_ptr,
+            kv_indices_ptr,
+            pages,
+            row0,
+            page_base,
+            t,
+            n_q,
+            valid,
+            stride_vs_page,
+            kvh * stride_vs_head,
+            D,
+            V_GROUP,
+            PAGE,
+            BLOCK_N,
+            V_CHANNEL,
+            MASKED,
+        )
 
     # ---- S = Q K^T
     k_op = _k_operand(kw, magic, BLOCK_N, D, K_BITS, INTERP)  # [N, D] operand values y
@@ -612,7 +681,7 @@ def _quantized_tile(
             acc = acc * _pad_cols(alpha_cols, HPV, 1.0) + tl.dot(vt_op, p_op, fresh)
         else:
             acc = tl.dot(vt_op, p_op, acc * _pad_cols(alpha_cols, HPV, 1.0))
-    return m_new, l2, z2, acc
+    return m_new, l2, z2, acc, pf_s, pf_z, pf_page
 
 
 # ---------------------------------------------------------------------------- BF16 windows
@@ -821,11 +890,44 @@ def decode_split_kernel(
         else:
             acc = tl.zeros([D, HPV], tl.float32)
             z2 = tl.zeros([BLOCK_N, NGV * HS], tl.float32)
+        if V_CHANNEL and not RECONSTRUCT:
+            # Note [channel-wise V scale prefetch]: Triton's pipeliner prefetches only the loads
+            # that feed a dot operand; channel-wise V scales multiply the PV product, so they
+            # were loaded synchronously in every tile, after a dependent load of their page id
+            # (two serial memory round trips per tile). The tile now loads the scales of the
+            # next tile and the pages of the one after into the loop state.
+            NTV0: tl.constexpr = BLOCK_N // V_GROUP if BLOCK_N > V_GROUP else 1
+            pf_page = _channel_scale_pages(
+                kv_indices_ptr, page_base, t_begin, n_q, D, V_GROUP, PAGE, BLOCK_N, NTV0
+            )
+            pf_s, pf_z = _channel_scales_at(
+                v_scales_ptr,
+                pf_page,
+                t_begin,
+                n_q,
+                stride_vs_page,
+                kvh * stride_vs_head,
+                D,
+                V_GROUP,
+                PAGE,
+                BLOCK_N,
+                NTV0,
+            )
+            pf_page = _channel_scale_pages(
+                kv_indices_ptr, page_base, t_begin + 1, n_q, D, V_GROUP, PAGE, BLOCK_N, NTV0
+            )
+        else:
+            pf_s = tl.zeros([1, 1], tl.float32)
+            pf_z = tl.zeros([1, 1], tl.float32)
+            pf_page = tl.zeros([1, 1], tl.int64)
         state = (
             tl.full([HS], -float("inf"), tl.float32),
             tl.zeros([BLOCK_N, HS], tl.float32),
             z2,
             acc,
+            pf_s,
+            pf_z,
+            pf_page,
         )
         # the scale multipliers of token-wise K carry c = sm_scale * log2(e)
         k_mult = 1.0 if (K_CHANNEL or RECONSTRUCT) else qk_scale
@@ -957,7 +1059,7 @@ def decode_split_kernel(
                     INTERP,
                     TILE_ACC,
                 )
-        m_i, l2, z2, acc = state
+        m_i, l2, z2, acc, pf_s, pf_z, pf_page = state
         l_i = tl.sum(l2, axis=0)  # [HS]
         if RECONSTRUCT:
             out = _pick_block(acc, offs_d * 0, 1, HS)
