@@ -12,7 +12,6 @@ lengths, every GQA ratio it covers, windows, ragged batches, the paper shape, CU
 import math
 import os
 import subprocess
-import tempfile
 
 import pytest
 import torch
@@ -31,38 +30,59 @@ sm90_only = pytest.mark.skipif(
     not HAS_SM90, reason="launches the Gluon kernel: needs a Hopper GPU (no interpreter path)"
 )
 INT2 = QuantFormat(2, "token", 128)
+INT4 = QuantFormat(4, "token", 128)
 FMT = KVFormat(INT2, INT2)
+BIT_PAIRS = [(2, 2), (4, 4), (2, 4), (4, 2)]
 # lengths 1, primes, a page multiple and its neighbours: single-token, partial-page, multi-page
 LENGTHS = (1, 17, 63, 64, 65, 263, 4099)
 
 
 # ---------------------------------------------------------------------------- CPU
-def test_compiles_for_sm90_without_spills():
-    ck = gluon_backend.compile_sm90()
-    assert ck.metadata.num_warps == 12  # 2 consumer warpgroups + the producer's warpgroup
-    import triton
+_COMPILE = """
+import json, os, subprocess, sys, tempfile
+import triton
+from foscar.backends.gluon import compile_sm90
+ck = compile_sm90(k_bits={k_bits}, v_bits={v_bits})
+ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, "k.ptx")
+    open(path, "w").write(ck.asm["ptx"])
+    info = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", path + ".cubin"],
+                          capture_output=True, text=True, check=True).stderr
+print(json.dumps(dict(warps=ck.metadata.num_warps, info=info,
+                      wgmma=ck.asm["ptx"].count("wgmma.mma_async"))))
+"""
 
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.ptx")
-        with open(path, "w") as f:
-            f.write(ck.asm["ptx"])
-        info = subprocess.run(
-            [ptxas, "-arch=sm_90a", "-v", path, "-o", os.path.join(tmp, "k.cubin")],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stderr
-    assert "0 bytes spill stores" in info, info
+
+@pytest.mark.parametrize("k_bits,v_bits", BIT_PAIRS)
+def test_compiles_for_sm90_without_spills(k_bits, v_bits):
+    """Compiled in a fresh process: the interpreter (TRITON_INTERPRET=1, set for the CPU suite)
+    replaces triton's own jit functions, which the Gluon compiler cannot reference."""
+    import json
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE.format(k_bits=k_bits, v_bits=v_bits)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    res = json.loads(done.stdout.strip().splitlines()[-1])
+    assert res["warps"] == 12  # 2 consumer warpgroups + the producer's warpgroup
+    assert "0 bytes spill stores" in res["info"], res["info"]
     cfg = gluon_decode_config()
-    assert f"Used {cfg.maxnreg} registers" in info, info  # 2 CTAs of 12 warps per SM
-    assert ck.asm["ptx"].count("wgmma.mma_async") >= 16  # QK and PV on the tensor cores
+    assert f"Used {cfg.maxnreg} registers" in res["info"], res["info"]  # 2 CTAs/SM of 12 warps
+    assert res["wgmma"] >= 16  # QK and PV on the tensor cores
 
 
 @pytest.mark.parametrize(
     "fmt, heads, reason",
     [
-        (KVFormat(QuantFormat(4, "token", 128), INT2), 8, "key is i4t128"),
+        (KVFormat(QuantFormat(4, "channel", 128), INT2), 8, "key is i4c128"),
+        (KVFormat(INT4, QuantFormat(4, "token", 32)), 8, "value is i4t32"),
         (KVFormat(INT2, QuantFormat(2, "channel", 128)), 8, "value is i2c128"),
         (KVFormat(INT2, QuantFormat(2, "token", 64)), 8, "value is i2t64"),
         (KVFormat(INT2, INT2, mapping="e4m3"), 8, "mapping is 'e4m3'"),
@@ -83,7 +103,7 @@ def test_supports_head_dim_and_page_size():
     assert "head_dim 128, got 256" in gluon_backend.supports(cache, 4)
     cache, _ = build_cache(FMT, (5,), page_size=32)
     assert "page_size 64" in gluon_backend.supports(cache, 4)
-    for fmt in (FMT, KVFormat(INT2, INT2, sink_tokens=64, recent_tokens=256)):
+    for fmt in (FMT, KVFormat(INT4, INT2), KVFormat(INT2, INT4, sink_tokens=64, recent_tokens=256)):
         cache, _ = build_cache(fmt, (5,))
         assert gluon_backend.supports(cache, 8) is None
 
@@ -121,9 +141,11 @@ def run(q, cache, batch, **kw):
 
 
 @sm90_only
+@pytest.mark.parametrize("k_bits,v_bits", BIT_PAIRS)
 @pytest.mark.parametrize("ratio", [1, 2, 3, 4, 5, 8])
-def test_odd_lengths_every_gqa_ratio(ratio):
-    cache, batch = build_cache(FMT, LENGTHS, num_kv_heads=2, device="cuda", seed=ratio)
+def test_odd_lengths_every_gqa_ratio(ratio, k_bits, v_bits):
+    fmt = KVFormat(QuantFormat(k_bits, "token", 128), QuantFormat(v_bits, "token", 128))
+    cache, batch = build_cache(fmt, LENGTHS, num_kv_heads=2, device="cuda", seed=ratio)
     q = queries(batch, 2 * ratio, 128, "cuda")
     check_against_reference(*run(q, cache, batch), q, cache, batch)
 
@@ -184,14 +206,19 @@ def test_auto_picks_gluon_on_hopper():
     cache, batch = build_cache(FMT, (100,), device="cuda")
     q = queries(batch, 8, 128, "cuda")
     assert default_backend(cache, q) == "gluon"
-    cache4, _ = build_cache(KVFormat(QuantFormat(4, "token", 128), INT2), (100,), device="cuda")
-    assert default_backend(cache4, q) == "triton"
+    assert (
+        default_backend(build_cache(KVFormat(INT4, INT4), (100,), device="cuda")[0], q) == "gluon"
+    )
+    cache_c, _ = build_cache(KVFormat(QuantFormat(4, "channel", 128), INT2), (100,), device="cuda")
+    assert default_backend(cache_c, q) == "triton"
 
 
 @sm90_only
-def test_paper_shape():
+@pytest.mark.parametrize("bits", [2, 4])
+def test_paper_shape(bits):
     """H_Q=32, H_KV=8, D=128, page 64, g=128, 32K tokens, zero-mean data."""
-    cache, batch = build_cache(FMT, (32768, 4099), num_kv_heads=8, device="cuda", seed=2)
+    fmt = KVFormat(QuantFormat(bits, "token", 128), QuantFormat(bits, "token", 128))
+    cache, batch = build_cache(fmt, (32768, 4099), num_kv_heads=8, device="cuda", seed=bits)
     q = queries(batch, 32, 128, "cuda")
     check_against_reference(*run(q, cache, batch), q, cache, batch)
 
@@ -201,7 +228,8 @@ def test_paper_shape():
 def test_random_ragged_batches(seed):
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, 20000, (16,), generator=g).tolist()
-    fmt = KVFormat(INT2, INT2, sink_tokens=64 * (seed % 2), recent_tokens=256 * (seed % 2))
+    k, v = [(INT2, INT2), (INT4, INT2), (INT2, INT4)][seed]
+    fmt = KVFormat(k, v, sink_tokens=64 * (seed % 2), recent_tokens=256 * (seed % 2))
     cache, batch = build_cache(fmt, lengths, num_kv_heads=8, device="cuda", seed=seed)
     q = queries(batch, 32, 128, "cuda")
     check_against_reference(*run(q, cache, batch), q, cache, batch)

@@ -48,8 +48,8 @@ def supports(cache: QuantizedKVCache, num_q_heads: int) -> str | None:
     if fmt.mapping is not OperandMapping.BF16:
         return f"the Gluon kernel builds bf16 operands; mapping is {fmt.mapping.value!r}"
     for name, f in (("key", fmt.key), ("value", fmt.value)):
-        if (f.bits, f.axis, f.group_size) != (2, GroupAxis.TOKEN, HEAD_DIM):
-            return f"the Gluon kernel covers token-wise INT2 with g=128; {name} is {f.short()}"
+        if f.bits not in (2, 4) or (f.axis, f.group_size) != (GroupAxis.TOKEN, HEAD_DIM):
+            return f"the Gluon kernel covers token-wise INT2/INT4 with g=128; {name} is {f.short()}"
     if cache.head_dim != HEAD_DIM:
         return f"the Gluon kernel needs head_dim {HEAD_DIM}, got {cache.head_dim}"
     if cache.page_size != PAGE_SIZE:
@@ -73,8 +73,8 @@ def num_splits(batch: int, num_kv_heads: int, max_tokens: int, cfg: GluonDecodeC
 
 def _descriptors(cache: QuantizedKVCache, layer: int):
     """TMA descriptors of one layer's pools, built once per pool tensor (cached on the cache):
-    words ``[pages, H, 64, 8]`` int32 (box ``[1, 1, 64, 8]``), scales viewed ``[pages, H, 128]``
-    fp32 (box ``[1, 1, 128]``)."""
+    words ``[pages, H, 64, W]`` int32 (box ``[1, 1, 64, W]``, W = 4 * bits), scales viewed
+    ``[pages, H, 128]`` fp32 (box ``[1, 1, 128]``)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     st = cache.layers[layer]
@@ -83,18 +83,18 @@ def _descriptors(cache: QuantizedKVCache, layer: int):
     memo = cache.__dict__.setdefault("_gluon_descriptors", {})
     if key not in memo:
         kern = _gluon()
-        words_layout, scales_layout = kern.descriptor_layouts()
+        k_layout, v_layout, scales_layout = kern.descriptor_layouts(
+            cache.fmt.key.bits, cache.fmt.value.bits
+        )
         descs = []
-        for words, scales in ((st.k_words, st.k_scales), (st.v_words, st.v_scales)):
+        for words, scales, layout in (
+            (st.k_words, st.k_scales, k_layout),
+            (st.v_words, st.v_scales, v_layout),
+        ):
             sv = scales.view(scales.shape[0], scales.shape[1], -1)
+            box = [1, 1, kern.PAGE, words.shape[-1]]
             descs.append(
-                TensorDescriptor(
-                    words,
-                    list(words.shape),
-                    list(words.stride()),
-                    [1, 1, kern.PAGE, kern.WORDS],
-                    words_layout,
-                )
+                TensorDescriptor(words, list(words.shape), list(words.stride()), box, layout)
             )
             descs.append(
                 TensorDescriptor(
@@ -138,6 +138,7 @@ def decode(
     if return_lse and lse is None:
         lse = torch.empty(bsz, num_q_heads, dtype=torch.float32, device=q.device)
     kw, ks, vw, vs = _descriptors(cache, batch.layer)
+    KB, VB = fmt.key.bits, fmt.value.bits
     kern.gluon_decode_split_kernel[(bsz, cache.num_kv_heads, splits)](
         q,
         kw,
@@ -161,6 +162,8 @@ def decode(
         lse_part.stride(1),
         H=num_q_heads // cache.num_kv_heads,
         HS=MAX_HEADS_PER_KV,
+        K_BITS=KB,
+        V_BITS=VB,
         SPC=cfg.stages_per_consumer,
         CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_REGS=cfg.producer_regs,
@@ -176,7 +179,9 @@ def decode(
     return (out, lse) if return_lse else out
 
 
-def compile_sm90(cfg: GluonDecodeConfig | None = None, heads_per_kv: int = 4):
+def compile_sm90(
+    cfg: GluonDecodeConfig | None = None, heads_per_kv: int = 4, k_bits: int = 2, v_bits: int = 2
+):
     """Compile the kernel for sm_90a without a GPU (tests, SASS counts): a CompiledKernel whose
     ``asm`` holds ttgir/ptx/cubin. The layout proofs of the operand programs
     (``convert_layout(..., assert_trivial=True)``) run here, so this fails if the bit operations
@@ -187,17 +192,20 @@ def compile_sm90(cfg: GluonDecodeConfig | None = None, heads_per_kv: int = 4):
 
     kern = _gluon()
     cfg = cfg or gluon_decode_config()
-    words_layout, scales_layout = kern.descriptor_layouts()
+    k_layout, v_layout, scales_layout = kern.descriptor_layouts(k_bits, v_bits)
+    KB, VB = k_bits, v_bits
 
     def desc(dtype, block, layout):
         return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout!r}>"
 
-    words_box, scales_box = [1, 1, kern.PAGE, kern.WORDS], [1, 1, 2 * kern.PAGE]
+    k_box = [1, 1, kern.PAGE, kern.words_per_row(k_bits)]
+    v_box = [1, 1, kern.PAGE, kern.words_per_row(v_bits)]
+    scales_box = [1, 1, 2 * kern.PAGE]
     sig = {
         "q_ptr": "*bf16",
-        "kw_desc": desc("i32", words_box, words_layout),
+        "kw_desc": desc("i32", k_box, k_layout),
         "ks_desc": desc("fp32", scales_box, scales_layout),
-        "vw_desc": desc("i32", words_box, words_layout),
+        "vw_desc": desc("i32", v_box, v_layout),
         "vs_desc": desc("fp32", scales_box, scales_layout),
         "kv_indptr_ptr": "*i32",
         "kv_indices_ptr": "*i32",
@@ -210,6 +218,8 @@ def compile_sm90(cfg: GluonDecodeConfig | None = None, heads_per_kv: int = 4):
     consts = dict(
         H=heads_per_kv,
         HS=MAX_HEADS_PER_KV,
+        K_BITS=KB,
+        V_BITS=VB,
         SPC=cfg.stages_per_consumer,
         CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_REGS=cfg.producer_regs,

@@ -57,13 +57,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-__all__ = ["gluon_decode_split_kernel", "descriptor_layouts", "D", "PAGE", "WORDS", "MAGIC"]
+__all__ = ["gluon_decode_split_kernel", "descriptor_layouts", "words_per_row", "D", "PAGE", "MAGIC"]
 
 MAGIC = 0x43004300  # two bf16 128.0: the mantissa-injection base of both halves
 
 D = 128
 PAGE = 64
-WORDS = D * 2 // 32  # 8 int32 words per token row (INT2)
 
 
 # ------------------------------------------------------------------------------------------ layouts
@@ -79,42 +78,57 @@ def a_operand_layout(HS):
     return gl.DotOperandLayout(operand_index=0, parent=acc_layout(HS), k_width=2)
 
 
+def words_per_row(bits):
+    """int32 words of one packed row of D = 128 codes."""
+    return D * bits // 32
+
+
 @gluon.constexpr_function
-def k_words3_layout():
-    """[64 tokens, 8 words, 8 fields]: words exactly as the m64n8 accumulator (thread owns rows
-    l//4 + 8i + 16w, words 2*(l%4) + e), the 8 extraction fields in registers."""
+def k_words3_layout(BITS=2):
+    """[64 tokens, W words, F fields] (W = 4 * BITS, F = 16 / BITS): words as the m64n8
+    accumulator's rows (thread (w, l) owns rows l//4 + 8i + 16w and words BITS*(l%4) + e,
+    foscar.formats.kernel_bit_location role "key"), the extraction fields in registers."""
+    eb, fb = BITS.bit_length() - 1, (16 // BITS).bit_length() - 1
     return gl.DistributedLinearLayout(
-        reg_bases=[[0, 1, 0], [8, 0, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]],
-        lane_bases=[[0, 2, 0], [0, 4, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        reg_bases=[[0, 1 << i, 0] for i in range(eb)]
+        + [[8, 0, 0]]
+        + [[0, 0, 1 << i] for i in range(fb)],
+        lane_bases=[[0, BITS, 0], [0, 2 * BITS, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
         warp_bases=[[16, 0, 0], [32, 0, 0]],
         block_bases=[],
-        shape=[64, 8, 8],
+        shape=[64, 4 * BITS, 16 // BITS],
     )
 
 
 @gluon.constexpr_function
-def v_words4_layout():
-    """[32 token pairs m, 8 words, 4 bytes X, 4 fields]: pair m = 8kb + 4i' + T with T = lane%4,
-    word = 2w + (lane//4)//4, byte X = (lane//4)%4, the fields and (kb, i') in registers."""
+def v_words4_layout(BITS=2):
+    """[32 token pairs m, W words, PW pieces X, 4 fields]: a row of V is cut into 32 pieces of
+    4 * BITS bits (PW = 8 / BITS per word; foscar.formats.kernel_bit_location role "value").
+    Pair m = 8kb + 4i' + T with T = lane%4; piece g = lane//4 of warp w's 16 channels, so the
+    word is (8w + g) // PW and X = g % PW; the fields and (kb, i') in registers."""
+    pb = (8 // BITS).bit_length() - 1
     return gl.DistributedLinearLayout(
         reg_bases=[[4, 0, 0, 0], [8, 0, 0, 0], [16, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2]],
-        lane_bases=[[1, 0, 0, 0], [2, 0, 0, 0], [0, 0, 1, 0], [0, 0, 2, 0], [0, 1, 0, 0]],
-        warp_bases=[[0, 2, 0, 0], [0, 4, 0, 0]],
+        lane_bases=[[1, 0, 0, 0], [2, 0, 0, 0]]
+        + [[0, 0, 1 << i, 0] for i in range(pb)]
+        + [[0, 1 << i, 0, 0] for i in range(3 - pb)],
+        warp_bases=[[0, 1 << (3 - pb), 0, 0], [0, 1 << (4 - pb), 0, 0]],
         block_bases=[],
-        shape=[32, 8, 4, 4],
+        shape=[32, 4 * BITS, 8 // BITS, 4],
     )
 
 
 @gluon.constexpr_function
-def v_words_load_layout():
-    """[64 tokens, 8 words] as the V path reads them from smem: token bit 0 (the pair's parity)
-    in a register, lanes 2,3 replicated (the 4 threads that take different bytes of one word)."""
+def v_words_load_layout(BITS=2):
+    """[64 tokens, W words] as the V path reads them from smem: token bit 0 (the pair's parity)
+    in a register, the lanes that take different pieces of one word replicated."""
+    pb = (8 // BITS).bit_length() - 1
     return gl.DistributedLinearLayout(
         reg_bases=[[1, 0], [8, 0], [16, 0], [32, 0]],
-        lane_bases=[[2, 0], [4, 0], [0, 0], [0, 0], [0, 1]],
-        warp_bases=[[0, 2], [0, 4]],
+        lane_bases=[[2, 0], [4, 0]] + [[0, 0]] * pb + [[0, 1 << i] for i in range(3 - pb)],
+        warp_bases=[[0, 1 << (3 - pb)], [0, 1 << (4 - pb)]],
         block_bases=[],
-        shape=[64, 8],
+        shape=[64, 4 * BITS],
     )
 
 
@@ -168,37 +182,46 @@ def _bf16_pair(x):
 
 
 @gluon.jit
-def _k_operand(words, magic, HS: gl.constexpr):
+def _k_operand(words, magic, HS: gl.constexpr, BITS: gl.constexpr):
     """K operand [64 tokens, 128 channels] bf16 (natural channel order) in the wgmma A layout,
-    from words [64, 8] in SliceLayout(2, k_words3_layout())."""
-    L3: gl.constexpr = k_words3_layout()
-    f = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
-    x = ((gl.expand_dims(words, 2) >> (2 * f)[None, None, :]) & 0x00030003) | magic  # [n, word, k]
-    y = _bf16_pair(x)  # [n, word = 2T + e, k = 2*kbl + i', j]
-    y = y.reshape([64, 4, 2, 4, 2, 2])  # n, T, e, kbl, i', j
-    y = gl.permute(
-        y, [0, 2, 3, 4, 1, 5]
-    )  # n, e, kbl, i', T, j : channel 64e + 16kbl + 8i' + 2T + j
+    from words [64, W] in SliceLayout(2, k_words3_layout(BITS))."""
+    L3: gl.constexpr = k_words3_layout(BITS)
+    F: gl.constexpr = 16 // BITS
+    MASK: gl.constexpr = ((1 << BITS) - 1) * 0x00010001
+    f = gl.arange(0, F, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    x = ((gl.expand_dims(words, 2) >> (BITS * f)[None, None, :]) & MASK) | magic  # [n, word, k]
+    y = _bf16_pair(x)  # [n, word = BITS*T + e, k = 2*kbl + i', j]
+    y = y.reshape([64, 4, BITS, F // 2, 2, 2])  # n, T, e, kbl, i', j
+    # channel 8 (e F + k) + 2T + j = 8 F e + 16 kbl + 8 i' + 2T + j
+    y = gl.permute(y, [0, 2, 3, 4, 1, 5])  # n, e, kbl, i', T, j
     return gl.convert_layout(y.reshape([64, 128]), a_operand_layout(HS), assert_trivial=True)
 
 
 @gluon.jit
-def _vt_operand(words, magic, HS: gl.constexpr):
-    """V^T operand [128 channels, 64 tokens] bf16 in the wgmma A layout, from words [64, 8] in
-    v_words_load_layout(). One PRMT joins byte X of an even and an odd token (twice each)."""
-    L4: gl.constexpr = v_words4_layout()
+def _vt_operand(words, magic, HS: gl.constexpr, BITS: gl.constexpr):
+    """V^T operand [128 channels, 64 tokens] bf16 in the wgmma A layout, from words [64, W] in
+    v_words_load_layout(BITS). One PRMT joins piece X of an even and an odd token."""
+    L4: gl.constexpr = v_words4_layout(BITS)
     L3: gl.constexpr = gl.SliceLayout(3, L4)
-    even, odd = gl.split(gl.permute(words.reshape([32, 2, 8]), [0, 2, 1]))  # [m, word] each
+    W: gl.constexpr = 4 * BITS
+    PW: gl.constexpr = 8 // BITS  # pieces per word
+    PBY: gl.constexpr = BITS // 2  # bytes per piece (INT2: 1, INT4: 2)
+    MASK: gl.constexpr = ((1 << BITS) - 1) * 0x00010001
+    even, odd = gl.split(gl.permute(words.reshape([32, 2, W]), [0, 2, 1]))  # [m, word] each
     even = gl.convert_layout(even, gl.SliceLayout(2, L3), assert_trivial=True)
     odd = gl.convert_layout(odd, gl.SliceLayout(2, L3), assert_trivial=True)
-    X = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
-    sel = X | (X << 4) | ((X + 4) << 8) | ((X + 4) << 12)  # bytes (a.X, a.X, b.X, b.X)
+    X = gl.arange(0, PW, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    # bytes (a[X], a[X + PBY - 1], b[X], b[X + PBY - 1]): piece X of the even token in the low
+    # half, of the odd token in the high half
+    lo = X * PBY
+    sel = lo | ((lo + PBY - 1) << 4) | ((lo + 4) << 8) | ((lo + PBY + 3) << 12)
     xb = _prmt(gl.expand_dims(even, 2), gl.expand_dims(odd, 2), sel[None, None, :])  # [m, word, X]
     f = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4))))
-    x = ((gl.expand_dims(xb, 3) >> (2 * f)[None, None, None, :]) & 0x00030003) | magic
+    x = ((gl.expand_dims(xb, 3) >> (BITS * f)[None, None, None, :]) & MASK) | magic
     y = _bf16_pair(x)  # [m, word, X, f, J]
-    y = y.reshape([4, 2, 4, 4, 2, 4, 2, 2, 2])  # kb, i', T, w, g2, X, b, a, J
-    y = gl.permute(y, [6, 3, 7, 4, 5, 0, 1, 2, 8])  # b, w, a, g2, X | kb, i', T, J
+    y = y.reshape([4, 2, 4, 4, W // 4, PW, 2, 2, 2])  # kb, i', T, w, g_hi, X, b, a, J
+    # channel 64b + 16w + 8a + g with piece g = PW * g_hi + X; token 2m + J
+    y = gl.permute(y, [6, 3, 7, 4, 5, 0, 1, 2, 8])  # b, w, a, g_hi, X | kb, i', T, J
     return gl.convert_layout(y.reshape([128, 64]), a_operand_layout(HS), assert_trivial=True)
 
 
@@ -256,6 +279,8 @@ def _tile(
     C: gl.constexpr,
     SPC: gl.constexpr,
     HS: gl.constexpr,
+    K_BITS: gl.constexpr,
+    V_BITS: gl.constexpr,
     MASKED: gl.constexpr,
     OPT: gl.constexpr,
 ):
@@ -271,8 +296,8 @@ def _tile(
     if MEMORY_ONLY:  # timing ablation: stream the ring, no math (the output is garbage)
         mbarrier.arrive(empty.index(s))
         return m_i, l_i, z_i, acc, o_tok, alpha_prev, vt_prev
-    kw = kw_bufs.index(s).reshape([64, 8]).load(gl.SliceLayout(2, k_words3_layout()))
-    vw = vw_bufs.index(s).reshape([64, 8]).load(v_words_load_layout())
+    kw = kw_bufs.index(s).reshape([64, 4 * K_BITS]).load(gl.SliceLayout(2, k_words3_layout(K_BITS)))
+    vw = vw_bufs.index(s).reshape([64, 4 * V_BITS]).load(v_words_load_layout(V_BITS))
     ks, kz = _scale_pairs(ks_bufs.index(s), HS)
     vs, vz = _scale_pairs(vs_bufs.index(s), HS)
     LATE_ARRIVE: gl.constexpr = (OPT & 8) != 0
@@ -281,7 +306,7 @@ def _tile(
             empty.index(s)
         )  # stage s may be refilled (Gluon puts a partition bar.sync first)
 
-    k_op = _k_operand(kw, magic, HS)
+    k_op = _k_operand(kw, magic, HS, K_BITS)
     s_tok = warpgroup_mma(
         k_op,
         qt_smem.permute((1, 0)),
@@ -291,7 +316,7 @@ def _tile(
     )
     if LATE_ARRIVE:
         mbarrier.arrive(empty.index(s))  # after the QK wgmma is issued
-    vt_op = _vt_operand(vw, magic, HS)  # meant to overlap the QK wgmma
+    vt_op = _vt_operand(vw, magic, HS, V_BITS)  # meant to overlap the QK wgmma
     if FAST_RCP:
         ratio = vz * _rcp(vs)
     else:
@@ -350,6 +375,8 @@ def _consume(
     magic,
     SPC: gl.constexpr,
     HS: gl.constexpr,
+    K_BITS: gl.constexpr,
+    V_BITS: gl.constexpr,
     OPT: gl.constexpr,
 ):
     """Consumer C's loop over tiles t_begin + C + 2i; returns (m, l, unnormalised O^T [D, HS])."""
@@ -385,6 +412,8 @@ def _consume(
             C,
             SPC,
             HS,
+            K_BITS,
+            V_BITS,
             False,
             OPT,
         )
@@ -403,6 +432,8 @@ def _consume(
             C,
             SPC,
             HS,
+            K_BITS,
+            V_BITS,
             True,
             OPT,
         )
@@ -436,13 +467,29 @@ def _consumer1(
     magic,
     SPC: gl.constexpr,
     HS: gl.constexpr,
+    K_BITS: gl.constexpr,
+    V_BITS: gl.constexpr,
     OPT: gl.constexpr,
 ):
     """Consumer 1 leaves its state in shared memory; the kernel merges it after the partitions
     join (the join is a CTA barrier, so no mbarrier hand-off is needed)."""
     ring = (kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty)
     m1, l1, num1 = _consume(
-        1, ring, qt_smem, p_bufs, t_begin, t_full, t_end, n_q, qk_scale, magic, SPC, HS, OPT
+        1,
+        ring,
+        qt_smem,
+        p_bufs,
+        t_begin,
+        t_full,
+        t_end,
+        n_q,
+        qk_scale,
+        magic,
+        SPC,
+        HS,
+        K_BITS,
+        V_BITS,
+        OPT,
     )
     m_smem.store(m1)
     l_smem.store(l1)
@@ -467,11 +514,27 @@ def _consumer0(
     magic,
     SPC: gl.constexpr,
     HS: gl.constexpr,
+    K_BITS: gl.constexpr,
+    V_BITS: gl.constexpr,
     OPT: gl.constexpr,
 ):
     ring = (kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty)
     return _consume(
-        0, ring, qt_smem, p_bufs, t_begin, t_full, t_end, n_q, qk_scale, magic, SPC, HS, OPT
+        0,
+        ring,
+        qt_smem,
+        p_bufs,
+        t_begin,
+        t_full,
+        t_end,
+        n_q,
+        qk_scale,
+        magic,
+        SPC,
+        HS,
+        K_BITS,
+        V_BITS,
+        OPT,
     )
 
 
@@ -584,6 +647,8 @@ def gluon_decode_split_kernel(
     stride_lp_h,
     H: gl.constexpr,  # query heads per KV head
     HS: gl.constexpr,  # padded: the wgmma N (8 or 16)
+    K_BITS: gl.constexpr,  # 2 or 4
+    V_BITS: gl.constexpr,
     SPC: gl.constexpr,  # ring stages per consumer (2 x SPC in all)
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
@@ -660,6 +725,8 @@ def gluon_decode_split_kernel(
                     magic,
                     SPC,
                     HS,
+                    K_BITS,
+                    V_BITS,
                     OPT,
                 ),
             ),
@@ -685,6 +752,8 @@ def gluon_decode_split_kernel(
                     magic,
                     SPC,
                     HS,
+                    K_BITS,
+                    V_BITS,
                     OPT,
                 ),
             ),
@@ -719,9 +788,10 @@ def gluon_decode_split_kernel(
     )
 
 
-def descriptor_layouts():
-    """Shared layouts of the TMA boxes: words [1, 1, PAGE, WORDS] int32 (32-byte swizzle),
-    scales [1, 1, 2 * PAGE] fp32."""
-    words = gl.NVMMASharedLayout.get_default_for([1, 1, PAGE, WORDS], gl.int32)
+def descriptor_layouts(k_bits=2, v_bits=2):
+    """Shared layouts of the TMA boxes: K words [1, 1, PAGE, W_K] int32, V words
+    [1, 1, PAGE, W_V] int32 (the widest swizzle their rows allow), scales [1, 1, 2 * PAGE] fp32."""
+    k_words = gl.NVMMASharedLayout.get_default_for([1, 1, PAGE, words_per_row(k_bits)], gl.int32)
+    v_words = gl.NVMMASharedLayout.get_default_for([1, 1, PAGE, words_per_row(v_bits)], gl.int32)
     scales = gl.NVMMASharedLayout.get_default_for([1, 1, 2 * PAGE], gl.float32)
-    return words, scales
+    return k_words, v_words, scales

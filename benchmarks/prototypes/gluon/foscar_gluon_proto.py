@@ -58,7 +58,6 @@ from triton.experimental.gluon import language as gl  # noqa: E402
 from foscar.kernels.gluon_decode import (  # noqa: E402,F401
     D,
     PAGE,
-    WORDS,
     a_operand_layout,
     acc_layout,
     descriptor_layouts,
@@ -68,6 +67,8 @@ from foscar.kernels.gluon_decode import (  # noqa: E402,F401
     v_words_load_layout,
 )
 from foscar.kernels.gluon_decode import gluon_decode_split_kernel as foscar_gluon_decode_split  # noqa: E402
+
+WORDS = D * 2 // 32  # the prototype's scope: INT2 rows (8 words)
 
 
 # ------------------------------------------------------------------------------- numpy emulation
@@ -260,7 +261,7 @@ def emulate(seed=0, verbose=True):
 def compile_proto(HS=8, SPC=2, consumer_regs=232, producer_regs=40, maxnreg=None, opt=7):
     from gcompile import compile_gluon, desc_sig
 
-    wl, sl = descriptor_layouts()
+    wl, _, sl = descriptor_layouts()
     sig = {
         "q_ptr": "*bf16",
         "kw_desc": desc_sig("i32", [1, 1, PAGE, WORDS], wl),
@@ -279,7 +280,7 @@ def compile_proto(HS=8, SPC=2, consumer_regs=232, producer_regs=40, maxnreg=None
     for n in ("stride_q_b", "stride_q_h", "stride_op_b", "stride_op_h", "stride_op_split",
               "stride_lp_b", "stride_lp_h"):
         sig[n] = "i32"
-    consts = dict(H=4, HS=HS, SPC=SPC, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
+    consts = dict(H=4, HS=HS, K_BITS=2, V_BITS=2, SPC=SPC, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
                   OPT=opt)
     return compile_gluon(foscar_gluon_decode_split, sig, consts, num_warps=4, maxnreg=maxnreg)
 
@@ -437,7 +438,7 @@ def make_descriptors(cache, layer=0):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     st = cache.layers[layer]
-    wl, sl = descriptor_layouts()
+    wl, _, sl = descriptor_layouts()
     descs = []
     for words, scales in ((st.k_words, st.k_scales), (st.v_words, st.v_scales)):
         sv = scales.view(scales.shape[0], scales.shape[1], -1)
@@ -472,7 +473,7 @@ def decode(q, cache, batch, num_splits, *, sm_scale=None, opt=5, spc=2, consumer
         lse_part, sm_scale * LOG2E, MAGIC, num_splits,
         q.stride(0), q.stride(1), o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),
-        H=ratio, HS=8, SPC=spc, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, OPT=opt,
+        H=ratio, HS=8, K_BITS=2, V_BITS=2, SPC=spc, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, OPT=opt,
         num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}))
     out = torch.empty_like(q)
     lse = torch.empty(bsz, hq, dtype=torch.float32, device=q.device) if return_lse else None
