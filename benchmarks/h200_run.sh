@@ -10,14 +10,16 @@
 #   bash benchmarks/h200_run.sh grid    # foscar bench: the 13-point grid and --axes all
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
-# Needs .whl/ (../shared/tools/device-wheels.sh) carried for FlashInfer. Results go to $OUT.
+# Needs .whl/ (../shared/tools/device-wheels.sh) or .whl_slim/ carried for FlashInfer. Results go to $OUT.
 set -uo pipefail
 mode=${1:-smoke}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
+# .whl_slim: FlashInfer without its Blackwell-only sources (the device carry limit is 64 MiB)
+WHL=.whl; [ -d .whl_slim ] && WHL=.whl_slim
+if ls $WHL/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
+    --target /tmp/site $WHL/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD
 else
   export PYTHONPATH=$PWD
