@@ -294,6 +294,7 @@ def _channel_scale_pages(
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NTG: tl.constexpr,
+    ALL_VALID: tl.constexpr = False,
 ):
     """Pages ``[CH, NTG]`` that hold the channel-wise scales of the ``NTG`` token groups of
     tile ``t`` (0 for groups past the history).
@@ -306,11 +307,11 @@ def _channel_scale_pages(
     j = (t * BLOCK_N) // GROUP + tl.arange(0, NTG)
     valid = j * GROUP < n_q
     chunk = tl.arange(0, CH)
-    return tl.load(
-        kv_indices_ptr + page_base + (j * D)[None, :] // PER_PAGE + chunk[:, None],
-        mask=valid[None, :],
-        other=0,
-    ).to(tl.int64)
+    idx = kv_indices_ptr + page_base + (j * D)[None, :] // PER_PAGE + chunk[:, None]
+    if ALL_VALID:  # the caller knows every group is in the history
+        return tl.load(idx).to(tl.int64)
+    else:
+        return tl.load(idx, mask=valid[None, :], other=0).to(tl.int64)
 
 
 @triton.jit
@@ -326,6 +327,7 @@ def _channel_scales_at(
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NTG: tl.constexpr,
+    ALL_VALID: tl.constexpr = False,
 ):
     """Channel-wise ``(s', z')`` of the token groups of tile ``t`` from their pages
     (:func:`_channel_scale_pages`): two ``[D, NTG]``; groups past the history read ``(1, 0)``.
@@ -342,13 +344,17 @@ def _channel_scales_at(
     entry = (first % PER_PAGE)[None, None, :] + tl.arange(0, CW)[None, :, None]  # [1, CW, NTG]
     off = head_off + page[:, None, :] * stride_page + entry * 2
     pair = tl.arange(0, 2)
-    # (1, 0) as the load's fallback: no select after the load, whose result may be consumed
-    # only in the next tile (prefetch)
-    sz = tl.load(
-        scales_ptr + off[:, :, :, None] + pair[None, None, None, :],
-        mask=valid[None, None, :, None],
-        other=(pair == 0).to(tl.float32)[None, None, None, :],
-    )  # [CH, CW, NTG, 2]
+    ptrs = scales_ptr + off[:, :, :, None] + pair[None, None, None, :]  # [CH, CW, NTG, 2]
+    if ALL_VALID:
+        sz = tl.load(ptrs)
+    else:
+        # (1, 0) as the load's fallback: no select after the load, whose result may be
+        # consumed only in the next tile (prefetch)
+        sz = tl.load(
+            ptrs,
+            mask=valid[None, None, :, None],
+            other=(pair == 0).to(tl.float32)[None, None, None, :],
+        )
     s, z = tl.split(sz.reshape(D, NTG, 2))
     return s, z
 
@@ -944,10 +950,13 @@ def decode_split_kernel(
         )
         if K_FOLD_ONCE:
             for grp in range(t_begin // KPT, t_end // KPT):
-                ks, kz = _load_channel_scales(
+                # (every group of the loop is in the history: no masks)
+                k_pages = _channel_scale_pages(
+                    kv_indices_ptr, page_base, grp * KPT, n_q, D, K_GROUP, PAGE, BLOCK_N, 1, True
+                )
+                ks, kz = _channel_scales_at(
                     k_scales_ptr,
-                    kv_indices_ptr,
-                    page_base,
+                    k_pages,
                     grp * KPT,
                     n_q,
                     stride_ks_page,
@@ -957,6 +966,7 @@ def decode_split_kernel(
                     PAGE,
                     BLOCK_N,
                     1,
+                    True,
                 )
                 qx_g, corr_g = _fold_channel_k(q_fold, ks, kz, HPK, INTERP)
                 for sub in tl.static_range(KPT):
