@@ -15,7 +15,7 @@ set -uo pipefail
 mode=${1:-smoke}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-# .whl_slim: FlashInfer without its Blackwell-only sources (the device carry limit is 64 MiB)
+# .whl_slim: FlashInfer without JIT sources foscar never uses (the device carry limit is 64 MiB)
 WHL=.whl; [ -d .whl_slim ] && WHL=.whl_slim
 if ls $WHL/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

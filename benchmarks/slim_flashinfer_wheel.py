@@ -1,5 +1,6 @@
-"""Copy .whl/ (../shared/tools/device-wheels.sh) to .whl_slim/ with FlashInfer's Blackwell-only
-sources left out, so that the wheels and the working tree fit the device's 64 MiB carry limit.
+"""Copy .whl/ (../shared/tools/device-wheels.sh) to .whl_slim/ with FlashInfer's JIT sources of
+MoE, KDA and DeepSeek-V4 kernels and CUTLASS's examples left out, so that the wheels and the
+working tree fit the device's 64 MiB carry limit.
 
     python benchmarks/slim_flashinfer_wheel.py     # then carry [".whl_slim"] instead of .whl
 """
@@ -9,11 +10,11 @@ import os
 import shutil
 import zipfile
 
-DROP = (
-    "flashinfer/experimental/b12x/",
-    "flashinfer/experimental/sm110_xqa/",
-    "flashinfer/experimental/cake_",
-    "flashinfer/moe_ep/kernel_src/",
+DROP = (  # JIT sources of features foscar never calls (FlashInfer imports no .py from here)
+    "flashinfer/data/cutlass/examples/",
+    "flashinfer/data/csrc/kda/",
+    "flashinfer/data/csrc/cake_dsv4/",
+    "flashinfer/data/csrc/fused_moe/",
 )
 
 
