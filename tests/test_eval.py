@@ -147,6 +147,7 @@ def test_eval_end_to_end_at_toy_sizes(toy_setup, monkeypatch):
             "--device", "cpu",
             "--ppl-prefixes", "64", "128",
             "--ppl-tokens", "3",
+            "--ppl-windows", "128:2x4",
             "--agreement-prompts", "2",
             "--agreement-tokens", "4",
             "--needle-lengths", "256",
@@ -170,6 +171,11 @@ def test_eval_end_to_end_at_toy_sizes(toy_setup, monkeypatch):
     rows = {r["format"]: r for r in result["rows"]}
     assert set(rows["BF16"]["ppl"]) == {"64", "128"} and rows["BF16"]["agreement"] == 1.0
     assert abs(rows["FP32"]["ppl"]["128"] / rows["BF16"]["ppl"]["128"] - 1) < 0.02
+    # --ppl-windows: 2 windows of 4 tokens after the 128-token prefix, 1 x 3 after 64
+    assert [len(w) for w in rows["BF16"]["nll_windows"]["128"]] == [4, 4]
+    assert [len(w) for w in rows["BF16"]["nll_windows"]["64"]] == [3]
+    assert result["config"]["ppl_windows"]["128"] == {"windows": 2, "tokens": 4}
+    assert result["config"]["decode"] == "dequantized"  # the CPU default
     assert all(r["needle"]["256"]["trials"] == 1 for r in rows.values())
     assert rows["INT2 KIVI (K channel, V token)"]["bits_per_element"] == 2 + 64 / 32  # head_dim 32
     cal = result["config"]["calibration"]

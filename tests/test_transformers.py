@@ -304,6 +304,61 @@ def test_generation_matches_dequantized_reference(tiny, name):
     assert cache.get_seq_length() == 57 + 40 - 1
 
 
+@pytest.mark.parametrize(
+    "name",
+    [
+        "BF16",
+        "INT2 Ktoken Vtoken",
+        "INT4 Kchannel Vtoken",
+        "INT2 Kchannel Vchannel clipped",
+        "INT2 KIVI + windows",
+        "INT4 token clipped + windows",
+    ],
+)
+def test_dequantized_decode_matches_reference(tiny, name):
+    """decode="dequantized" (the eval's CPU path: each history token dequantized once, kept
+    across steps): every decode call checked against dequantize-then-attend, ragged rows whose
+    histories grow through pages, channel-wise groups and window demotions while generating."""
+    enc = ragged_batch([23, 57], seed=1)
+    _, logits, cache = assert_matches_reference(tiny, enc, FORMATS[name], 40, decode="dequantized")
+    assert cache.decode == "dequantized" and cache._history[0] is not None
+    # the same tokens and logits as the kernel path (INT2 codes can flip on a 1-ulp K/V
+    # difference between the two runs: the tolerance of assert_matches_reference)
+    _, ref, _ = foscar_generate(tiny, enc, FORMATS[name], 40)
+    assert (logits - ref).abs().max() < ref.std() * 2**-5
+
+
+def test_dequantized_decode_of_a_rotated_cache():
+    """With OSCAR rotations on a layer, decode="dequantized" returns decode_attention's output
+    (q rotated by R_K, the output by R_V^T) at every step of a growing cache."""
+    from foscar.decode import decode_attention
+    from foscar.integrations.transformers import _DequantizedHistory
+
+    torch.manual_seed(5)
+    h, d = 2, 32
+    fmt = KVFormat(
+        QuantFormat(2, "token", 32, 0.9),
+        QuantFormat(2, "token", 32),
+        sink_tokens=4,
+        recent_tokens=8,
+    )
+    from foscar import QuantizedKVCache
+
+    kv = QuantizedKVCache(fmt, num_kv_heads=h, head_dim=d, num_pages=16, max_seqs=2, page_size=16)
+    rk = torch.linalg.qr(torch.randn(h, d, d, dtype=torch.float64))[0]
+    rv = torch.linalg.qr(torch.randn(h, d, d, dtype=torch.float64))[0]
+    kv.set_transform(0, key_rotation=rk, value_rotation=rv)
+    ids = [kv.add_sequence(), kv.add_sequence()]
+    kv.append(ids, torch.randn(30, h, d), torch.randn(30, h, d), num_new_tokens=[10, 20])
+    memo = _DequantizedHistory()
+    for _ in range(25):
+        kv.append(ids, torch.randn(2, h, d), torch.randn(2, h, d), num_new_tokens=[1, 1])
+        plan = kv.plan(ids, 0)
+        q = torch.randn(2, 4, d)
+        ref = decode_attention(q.double(), kv, plan, sm_scale=0.2).float()
+        torch.testing.assert_close(memo.attend(q, kv, plan, 0.2), ref, atol=2e-5, rtol=2e-5)
+
+
 def test_windows_and_groups_are_crossed_during_generation(tiny):
     """With sink 4 + recent 8 and channel-wise K (g = 32), a 9-token prompt starts entirely in
     BF16; generation demotes the first group at 4 + 8 + 32 = 44 tokens, the second at 76."""

@@ -7,7 +7,8 @@ precision over the K/V it just computed), so each prompt is prefilled once into 
 
 * **decode-path perplexity**: the prefix minus its last token is prefilled; then the last
   prefix token and the scored tokens are fed one at a time (teacher forcing), so every scored
-  token is predicted by a decode step over the quantized cache (``foscar.decode_attention``);
+  token is predicted by a decode step over the quantized cache (``foscar.decode_attention``, or
+  on a CPU the cache's ``decode="dequantized"`` path: the same values to fp32 rounding);
 * **greedy agreement**: chat prompts are prefilled; the first token comes from the prefill
   (the same for every format), the next ones are decoded greedily through the cache, and each
   position is compared with the BF16 cache's tokens (end-of-sequence suppressed, so every row

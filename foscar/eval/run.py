@@ -7,6 +7,18 @@ has its own flag. On a machine shared with other jobs, run it with ``OMP_WAIT_PO
 (set before torch starts): with more busy threads than cores, OpenMP's spinning threads made
 each decode step 20x slower on 2 cores; passive waiting kept it at the idle speed.
 
+Decode steps on a CPU (``--decode auto``) use ``FoscarCache(decode="dequantized")``: each
+token of the quantized history is dequantized once from the pages, when it enters the history,
+and every step attends in fp32 over the sink, that history and the tail. Every scored token
+still attends to the quantized cache (its own K/V appended, windows demoted, as in serving); the
+numbers equal foscar's folded reference to fp32 rounding (closer to float64 than it, tested in
+``tests/test_transformers.py``), and a step at 4K tokens is several times cheaper than
+unpacking the whole history at every step. ``--decode kernel`` runs ``decode_attention``.
+
+Perplexity windows: ``--ppl-windows 4096:12x48`` scores 12 windows of 48 tokens after a 4K
+prefix, decoded as one batch of 12 rows (the model's weights are read once per step for all of
+them); each window's NLLs are kept (``nll_windows``) beside the per-position means (``nll``).
+
 What each measurement does is in :mod:`foscar.eval.metrics`, where each text comes from in
 :mod:`foscar.eval.texts`, the formats in :mod:`foscar.eval.formats`.
 """
@@ -63,6 +75,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ppl-prefixes", type=int, nargs="+", default=[1024, 4096, 8192])
     p.add_argument("--ppl-tokens", type=int, default=None, help="scored tokens per prefix (64)")
     p.add_argument("--ppl-segments", type=int, default=1, help="scored windows per prefix")
+    p.add_argument(
+        "--ppl-windows",
+        nargs="+",
+        default=[],
+        metavar="PREFIX:SxM",
+        help="per-prefix sizes, e.g. 4096:12x64: S windows of M scored tokens after that "
+        "prefix, decoded as one batch (other prefixes: --ppl-segments x --ppl-tokens)",
+    )
+    p.add_argument(
+        "--decode",
+        choices=["auto", "kernel", "dequantized"],
+        default="auto",
+        help="how decode steps attend: kernel = foscar.decode_attention (Triton on a GPU, "
+        "the folded reference on a CPU); dequantized = each history token dequantized once "
+        "from the pages, fp32 attention (FoscarCache decode='dequantized'; the same values "
+        "to fp32 rounding, several times faster on a CPU); auto: kernel on a GPU, "
+        "dequantized on a CPU",
+    )
     p.add_argument("--agreement-prompts", type=int, default=None, help="chat prompts (3)")
     p.add_argument("--agreement-tokens", type=int, default=64)
     p.add_argument("--needle-lengths", type=int, nargs="+", default=[2048, 4096, 8192])
@@ -127,6 +157,21 @@ def _sizes(args) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if any(not 0 < d < 1 for d in args.needle_depths):
         raise ValueError(f"--needle-depths must lie in (0, 1), got {args.needle_depths}")
+    args.ppl_plan = {n: (args.ppl_segments, args.ppl_tokens) for n in args.ppl_prefixes}
+    for spec in args.ppl_windows:
+        try:
+            prefix, sizes = spec.split(":")
+            segments, tokens = sizes.lower().split("x")
+            prefix, segments, tokens = int(prefix), int(segments), int(tokens)
+        except ValueError:
+            raise ValueError(
+                f"--ppl-windows takes PREFIX:SxM (e.g. 4096:12x64), got {spec!r}"
+            ) from None
+        if prefix not in args.ppl_plan:
+            raise ValueError(f"--ppl-windows {spec!r}: {prefix} is not one of --ppl-prefixes")
+        if segments < 1 or tokens < 1:
+            raise ValueError(f"--ppl-windows {spec!r}: S and M must be >= 1")
+        args.ppl_plan[prefix] = (segments, tokens)
 
 
 def _chat_parts(tok) -> tuple[str, str]:
@@ -162,7 +207,7 @@ def evaluate(args, out=sys.stdout, extra_formats=()) -> dict:
     ``extra_formats``: more rows after the built-in ones (:mod:`foscar.eval.formats` says what
     a row needs), filtered by ``--formats`` like them.
     """
-    from ..integrations.transformers import use_foscar_attention
+    from ..integrations.transformers import FoscarCache, use_foscar_attention
     from .metrics import decode_nll, greedy_tokens, make_cache, needle_scores, record_prefill
     from .model import load_model
 
@@ -180,10 +225,16 @@ def evaluate(args, out=sys.stdout, extra_formats=()) -> dict:
     cfg = model.config.get_text_config(decoder=True)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     max_pos = cfg.max_position_embeddings
-    m = args.ppl_tokens
+    plan = args.ppl_plan  # nominal prefix -> (windows, scored tokens per window)
     # nominal prefix -> tokens: the prefix and its scored tokens fit the model's positions
-    prefixes = {n: min(n, max_pos - m) for n in args.ppl_prefixes}
-    max_len = max(max(prefixes.values()) + m, max(args.needle_lengths)) + 64
+    prefixes = {n: min(n, max_pos - plan[n][1]) for n in args.ppl_prefixes}
+    max_len = max(max(prefixes[n] + plan[n][1] for n in prefixes), max(args.needle_lengths)) + 64
+    decode_path = (
+        args.decode
+        if args.decode != "auto"
+        else ("kernel" if device.type == "cuda" else "dequantized")
+    )
+    args.decode_path = decode_path
 
     # ---- texts
     paper_ids = _encode(tok, texts.paper().text)
@@ -224,7 +275,7 @@ def evaluate(args, out=sys.stdout, extra_formats=()) -> dict:
     weights = {"calibration": 10.0}
     if "ppl" in args.metrics:
         for n in prefixes:
-            weights[f"ppl {n}"] = nf * m * args.ppl_segments * (1 + prefixes[n] / 1024)
+            weights[f"ppl {n}"] = nf * plan[n][1] * plan[n][0] * (1 + prefixes[n] / 1024)
     if "agreement" in args.metrics:
         weights["agreement"] = nf * args.agreement_tokens * args.agreement_prompts * 1.5
     if "needle" in args.metrics:
@@ -262,15 +313,24 @@ def evaluate(args, out=sys.stdout, extra_formats=()) -> dict:
     def cache_for(name, prefill, extra_tokens):
         if name == "FP32":
             return make_cache(model, "FP32", prefill, extra_tokens)
-        return formats[name].make_cache(model, prefill, extra_tokens)
+        cache = formats[name].make_cache(model, prefill, extra_tokens)
+        if isinstance(cache, FoscarCache):
+            cache.decode = decode_path
+        return cache
 
-    # ---- decode-path perplexity
-    starts = [PPL_OFFSET + max(prefixes.values()) + j * m for j in range(args.ppl_segments)]
-    ppl_end = starts[-1] + m
+    # ---- decode-path perplexity: each prefix's windows are contiguous from the same token
+    # (after the longest prefix), so every prefix scores the same first tokens
+    first = PPL_OFFSET + max(prefixes.values())
+    windows = {
+        nominal: [first + j * plan[nominal][1] for j in range(plan[nominal][0])]
+        for nominal in prefixes
+    }
+    ppl_end = max(windows[k][-1] + plan[k][1] for k in windows)
     if "ppl" in args.metrics:
         if ppl_end > len(paper_ids):
             raise ValueError(f"the paper has {len(paper_ids)} tokens, too few for these windows")
         for nominal, n in prefixes.items():
+            starts, m = windows[nominal], plan[nominal][1]
             pre = record_prefill(model, [paper_ids[s - n : s - 1] for s in starts])
             inputs = torch.tensor([paper_ids[s - 1 : s + m - 1] for s in starts], device=device)
             targets = torch.tensor([paper_ids[s : s + m] for s in starts], device=device)
@@ -280,6 +340,8 @@ def evaluate(args, out=sys.stdout, extra_formats=()) -> dict:
                 ppl = math.exp(nll.mean().item())
                 rows[name].setdefault("ppl", {})[str(nominal)] = ppl
                 rows[name].setdefault("nll", {})[str(nominal)] = nll.mean(dim=0).tolist()
+                # every window's tokens ([windows][tokens]): intervals over windows
+                rows[name].setdefault("nll_windows", {})[str(nominal)] = nll.tolist()
                 bar.step(
                     weights[f"ppl {nominal}"] / nf, f"perplexity, prefix {n}: {name}: {ppl:.3f}"
                 )
@@ -364,8 +426,12 @@ def evaluate(args, out=sys.stdout, extra_formats=()) -> dict:
             "versions": _versions(),
             "ppl_prefixes": list(prefixes),
             "ppl_prefix_tokens": list(prefixes.values()),
-            "ppl_tokens": m,
+            "ppl_tokens": args.ppl_tokens,
             "ppl_segments": args.ppl_segments,
+            "ppl_windows": {
+                str(k): {"windows": plan[k][0], "tokens": plan[k][1]} for k in prefixes
+            },
+            "decode": decode_path,
             "agreement_prompts": args.agreement_prompts,
             "agreement_tokens": args.agreement_tokens,
             "needle_lengths": args.needle_lengths,
@@ -409,9 +475,18 @@ def evaluate(args, out=sys.stdout, extra_formats=()) -> dict:
 
 
 def _sizes_text(args, prefix_tokens: list[int], calibration_tokens: int) -> str:
+    per = [
+        f"{s} x {m} = {s * m} at {n}"
+        for (s, m), n in zip((args.ppl_plan[k] for k in args.ppl_prefixes), prefix_tokens)
+    ]
+    decode = {
+        "kernel": "foscar.decode_attention",
+        "dequantized": "history dequantized once per token, fp32 attention",
+    }
     parts = {
-        "ppl": f"perplexity: {args.ppl_segments} window(s) of {args.ppl_tokens} scored tokens "
-        f"after prefixes of {prefix_tokens} tokens",
+        "ppl": "perplexity: windows x scored tokens = scored tokens at each prefix length: "
+        + ", ".join(per)
+        + f" (decode steps: {decode.get(getattr(args, 'decode_path', ''), args.decode)})",
         "agreement": f"greedy agreement: {args.agreement_prompts} prompts x "
         f"{args.agreement_tokens} tokens",
         "needle": f"needle: depths {args.needle_depths} at {args.needle_lengths} tokens",
