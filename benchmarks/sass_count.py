@@ -22,7 +22,7 @@ import tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 
-from foscar.configs import column_widths, triton_decode_config
+from foscar.configs import TritonDecodeConfig, column_widths, triton_decode_config
 from foscar.formats import KVFormat, QuantFormat
 from foscar.kernels import triton_decode as kern
 
@@ -38,6 +38,7 @@ def compile_kernel(
     num_stages=1,
     reconstruct=False,
     maxnreg=None,
+    block_window=None,
 ):
     hs, hpk, hpv = column_widths(fmt, head_dim, ratio, block_n, reconstruct)
     sig = {}
@@ -56,7 +57,7 @@ def compile_kernel(
         SINK=fmt.sink_tokens,
         TAIL=fmt.tail_capacity,
         HAS_WINDOWS=fmt.sink_tokens > 0 or fmt.tail_capacity > 1,
-        BLOCK_W=64,
+        BLOCK_W=block_window or TritonDecodeConfig().block_window,
         HPK=hpk,
         HPV=hpv,
         RECONSTRUCT=reconstruct,
@@ -125,7 +126,13 @@ def resources(compiled) -> str:
     """``REG:.. STACK:.. SHARED:..`` of the kernel, as ptxas reports them."""
     text = cuobjdump(compiled, "--dump-resource-usage")
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", text)
-    return f"regs={m.group(1)} stack={m.group(2)} smem={m.group(3)}" if m else text.strip()
+    if not m:
+        return text.strip()
+    # "smem" is the static part; the pipeliner's buffers are the dynamic shared memory
+    return (
+        f"regs={m.group(1)} stack={m.group(2)} smem={m.group(3)} "
+        f"dyn_smem={compiled.metadata.shared}"
+    )
 
 
 def main_loop(sass: str) -> list[str]:
@@ -168,12 +175,20 @@ def main() -> None:
         action="store_true",
         help="compile with the launch config foscar picks (block_n, stages, register cap)",
     )
+    ap.add_argument("--sink", type=int, default=0, help="BF16 sink tokens of the format")
+    ap.add_argument("--recent", type=int, default=0, help="BF16 recent tokens of the format")
     ap.add_argument("--dump", default=None)
     a = ap.parse_args()
-    fmt = KVFormat(QuantFormat(a.bits, a.k_axis, a.group), QuantFormat(a.bits, a.v_axis, a.group))
+    fmt = KVFormat(
+        QuantFormat(a.bits, a.k_axis, a.group),
+        QuantFormat(a.bits, a.v_axis, a.group),
+        sink_tokens=a.sink,
+        recent_tokens=a.recent,
+    )
     if a.config:
         cfg = triton_decode_config(fmt, 128, 4, a.reconstruct, ctas=64)
         a.block_n, a.num_stages, a.maxnreg = cfg.block_n, cfg.num_stages, cfg.maxnreg
+        print(f"config: {cfg}")
     c = compile_kernel(
         fmt,
         block_n=a.block_n,

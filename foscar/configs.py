@@ -38,7 +38,9 @@ class TritonDecodeConfig:
     block_n: int = 128  # tokens per tile of the quantized history
     num_warps: int = 4  # one warpgroup: tokens are the wgmma M dimension
     num_stages: int = 3  # cp.async stages: the next tiles' words load while this one computes
-    block_window: int = 64  # tokens per tile of the BF16 sink/tail
+    # tokens per tile of the BF16 sink/tail: at 64 its pipelined tiles took 96 KB of shared
+    # memory (2 CTAs/SM for every format with a tail, NOTES.md 11); 32 takes 46 KB in all
+    block_window: int = 32
     maxnreg: int | None = None  # register cap per thread (more CTAs per SM, maybe spills)
     tile_acc: bool = True  # token-wise V: fresh PV accumulator per tile (triton_decode Note)
     min_tiles_per_split: int = 2

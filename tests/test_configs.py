@@ -55,3 +55,55 @@ def test_channel_wise_key_configs():
     # the reconstruct baseline keeps its own config
     fmt = KVFormat(QuantFormat(2, "channel", 128), QuantFormat(2, "token", 128))
     assert triton_decode_config(fmt, 128, 4, reconstruct=True).maxnreg is None
+
+
+def _registers_and_smem(ka, va, sink, recent):
+    """Compile the Triton kernel for sm_90a with foscar's config (benchmarks/sass_count.py, in
+    a subprocess: the tests run with TRITON_INTERPRET=1) -> (registers, dynamic smem bytes)."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    args = ["--k-axis", ka, "--v-axis", va, "--sink", str(sink), "--recent", str(recent)]
+    r = subprocess.run(
+        [sys.executable, os.path.join(root, "benchmarks", "sass_count.py"), "--config", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=root,
+    )
+    m = re.search(r"regs=(\d+) .*dyn_smem=(\d+)", r.stdout)
+    if r.returncode != 0 or not m:
+        pytest.skip(f"cannot compile for sm_90a here: {r.stderr.strip()[-300:]}")
+    return int(m.group(1)), int(m.group(2))
+
+
+@pytest.mark.parametrize(
+    "ka,va,sink,recent",
+    [
+        ("token", "token", 0, 0),
+        ("token", "token", 64, 256),
+        ("token", "channel", 0, 0),
+        ("channel", "token", 0, 0),
+        ("channel", "channel", 64, 256),
+    ],
+)
+def test_config_ctas_fit_on_an_sm(ka, va, sink, recent):
+    """The CTAs per SM a config assumes (the split count fills them) fit in an H100/H200 SM's
+    registers (64K) and shared memory (228 KB, 1 KB reserved per CTA). Session 3 found every
+    format with a BF16 tail at 102 KB per CTA (2 per SM) against 4 assumed (NOTES.md 11)."""
+    pytest.importorskip("triton")
+    fmt = KVFormat(
+        QuantFormat(2, ka, 128),
+        QuantFormat(2, va, 128),
+        sink_tokens=sink,
+        recent_tokens=recent,
+    )
+    cfg = triton_decode_config(fmt, 128, 4, ctas=64)
+    regs, smem = _registers_and_smem(ka, va, sink, recent)
+    regs_alloc = -(-regs // 8) * 8
+    assert cfg.ctas_per_sm * regs_alloc * 32 * cfg.num_warps <= 65536, (regs, cfg)
+    assert cfg.ctas_per_sm * (smem + 1024) <= 228 * 1024, (smem, cfg)

@@ -750,6 +750,12 @@ def _windows_partial(
     offs = tl.arange(0, BLOCK_W)
     k_sink = k_sink_ptr + slot * stride_sink_slot + kvh * stride_sink_head
     v_sink = v_sink_ptr + slot * stride_sink_slot + kvh * stride_sink_head
+    # Note [window smem]: these BF16 tiles are software-pipelined like the main loop, and a
+    # kernel's shared memory is the most any of its branches needs: at BLOCK_W = 64 and 3
+    # stages they took 96 KB, so every format with a BF16 tail (channel-wise K or V, whose
+    # groups wait there until complete, or sink/recent windows) ran at 102 KB per CTA, i.e. at
+    # most 2 CTAs per SM where the split count assumed 3-4 (benchmarks/NOTES.md 11).
+    # TritonDecodeConfig.block_window = 32 keeps it at 46 KB (4 CTAs per SM fit).
     for t in range(0, tl.cdiv(sink_len, BLOCK_W)):
         rows = t * BLOCK_W + offs
         state = _window_tile(state, k_sink, v_sink, rows, rows < sink_len, qt, qk_scale, D, INTERP)
