@@ -33,6 +33,7 @@ INT2 = QuantFormat(2, "token", 128)
 INT4 = QuantFormat(4, "token", 128)
 FMT = KVFormat(INT2, INT2)
 BIT_PAIRS = [(2, 2), (4, 4), (2, 4), (4, 2)]
+V_AXES = ["token", "channel"]
 # lengths 1, primes, a page multiple and its neighbours: single-token, partial-page, multi-page
 LENGTHS = (1, 17, 63, 64, 65, 263, 4099)
 
@@ -42,7 +43,7 @@ _COMPILE = """
 import json, os, subprocess, sys, tempfile
 import triton
 from foscar.backends.gluon import compile_sm90
-ck = compile_sm90(k_bits={k_bits}, v_bits={v_bits})
+ck = compile_sm90(k_bits={k_bits}, v_bits={v_bits}, v_channel={v_channel})
 ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, "k.ptx")
@@ -54,8 +55,9 @@ print(json.dumps(dict(warps=ck.metadata.num_warps, info=info,
 """
 
 
+@pytest.mark.parametrize("v_axis", V_AXES)
 @pytest.mark.parametrize("k_bits,v_bits", BIT_PAIRS)
-def test_compiles_for_sm90_without_spills(k_bits, v_bits):
+def test_compiles_for_sm90_without_spills(k_bits, v_bits, v_axis):
     """Compiled in a fresh process: the interpreter (TRITON_INTERPRET=1, set for the CPU suite)
     replaces triton's own jit functions, which the Gluon compiler cannot reference."""
     import json
@@ -63,7 +65,11 @@ def test_compiles_for_sm90_without_spills(k_bits, v_bits):
 
     env = dict(os.environ, TRITON_INTERPRET="0")
     done = subprocess.run(
-        [sys.executable, "-c", _COMPILE.format(k_bits=k_bits, v_bits=v_bits)],
+        [
+            sys.executable,
+            "-c",
+            _COMPILE.format(k_bits=k_bits, v_bits=v_bits, v_channel=v_axis == "channel"),
+        ],
         capture_output=True,
         text=True,
         env=env,
@@ -72,7 +78,9 @@ def test_compiles_for_sm90_without_spills(k_bits, v_bits):
     assert done.returncode == 0, done.stderr[-2000:]
     res = json.loads(done.stdout.strip().splitlines()[-1])
     assert res["warps"] == 12  # 2 consumer warpgroups + the producer's warpgroup
-    assert "0 bytes spill stores" in res["info"], res["info"]
+    # channel-wise V keeps a ones operand for sum(P') and spills 8 bytes per consumer thread
+    spill = "8 bytes spill stores" if v_axis == "channel" else "0 bytes spill stores"
+    assert spill in res["info"], res["info"]
     cfg = gluon_decode_config()
     assert f"Used {cfg.maxnreg} registers" in res["info"], res["info"]  # 2 CTAs/SM of 12 warps
     assert res["wgmma"] >= 16  # QK and PV on the tensor cores
@@ -83,7 +91,7 @@ def test_compiles_for_sm90_without_spills(k_bits, v_bits):
     [
         (KVFormat(QuantFormat(4, "channel", 128), INT2), 8, "key is i4c128"),
         (KVFormat(INT4, QuantFormat(4, "token", 32)), 8, "value is i4t32"),
-        (KVFormat(INT2, QuantFormat(2, "channel", 128)), 8, "value is i2c128"),
+        (KVFormat(INT2, QuantFormat(2, "channel", 64)), 8, "value is i2c64"),
         (KVFormat(INT2, QuantFormat(2, "token", 64)), 8, "value is i2t64"),
         (KVFormat(INT2, INT2, mapping="e4m3"), 8, "mapping is 'e4m3'"),
         (FMT, 18, "at most 8 query heads per KV head, got 9"),
@@ -103,7 +111,12 @@ def test_supports_head_dim_and_page_size():
     assert "head_dim 128, got 256" in gluon_backend.supports(cache, 4)
     cache, _ = build_cache(FMT, (5,), page_size=32)
     assert "page_size 64" in gluon_backend.supports(cache, 4)
-    for fmt in (FMT, KVFormat(INT4, INT2), KVFormat(INT2, INT4, sink_tokens=64, recent_tokens=256)):
+    for fmt in (
+        FMT,
+        KVFormat(INT4, INT2),
+        KVFormat(INT2, INT4, sink_tokens=64, recent_tokens=256),
+        KVFormat(INT2, QuantFormat(2, "channel", 128)),
+    ):
         cache, _ = build_cache(fmt, (5,))
         assert gluon_backend.supports(cache, 8) is None
 
@@ -141,10 +154,11 @@ def run(q, cache, batch, **kw):
 
 
 @sm90_only
+@pytest.mark.parametrize("v_axis", V_AXES)
 @pytest.mark.parametrize("k_bits,v_bits", BIT_PAIRS)
 @pytest.mark.parametrize("ratio", [1, 2, 3, 4, 5, 8])
-def test_odd_lengths_every_gqa_ratio(ratio, k_bits, v_bits):
-    fmt = KVFormat(QuantFormat(k_bits, "token", 128), QuantFormat(v_bits, "token", 128))
+def test_odd_lengths_every_gqa_ratio(ratio, k_bits, v_bits, v_axis):
+    fmt = KVFormat(QuantFormat(k_bits, "token", 128), QuantFormat(v_bits, v_axis, 128))
     cache, batch = build_cache(fmt, LENGTHS, num_kv_heads=2, device="cuda", seed=ratio)
     q = queries(batch, 2 * ratio, 128, "cuda")
     check_against_reference(*run(q, cache, batch), q, cache, batch)
@@ -152,10 +166,10 @@ def test_odd_lengths_every_gqa_ratio(ratio, k_bits, v_bits):
 
 @sm90_only
 @pytest.mark.parametrize("sink,recent", [(4, 0), (0, 37), (64, 256)])
-def test_bf16_windows(sink, recent):
-    fmt = KVFormat(
-        INT2, QuantFormat(2, "token", 128, clip=0.92), sink_tokens=sink, recent_tokens=recent
-    )
+@pytest.mark.parametrize("v_axis", V_AXES)
+def test_bf16_windows(sink, recent, v_axis):
+    v = QuantFormat(2, v_axis, 128, clip=0.92)
+    fmt = KVFormat(INT2, v, sink_tokens=sink, recent_tokens=recent)
     cache, batch = build_cache(fmt, (2, 90, 800, 5000), device="cuda")
     q = queries(batch, 8, 128, "cuda")
     check_against_reference(*run(q, cache, batch), q, cache, batch)
@@ -214,10 +228,11 @@ def test_auto_picks_gluon_on_hopper():
 
 
 @sm90_only
+@pytest.mark.parametrize("v_axis", V_AXES)
 @pytest.mark.parametrize("bits", [2, 4])
-def test_paper_shape(bits):
+def test_paper_shape(bits, v_axis):
     """H_Q=32, H_KV=8, D=128, page 64, g=128, 32K tokens, zero-mean data."""
-    fmt = KVFormat(QuantFormat(bits, "token", 128), QuantFormat(bits, "token", 128))
+    fmt = KVFormat(QuantFormat(bits, "token", 128), QuantFormat(bits, v_axis, 128))
     cache, batch = build_cache(fmt, (32768, 4099), num_kv_heads=8, device="cuda", seed=bits)
     q = queries(batch, 32, 128, "cuda")
     check_against_reference(*run(q, cache, batch), q, cache, batch)
@@ -228,7 +243,7 @@ def test_paper_shape(bits):
 def test_random_ragged_batches(seed):
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, 20000, (16,), generator=g).tolist()
-    k, v = [(INT2, INT2), (INT4, INT2), (INT2, INT4)][seed]
+    k, v = [(INT2, INT2), (INT4, QuantFormat(2, "channel", 128)), (INT2, INT4)][seed]
     fmt = KVFormat(k, v, sink_tokens=64 * (seed % 2), recent_tokens=256 * (seed % 2))
     cache, batch = build_cache(fmt, lengths, num_kv_heads=8, device="cuda", seed=seed)
     q = queries(batch, 32, 128, "cuda")
@@ -236,10 +251,12 @@ def test_random_ragged_batches(seed):
 
 
 @sm90_only
+@pytest.mark.parametrize("v_axis", V_AXES)
 @pytest.mark.parametrize("windows", [False, True])
-def test_cuda_graph_replay(windows):
+def test_cuda_graph_replay(windows, v_axis):
     """Capture once, replay with new queries: no host sync, no allocation in the hot path."""
-    fmt = KVFormat(INT2, INT2, sink_tokens=16 * windows, recent_tokens=64 * windows)
+    v = QuantFormat(2, v_axis, 128)
+    fmt = KVFormat(INT2, v, sink_tokens=16 * windows, recent_tokens=64 * windows)
     cache, batch = build_cache(fmt, (3000, 17, 9000), num_kv_heads=8, device="cuda")
     q = queries(batch, 32, 128, "cuda")
     out = torch.empty_like(q)

@@ -47,9 +47,11 @@ def supports(cache: QuantizedKVCache, num_q_heads: int) -> str | None:
     fmt = cache.fmt
     if fmt.mapping is not OperandMapping.BF16:
         return f"the Gluon kernel builds bf16 operands; mapping is {fmt.mapping.value!r}"
-    for name, f in (("key", fmt.key), ("value", fmt.value)):
-        if f.bits not in (2, 4) or (f.axis, f.group_size) != (GroupAxis.TOKEN, HEAD_DIM):
-            return f"the Gluon kernel covers token-wise INT2/INT4 with g=128; {name} is {f.short()}"
+    k, v = fmt.key, fmt.value
+    if k.bits not in (2, 4) or (k.axis, k.group_size) != (GroupAxis.TOKEN, HEAD_DIM):
+        return f"the Gluon kernel covers token-wise INT2/INT4 keys with g=128; key is {k.short()}"
+    if v.bits not in (2, 4) or v.group_size != HEAD_DIM:
+        return f"the Gluon kernel covers INT2/INT4 values with g=128; value is {v.short()}"
     if cache.head_dim != HEAD_DIM:
         return f"the Gluon kernel needs head_dim {HEAD_DIM}, got {cache.head_dim}"
     if cache.page_size != PAGE_SIZE:
@@ -139,6 +141,7 @@ def decode(
         lse = torch.empty(bsz, num_q_heads, dtype=torch.float32, device=q.device)
     kw, ks, vw, vs = _descriptors(cache, batch.layer)
     KB, VB = fmt.key.bits, fmt.value.bits
+    V_CHANNEL = fmt.value.axis is GroupAxis.CHANNEL
     kern.gluon_decode_split_kernel[(bsz, cache.num_kv_heads, splits)](
         q,
         kw,
@@ -164,6 +167,7 @@ def decode(
         HS=MAX_HEADS_PER_KV,
         K_BITS=KB,
         V_BITS=VB,
+        V_CHANNEL=V_CHANNEL,
         SPC=cfg.stages_per_consumer,
         CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_REGS=cfg.producer_regs,
@@ -180,7 +184,11 @@ def decode(
 
 
 def compile_sm90(
-    cfg: GluonDecodeConfig | None = None, heads_per_kv: int = 4, k_bits: int = 2, v_bits: int = 2
+    cfg: GluonDecodeConfig | None = None,
+    heads_per_kv: int = 4,
+    k_bits: int = 2,
+    v_bits: int = 2,
+    v_channel: bool = False,
 ):
     """Compile the kernel for sm_90a without a GPU (tests, SASS counts): a CompiledKernel whose
     ``asm`` holds ttgir/ptx/cubin. The layout proofs of the operand programs
@@ -193,7 +201,7 @@ def compile_sm90(
     kern = _gluon()
     cfg = cfg or gluon_decode_config()
     k_layout, v_layout, scales_layout = kern.descriptor_layouts(k_bits, v_bits)
-    KB, VB = k_bits, v_bits
+    KB, VB, V_CHANNEL = k_bits, v_bits, v_channel
 
     def desc(dtype, block, layout):
         return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout!r}>"
@@ -220,6 +228,7 @@ def compile_sm90(
         HS=MAX_HEADS_PER_KV,
         K_BITS=KB,
         V_BITS=VB,
+        V_CHANNEL=V_CHANNEL,
         SPC=cfg.stages_per_consumer,
         CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_REGS=cfg.producer_regs,

@@ -238,6 +238,29 @@ def _scale_pairs(buf, HS: gl.constexpr):
 
 
 @gluon.jit
+def _channel_scale_pairs(buf0, buf1, HS: gl.constexpr):
+    """(s', z') of the 128 channels of a channel-wise V group (channels 0-63 in the chunk of its
+    first page, 64-127 in its second), each [128] in the rows of the [128, HS] accumulator."""
+    s0, z0 = _scale_pairs(buf0, HS)
+    s1, z1 = _scale_pairs(buf1, HS)
+    row_l: gl.constexpr = gl.SliceLayout(1, acc_layout(HS))
+    s = gl.permute(gl.join(s0, s1), [1, 0]).reshape([128])
+    z = gl.permute(gl.join(z0, z1), [1, 0]).reshape([128])
+    return (
+        gl.convert_layout(s, row_l, assert_trivial=True),
+        gl.convert_layout(z, row_l, assert_trivial=True),
+    )
+
+
+@gluon.jit
+def _rows_to_128(x, HS: gl.constexpr):
+    """[64, HS] accumulator whose rows are equal -> [128, HS] accumulator (both m-tiles), a
+    register relabeling."""
+    y = gl.permute(gl.join(x, x), [2, 0, 1]).reshape([128, HS])
+    return gl.convert_layout(y, acc_layout(HS), assert_trivial=True)
+
+
+@gluon.jit
 def _rcp(x):
     return gl.inline_asm_elementwise(
         "rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True, pack=1
@@ -281,6 +304,7 @@ def _tile(
     HS: gl.constexpr,
     K_BITS: gl.constexpr,
     V_BITS: gl.constexpr,
+    V_CHANNEL: gl.constexpr,
     MASKED: gl.constexpr,
     OPT: gl.constexpr,
 ):
@@ -299,7 +323,11 @@ def _tile(
     kw = kw_bufs.index(s).reshape([64, 4 * K_BITS]).load(gl.SliceLayout(2, k_words3_layout(K_BITS)))
     vw = vw_bufs.index(s).reshape([64, 4 * V_BITS]).load(v_words_load_layout(V_BITS))
     ks, kz = _scale_pairs(ks_bufs.index(s), HS)
-    vs, vz = _scale_pairs(vs_bufs.index(s), HS)
+    if V_CHANNEL:
+        # per channel of the tile's group: [128] in the rows of the PV accumulator
+        vs, vz = _channel_scale_pairs(vs_bufs.index(2 * s), vs_bufs.index(2 * s + 1), HS)
+    else:
+        vs, vz = _scale_pairs(vs_bufs.index(s), HS)
     LATE_ARRIVE: gl.constexpr = (OPT & 8) != 0
     if not LATE_ARRIVE:
         mbarrier.arrive(
@@ -317,10 +345,13 @@ def _tile(
     if LATE_ARRIVE:
         mbarrier.arrive(empty.index(s))  # after the QK wgmma is issued
     vt_op = _vt_operand(vw, magic, HS, V_BITS)  # meant to overlap the QK wgmma
-    if FAST_RCP:
+    if V_CHANNEL:
+        ratio = vz  # unused
+    elif FAST_RCP:
         ratio = vz * _rcp(vs)
     else:
         ratio = gl.fdiv(vz, vs)
+    gl.static_assert(not (PIPE and V_CHANNEL))
     if PIPE:
         # waits for QK(i) and for PV(i-1), issued at the end of the previous tile
         s_acc, k_op, o_prev, vt_prev = warpgroup_mma_wait(0, deps=[s_tok, k_op, o_tok, vt_prev])
@@ -334,15 +365,19 @@ def _tile(
         rows = gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
         valid = t * 64 + rows < n_q
         sc = gl.where(valid[:, None], sc, -float("inf"))
-        vs = gl.where(valid, vs, 1.0)
-        ratio = gl.where(valid, ratio, 0.0)
+        if not V_CHANNEL:
+            vs = gl.where(valid, vs, 1.0)
+            ratio = gl.where(valid, ratio, 0.0)
     m_new = gl.maximum(m_i, _col_max(sc, HS, FAST_MAX))
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(sc - m_new[None, :])
     l_i = l_i * alpha[None, :] + p  # row sums reduced once after the loop
-    # operand-fold of token-wise V into P, offset term from the rounded P'
-    pv = (p * vs[:, None]).to(gl.bfloat16)
-    z_i = z_i * alpha[None, :] + pv.to(gl.float32) * ratio[:, None]
+    if V_CHANNEL:
+        pv = p.to(gl.bfloat16)  # channel-wise V folds into the accumulator, after the product
+    else:
+        # operand-fold of token-wise V into P, offset term from the rounded P'
+        pv = (p * vs[:, None]).to(gl.bfloat16)
+        z_i = z_i * alpha[None, :] + pv.to(gl.float32) * ratio[:, None]
     p_smem.store(gl.permute(pv, [1, 0]))  # P'^T [HS, 64]: K-major B operand
     fence_async_shared()
     o_tok = warpgroup_mma(
@@ -352,7 +387,22 @@ def _tile(
         use_acc=False,
         is_async=True,
     )
-    if PIPE:
+    if V_CHANNEL:
+        # sum_n P'[n, h] from the same rounded P' (Note [offset cancellation]), by the tensor
+        # core: ones [64, 64] @ P' gives it in every row, in the accumulator's columns
+        ones = gl.full([64, 64], 1.0, gl.bfloat16, a_operand_layout(HS))
+        sum_tok = warpgroup_mma(
+            ones,
+            p_smem.permute((1, 0)),
+            gl.zeros([64, HS], gl.float32, acc_l),
+            use_acc=False,
+            is_async=True,
+        )
+        o_t, vt_op, p_sum, ones = warpgroup_mma_wait(0, deps=[o_tok, vt_op, sum_tok, ones])
+        # acc-fold of channel-wise V: O += s'_c (V_y^T P')[c, h] + z'_c sum_n P'[n, h]
+        p_sum = _rows_to_128(p_sum, HS)
+        acc = acc * alpha[None, :] + vs[:, None] * o_t + vz[:, None] * p_sum
+    elif PIPE:
         alpha_prev = alpha
         vt_prev = vt_op
     else:
@@ -377,6 +427,7 @@ def _consume(
     HS: gl.constexpr,
     K_BITS: gl.constexpr,
     V_BITS: gl.constexpr,
+    V_CHANNEL: gl.constexpr,
     OPT: gl.constexpr,
 ):
     """Consumer C's loop over tiles t_begin + C + 2i; returns (m, l, unnormalised O^T [D, HS])."""
@@ -414,6 +465,7 @@ def _consume(
             HS,
             K_BITS,
             V_BITS,
+            V_CHANNEL,
             False,
             OPT,
         )
@@ -434,6 +486,7 @@ def _consume(
             HS,
             K_BITS,
             V_BITS,
+            V_CHANNEL,
             True,
             OPT,
         )
@@ -469,6 +522,7 @@ def _consumer1(
     HS: gl.constexpr,
     K_BITS: gl.constexpr,
     V_BITS: gl.constexpr,
+    V_CHANNEL: gl.constexpr,
     OPT: gl.constexpr,
 ):
     """Consumer 1 leaves its state in shared memory; the kernel merges it after the partitions
@@ -489,6 +543,7 @@ def _consumer1(
         HS,
         K_BITS,
         V_BITS,
+        V_CHANNEL,
         OPT,
     )
     m_smem.store(m1)
@@ -516,6 +571,7 @@ def _consumer0(
     HS: gl.constexpr,
     K_BITS: gl.constexpr,
     V_BITS: gl.constexpr,
+    V_CHANNEL: gl.constexpr,
     OPT: gl.constexpr,
 ):
     ring = (kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty)
@@ -534,6 +590,7 @@ def _consumer0(
         HS,
         K_BITS,
         V_BITS,
+        V_CHANNEL,
         OPT,
     )
 
@@ -591,6 +648,7 @@ def _producer(
     t_end,
     kvh,
     SPC: gl.constexpr,
+    V_CHANNEL: gl.constexpr,
     OPT: gl.constexpr,
 ):
     COMPUTE_ONLY: gl.constexpr = (OPT & 64) != 0
@@ -598,7 +656,7 @@ def _producer(
         kw_desc.block_type.nbytes
         + ks_desc.block_type.nbytes
         + vw_desc.block_type.nbytes
-        + vs_desc.block_type.nbytes
+        + vs_desc.block_type.nbytes * (2 if V_CHANNEL else 1)
     )
     n = t_end - t_begin
     idx = kv_indices_ptr + page_base + t_begin
@@ -619,7 +677,18 @@ def _producer(
             tma.async_copy_global_to_shared(kw_desc, [page, kvh, 0, 0], bar, kw_bufs.index(s))
             tma.async_copy_global_to_shared(vw_desc, [page, kvh, 0, 0], bar, vw_bufs.index(s))
             tma.async_copy_global_to_shared(ks_desc, [page, kvh, 0], bar, ks_bufs.index(s))
-            tma.async_copy_global_to_shared(vs_desc, [page, kvh, 0], bar, vs_bufs.index(s))
+            if V_CHANNEL:
+                # a channel-wise V group of 128 tokens keeps its 128 (s', z') pairs in the
+                # scale chunks of its two pages (foscar.cache): both, for either tile
+                t = t_begin + j
+                g0 = gl.load(kv_indices_ptr + page_base + (t - t % 2))
+                g1 = gl.load(kv_indices_ptr + page_base + (t - t % 2) + 1)
+                tma.async_copy_global_to_shared(vs_desc, [g0, kvh, 0], bar, vs_bufs.index(2 * s))
+                tma.async_copy_global_to_shared(
+                    vs_desc, [g1, kvh, 0], bar, vs_bufs.index(2 * s + 1)
+                )
+            else:
+                tma.async_copy_global_to_shared(vs_desc, [page, kvh, 0], bar, vs_bufs.index(s))
 
 
 # --------------------------------------------------------------------------------------- kernel
@@ -649,6 +718,7 @@ def gluon_decode_split_kernel(
     HS: gl.constexpr,  # padded: the wgmma N (8 or 16)
     K_BITS: gl.constexpr,  # 2 or 4
     V_BITS: gl.constexpr,
+    V_CHANNEL: gl.constexpr,  # channel-wise V groups of 128 tokens (else token-wise, g = D)
     SPC: gl.constexpr,  # ring stages per consumer (2 x SPC in all)
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
@@ -664,7 +734,10 @@ def gluon_decode_split_kernel(
     kw_bufs = gl.allocate_shared_memory(gl.int32, [NS] + kw_desc.block_type.shape, kw_desc.layout)
     vw_bufs = gl.allocate_shared_memory(gl.int32, [NS] + vw_desc.block_type.shape, vw_desc.layout)
     ks_bufs = gl.allocate_shared_memory(gl.float32, [NS] + ks_desc.block_type.shape, ks_desc.layout)
-    vs_bufs = gl.allocate_shared_memory(gl.float32, [NS] + vs_desc.block_type.shape, vs_desc.layout)
+    VSB: gl.constexpr = NS * (2 if V_CHANNEL else 1)  # channel-wise V: two scale chunks a stage
+    vs_bufs = gl.allocate_shared_memory(
+        gl.float32, [VSB] + vs_desc.block_type.shape, vs_desc.layout
+    )
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NS):
@@ -727,6 +800,7 @@ def gluon_decode_split_kernel(
                     HS,
                     K_BITS,
                     V_BITS,
+                    V_CHANNEL,
                     OPT,
                 ),
             ),
@@ -754,6 +828,7 @@ def gluon_decode_split_kernel(
                     HS,
                     K_BITS,
                     V_BITS,
+                    V_CHANNEL,
                     OPT,
                 ),
             ),
@@ -776,6 +851,7 @@ def gluon_decode_split_kernel(
                     t_end,
                     kvh,
                     SPC,
+                    V_CHANNEL,
                     OPT,
                 ),
             ),
