@@ -185,6 +185,15 @@ def test_eval_end_to_end_at_toy_sizes(toy_setup, monkeypatch):
     assert "| INT2 KIVI + BF16 64/256 |" in paths["md"].read_text()
     if importlib.util.find_spec("matplotlib") is not None:  # the plot needs foscar[bench]
         assert paths["png"].stat().st_size > 10000
+    # --from-json: the selected rows of a results file rewritten, nothing measured
+    sub = parser.parse_args(
+        ["--from-json", str(paths["json"]), "--formats", "KIVI +", "--name", "sub",
+         "--out", str(toy_setup / "out")]
+    )  # fmt: skip
+    assert eval_run.run(sub) == 0
+    picked = json.loads((toy_setup / "out" / "sub.json").read_text())
+    assert [r["format"] for r in picked["rows"]] == ["FP32", "BF16", "INT2 KIVI + BF16 64/256"]
+    assert picked["rows"][2] == rows["INT2 KIVI + BF16 64/256"]
 
 
 def test_cli_entry_points():

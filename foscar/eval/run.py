@@ -117,6 +117,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=["ppl", "agreement", "needle"],
     )
     p.add_argument("--out", default=None, help="folder (default: benchmarks/results/<cpu|h200>)")
+    p.add_argument(
+        "--from-json",
+        default=None,
+        metavar="RESULTS.json",
+        help="measure nothing: write the table, JSON and plot of this results file's rows "
+        "(those --formats selects) under --name",
+    )
     p.add_argument("--name", default="eval_smollm2", help="result file stem")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -493,7 +500,25 @@ def _sizes_text(args, prefix_tokens: list[int], calibration_tokens: int) -> str:
     }
     text = "; ".join(parts[k] for k in parts if k in args.metrics)
     text += f"; calibration: {calibration_tokens} tokens"
-    return text + (" (--full)" if args.full else " (default sizes; --full for the issue's)")
+    if args.full:
+        return text + " (--full)"
+    return text + (DEFAULT_SIZES if not _size_flags(sys.argv) else "")
+
+
+#: the label of a run at the default sizes (dropped when a size flag was given)
+DEFAULT_SIZES = " (default sizes; --full for the issue's)"
+_SIZE_FLAGS = (
+    "--ppl-tokens",
+    "--ppl-segments",
+    "--ppl-windows",
+    "--agreement-prompts",
+    "--agreement-tokens",
+    "--needle-depths",
+)
+
+
+def _size_flags(argv) -> bool:
+    return any(a.split("=")[0] in _SIZE_FLAGS for a in argv)
 
 
 def _versions() -> str:
@@ -502,10 +527,48 @@ def _versions() -> str:
     return f"torch {torch.__version__}, transformers {transformers.__version__}"
 
 
+def select_rows(result: dict, patterns: list[str], source: str) -> dict:
+    """``result`` with only the rows whose format contains one of ``patterns`` (FP32 and BF16
+    always kept), in their order; ``source`` is recorded as ``config.selected_from``."""
+    import copy
+
+    out = copy.deepcopy(result)
+    keep = [
+        r
+        for r in out["rows"]
+        if r["format"] in ("FP32", "BF16") or any(p in r["format"] for p in patterns)
+    ]
+    if len(keep) <= 2:
+        raise ValueError(f"--formats {patterns} select no row of {source}")
+    out["rows"] = keep
+    out["config"]["selected_from"] = source
+    out["config"]["formats"] = {
+        k: v
+        for k, v in out["config"].get("formats", {}).items()
+        if k in {r["format"] for r in keep}
+    }
+    return out
+
+
 def run(args) -> int:
     out_dir = args.out or (
         "benchmarks/results/h200" if torch.cuda.is_available() else "benchmarks/results/cpu"
     )
+    if args.from_json:
+        import json
+
+        with open(args.from_json) as f:
+            result = json.load(f)
+        result = select_rows(result, args.formats or [""], args.from_json)
+        command = result["config"].get("command", "")
+        if _size_flags(shlex.split(command)):  # runs before this label was fixed
+            result["config"]["sizes"] = result["config"].get("sizes", "").replace(DEFAULT_SIZES, "")
+        result["config"]["command"] = (
+            f"{command}; rows selected by: foscar {shlex.join(sys.argv[1:])}"
+        )
+        paths = write_results(result, out_dir, args.name)
+        print("wrote " + ", ".join(str(p) for p in paths.values()))
+        return 0
     result = evaluate(args)
     omp = ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")
     env = [f"{k}={os.environ[k]}" for k in omp if k in os.environ]
