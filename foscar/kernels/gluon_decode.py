@@ -661,11 +661,17 @@ def _producer(
     n = t_end - t_begin
     idx = kv_indices_ptr + page_base + t_begin
     page_next = gl.load(idx, mask=n > 0, other=0)
+    if V_CHANNEL:  # the other page of tile t's 2-page group, t ^ 1, also one tile ahead
+        sib_next = gl.load(kv_indices_ptr + page_base + (t_begin ^ 1), mask=n > 0, other=0)
     for j in range(n):
         # the page index of tile j+1 is loaded one iteration ahead: its latency overlaps the
         # wait for a free stage instead of delaying the TMA issue
         page = page_next
         page_next = gl.load(idx + j + 1, mask=j + 1 < n, other=0)
+        if V_CHANNEL:
+            sib = sib_next
+            t_next = t_begin + j + 1
+            sib_next = gl.load(kv_indices_ptr + page_base + (t_next ^ 1), mask=j + 1 < n, other=0)
         i = j // 2
         s = (j % 2) * SPC + i % SPC
         mbarrier.wait(empty.index(s), ((i // SPC) & 1) ^ 1)  # fresh barriers pass phase 1
@@ -680,9 +686,9 @@ def _producer(
             if V_CHANNEL:
                 # a channel-wise V group of 128 tokens keeps its 128 (s', z') pairs in the
                 # scale chunks of its two pages (foscar.cache): both, for either tile
-                t = t_begin + j
-                g0 = gl.load(kv_indices_ptr + page_base + (t - t % 2))
-                g1 = gl.load(kv_indices_ptr + page_base + (t - t % 2) + 1)
+                odd = (t_begin + j) % 2
+                g0 = page + (sib - page) * odd  # the group's first page
+                g1 = sib + (page - sib) * odd
                 tma.async_copy_global_to_shared(vs_desc, [g0, kvh, 0], bar, vs_bufs.index(2 * s))
                 tma.async_copy_global_to_shared(
                     vs_desc, [g1, kvh, 0], bar, vs_bufs.index(2 * s + 1)
