@@ -90,7 +90,11 @@ def triton_decode_config(
         if fmt.key.group_size >= 64:
             return TritonDecodeConfig(block_n=64, maxnreg=168, ctas_per_sm=3)
         return TritonDecodeConfig(block_n=64, ctas_per_sm=2)
-    if reconstruct or hpk > 16 or hpv > 16:
+    if reconstruct:
+        # 157-255 registers (sm_90a, D = 128, 4 heads per KV head): 2 CTAs per SM for all but
+        # KcVc; the split count assumed 3, which ran the baseline in 1.5 waves (NOTES.md 11)
+        return TritonDecodeConfig(block_n=64, ctas_per_sm=2)
+    if hpk > 16 or hpv > 16:
         return TritonDecodeConfig(block_n=64, ctas_per_sm=3)
     return TritonDecodeConfig(block_n=64, maxnreg=128, ctas_per_sm=4)
 

@@ -52,12 +52,13 @@ def test_channel_wise_key_configs():
             fmt = KVFormat(QuantFormat(bits, "channel", 32), QuantFormat(bits, va, 128))
             cfg = triton_decode_config(fmt, 128, 4, ctas=64)
             assert (cfg.block_n, cfg.maxnreg, cfg.ctas_per_sm) == (64, None, 2)
-    # the reconstruct baseline keeps its own config
+    # the reconstruct baseline keeps its own config (uncapped, 2 CTAs per SM)
     fmt = KVFormat(QuantFormat(2, "channel", 128), QuantFormat(2, "token", 128))
-    assert triton_decode_config(fmt, 128, 4, reconstruct=True).maxnreg is None
+    cfg = triton_decode_config(fmt, 128, 4, reconstruct=True)
+    assert (cfg.maxnreg, cfg.ctas_per_sm) == (None, 2)
 
 
-def _registers_and_smem(ka, va, sink, recent):
+def _registers_and_smem(ka, va, sink, recent, reconstruct=False):
     """Compile the Triton kernel for sm_90a with foscar's config (benchmarks/sass_count.py, in
     a subprocess: the tests run with TRITON_INTERPRET=1) -> (registers, dynamic smem bytes)."""
     import os
@@ -68,6 +69,7 @@ def _registers_and_smem(ka, va, sink, recent):
     root = os.path.join(os.path.dirname(__file__), "..")
     env = dict(os.environ, TRITON_INTERPRET="0")
     args = ["--k-axis", ka, "--v-axis", va, "--sink", str(sink), "--recent", str(recent)]
+    args += ["--reconstruct"] if reconstruct else []
     r = subprocess.run(
         [sys.executable, os.path.join(root, "benchmarks", "sass_count.py"), "--config", *args],
         capture_output=True,
@@ -82,16 +84,18 @@ def _registers_and_smem(ka, va, sink, recent):
 
 
 @pytest.mark.parametrize(
-    "ka,va,sink,recent",
+    "ka,va,sink,recent,reconstruct",
     [
-        ("token", "token", 0, 0),
-        ("token", "token", 64, 256),
-        ("token", "channel", 0, 0),
-        ("channel", "token", 0, 0),
-        ("channel", "channel", 64, 256),
+        ("token", "token", 0, 0, False),
+        ("token", "token", 64, 256, False),
+        ("token", "channel", 0, 0, False),
+        ("channel", "token", 0, 0, False),
+        ("channel", "channel", 64, 256, False),
+        ("token", "token", 0, 0, True),
+        ("channel", "token", 0, 0, True),
     ],
 )
-def test_config_ctas_fit_on_an_sm(ka, va, sink, recent):
+def test_config_ctas_fit_on_an_sm(ka, va, sink, recent, reconstruct):
     """The CTAs per SM a config assumes (the split count fills them) fit in an H100/H200 SM's
     registers (64K) and shared memory (228 KB, 1 KB reserved per CTA). Session 3 found every
     format with a BF16 tail at 102 KB per CTA (2 per SM) against 4 assumed (NOTES.md 11)."""
@@ -102,8 +106,8 @@ def test_config_ctas_fit_on_an_sm(ka, va, sink, recent):
         sink_tokens=sink,
         recent_tokens=recent,
     )
-    cfg = triton_decode_config(fmt, 128, 4, ctas=64)
-    regs, smem = _registers_and_smem(ka, va, sink, recent)
+    cfg = triton_decode_config(fmt, 128, 4, reconstruct, ctas=64)
+    regs, smem = _registers_and_smem(ka, va, sink, recent, reconstruct)
     regs_alloc = -(-regs // 8) * 8
     assert cfg.ctas_per_sm * regs_alloc * 32 * cfg.num_warps <= 65536, (regs, cfg)
     assert cfg.ctas_per_sm * (smem + 1024) <= 228 * 1024, (smem, cfg)

@@ -382,6 +382,47 @@ def _load_channel_scales(
 
 
 @triton.jit
+def _load_channel_scales_rows(
+    scales_ptr,
+    kv_indices_ptr,
+    page_base,
+    t,
+    n_q,
+    stride_page,
+    head_off,
+    D: tl.constexpr,
+    GROUP: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NTG: tl.constexpr,
+):
+    """As :func:`_load_channel_scales`, as two ``[NTG, D]``: the reconstruct baseline's
+    orientation, kept as it was measured (its SASS must not move with the folded kernel's)."""
+    PER_PAGE: tl.constexpr = PAGE * D // GROUP
+    CH: tl.constexpr = D // PER_PAGE if D > PER_PAGE else 1  # pages one group's scales span
+    CW: tl.constexpr = D // CH
+    j = (t * BLOCK_N) // GROUP + tl.arange(0, NTG)
+    valid = j * GROUP < n_q
+    first = j * D  # flat index of the group's first entry
+    chunk = tl.arange(0, CH)
+    page = tl.load(
+        kv_indices_ptr + page_base + first[:, None] // PER_PAGE + chunk[None, :],
+        mask=valid[:, None],
+        other=0,
+    ).to(tl.int64)  # [NTG, CH]
+    entry = (first % PER_PAGE)[:, None, None] + tl.arange(0, CW)[None, None, :]  # [NTG, 1, CW]
+    off = head_off + page[:, :, None] * stride_page + entry * 2
+    pair = tl.arange(0, 2)
+    sz = tl.load(
+        scales_ptr + off[:, :, :, None] + pair[None, None, None, :],
+        mask=valid[:, None, None, None],
+        other=0.0,
+    )  # [NTG, CH, CW, 2]
+    s, z = tl.split(sz.reshape(NTG, D, 2))
+    return tl.where(valid[:, None], s, 1.0), z
+
+
+@triton.jit
 def _load_scales(
     scales_ptr,
     kv_indices_ptr,
@@ -399,25 +440,42 @@ def _load_scales(
     BLOCK_N: tl.constexpr,
     CHANNEL: tl.constexpr,
     MASKED: tl.constexpr,
+    ROWS: tl.constexpr = False,
 ):
     """``(s', z')`` of one tile: ``[D, NTG]`` for channel-wise groups, ``[BLOCK_N, D/GROUP]``
     for token-wise ones (rows past the history read ``(1, 0)`` in the masked tile)."""
     if CHANNEL:
         NTG: tl.constexpr = BLOCK_N // GROUP if BLOCK_N > GROUP else 1
-        return _load_channel_scales(
-            scales_ptr,
-            kv_indices_ptr,
-            page_base,
-            t,
-            n_q,
-            stride_page,
-            head_off,
-            D,
-            GROUP,
-            PAGE,
-            BLOCK_N,
-            NTG,
-        )
+        if ROWS:
+            return _load_channel_scales_rows(
+                scales_ptr,
+                kv_indices_ptr,
+                page_base,
+                t,
+                n_q,
+                stride_page,
+                head_off,
+                D,
+                GROUP,
+                PAGE,
+                BLOCK_N,
+                NTG,
+            )
+        else:
+            return _load_channel_scales(
+                scales_ptr,
+                kv_indices_ptr,
+                page_base,
+                t,
+                n_q,
+                stride_page,
+                head_off,
+                D,
+                GROUP,
+                PAGE,
+                BLOCK_N,
+                NTG,
+            )
     else:
         s, z = _load_token_scales(
             scales_ptr, pages, row0, stride_page, head_off, D // GROUP, PAGE, BLOCK_N
@@ -545,6 +603,7 @@ def _quantized_tile(
             BLOCK_N,
             K_CHANNEL,
             MASKED,
+            RECONSTRUCT,
         )
     # channel-wise V (acc-fold): the scales are prefetched one tile ahead and their pages two
     # tiles ahead (Note [channel-wise V scale prefetch])
@@ -586,6 +645,7 @@ def _quantized_tile(
             BLOCK_N,
             V_CHANNEL,
             MASKED,
+            RECONSTRUCT,
         )
 
     # ---- S = Q K^T
@@ -593,9 +653,7 @@ def _quantized_tile(
     if RECONSTRUCT:
         kf = k_op.to(tl.float32)
         if K_CHANNEL:
-            ks_r = tl.trans(ks)
-            kz_r = tl.trans(kz)
-            kf = kf.reshape(NTK, BLOCK_N // NTK, D) * ks_r[:, None, :] + kz_r[:, None, :]
+            kf = kf.reshape(NTK, BLOCK_N // NTK, D) * ks[:, None, :] + kz[:, None, :]
         else:
             kf = kf.reshape(BLOCK_N, NGK, K_GROUP) * ks[:, :, None] + kz[:, :, None]
         k_op = _to_operand(_round_bf16(kf.reshape(BLOCK_N, D), INTERP), INTERP)
@@ -635,7 +693,10 @@ def _quantized_tile(
     if RECONSTRUCT:
         vf = vt_op.to(tl.float32)
         if V_CHANNEL:
-            vf = vf.reshape(D, NTV, BLOCK_N // NTV) * vs[:, :, None] + vz[:, :, None]
+            vf = (
+                vf.reshape(D, NTV, BLOCK_N // NTV) * tl.trans(vs)[:, :, None]
+                + tl.trans(vz)[:, :, None]
+            )
         else:
             vf = (
                 vf.reshape(NGV, V_GROUP, BLOCK_N) * tl.trans(vs)[:, None, :]
