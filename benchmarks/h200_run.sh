@@ -7,6 +7,8 @@
 #   bash benchmarks/h200_run.sh diagnose-int4       # bisect + memcheck of the INT4 g=32 fault
 #   bash benchmarks/h200_run.sh gluon-first [correct] [time] # Gluon prototype on the GPU
 #   bash benchmarks/h200_run.sh gluon-probe # Gluon split counts + ncu profiles (Gluon, Triton)
+#   bash benchmarks/h200_run.sh gluon-sanitize # compute-sanitizer tools over Gluon test cases
+#   bash benchmarks/h200_run.sh final   # Gluon tests + sanitizers + the full grid (session 3)
 #   bash benchmarks/h200_run.sh grid    # foscar bench: the 13-point grid and --axes all
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -83,6 +85,22 @@ case "$mode" in
         --section LaunchStats python3 benchmarks/gluon_probe.py launch $spec > "$OUT/ncu_$tag.txt" 2>&1
       grep -E "Duration|Throughput|Issue Slots|Issued Warp|No Eligible|Active Warps|Eligible Warps|Achieved Occupancy|Registers Per|Stall|Warp Cycles Per Issued" "$OUT/ncu_$tag.txt" | head -30
     done
+    ;;
+  gluon-sanitize)
+    # memcheck, racecheck and synccheck over small Gluon cases: INT2 and INT4, token- and
+    # channel-wise V, windows (the Triton window program beside it), empty splits
+    sel="one_token or odd_lengths_every_gqa_ratio[4-2-2-token] or odd_lengths_every_gqa_ratio[4-4-4-channel] or split_counts_and_poisoned_workspace[64] or bf16_windows[channel-0-37]"
+    for tool in memcheck racecheck synccheck; do
+      timeout 300 compute-sanitizer --tool $tool --print-limit 10 python3 -m pytest -q -x -p no:cacheprovider \
+        tests/test_gluon_kernel.py -k "$sel" 2>&1 | grep -v "Host Frame" | tail -12 | tee "$OUT/gluon_$tool.log"
+    done
+    ;;
+  final)
+    # session 3's closing run: the Gluon suite, the sanitizers, the full grid with every method
+    python3 -m pytest -q -p no:cacheprovider -rs tests/test_gluon_kernel.py -k "not compiles" \
+      2>&1 | tail -8 | tee "$OUT/gluon_tests.log"
+    bash "$0" gluon-sanitize
+    python3 -m foscar bench --grid both --out "$OUT" 2>&1 | tee "$OUT/grid.log" | grep -v "^\[" | tail -40
     ;;
   grid-lite)
     # the 13-point grid with foscar and FlashInfer BF16 only (when device time is short)
