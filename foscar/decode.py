@@ -13,8 +13,9 @@ from .cache import DecodeBatch, QuantizedKVCache, rotate_rows
 
 __all__ = ["decode_attention", "default_backend", "BACKENDS"]
 
-#: ``"triton-reconstruct"`` is the per-value reconstruction baseline (benchmarks only).
-BACKENDS = ("auto", "gluon", "triton", "reference", "triton-reconstruct")
+#: ``"triton-reconstruct"`` and ``"gluon-reconstruct"`` are the per-value reconstruction
+#: baselines of the two kernels (benchmarks only).
+BACKENDS = ("auto", "gluon", "triton", "reference", "triton-reconstruct", "gluon-reconstruct")
 #: Tokens per tile of the CPU reference backend. Per-tile Python work dominates on a CPU: at
 #: 8K tokens (3 KV heads, D=64) one call takes 67 ms with 256-token tiles and 31 ms with 1024
 #: (2 cores); the result changes only by fp32 rounding.
@@ -130,18 +131,26 @@ def decode_attention(
 
 def _decode(q, cache, batch, sm_scale, backend, return_lse, out, lse):
     """The backend call of :func:`decode_attention` (validated arguments, stored coordinates)."""
-    if backend == "gluon":
+    if backend.startswith("gluon"):
         if not gluon_backend.available(q.device):
             raise ValueError(
-                f"backend 'gluon' needs triton's Gluon and a Hopper (sm_90) GPU; q is on {q.device}"
+                f"backend {backend!r} needs triton's Gluon and a Hopper (sm_90) GPU; "
+                f"q is on {q.device}"
             )
         reason = gluon_backend.supports(cache, q.shape[1])
         if reason:
-            raise ValueError(f"backend 'gluon' does not cover this cache: {reason}")
+            raise ValueError(f"backend {backend!r} does not cover this cache: {reason}")
         if q.dtype != torch.bfloat16:
-            raise TypeError(f"backend 'gluon' needs bfloat16 queries, got {q.dtype}")
+            raise TypeError(f"backend {backend!r} needs bfloat16 queries, got {q.dtype}")
         return gluon_backend.decode(
-            q, cache, batch, sm_scale, out=out, lse=lse, return_lse=return_lse
+            q,
+            cache,
+            batch,
+            sm_scale,
+            out=out,
+            lse=lse,
+            return_lse=return_lse,
+            reconstruct=backend == "gluon-reconstruct",
         )
     if backend.startswith("triton"):
         if not triton_backend.available(q.device):

@@ -124,8 +124,9 @@ def test_supports_head_dim_and_page_size():
 def test_cpu_call_is_refused_and_auto_does_not_pick_it():
     cache, batch = build_cache(FMT, (70, 3))
     q = queries(batch, 8, 128, "cpu")
-    with pytest.raises(ValueError, match="backend 'gluon' needs .* Hopper"):
-        decode_attention(q, cache, batch, backend="gluon")
+    for backend in ("gluon", "gluon-reconstruct"):
+        with pytest.raises(ValueError, match=f"backend '{backend}' needs .* Hopper"):
+            decode_attention(q, cache, batch, backend=backend)
     from foscar.decode import default_backend
 
     assert default_backend(cache, q) != "gluon"
@@ -142,12 +143,12 @@ def test_split_rule(batch, tokens, expected):
 
 
 # ---------------------------------------------------------------------------- sm_90 only
-def run(q, cache, batch, **kw):
+def run(q, cache, batch, backend="gluon", **kw):
     """Decode into NaN-poisoned outputs, so that any unwritten element fails the check."""
     out = torch.full_like(q, math.nan)
     lse = torch.full(q.shape[:2], math.nan, dtype=torch.float32, device=q.device)
     o, lse = decode_attention(
-        q, cache, batch, backend="gluon", return_lse=True, out=out, lse=lse, **kw
+        q, cache, batch, backend=backend, return_lse=True, out=out, lse=lse, **kw
     )
     assert o.data_ptr() == out.data_ptr()
     return o, lse
@@ -189,6 +190,16 @@ def test_split_counts_and_poisoned_workspace(splits):
         q, cache, batch, 1 / math.sqrt(128), splits=splits, return_lse=True
     )
     check_against_reference(o, lse, q, cache, batch)
+
+
+@sm90_only
+@pytest.mark.parametrize("v_axis", V_AXES)
+def test_reconstruct_ablation(v_axis):
+    """backend="gluon-reconstruct": s' y + z' on every operand value instead of the folds."""
+    fmt = KVFormat(INT2, QuantFormat(4, v_axis, 128), sink_tokens=3)
+    cache, batch = build_cache(fmt, LENGTHS, device="cuda")
+    q = queries(batch, 8, 128, "cuda")
+    check_against_reference(*run(q, cache, batch, backend="gluon-reconstruct"), q, cache, batch)
 
 
 @sm90_only

@@ -9,6 +9,7 @@ the DecodeBatch), so a CUDA-graph replay allocates nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -123,11 +124,14 @@ def decode(
     return_lse: bool = False,
     config: GluonDecodeConfig | None = None,
     splits: int | None = None,
+    reconstruct: bool = False,
 ):
     """Gluon history splits (+ the Triton window program) + the merge; returns ``out`` (and lse)."""
     kern = _gluon()
     bsz, num_q_heads, d = q.shape
     cfg = config or gluon_decode_config()
+    if reconstruct:  # the ablation: per-value s' y + z' instead of the folds (kernel OPT 128)
+        cfg = dataclasses.replace(cfg, opt=cfg.opt | 128)
     if splits is None:
         sms = _num_sms(q.device.index or 0)
         splits = num_splits(bsz, cache.num_kv_heads, max(batch.num_quantized_host), cfg, sms)

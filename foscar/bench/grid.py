@@ -92,6 +92,7 @@ FOSCAR_BACKENDS = {
     "foscar-gluon": "gluon",
     "foscar-triton": "triton",
     "foscar-reconstruct": "triton-reconstruct",
+    "foscar-gluon-reconstruct": "gluon-reconstruct",
 }
 FOSCAR_METHODS_BY_BACKEND = {b: m for m, b in FOSCAR_BACKENDS.items()}
 
@@ -394,6 +395,7 @@ def add_arguments(parser) -> None:
             "foscar-gluon",
             "foscar-triton",
             "foscar-reconstruct",
+            "foscar-gluon-reconstruct",
             "flashinfer-bf16",
             "flashinfer-fp8",
             "trtllm-xqa-fp8",

@@ -286,7 +286,9 @@ def _col_max(sc, HS: gl.constexpr, FAST_MAX: gl.constexpr):
 # i in flight across the loop back-edge: ptxas C7512 serializes every wgmma, do not use);
 # 4 = rcp.approx for z'/s'; 8 = arrive on `empty` after the QK wgmma issue (same barrier count);
 # 32 = memory-only timing ablation (consumers only wait/arrive); 64 = compute-only timing
-# ablation (after the first 2*SPC tiles the producer arrives without loading). Default 5.
+# ablation (after the first 2*SPC tiles the producer arrives without loading); 128 = per-value
+# reconstruction (the ablation of Fig. 10a: s' y + z' on every K and V operand value in registers,
+# P unscaled, no folds). Default 5.
 @gluon.jit
 def _tile(
     i,
@@ -334,7 +336,13 @@ def _tile(
             empty.index(s)
         )  # stage s may be refilled (Gluon puts a partition bar.sync first)
 
+    RECONSTRUCT: gl.constexpr = (OPT & 128) != 0
+    a_l: gl.constexpr = a_operand_layout(HS)
     k_op = _k_operand(kw, magic, HS, K_BITS)
+    if RECONSTRUCT:  # the ablation: s' y + z' for every value, in registers, before the product
+        ks_a = gl.convert_layout(ks, gl.SliceLayout(1, a_l))
+        kz_a = gl.convert_layout(kz, gl.SliceLayout(1, a_l))
+        k_op = (k_op.to(gl.float32) * ks_a[:, None] + kz_a[:, None]).to(gl.bfloat16)
     s_tok = warpgroup_mma(
         k_op,
         qt_smem.permute((1, 0)),
@@ -345,13 +353,22 @@ def _tile(
     if LATE_ARRIVE:
         mbarrier.arrive(empty.index(s))  # after the QK wgmma is issued
     vt_op = _vt_operand(vw, magic, HS, V_BITS)  # meant to overlap the QK wgmma
+    if RECONSTRUCT:
+        if V_CHANNEL:  # per channel: the rows of V^T
+            vs_a = gl.convert_layout(vs, gl.SliceLayout(1, a_l))
+            vz_a = gl.convert_layout(vz, gl.SliceLayout(1, a_l))
+            vt_op = (vt_op.to(gl.float32) * vs_a[:, None] + vz_a[:, None]).to(gl.bfloat16)
+        else:  # per token: the columns of V^T (another thread distribution than the rows)
+            vs_a = gl.convert_layout(vs, gl.SliceLayout(0, a_l))
+            vz_a = gl.convert_layout(vz, gl.SliceLayout(0, a_l))
+            vt_op = (vt_op.to(gl.float32) * vs_a[None, :] + vz_a[None, :]).to(gl.bfloat16)
     if V_CHANNEL:
         ratio = vz  # unused
     elif FAST_RCP:
         ratio = vz * _rcp(vs)
     else:
         ratio = gl.fdiv(vz, vs)
-    gl.static_assert(not (PIPE and V_CHANNEL))
+    gl.static_assert(not (PIPE and (V_CHANNEL or RECONSTRUCT)))
     if PIPE:
         # waits for QK(i) and for PV(i-1), issued at the end of the previous tile
         s_acc, k_op, o_prev, vt_prev = warpgroup_mma_wait(0, deps=[s_tok, k_op, o_tok, vt_prev])
@@ -360,7 +377,10 @@ def _tile(
         s_acc, k_op = warpgroup_mma_wait(0, deps=[s_tok, k_op])
 
     # acc-fold of token-wise K: S = c * (s'_K * (Q . y_K) + z'_K * sum(Q)), c in ks and qsum
-    sc = s_acc * (ks * qk_scale)[:, None] + kz[:, None] * qsum[None, :]
+    if RECONSTRUCT:
+        sc = s_acc * qk_scale
+    else:
+        sc = s_acc * (ks * qk_scale)[:, None] + kz[:, None] * qsum[None, :]
     if MASKED:
         rows = gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
         valid = t * 64 + rows < n_q
@@ -372,7 +392,7 @@ def _tile(
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(sc - m_new[None, :])
     l_i = l_i * alpha[None, :] + p  # row sums reduced once after the loop
-    if V_CHANNEL:
+    if V_CHANNEL or RECONSTRUCT:
         pv = p.to(gl.bfloat16)  # channel-wise V folds into the accumulator, after the product
     else:
         # operand-fold of token-wise V into P, offset term from the rounded P'
@@ -387,7 +407,7 @@ def _tile(
         use_acc=False,
         is_async=True,
     )
-    if V_CHANNEL:
+    if V_CHANNEL and not RECONSTRUCT:
         # sum_n P'[n, h] from the same rounded P' (Note [offset cancellation]), by the tensor
         # core: ones [64, 64] @ P' gives it in every row, in the accumulator's columns
         ones = gl.full([64, 64], 1.0, gl.bfloat16, a_operand_layout(HS))
