@@ -95,7 +95,10 @@ def triton_decode_config(
         # KcVc; the split count assumed 3, which ran the baseline in 1.5 waves (NOTES.md 11)
         return TritonDecodeConfig(block_n=64, ctas_per_sm=2)
     if hpk > 16 or hpv > 16:
-        return TritonDecodeConfig(block_n=64, ctas_per_sm=3)
+        # token-wise V with 4+ groups per row (K tok g=128 / V tok g=32: 197-199 registers,
+        # K tok g=64 / V tok g=32: 255 and spills) fit 2 CTAs per SM; the others ~140: 3
+        ctas = 2 if (fmt.value.axis.value == "token" and hpv > 16) else 3
+        return TritonDecodeConfig(block_n=64, ctas_per_sm=ctas)
     return TritonDecodeConfig(block_n=64, maxnreg=128, ctas_per_sm=4)
 
 

@@ -52,6 +52,11 @@ def test_channel_wise_key_configs():
             fmt = KVFormat(QuantFormat(bits, "channel", 32), QuantFormat(bits, va, 128))
             cfg = triton_decode_config(fmt, 128, 4, ctas=64)
             assert (cfg.block_n, cfg.maxnreg, cfg.ctas_per_sm) == (64, None, 2)
+    # 32-column products, uncapped: token-wise V with 4 groups per row needs ~199 registers
+    fmt = KVFormat(QuantFormat(2, "token", 128), QuantFormat(2, "token", 32))
+    assert triton_decode_config(fmt, 128, 4).ctas_per_sm == 2
+    fmt = KVFormat(QuantFormat(2, "token", 128), QuantFormat(2, "channel", 32))
+    assert triton_decode_config(fmt, 128, 4).ctas_per_sm == 3
     # the reconstruct baseline keeps its own config (uncapped, 2 CTAs per SM)
     fmt = KVFormat(QuantFormat(2, "channel", 128), QuantFormat(2, "token", 128))
     cfg = triton_decode_config(fmt, 128, 4, reconstruct=True)
