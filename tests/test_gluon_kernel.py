@@ -11,7 +11,6 @@ lengths, every GQA ratio it covers, windows, ragged batches, the paper shape, CU
 
 import math
 import os
-import re
 import subprocess
 
 import pytest
@@ -35,7 +34,6 @@ INT4 = QuantFormat(4, "token", 128)
 FMT = KVFormat(INT2, INT2)
 BIT_PAIRS = [(2, 2), (4, 4), (2, 4), (4, 2)]
 V_AXES = ["token", "channel"]
-AXES = [(k, v) for k in V_AXES for v in V_AXES]
 # lengths 1, primes, a page multiple and its neighbours: single-token, partial-page, multi-page
 LENGTHS = (1, 17, 63, 64, 65, 263, 4099)
 
@@ -45,7 +43,7 @@ _COMPILE = """
 import json, os, subprocess, sys, tempfile
 import triton
 from foscar.backends.gluon import compile_sm90
-ck = compile_sm90(k_bits={k_bits}, v_bits={v_bits}, v_channel={v_channel}, k_channel={k_channel})
+ck = compile_sm90(k_bits={k_bits}, v_bits={v_bits}, v_channel={v_channel})
 ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, "k.ptx")
@@ -57,9 +55,9 @@ print(json.dumps(dict(warps=ck.metadata.num_warps, info=info,
 """
 
 
-@pytest.mark.parametrize("k_axis,v_axis", AXES)
-@pytest.mark.parametrize("k_bits,v_bits", [(2, 2), (4, 4)])
-def test_compiles_for_sm90_without_spills(k_bits, v_bits, k_axis, v_axis):
+@pytest.mark.parametrize("v_axis", V_AXES)
+@pytest.mark.parametrize("k_bits,v_bits", BIT_PAIRS)
+def test_compiles_for_sm90_without_spills(k_bits, v_bits, v_axis):
     """Compiled in a fresh process: the interpreter (TRITON_INTERPRET=1, set for the CPU suite)
     replaces triton's own jit functions, which the Gluon compiler cannot reference."""
     import json
@@ -70,12 +68,7 @@ def test_compiles_for_sm90_without_spills(k_bits, v_bits, k_axis, v_axis):
         [
             sys.executable,
             "-c",
-            _COMPILE.format(
-                k_bits=k_bits,
-                v_bits=v_bits,
-                v_channel=v_axis == "channel",
-                k_channel=k_axis == "channel",
-            ),
+            _COMPILE.format(k_bits=k_bits, v_bits=v_bits, v_channel=v_axis == "channel"),
         ],
         capture_output=True,
         text=True,
@@ -85,13 +78,9 @@ def test_compiles_for_sm90_without_spills(k_bits, v_bits, k_axis, v_axis):
     assert done.returncode == 0, done.stderr[-2000:]
     res = json.loads(done.stdout.strip().splitlines()[-1])
     assert res["warps"] == 12  # 2 consumer warpgroups + the producer's warpgroup
-    # the channel-wise folds (a ones operand for sum(P'), Q in registers for Q * s') spill a
-    # little at 112 registers per consumer thread; token/token spills nothing
-    spilled = int(re.search(r"(\d+) bytes spill stores", res["info"]).group(1))
-    if (k_axis, v_axis) == ("token", "token"):
-        assert spilled == 0, res["info"]
-    else:
-        assert spilled <= 192, res["info"]
+    # channel-wise V keeps a ones operand for sum(P') and spills 8 bytes per consumer thread
+    spill = "8 bytes spill stores" if v_axis == "channel" else "0 bytes spill stores"
+    assert spill in res["info"], res["info"]
     cfg = gluon_decode_config()
     assert f"Used {cfg.maxnreg} registers" in res["info"], res["info"]  # 2 CTAs/SM of 12 warps
     assert res["wgmma"] >= 16  # QK and PV on the tensor cores
@@ -100,7 +89,7 @@ def test_compiles_for_sm90_without_spills(k_bits, v_bits, k_axis, v_axis):
 @pytest.mark.parametrize(
     "fmt, heads, reason",
     [
-        (KVFormat(QuantFormat(4, "channel", 64), INT2), 8, "key is i4c64"),
+        (KVFormat(QuantFormat(4, "channel", 128), INT2), 8, "key is i4c128"),
         (KVFormat(INT4, QuantFormat(4, "token", 32)), 8, "value is i4t32"),
         (KVFormat(INT2, QuantFormat(2, "channel", 64)), 8, "value is i2c64"),
         (KVFormat(INT2, QuantFormat(2, "token", 64)), 8, "value is i2t64"),
@@ -166,31 +155,22 @@ def run(q, cache, batch, backend="gluon", **kw):
 
 
 @sm90_only
-@pytest.mark.parametrize("k_axis,v_axis", AXES)
+@pytest.mark.parametrize("v_axis", V_AXES)
+@pytest.mark.parametrize("k_bits,v_bits", BIT_PAIRS)
 @pytest.mark.parametrize("ratio", [1, 2, 3, 4, 5, 8])
-def test_odd_lengths_every_gqa_ratio(ratio, k_axis, v_axis):
-    fmt = KVFormat(QuantFormat(2, k_axis, 128), QuantFormat(2, v_axis, 128))
+def test_odd_lengths_every_gqa_ratio(ratio, k_bits, v_bits, v_axis):
+    fmt = KVFormat(QuantFormat(k_bits, "token", 128), QuantFormat(v_bits, v_axis, 128))
     cache, batch = build_cache(fmt, LENGTHS, num_kv_heads=2, device="cuda", seed=ratio)
     q = queries(batch, 2 * ratio, 128, "cuda")
     check_against_reference(*run(q, cache, batch), q, cache, batch)
 
 
 @sm90_only
-@pytest.mark.parametrize("k_axis,v_axis", AXES)
-@pytest.mark.parametrize("k_bits,v_bits", BIT_PAIRS)
-def test_bit_widths(k_bits, v_bits, k_axis, v_axis):
-    fmt = KVFormat(QuantFormat(k_bits, k_axis, 128), QuantFormat(v_bits, v_axis, 128))
-    cache, batch = build_cache(fmt, LENGTHS, num_kv_heads=2, device="cuda", seed=k_bits + v_bits)
-    q = queries(batch, 8, 128, "cuda")
-    check_against_reference(*run(q, cache, batch), q, cache, batch)
-
-
-@sm90_only
 @pytest.mark.parametrize("sink,recent", [(4, 0), (0, 37), (64, 256)])
-@pytest.mark.parametrize("k_axis,v_axis", AXES)
-def test_bf16_windows(sink, recent, k_axis, v_axis):
-    k, v = QuantFormat(2, k_axis, 128), QuantFormat(2, v_axis, 128, clip=0.92)
-    fmt = KVFormat(k, v, sink_tokens=sink, recent_tokens=recent)
+@pytest.mark.parametrize("v_axis", V_AXES)
+def test_bf16_windows(sink, recent, v_axis):
+    v = QuantFormat(2, v_axis, 128, clip=0.92)
+    fmt = KVFormat(INT2, v, sink_tokens=sink, recent_tokens=recent)
     cache, batch = build_cache(fmt, (2, 90, 800, 5000), device="cuda")
     q = queries(batch, 8, 128, "cuda")
     check_against_reference(*run(q, cache, batch), q, cache, batch)
@@ -254,28 +234,27 @@ def test_auto_picks_gluon_on_hopper():
     assert (
         default_backend(build_cache(KVFormat(INT4, INT4), (100,), device="cuda")[0], q) == "gluon"
     )
-    cache_c, _ = build_cache(KVFormat(QuantFormat(4, "channel", 64), INT2), (100,), device="cuda")
+    cache_c, _ = build_cache(KVFormat(QuantFormat(4, "channel", 128), INT2), (100,), device="cuda")
     assert default_backend(cache_c, q) == "triton"
 
 
 @sm90_only
-@pytest.mark.parametrize("k_axis,v_axis", AXES)
+@pytest.mark.parametrize("v_axis", V_AXES)
 @pytest.mark.parametrize("bits", [2, 4])
-def test_paper_shape(bits, k_axis, v_axis):
+def test_paper_shape(bits, v_axis):
     """H_Q=32, H_KV=8, D=128, page 64, g=128, 32K tokens, zero-mean data."""
-    fmt = KVFormat(QuantFormat(bits, k_axis, 128), QuantFormat(bits, v_axis, 128))
+    fmt = KVFormat(QuantFormat(bits, "token", 128), QuantFormat(bits, v_axis, 128))
     cache, batch = build_cache(fmt, (32768, 4099), num_kv_heads=8, device="cuda", seed=bits)
     q = queries(batch, 32, 128, "cuda")
     check_against_reference(*run(q, cache, batch), q, cache, batch)
 
 
 @sm90_only
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(3))
 def test_random_ragged_batches(seed):
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, 20000, (16,), generator=g).tolist()
-    chan2, chan4 = QuantFormat(2, "channel", 128), QuantFormat(4, "channel", 128)
-    k, v = [(INT2, INT2), (INT4, chan2), (chan4, INT2), (chan2, chan2)][seed]
+    k, v = [(INT2, INT2), (INT4, QuantFormat(2, "channel", 128)), (INT2, INT4)][seed]
     fmt = KVFormat(k, v, sink_tokens=64 * (seed % 2), recent_tokens=256 * (seed % 2))
     cache, batch = build_cache(fmt, lengths, num_kv_heads=8, device="cuda", seed=seed)
     q = queries(batch, 32, 128, "cuda")
@@ -283,12 +262,12 @@ def test_random_ragged_batches(seed):
 
 
 @sm90_only
-@pytest.mark.parametrize("k_axis,v_axis", AXES)
+@pytest.mark.parametrize("v_axis", V_AXES)
 @pytest.mark.parametrize("windows", [False, True])
-def test_cuda_graph_replay(windows, k_axis, v_axis):
+def test_cuda_graph_replay(windows, v_axis):
     """Capture once, replay with new queries: no host sync, no allocation in the hot path."""
-    k, v = QuantFormat(2, k_axis, 128), QuantFormat(2, v_axis, 128)
-    fmt = KVFormat(k, v, sink_tokens=16 * windows, recent_tokens=64 * windows)
+    v = QuantFormat(2, v_axis, 128)
+    fmt = KVFormat(INT2, v, sink_tokens=16 * windows, recent_tokens=64 * windows)
     cache, batch = build_cache(fmt, (3000, 17, 9000), num_kv_heads=8, device="cuda")
     q = queries(batch, 32, 128, "cuda")
     out = torch.empty_like(q)

@@ -49,8 +49,8 @@ def supports(cache: QuantizedKVCache, num_q_heads: int) -> str | None:
     if fmt.mapping is not OperandMapping.BF16:
         return f"the Gluon kernel builds bf16 operands; mapping is {fmt.mapping.value!r}"
     k, v = fmt.key, fmt.value
-    if k.bits not in (2, 4) or k.group_size != HEAD_DIM:
-        return f"the Gluon kernel covers INT2/INT4 keys with g=128; key is {k.short()}"
+    if k.bits not in (2, 4) or (k.axis, k.group_size) != (GroupAxis.TOKEN, HEAD_DIM):
+        return f"the Gluon kernel covers token-wise INT2/INT4 keys with g=128; key is {k.short()}"
     if v.bits not in (2, 4) or v.group_size != HEAD_DIM:
         return f"the Gluon kernel covers INT2/INT4 values with g=128; value is {v.short()}"
     if cache.head_dim != HEAD_DIM:
@@ -128,16 +128,14 @@ def decode(
 ):
     """Gluon history splits (+ the Triton window program) + the merge; returns ``out`` (and lse)."""
     kern = _gluon()
-    fmt = cache.fmt
     bsz, num_q_heads, d = q.shape
     cfg = config or gluon_decode_config()
     if reconstruct:  # the ablation: per-value s' y + z' instead of the folds (kernel OPT 128)
-        if fmt.key.axis is GroupAxis.CHANNEL:
-            raise ValueError("backend 'gluon-reconstruct' covers token-wise keys only")
         cfg = dataclasses.replace(cfg, opt=cfg.opt | 128)
     if splits is None:
         sms = _num_sms(q.device.index or 0)
         splits = num_splits(bsz, cache.num_kv_heads, max(batch.num_quantized_host), cfg, sms)
+    fmt = cache.fmt
     has_windows = fmt.sink_tokens > 0 or fmt.tail_capacity > 1
     parts = splits + int(has_windows)
     o_part, lse_part = triton_backend._workspace(batch, (bsz, num_q_heads, parts, d), q.device)
@@ -148,7 +146,6 @@ def decode(
     kw, ks, vw, vs = _descriptors(cache, batch.layer)
     KB, VB = fmt.key.bits, fmt.value.bits
     V_CHANNEL = fmt.value.axis is GroupAxis.CHANNEL
-    K_CHANNEL = fmt.key.axis is GroupAxis.CHANNEL
     kern.gluon_decode_split_kernel[(bsz, cache.num_kv_heads, splits)](
         q,
         kw,
@@ -175,7 +172,6 @@ def decode(
         K_BITS=KB,
         V_BITS=VB,
         V_CHANNEL=V_CHANNEL,
-        K_CHANNEL=K_CHANNEL,
         SPC=cfg.stages_per_consumer,
         CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_REGS=cfg.producer_regs,
@@ -197,7 +193,6 @@ def compile_sm90(
     k_bits: int = 2,
     v_bits: int = 2,
     v_channel: bool = False,
-    k_channel: bool = False,
 ):
     """Compile the kernel for sm_90a without a GPU (tests, SASS counts): a CompiledKernel whose
     ``asm`` holds ttgir/ptx/cubin. The layout proofs of the operand programs
@@ -210,7 +205,7 @@ def compile_sm90(
     kern = _gluon()
     cfg = cfg or gluon_decode_config()
     k_layout, v_layout, scales_layout = kern.descriptor_layouts(k_bits, v_bits)
-    KB, VB, V_CHANNEL, K_CHANNEL = k_bits, v_bits, v_channel, k_channel
+    KB, VB, V_CHANNEL = k_bits, v_bits, v_channel
 
     def desc(dtype, block, layout):
         return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout!r}>"
@@ -238,7 +233,6 @@ def compile_sm90(
         K_BITS=KB,
         V_BITS=VB,
         V_CHANNEL=V_CHANNEL,
-        K_CHANNEL=K_CHANNEL,
         SPC=cfg.stages_per_consumer,
         CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_REGS=cfg.producer_regs,

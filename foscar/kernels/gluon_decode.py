@@ -133,33 +133,6 @@ def v_words_load_layout(BITS=2):
 
 
 @gluon.constexpr_function
-def q_fold_layout():
-    """[8 heads, 128 channels] for channel-wise K's fold Q * s'_c: channels 0-2 and 6 in
-    registers (6 = the group's second scale chunk), 3-5 in lanes 0-2, heads in lanes 3-4 and
-    warp 0 (warp 1 holds a copy)."""
-    return gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 64]],
-        lane_bases=[[0, 8], [0, 16], [0, 32], [1, 0], [2, 0]],
-        warp_bases=[[4, 0], [0, 0]],
-        block_bases=[],
-        shape=[8, 128],
-    )
-
-
-@gluon.constexpr_function
-def k_chunk_scale_layout():
-    """[64 entries, 2] (s', z') pairs of one channel-wise K scale chunk, as q_fold_layout's
-    channels 0-5 need them (the rest broadcast)."""
-    return gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [1, 0], [2, 0], [4, 0]],
-        lane_bases=[[8, 0], [16, 0], [32, 0], [0, 0], [0, 0]],
-        warp_bases=[[0, 0], [0, 0]],
-        block_bases=[],
-        shape=[64, 2],
-    )
-
-
-@gluon.constexpr_function
 def scale_pair_layout():
     """[64 tokens, 2] (s', z') pairs: tokens as the accumulator's rows, the pair in registers."""
     return gl.DistributedLinearLayout(
@@ -280,30 +253,6 @@ def _channel_scale_pairs(buf0, buf1, HS: gl.constexpr):
 
 
 @gluon.jit
-def _channel_key_fold(buf0, buf1, qf, q_smem, zq_smem):
-    """Channel-wise K (a group of 128 tokens): Q' = bf16(Q * s'_c) into q_smem, the B operand
-    of the tile's QK product, and the offset term zq[h] = sum_c Q z'_c + 128 (Q s'_c - Q'_c)
-    (from the rounded Q': Note [offset cancellation]) into zq_smem. qf: [8, 128] fp32 in
-    q_fold_layout()."""
-    LS: gl.constexpr = k_chunk_scale_layout()
-    s0, z0 = gl.split(buf0.reshape([64, 2]).load(LS))
-    s1, z1 = gl.split(buf1.reshape([64, 2]).load(LS))
-    col_l: gl.constexpr = gl.SliceLayout(0, q_fold_layout())
-    s = gl.convert_layout(
-        gl.permute(gl.join(s0, s1), [1, 0]).reshape([128]), col_l, assert_trivial=True
-    )
-    z = gl.convert_layout(
-        gl.permute(gl.join(z0, z1), [1, 0]).reshape([128]), col_l, assert_trivial=True
-    )
-    qs = qf * s[None, :]
-    qb = qs.to(gl.bfloat16)
-    zq = gl.sum(qf * z[None, :] + 128.0 * (qs - qb.to(gl.float32)), axis=1)  # [8]
-    q_smem.store(qb)
-    zq_smem.store(zq)
-    fence_async_shared()
-
-
-@gluon.jit
 def _rows_to_128(x, HS: gl.constexpr):
     """[64, HS] accumulator whose rows are equal -> [128, HS] accumulator (both m-tiles), a
     register relabeling."""
@@ -350,7 +299,6 @@ def _tile(
     qt_smem,
     p_smem,
     qsum,
-    kfold,
     qk_scale,
     magic,
     C: gl.constexpr,
@@ -359,7 +307,6 @@ def _tile(
     K_BITS: gl.constexpr,
     V_BITS: gl.constexpr,
     V_CHANNEL: gl.constexpr,
-    K_CHANNEL: gl.constexpr,
     MASKED: gl.constexpr,
     OPT: gl.constexpr,
 ):
@@ -377,13 +324,7 @@ def _tile(
         return m_i, l_i, z_i, acc, o_tok, alpha_prev, vt_prev
     kw = kw_bufs.index(s).reshape([64, 4 * K_BITS]).load(gl.SliceLayout(2, k_words3_layout(K_BITS)))
     vw = vw_bufs.index(s).reshape([64, 4 * V_BITS]).load(v_words_load_layout(V_BITS))
-    if K_CHANNEL:
-        qf, q_smem, zq_smem = kfold
-        _channel_key_fold(ks_bufs.index(2 * s), ks_bufs.index(2 * s + 1), qf, q_smem, zq_smem)
-        b_qk = q_smem.permute((1, 0))
-    else:
-        ks, kz = _scale_pairs(ks_bufs.index(s), HS)
-        b_qk = qt_smem.permute((1, 0))
+    ks, kz = _scale_pairs(ks_bufs.index(s), HS)
     if V_CHANNEL:
         # per channel of the tile's group: [128] in the rows of the PV accumulator
         vs, vz = _channel_scale_pairs(vs_bufs.index(2 * s), vs_bufs.index(2 * s + 1), HS)
@@ -398,14 +339,13 @@ def _tile(
     RECONSTRUCT: gl.constexpr = (OPT & 128) != 0
     a_l: gl.constexpr = a_operand_layout(HS)
     k_op = _k_operand(kw, magic, HS, K_BITS)
-    gl.static_assert(not (RECONSTRUCT and K_CHANNEL))
     if RECONSTRUCT:  # the ablation: s' y + z' for every value, in registers, before the product
         ks_a = gl.convert_layout(ks, gl.SliceLayout(1, a_l))
         kz_a = gl.convert_layout(kz, gl.SliceLayout(1, a_l))
         k_op = (k_op.to(gl.float32) * ks_a[:, None] + kz_a[:, None]).to(gl.bfloat16)
     s_tok = warpgroup_mma(
         k_op,
-        b_qk,
+        qt_smem.permute((1, 0)),
         gl.zeros([64, HS], gl.float32, acc_l),
         use_acc=False,
         is_async=True,
@@ -439,10 +379,6 @@ def _tile(
     # acc-fold of token-wise K: S = c * (s'_K * (Q . y_K) + z'_K * sum(Q)), c in ks and qsum
     if RECONSTRUCT:
         sc = s_acc * qk_scale
-    elif K_CHANNEL:
-        # acc-fold of channel-wise K: S = c * (Q' . y_K + zq), Q' and zq built for the group
-        zq = kfold[2].load(gl.SliceLayout(0, acc_l))
-        sc = (s_acc + zq[None, :]) * qk_scale
     else:
         sc = s_acc * (ks * qk_scale)[:, None] + kz[:, None] * qsum[None, :]
     if MASKED:
@@ -501,8 +437,6 @@ def _consume(
     ring,
     qt_smem,
     p_bufs,
-    qk_bufs,
-    zq_bufs,
     t_begin,
     t_full,
     t_end,
@@ -514,7 +448,6 @@ def _consume(
     K_BITS: gl.constexpr,
     V_BITS: gl.constexpr,
     V_CHANNEL: gl.constexpr,
-    K_CHANNEL: gl.constexpr,
     OPT: gl.constexpr,
 ):
     """Consumer C's loop over tiles t_begin + C + 2i; returns (m, l, unnormalised O^T [D, HS])."""
@@ -523,14 +456,6 @@ def _consume(
     p_smem = p_bufs.index(C)
     qf = qt_smem.load(gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])).to(gl.float32)
     qsum = gl.convert_layout(gl.sum(qf, axis=1), gl.SliceLayout(0, acc_l)) * qk_scale
-    if K_CHANNEL:  # Q in the fold's layout, and this consumer's Q' / zq buffers
-        kfold = (
-            qt_smem.load(q_fold_layout()).to(gl.float32),
-            qk_bufs.index(C),
-            zq_bufs.slice(C * HS, HS),
-        )
-    else:
-        kfold = (0, 0, 0)
     acc = gl.zeros([128, HS], gl.float32, acc_l)
     st = (
         gl.full([HS], -float("inf"), gl.float32, gl.SliceLayout(0, acc_l)),
@@ -553,7 +478,6 @@ def _consume(
             qt_smem,
             p_smem,
             qsum,
-            kfold,
             qk_scale,
             magic,
             C,
@@ -562,7 +486,6 @@ def _consume(
             K_BITS,
             V_BITS,
             V_CHANNEL,
-            K_CHANNEL,
             False,
             OPT,
         )
@@ -576,7 +499,6 @@ def _consume(
             qt_smem,
             p_smem,
             qsum,
-            kfold,
             qk_scale,
             magic,
             C,
@@ -585,7 +507,6 @@ def _consume(
             K_BITS,
             V_BITS,
             V_CHANNEL,
-            K_CHANNEL,
             True,
             OPT,
         )
@@ -608,8 +529,6 @@ def _consumer1(
     empty,
     qt_smem,
     p_bufs,
-    qk_bufs,
-    zq_bufs,
     m_smem,
     l_smem,
     o_smem,
@@ -624,7 +543,6 @@ def _consumer1(
     K_BITS: gl.constexpr,
     V_BITS: gl.constexpr,
     V_CHANNEL: gl.constexpr,
-    K_CHANNEL: gl.constexpr,
     OPT: gl.constexpr,
 ):
     """Consumer 1 leaves its state in shared memory; the kernel merges it after the partitions
@@ -635,8 +553,6 @@ def _consumer1(
         ring,
         qt_smem,
         p_bufs,
-        qk_bufs,
-        zq_bufs,
         t_begin,
         t_full,
         t_end,
@@ -648,7 +564,6 @@ def _consumer1(
         K_BITS,
         V_BITS,
         V_CHANNEL,
-        K_CHANNEL,
         OPT,
     )
     m_smem.store(m1)
@@ -666,8 +581,6 @@ def _consumer0(
     empty,
     qt_smem,
     p_bufs,
-    qk_bufs,
-    zq_bufs,
     t_begin,
     t_full,
     t_end,
@@ -679,7 +592,6 @@ def _consumer0(
     K_BITS: gl.constexpr,
     V_BITS: gl.constexpr,
     V_CHANNEL: gl.constexpr,
-    K_CHANNEL: gl.constexpr,
     OPT: gl.constexpr,
 ):
     ring = (kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty)
@@ -688,8 +600,6 @@ def _consumer0(
         ring,
         qt_smem,
         p_bufs,
-        qk_bufs,
-        zq_bufs,
         t_begin,
         t_full,
         t_end,
@@ -701,7 +611,6 @@ def _consumer0(
         K_BITS,
         V_BITS,
         V_CHANNEL,
-        K_CHANNEL,
         OPT,
     )
 
@@ -760,27 +669,26 @@ def _producer(
     kvh,
     SPC: gl.constexpr,
     V_CHANNEL: gl.constexpr,
-    K_CHANNEL: gl.constexpr,
     OPT: gl.constexpr,
 ):
     COMPUTE_ONLY: gl.constexpr = (OPT & 64) != 0
     nbytes: gl.constexpr = (
         kw_desc.block_type.nbytes
-        + ks_desc.block_type.nbytes * (2 if K_CHANNEL else 1)
+        + ks_desc.block_type.nbytes
         + vw_desc.block_type.nbytes
         + vs_desc.block_type.nbytes * (2 if V_CHANNEL else 1)
     )
     n = t_end - t_begin
     idx = kv_indices_ptr + page_base + t_begin
     page_next = gl.load(idx, mask=n > 0, other=0)
-    if V_CHANNEL or K_CHANNEL:  # the other page of tile t's 2-page group, t ^ 1, one tile ahead
+    if V_CHANNEL:  # the other page of tile t's 2-page group, t ^ 1, also one tile ahead
         sib_next = gl.load(kv_indices_ptr + page_base + (t_begin ^ 1), mask=n > 0, other=0)
     for j in range(n):
         # the page index of tile j+1 is loaded one iteration ahead: its latency overlaps the
         # wait for a free stage instead of delaying the TMA issue
         page = page_next
         page_next = gl.load(idx + j + 1, mask=j + 1 < n, other=0)
-        if V_CHANNEL or K_CHANNEL:
+        if V_CHANNEL:
             sib = sib_next
             t_next = t_begin + j + 1
             sib_next = gl.load(kv_indices_ptr + page_base + (t_next ^ 1), mask=j + 1 < n, other=0)
@@ -794,20 +702,13 @@ def _producer(
             mbarrier.expect(bar, nbytes)
             tma.async_copy_global_to_shared(kw_desc, [page, kvh, 0, 0], bar, kw_bufs.index(s))
             tma.async_copy_global_to_shared(vw_desc, [page, kvh, 0, 0], bar, vw_bufs.index(s))
-            if V_CHANNEL or K_CHANNEL:
-                # a channel-wise group of 128 tokens keeps its 128 (s', z') pairs in the scale
-                # chunks of its two pages (foscar.cache): both, for either tile
+            tma.async_copy_global_to_shared(ks_desc, [page, kvh, 0], bar, ks_bufs.index(s))
+            if V_CHANNEL:
+                # a channel-wise V group of 128 tokens keeps its 128 (s', z') pairs in the
+                # scale chunks of its two pages (foscar.cache): both, for either tile
                 odd = (t_begin + j) % 2
                 g0 = page + (sib - page) * odd  # the group's first page
                 g1 = sib + (page - sib) * odd
-            if K_CHANNEL:
-                tma.async_copy_global_to_shared(ks_desc, [g0, kvh, 0], bar, ks_bufs.index(2 * s))
-                tma.async_copy_global_to_shared(
-                    ks_desc, [g1, kvh, 0], bar, ks_bufs.index(2 * s + 1)
-                )
-            else:
-                tma.async_copy_global_to_shared(ks_desc, [page, kvh, 0], bar, ks_bufs.index(s))
-            if V_CHANNEL:
                 tma.async_copy_global_to_shared(vs_desc, [g0, kvh, 0], bar, vs_bufs.index(2 * s))
                 tma.async_copy_global_to_shared(
                     vs_desc, [g1, kvh, 0], bar, vs_bufs.index(2 * s + 1)
@@ -844,7 +745,6 @@ def gluon_decode_split_kernel(
     K_BITS: gl.constexpr,  # 2 or 4
     V_BITS: gl.constexpr,
     V_CHANNEL: gl.constexpr,  # channel-wise V groups of 128 tokens (else token-wise, g = D)
-    K_CHANNEL: gl.constexpr,  # channel-wise K groups of 128 tokens (else token-wise, g = D)
     SPC: gl.constexpr,  # ring stages per consumer (2 x SPC in all)
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
@@ -859,10 +759,7 @@ def gluon_decode_split_kernel(
     NS: gl.constexpr = 2 * SPC
     kw_bufs = gl.allocate_shared_memory(gl.int32, [NS] + kw_desc.block_type.shape, kw_desc.layout)
     vw_bufs = gl.allocate_shared_memory(gl.int32, [NS] + vw_desc.block_type.shape, vw_desc.layout)
-    KSB: gl.constexpr = NS * (2 if K_CHANNEL else 1)  # channel-wise K: two scale chunks a stage
-    ks_bufs = gl.allocate_shared_memory(
-        gl.float32, [KSB] + ks_desc.block_type.shape, ks_desc.layout
-    )
+    ks_bufs = gl.allocate_shared_memory(gl.float32, [NS] + ks_desc.block_type.shape, ks_desc.layout)
     VSB: gl.constexpr = NS * (2 if V_CHANNEL else 1)  # channel-wise V: two scale chunks a stage
     vs_bufs = gl.allocate_shared_memory(
         gl.float32, [VSB] + vs_desc.block_type.shape, vs_desc.layout
@@ -890,11 +787,6 @@ def gluon_decode_split_kernel(
     p_bufs = gl.allocate_shared_memory(
         gl.bfloat16, [2, HS, 64], gl.NVMMASharedLayout.get_default_for([HS, 64], gl.bfloat16)
     )
-    # channel-wise K: each consumer's Q' = bf16(Q * s') (B operand) and offset term zq
-    qk_bufs = gl.allocate_shared_memory(
-        gl.bfloat16, [2, HS, 128], gl.NVMMASharedLayout.get_default_for([HS, 128], gl.bfloat16)
-    )
-    zq_bufs = gl.allocate_shared_memory(gl.float32, [2 * HS], plain_shared_layout(1))
     m_smem = gl.allocate_shared_memory(gl.float32, [HS], plain_shared_layout(1))
     l_smem = gl.allocate_shared_memory(gl.float32, [HS], plain_shared_layout(1))
     o_smem = gl.allocate_shared_memory(gl.float32, [128, HS], plain_shared_layout(2))
@@ -924,8 +816,6 @@ def gluon_decode_split_kernel(
                     empty,
                     qt_smem,
                     p_bufs,
-                    qk_bufs,
-                    zq_bufs,
                     t_begin,
                     t_full,
                     t_end,
@@ -937,7 +827,6 @@ def gluon_decode_split_kernel(
                     K_BITS,
                     V_BITS,
                     V_CHANNEL,
-                    K_CHANNEL,
                     OPT,
                 ),
             ),
@@ -952,8 +841,6 @@ def gluon_decode_split_kernel(
                     empty,
                     qt_smem,
                     p_bufs,
-                    qk_bufs,
-                    zq_bufs,
                     m_smem,
                     l_smem,
                     o_smem,
@@ -968,7 +855,6 @@ def gluon_decode_split_kernel(
                     K_BITS,
                     V_BITS,
                     V_CHANNEL,
-                    K_CHANNEL,
                     OPT,
                 ),
             ),
@@ -992,7 +878,6 @@ def gluon_decode_split_kernel(
                     kvh,
                     SPC,
                     V_CHANNEL,
-                    K_CHANNEL,
                     OPT,
                 ),
             ),
