@@ -30,6 +30,7 @@ __all__ = [
     "GluonDecodeConfig",
     "gluon_decode_config",
     "GLUON_OVER_TRITON_US",
+    "GLUON_CHANNEL_V_MIN_CTAS",
 ]
 
 
@@ -156,14 +157,28 @@ def gluon_decode_config() -> GluonDecodeConfig:
     return GluonDecodeConfig()
 
 
-#: Where ``backend="auto"`` takes the Gluon kernel over the Triton one, measured in one process
-#: on the H200 (INT2 token-wise K/V g=128, H_Q=32, H_KV=8, D=128; microseconds, Triton -> Gluon,
-#: `bash benchmarks/h200_run.sh gluon-first time`, benchmarks/NOTES.md 12). Gluon is faster at
-#: every point measured, so auto takes it wherever it covers the format.
+#: Where ``backend="auto"`` takes the Gluon kernel over the Triton one, from the H200 grid of
+#: session 3 (`bash benchmarks/h200_run.sh grid`, results/h200/decode_grid.* and decode_axes.*;
+#: H_Q=32, H_KV=8, D=128, g=128, microseconds as (Triton, Gluon)). Token-wise V: Gluon is faster
+#: at every point measured (13 points x INT2/INT4 and the axes grid), so auto always takes it.
+#: Channel-wise V: Gluon is faster from B=8 on, but at B=1 it measured slower at 2 of 4 points
+#: (not yet explained: benchmarks/NOTES.md 12), so auto takes it only from
+#: ``GLUON_CHANNEL_V_MIN_CTAS`` (sequences x KV heads) on.
 GLUON_OVER_TRITON_US = {
-    (1, 131072): (113.2, 48.5),
-    (8, 32768): (133.3, 100.7),
-    (8, 131072): (492.8, 360.3),
-    (64, 16384): (488.8, 301.4),
-    (64, 131072): (3779.8, 2232.8),
+    # (bits, v_axis, batch, kv_len): (triton, gluon)
+    (2, "token", 1, 8192): (14.7, 13.6),
+    (2, "token", 1, 131072): (73.3, 47.6),
+    (2, "token", 8, 131072): (493.7, 304.9),
+    (2, "token", 64, 131072): (3804.8, 2246.7),
+    (4, "token", 1, 8192): (16.0, 13.9),
+    (4, "token", 64, 131072): (4466.9, 2342.6),
+    (2, "channel", 1, 32768): (28.2, 126.3),
+    (2, "channel", 1, 131072): (80.2, 54.6),
+    (2, "channel", 8, 32768): (148.2, 94.7),
+    (2, "channel", 8, 131072): (558.2, 326.1),
+    (4, "channel", 1, 32768): (31.4, 27.3),
+    (4, "channel", 1, 131072): (89.9, 187.3),
+    (4, "channel", 8, 32768): (167.4, 154.9),
+    (4, "channel", 8, 131072): (626.0, 334.9),
 }
+GLUON_CHANNEL_V_MIN_CTAS = 64  # B=8 x H_KV=8: Gluon won all 4 channel-V points there

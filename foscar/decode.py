@@ -6,10 +6,11 @@ import math
 
 import torch
 
-from . import reference
+from . import configs, reference
 from .backends import gluon as gluon_backend
 from .backends import triton as triton_backend
 from .cache import DecodeBatch, QuantizedKVCache, rotate_rows
+from .formats import GroupAxis
 
 __all__ = ["decode_attention", "default_backend", "BACKENDS"]
 
@@ -24,13 +25,18 @@ REFERENCE_BLOCK_N = 1024
 
 def default_backend(cache: QuantizedKVCache, q: torch.Tensor) -> str:
     """The backend ``"auto"`` picks: on a Hopper GPU the Gluon kernel where it covers the format
-    (faster than the Triton kernel at every point measured: ``configs.GLUON_OVER_TRITON_US``),
-    else the Triton kernel on a GPU when it covers the format, else the reference."""
+    and was measured faster (``configs.GLUON_OVER_TRITON_US``: token-wise V always, channel-wise
+    V from ``configs.GLUON_CHANNEL_V_MIN_CTAS`` sequences x KV heads on), else the Triton kernel
+    on a GPU when it covers the format, else the reference."""
     if (
         q.is_cuda
         and q.dtype == torch.bfloat16
         and gluon_backend.available(q.device)
         and gluon_backend.supports(cache, q.shape[1]) is None
+        and (
+            cache.fmt.value.axis is GroupAxis.TOKEN
+            or q.shape[0] * cache.num_kv_heads >= configs.GLUON_CHANNEL_V_MIN_CTAS
+        )
     ):
         return "gluon"
     if (

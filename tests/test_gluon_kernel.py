@@ -236,6 +236,12 @@ def test_auto_picks_gluon_on_hopper():
     )
     cache_c, _ = build_cache(KVFormat(QuantFormat(4, "channel", 128), INT2), (100,), device="cuda")
     assert default_backend(cache_c, q) == "triton"
+    # channel-wise V: Gluon from GLUON_CHANNEL_V_MIN_CTAS sequences x KV heads on (measured)
+    chan_v = KVFormat(INT2, QuantFormat(2, "channel", 128))
+    small, small_batch = build_cache(chan_v, (100,), num_kv_heads=2, device="cuda")
+    assert default_backend(small, queries(small_batch, 8, 128, "cuda")) == "triton"
+    big, big_batch = build_cache(chan_v, (100,) * 32, num_kv_heads=2, device="cuda")
+    assert default_backend(big, queries(big_batch, 8, 128, "cuda")) == "gluon"
 
 
 @sm90_only
