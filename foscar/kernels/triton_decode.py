@@ -24,8 +24,11 @@ Data contract (foscar.cache, foscar.formats):
     k_sink:   [slots, Hkv, SINK, D] bf16; k_tail: [slots, Hkv, TAIL, D] bf16 (ring)
     o_part:   [B, Hq, num_splits + HAS_WINDOWS, D] fp32, normalised partial outputs
     lse_part: [B, Hq, num_splits + HAS_WINDOWS] fp32, log2-domain LSE (-inf when empty)
+    num_quantized: [B] int32, the history length; a multiple of every channel-wise group size
+              (foscar.cache demotes KVFormat.demotion_quantum tokens at a time): with
+              channel-wise K groups longer than BLOCK_N the loop runs whole groups only
 Supports: K_BITS, V_BITS in {2, 4}; D in {64, 128}; any group size the cache stores; any
-H <= 16; BLOCK_N in {64, 128} with PAGE a multiple or divisor of BLOCK_N. INTERP runs the same
+H <= 16; BLOCK_N in {32, 64, 128} with PAGE a multiple or divisor of BLOCK_N. INTERP runs the same
 code under TRITON_INTERPRET=1 with fp32 operands (the interpreter's bf16 arithmetic is wrong).
 RECONSTRUCT builds bf16(s*y + z) for every value instead of folding: the baseline that
 KIVI/BitDecoding/OSCAR-style kernels use, kept in the same kernel to measure what folding gains.
