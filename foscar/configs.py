@@ -54,10 +54,7 @@ def column_widths(fmt, head_dim: int, heads_per_kv: int, block_n: int, reconstru
     """``(HS, HPK, HPV)``: padded heads and the column counts of the QK and PV products.
 
     A product's columns are (block, head) pairs: channel groups for token-wise folds, token
-    groups of a tile for channel-wise ones; at least 16 (the smallest wgmma N Triton uses),
-    except the QK product of channel-wise K: there the 8-column product (Triton lowers it to
-    mma.sync) saves padding the folded Q every group (NOTES.md 11.3: KcVt 929 -> 907
-    instructions per 128 tokens, KcVc 995 -> 981 and no spills at 168 registers).
+    groups of a tile for channel-wise ones; at least 16 (the smallest wgmma N Triton uses).
     """
     hs = max(8, 1 << (heads_per_kv - 1).bit_length())
 
@@ -72,10 +69,7 @@ def column_widths(fmt, head_dim: int, heads_per_kv: int, block_n: int, reconstru
             return head_dim // f.group_size
         return max(1, block_n // f.group_size)
 
-    hpk = width(blocks(fmt.key))
-    if fmt.key.axis.value == "channel":
-        hpk = blocks(fmt.key) * hs
-    return hs, hpk, width(blocks(fmt.value))
+    return hs, width(blocks(fmt.key)), width(blocks(fmt.value))
 
 
 def triton_decode_config(
@@ -90,18 +84,12 @@ def triton_decode_config(
         # product, benchmarks/NOTES.md 5); 32-token tiles (mma.sync) run correctly
         return TritonDecodeConfig(block_n=32)
     if not reconstruct and fmt.key.axis.value == "channel":
-        # channel-wise K (NOTES.md 11.3; registers at D = 128, 4 heads per KV head, 3 stages):
-        # groups longer than the tile fold Q once per group and need 168 registers (they
-        # spilled 96-128 B under the 128 cap): the most that keeps 3 CTAs per SM
-        # (65536 / (3 * 128) = 170.7, allocated in steps of 8). With one fold per tile
-        # (g <= 64) and V groups of 64+ they fit 128 without spills (4 CTAs), except g = 32
-        # with token-wise V (255 registers and spills even uncapped); those and V groups of
-        # 32 (189-243 registers) get 2 CTAs per SM uncapped.
-        g, v = fmt.key.group_size, fmt.value
-        if g > 64:
+        # channel-wise K (NOTES.md 11): the Q fold needs ~168 registers at 64 tokens (g >= 64);
+        # under the 128 cap it spilled 96-128 B per thread. 168 is the most that keeps 3 CTAs
+        # per SM (65536 / (3 * 128) = 170.7, allocated in steps of 8). With g = 32 (two groups
+        # per tile) it needs 186-255 registers: 2 CTAs per SM, uncapped.
+        if fmt.key.group_size >= 64:
             return TritonDecodeConfig(block_n=64, maxnreg=168, ctas_per_sm=3)
-        if v.group_size >= 64 and not (g == 32 and v.axis.value == "token"):
-            return TritonDecodeConfig(block_n=64, maxnreg=128, ctas_per_sm=4)
         return TritonDecodeConfig(block_n=64, ctas_per_sm=2)
     if reconstruct:
         # 157-255 registers (sm_90a, D = 128, 4 heads per KV head): 2 CTAs per SM for all but
