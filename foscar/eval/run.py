@@ -344,6 +344,7 @@ def evaluate(args, out=sys.stdout, extra_formats=()) -> dict:
             for name in names:
                 cache = cache_for(name, pre, m + 8)
                 nll = decode_nll(model, cache, pre, inputs, targets)
+                del cache  # one format's cache at a time (a 4K batch's is gigabytes)
                 ppl = math.exp(nll.mean().item())
                 rows[name].setdefault("ppl", {})[str(nominal)] = ppl
                 rows[name].setdefault("nll", {})[str(nominal)] = nll.mean(dim=0).tolist()
@@ -353,6 +354,7 @@ def evaluate(args, out=sys.stdout, extra_formats=()) -> dict:
                     weights[f"ppl {nominal}"] / nf, f"perplexity, prefix {n}: {name}: {ppl:.3f}"
                 )
             del pre
+            _partial(rows)
 
     # ---- greedy agreement with the BF16 cache
     if "agreement" in args.metrics:
@@ -369,6 +371,7 @@ def evaluate(args, out=sys.stdout, extra_formats=()) -> dict:
         for name in ["BF16"] + [n for n in names if n != "BF16"]:
             cache = cache_for(name, pre, count + 8)
             generated[name] = greedy_tokens(model, cache, pre, count, ban)
+            del cache
             same = (generated[name] == generated["BF16"]).float()
             rows[name]["agreement"] = same.mean().item()
             rows[name]["agreement_per_prompt"] = same.mean(dim=1).tolist()
@@ -406,6 +409,7 @@ def evaluate(args, out=sys.stdout, extra_formats=()) -> dict:
             for name in names:
                 cache = cache_for(name, pre, len(question) + len(answers[0]) + 8)
                 hit, nll, argmax = needle_scores(model, cache, pre, question, target)
+                del cache
                 rows[name].setdefault("needle", {})[str(length)] = {
                     "found": int(hit.sum()),
                     "trials": len(values),
@@ -421,6 +425,7 @@ def evaluate(args, out=sys.stdout, extra_formats=()) -> dict:
                     f"(answer NLL {nll.mean().item():.2f})",
                 )
             del pre
+            _partial(rows)
 
     result = {
         "config": {
@@ -479,6 +484,17 @@ def evaluate(args, out=sys.stdout, extra_formats=()) -> dict:
     }
     print(markdown_table(result), file=out, flush=True)
     return result
+
+
+def _partial(rows: dict) -> None:
+    """Rows measured so far, to ``$FOSCAR_EVAL_PARTIAL`` if set (a long run killed late keeps
+    its finished metrics)."""
+    path = os.environ.get("FOSCAR_EVAL_PARTIAL")
+    if path:
+        import json
+
+        with open(path, "w") as f:
+            json.dump(list(rows.values()), f)
 
 
 def _sizes_text(args, prefix_tokens: list[int], calibration_tokens: int) -> str:

@@ -641,7 +641,7 @@ class FoscarCache(Cache):
         plan = self._plan_for(layer)
         if self.decode == "dequantized":
             if self._history[layer] is None:
-                self._history[layer] = _DequantizedHistory()
+                self._history[layer] = _DequantizedHistory(self._max_cache_len)
             out = self._history[layer].attend(query[:, :, 0], self.kv, plan, scaling)
             return out.unsqueeze(1)
         out = decode_attention(
@@ -698,7 +698,8 @@ class _DequantizedHistory:
     (SDPA) and rotates the output by ``R_V^T``, as :func:`foscar.decode_attention` does.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int = 0) -> None:
+        self.capacity = capacity  # tokens per row allocated at once (the cache's max length)
         self.k = self.v = None  # [rows, H, capacity, D] float32
         self.done: list[int] = []  # history tokens dequantized per row
         self.copied: list[int] = []  # positions whose window value was copied per row
@@ -707,7 +708,7 @@ class _DequantizedHistory:
         cap = 0 if self.k is None else self.k.shape[2]
         if self.k is not None and need <= cap and self.k.shape[0] >= rows:
             return
-        new_cap = max(need, 2 * cap, 256)
+        new_cap = max(need, self.capacity) if self.k is None else max(need, 2 * cap)
         shape = (rows, cache.num_kv_heads, new_cap, cache.head_dim)
         k = torch.zeros(shape, dtype=torch.float32, device=cache.device)
         v = torch.zeros(shape, dtype=torch.float32, device=cache.device)
