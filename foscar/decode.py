@@ -135,20 +135,29 @@ def decode_attention(
     return (o, lse_o) if return_lse else o
 
 
+#: the kernel backends: (module, what it needs when unavailable)
+_KERNELS = {
+    "gluon": (gluon_backend, "triton's Gluon and a Hopper (sm_90) GPU"),
+    "triton": (
+        triton_backend,
+        "Triton and a CUDA device (or TRITON_INTERPRET=1 on the CPU)",
+    ),
+}
+
+
 def _decode(q, cache, batch, sm_scale, backend, return_lse, out, lse):
     """The backend call of :func:`decode_attention` (validated arguments, stored coordinates)."""
-    if backend.startswith("gluon"):
-        if not gluon_backend.available(q.device):
-            raise ValueError(
-                f"backend {backend!r} needs triton's Gluon and a Hopper (sm_90) GPU; "
-                f"q is on {q.device}"
-            )
-        reason = gluon_backend.supports(cache, q.shape[1])
+    kernel = backend.removesuffix("-reconstruct")
+    if kernel in _KERNELS:
+        module, needs = _KERNELS[kernel]
+        if not module.available(q.device):
+            raise ValueError(f"backend {backend!r} needs {needs}; q is on {q.device}")
+        reason = module.supports(cache, q.shape[1])
         if reason:
             raise ValueError(f"backend {backend!r} does not cover this cache: {reason}")
         if q.dtype != torch.bfloat16:
             raise TypeError(f"backend {backend!r} needs bfloat16 queries, got {q.dtype}")
-        return gluon_backend.decode(
+        return module.decode(
             q,
             cache,
             batch,
@@ -156,28 +165,7 @@ def _decode(q, cache, batch, sm_scale, backend, return_lse, out, lse):
             out=out,
             lse=lse,
             return_lse=return_lse,
-            reconstruct=backend == "gluon-reconstruct",
-        )
-    if backend.startswith("triton"):
-        if not triton_backend.available(q.device):
-            raise ValueError(
-                f"backend {backend!r} needs Triton and a CUDA device (or TRITON_INTERPRET=1 on "
-                f"the CPU); q is on {q.device}"
-            )
-        reason = triton_backend.supports(cache, q.shape[1])
-        if reason:
-            raise ValueError(f"backend {backend!r} does not cover this cache: {reason}")
-        if q.dtype != torch.bfloat16:
-            raise TypeError(f"backend {backend!r} needs bfloat16 queries, got {q.dtype}")
-        return triton_backend.decode(
-            q,
-            cache,
-            batch,
-            sm_scale,
-            out=out,
-            lse=lse,
-            return_lse=return_lse,
-            reconstruct=backend == "triton-reconstruct",
+            reconstruct=backend.endswith("-reconstruct"),
         )
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     o, lse_ref = reference.attend_folded(

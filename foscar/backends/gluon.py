@@ -108,9 +108,19 @@ def _descriptors(cache: QuantizedKVCache, layer: int):
     return memo[key]
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _constexprs(cfg: GluonDecodeConfig, heads_per_kv: int, k_bits: int, v_bits: int, v_channel):
+    """The kernel's compile-time arguments (one place for the launcher and compile_sm90)."""
+    return dict(
+        H=heads_per_kv,
+        HS=MAX_HEADS_PER_KV,
+        K_BITS=k_bits,
+        V_BITS=v_bits,
+        V_CHANNEL=v_channel,
+        SPC=cfg.stages_per_consumer,
+        CONSUMER_REGS=cfg.consumer_regs,
+        PRODUCER_REGS=cfg.producer_regs,
+        OPT=cfg.opt,
+    )
 
 
 def decode(
@@ -133,7 +143,7 @@ def decode(
     if reconstruct:  # the ablation: per-value s' y + z' instead of the folds (kernel OPT 128)
         cfg = dataclasses.replace(cfg, opt=cfg.opt | 128)
     if splits is None:
-        sms = _num_sms(q.device.index or 0)
+        sms = triton_backend._num_sms(q.device.index or 0)
         splits = num_splits(bsz, cache.num_kv_heads, max(batch.num_quantized_host), cfg, sms)
     fmt = cache.fmt
     has_windows = fmt.sink_tokens > 0 or fmt.tail_capacity > 1
@@ -144,8 +154,10 @@ def decode(
     if return_lse and lse is None:
         lse = torch.empty(bsz, num_q_heads, dtype=torch.float32, device=q.device)
     kw, ks, vw, vs = _descriptors(cache, batch.layer)
-    KB, VB = fmt.key.bits, fmt.value.bits
-    V_CHANNEL = fmt.value.axis is GroupAxis.CHANNEL
+    v_channel = fmt.value.axis is GroupAxis.CHANNEL
+    consts = _constexprs(
+        cfg, num_q_heads // cache.num_kv_heads, fmt.key.bits, fmt.value.bits, v_channel
+    )
     kern.gluon_decode_split_kernel[(bsz, cache.num_kv_heads, splits)](
         q,
         kw,
@@ -167,15 +179,7 @@ def decode(
         o_part.stride(2),
         lse_part.stride(0),
         lse_part.stride(1),
-        H=num_q_heads // cache.num_kv_heads,
-        HS=MAX_HEADS_PER_KV,
-        K_BITS=KB,
-        V_BITS=VB,
-        V_CHANNEL=V_CHANNEL,
-        SPC=cfg.stages_per_consumer,
-        CONSUMER_REGS=cfg.consumer_regs,
-        PRODUCER_REGS=cfg.producer_regs,
-        OPT=cfg.opt,
+        **consts,
         num_warps=4,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )
@@ -205,7 +209,6 @@ def compile_sm90(
     kern = _gluon()
     cfg = cfg or gluon_decode_config()
     k_layout, v_layout, scales_layout = kern.descriptor_layouts(k_bits, v_bits)
-    KB, VB, V_CHANNEL = k_bits, v_bits, v_channel
 
     def desc(dtype, block, layout):
         return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout!r}>"
@@ -227,17 +230,7 @@ def compile_sm90(
         "qk_scale": "fp32",
         "magic": "i32",
     }
-    consts = dict(
-        H=heads_per_kv,
-        HS=MAX_HEADS_PER_KV,
-        K_BITS=KB,
-        V_BITS=VB,
-        V_CHANNEL=V_CHANNEL,
-        SPC=cfg.stages_per_consumer,
-        CONSUMER_REGS=cfg.consumer_regs,
-        PRODUCER_REGS=cfg.producer_regs,
-        OPT=cfg.opt,
-    )
+    consts = _constexprs(cfg, heads_per_kv, k_bits, v_bits, v_channel)
     fn = kern.gluon_decode_split_kernel
     full = {n: sig.get(n, "constexpr" if n in consts else "i32") for n in fn.arg_names}
     src = GluonASTSource(fn, full, constexprs=consts, attrs={})

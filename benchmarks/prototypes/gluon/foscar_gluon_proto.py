@@ -259,30 +259,14 @@ def emulate(seed=0, verbose=True):
 
 # ------------------------------------------------------------------------------ compile helpers
 def compile_proto(HS=8, SPC=2, consumer_regs=232, producer_regs=40, maxnreg=None, opt=7):
-    from gcompile import compile_gluon, desc_sig
+    """The package's kernel compiled for sm_90a with these launch knobs (INT2, token-wise V)."""
+    from foscar.backends.gluon import compile_sm90
+    from foscar.configs import GluonDecodeConfig
 
-    wl, _, sl = descriptor_layouts()
-    sig = {
-        "q_ptr": "*bf16",
-        "kw_desc": desc_sig("i32", [1, 1, PAGE, WORDS], wl),
-        "ks_desc": desc_sig("fp32", [1, 1, 2 * PAGE], sl),
-        "vw_desc": desc_sig("i32", [1, 1, PAGE, WORDS], wl),
-        "vs_desc": desc_sig("fp32", [1, 1, 2 * PAGE], sl),
-        "kv_indptr_ptr": "*i32",
-        "kv_indices_ptr": "*i32",
-        "num_quantized_ptr": "*i32",
-        "o_part_ptr": "*fp32",
-        "lse_part_ptr": "*fp32",
-        "qk_scale": "fp32",
-        "magic": "i32",
-        "num_splits": "i32",
-    }
-    for n in ("stride_q_b", "stride_q_h", "stride_op_b", "stride_op_h", "stride_op_split",
-              "stride_lp_b", "stride_lp_h"):
-        sig[n] = "i32"
-    consts = dict(H=4, HS=HS, K_BITS=2, V_BITS=2, SPC=SPC, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
-                  OPT=opt)
-    return compile_gluon(foscar_gluon_decode_split, sig, consts, num_warps=4, maxnreg=maxnreg)
+    assert HS == 8, "the package's kernel is built for HS = 8"
+    cfg = GluonDecodeConfig(stages_per_consumer=SPC, consumer_regs=consumer_regs,
+                            producer_regs=producer_regs, maxnreg=maxnreg, opt=opt)
+    return compile_sm90(cfg, heads_per_kv=4)
 
 
 def _bf16_round(x):
@@ -473,7 +457,7 @@ def decode(q, cache, batch, num_splits, *, sm_scale=None, opt=5, spc=2, consumer
         lse_part, sm_scale * LOG2E, MAGIC, num_splits,
         q.stride(0), q.stride(1), o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),
-        H=ratio, HS=8, K_BITS=2, V_BITS=2, SPC=spc, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, OPT=opt,
+        H=ratio, HS=8, K_BITS=2, V_BITS=2, V_CHANNEL=False, SPC=spc, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, OPT=opt,
         num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}))
     out = torch.empty_like(q)
     lse = torch.empty(bsz, hq, dtype=torch.float32, device=q.device) if return_lse else None
