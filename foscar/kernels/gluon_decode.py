@@ -302,14 +302,15 @@ def _tile(
     qk_scale,
     magic,
     C: gl.constexpr,
-    SPC: gl.constexpr,
-    HS: gl.constexpr,
-    K_BITS: gl.constexpr,
-    V_BITS: gl.constexpr,
-    V_CHANNEL: gl.constexpr,
+    CFG: gl.constexpr,
     MASKED: gl.constexpr,
-    OPT: gl.constexpr,
 ):
+    SPC: gl.constexpr = CFG[0]
+    HS: gl.constexpr = CFG[1]
+    K_BITS: gl.constexpr = CFG[2]
+    V_BITS: gl.constexpr = CFG[3]
+    V_CHANNEL: gl.constexpr = CFG[4]
+    OPT: gl.constexpr = CFG[5]
     FAST_MAX: gl.constexpr = (OPT & 1) != 0
     PIPE: gl.constexpr = (OPT & 2) != 0
     FAST_RCP: gl.constexpr = (OPT & 4) != 0
@@ -432,25 +433,12 @@ def _tile(
 
 
 @gluon.jit
-def _consume(
-    C: gl.constexpr,
-    ring,
-    qt_smem,
-    p_bufs,
-    t_begin,
-    t_full,
-    t_end,
-    n_q,
-    qk_scale,
-    magic,
-    SPC: gl.constexpr,
-    HS: gl.constexpr,
-    K_BITS: gl.constexpr,
-    V_BITS: gl.constexpr,
-    V_CHANNEL: gl.constexpr,
-    OPT: gl.constexpr,
-):
-    """Consumer C's loop over tiles t_begin + C + 2i; returns (m, l, unnormalised O^T [D, HS])."""
+def _consume(C: gl.constexpr, ring, qt_smem, p_bufs, span, qk_scale, magic, CFG: gl.constexpr):
+    """Consumer C's loop over tiles t_begin + C + 2i; returns (m, l, unnormalised O^T [D, HS]).
+    span: (t_begin, t_full, t_end, n_q); CFG: (SPC, HS, K_BITS, V_BITS, V_CHANNEL, OPT)."""
+    t_begin, t_full, t_end, n_q = span
+    HS: gl.constexpr = CFG[1]
+    OPT: gl.constexpr = CFG[5]
     PIPE: gl.constexpr = (OPT & 2) != 0
     acc_l: gl.constexpr = acc_layout(HS)
     p_smem = p_bufs.index(C)
@@ -481,13 +469,8 @@ def _consume(
             qk_scale,
             magic,
             C,
-            SPC,
-            HS,
-            K_BITS,
-            V_BITS,
-            V_CHANNEL,
+            CFG,
             False,
-            OPT,
         )
     if n_full < n_all:
         st = _tile(
@@ -502,13 +485,8 @@ def _consume(
             qk_scale,
             magic,
             C,
-            SPC,
-            HS,
-            K_BITS,
-            V_BITS,
-            V_CHANNEL,
+            CFG,
             True,
-            OPT,
         )
     m_i, l_i, z_i, acc, o_tok, alpha_prev, vt_prev = st
     if PIPE:
@@ -520,99 +498,19 @@ def _consume(
 
 
 @gluon.jit
-def _consumer1(
-    kw_bufs,
-    ks_bufs,
-    vw_bufs,
-    vs_bufs,
-    ready,
-    empty,
-    qt_smem,
-    p_bufs,
-    m_smem,
-    l_smem,
-    o_smem,
-    t_begin,
-    t_full,
-    t_end,
-    n_q,
-    qk_scale,
-    magic,
-    SPC: gl.constexpr,
-    HS: gl.constexpr,
-    K_BITS: gl.constexpr,
-    V_BITS: gl.constexpr,
-    V_CHANNEL: gl.constexpr,
-    OPT: gl.constexpr,
-):
+def _consumer1(ring, qt_smem, p_bufs, merge_bufs, span, qk_scale, magic, CFG: gl.constexpr):
     """Consumer 1 leaves its state in shared memory; the kernel merges it after the partitions
     join (the join is a CTA barrier, so no mbarrier hand-off is needed)."""
-    ring = (kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty)
-    m1, l1, num1 = _consume(
-        1,
-        ring,
-        qt_smem,
-        p_bufs,
-        t_begin,
-        t_full,
-        t_end,
-        n_q,
-        qk_scale,
-        magic,
-        SPC,
-        HS,
-        K_BITS,
-        V_BITS,
-        V_CHANNEL,
-        OPT,
-    )
+    m_smem, l_smem, o_smem = merge_bufs
+    m1, l1, num1 = _consume(1, ring, qt_smem, p_bufs, span, qk_scale, magic, CFG)
     m_smem.store(m1)
     l_smem.store(l1)
     o_smem.store(num1)
 
 
 @gluon.jit
-def _consumer0(
-    kw_bufs,
-    ks_bufs,
-    vw_bufs,
-    vs_bufs,
-    ready,
-    empty,
-    qt_smem,
-    p_bufs,
-    t_begin,
-    t_full,
-    t_end,
-    n_q,
-    qk_scale,
-    magic,
-    SPC: gl.constexpr,
-    HS: gl.constexpr,
-    K_BITS: gl.constexpr,
-    V_BITS: gl.constexpr,
-    V_CHANNEL: gl.constexpr,
-    OPT: gl.constexpr,
-):
-    ring = (kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty)
-    return _consume(
-        0,
-        ring,
-        qt_smem,
-        p_bufs,
-        t_begin,
-        t_full,
-        t_end,
-        n_q,
-        qk_scale,
-        magic,
-        SPC,
-        HS,
-        K_BITS,
-        V_BITS,
-        V_CHANNEL,
-        OPT,
-    )
+def _consumer0(ring, qt_smem, p_bufs, span, qk_scale, magic, CFG: gl.constexpr):
+    return _consume(0, ring, qt_smem, p_bufs, span, qk_scale, magic, CFG)
 
 
 @gluon.jit
@@ -651,26 +549,12 @@ def _merge_and_store(
 
 # ------------------------------------------------------------------------------------- producer
 @gluon.jit
-def _producer(
-    kw_desc,
-    ks_desc,
-    vw_desc,
-    vs_desc,
-    kw_bufs,
-    ks_bufs,
-    vw_bufs,
-    vs_bufs,
-    ready,
-    empty,
-    kv_indices_ptr,
-    page_base,
-    t_begin,
-    t_end,
-    kvh,
-    SPC: gl.constexpr,
-    V_CHANNEL: gl.constexpr,
-    OPT: gl.constexpr,
-):
+def _producer(descs, ring, kv_indices_ptr, page_base, t_begin, t_end, kvh, CFG: gl.constexpr):
+    kw_desc, ks_desc, vw_desc, vs_desc = descs
+    kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty = ring
+    SPC: gl.constexpr = CFG[0]
+    V_CHANNEL: gl.constexpr = CFG[4]
+    OPT: gl.constexpr = CFG[5]
     COMPUTE_ONLY: gl.constexpr = (OPT & 64) != 0
     nbytes: gl.constexpr = (
         kw_desc.block_type.nbytes
@@ -803,83 +687,20 @@ def gluon_decode_split_kernel(
     o_base = o_part_ptr + b * stride_op_b + (kvh * H) * stride_op_h + split * stride_op_split
     lse_base = lse_part_ptr + b * stride_lp_b + (kvh * H) * stride_lp_h + split
 
+    ring = (kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty)
+    descs = (kw_desc, ks_desc, vw_desc, vs_desc)
+    span = (t_begin, t_full, t_end, n_q)
+    CFG: gl.constexpr = (SPC, HS, K_BITS, V_BITS, V_CHANNEL, OPT)
     m0, l0, num0 = gl.warp_specialize(
         [
-            (
-                _consumer0,
-                (
-                    kw_bufs,
-                    ks_bufs,
-                    vw_bufs,
-                    vs_bufs,
-                    ready,
-                    empty,
-                    qt_smem,
-                    p_bufs,
-                    t_begin,
-                    t_full,
-                    t_end,
-                    n_q,
-                    qk_scale,
-                    magic,
-                    SPC,
-                    HS,
-                    K_BITS,
-                    V_BITS,
-                    V_CHANNEL,
-                    OPT,
-                ),
-            ),
+            (_consumer0, (ring, qt_smem, p_bufs, span, qk_scale, magic, CFG)),
             (
                 _consumer1,
-                (
-                    kw_bufs,
-                    ks_bufs,
-                    vw_bufs,
-                    vs_bufs,
-                    ready,
-                    empty,
-                    qt_smem,
-                    p_bufs,
-                    m_smem,
-                    l_smem,
-                    o_smem,
-                    t_begin,
-                    t_full,
-                    t_end,
-                    n_q,
-                    qk_scale,
-                    magic,
-                    SPC,
-                    HS,
-                    K_BITS,
-                    V_BITS,
-                    V_CHANNEL,
-                    OPT,
-                ),
+                (ring, qt_smem, p_bufs, (m_smem, l_smem, o_smem), span, qk_scale, magic, CFG),
             ),
             (
                 _producer,
-                (
-                    kw_desc,
-                    ks_desc,
-                    vw_desc,
-                    vs_desc,
-                    kw_bufs,
-                    ks_bufs,
-                    vw_bufs,
-                    vs_bufs,
-                    ready,
-                    empty,
-                    kv_indices_ptr,
-                    page_base,
-                    t_begin,
-                    t_end,
-                    kvh,
-                    SPC,
-                    V_CHANNEL,
-                    OPT,
-                ),
+                (descs, ring, kv_indices_ptr, page_base, t_begin, t_end, kvh, CFG),
             ),
         ],
         [4, 1],
