@@ -342,15 +342,34 @@ def plot(rows, path: str) -> None:
     batches = sorted({r["batch"] for r in rows})
     width = 5 * len(batches) + 2.5  # 2.5 inches on the right for the legend
     fig, axes = plt.subplots(1, len(batches), figsize=(width, 4), squeeze=False)
+    labels = sorted({_label(r) for r in rows})
+    # a colour per method and format (20 distinct), a line style per family: foscar's folded
+    # kernels solid, its reconstruct ablations dashed, the baselines dotted
+    palette = plt.get_cmap("tab20").colors
+    color = {lab: palette[i % len(palette)] for i, lab in enumerate(labels)}
+
+    def style(lab):
+        if lab.startswith("foscar") and "reconstruct" not in lab:
+            return "-"
+        return "--" if lab.startswith("foscar") else ":"
+
     for ax, b in zip(axes[0], batches):
-        for lab in sorted({_label(r) for r in rows}):
+        for lab in labels:
             pts = sorted(
                 (r["kv_len"], r["speedup_vs_flashinfer_bf16"])
                 for r in rows
                 if r["batch"] == b and _label(r) == lab and r.get("speedup_vs_flashinfer_bf16")
             )
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=lab)
+                ax.plot(
+                    [p[0] for p in pts],
+                    [p[1] for p in pts],
+                    marker="o",
+                    markersize=4,
+                    color=color[lab],
+                    linestyle=style(lab),
+                    label=lab,
+                )
         ax.set_xscale("log", base=2)
         ax.axhline(1.0, color="gray", linestyle="--", linewidth=0.8)
         ax.set_title(f"batch {b}")
