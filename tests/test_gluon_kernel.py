@@ -132,6 +132,21 @@ def test_cpu_call_is_refused_and_auto_does_not_pick_it():
     assert default_backend(cache, q) != "gluon"
 
 
+def test_tma_descriptors_cover_the_pools_and_are_cached():
+    """One TMA box is one page of one KV head: the words of 64 tokens ([1, 1, 64, 4 * bits])
+    and the page's 128 scale floats; built once per layer's pools."""
+    fmt = KVFormat(INT4, QuantFormat(2, "channel", 128))
+    cache, _ = build_cache(fmt, (100, 300), num_kv_heads=2)
+    kw, ks, vw, vs = gluon_backend._descriptors(cache, 0)
+    st = cache.layers[0]
+    assert (kw.block_shape, kw.shape) == ([1, 1, 64, 16], list(st.k_words.shape))
+    assert (vw.block_shape, vw.shape) == ([1, 1, 64, 8], list(st.v_words.shape))
+    for desc, scales in ((ks, st.k_scales), (vs, st.v_scales)):
+        assert desc.block_shape == [1, 1, 128]
+        assert desc.shape == [scales.shape[0], scales.shape[1], scales[0, 0].numel()]
+    assert gluon_backend._descriptors(cache, 0)[0] is kw
+
+
 @pytest.mark.parametrize(
     "batch, tokens, expected",
     [(1, 32768, 33), (1, 131072, 33), (8, 131072, 4), (64, 131072, 1), (1, 64, 1), (1, 300, 2)],
