@@ -23,7 +23,11 @@ from foscar.configs import GluonDecodeConfig, gluon_decode_config
 pytest.importorskip("triton")
 gluon_backend = pytest.importorskip("foscar.backends.gluon")
 if gluon_backend._gluon() is None:
-    pytest.skip("this triton has no Gluon", allow_module_level=True)
+    pytest.skip(
+        f"the Gluon kernel is written for triton {gluon_backend.GLUON_TRITON_VERSIONS} "
+        "(pyproject's triton extra pins it)",
+        allow_module_level=True,
+    )
 
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 sm90_only = pytest.mark.skipif(

@@ -27,9 +27,18 @@ PAGE_SIZE = 64
 MAX_HEADS_PER_KV = 8  # the wgmma N of the QK and PV products (HS = 8)
 
 
+#: the triton releases whose Gluon API the kernel is written against (Gluon is experimental:
+#: 3.9 removed ``tma.async_copy_global_to_shared``, for one); others fall back to Triton
+GLUON_TRITON_VERSIONS = ("3.6.",)
+
+
 @functools.cache
 def _gluon():
     try:
+        import triton
+
+        if not triton.__version__.startswith(GLUON_TRITON_VERSIONS):
+            return None
         from ..kernels import gluon_decode
     except Exception:  # triton without Gluon (or without its Hopper module)
         return None
