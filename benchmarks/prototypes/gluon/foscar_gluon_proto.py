@@ -66,7 +66,6 @@ from foscar.kernels.gluon_decode import (  # noqa: E402,F401
     v_words4_layout,
     v_words_load_layout,
 )
-from foscar.kernels.gluon_decode import gluon_decode_split_kernel as foscar_gluon_decode_split  # noqa: E402
 
 WORDS = D * 2 // 32  # the prototype's scope: INT2 rows (8 words)
 
@@ -398,78 +397,32 @@ def emulate_decode_check(lengths=(1, 62, 63, 126, 200, 700), num_splits=(1, 2, 3
 
 
 # ------------------------------------------------------------------------------- GPU launcher
-LOG2E = 1.4426950408889634
-
-
-def check_supported(cache, num_q_heads):
-    fmt = cache.fmt
-    for f in (fmt.key, fmt.value):
-        if (f.bits, f.axis.value, f.group_size) != (2, "token", 128):
-            return f"prototype covers token-wise INT2 g=128 only, got {f.short()}"
-    if cache.head_dim != D or cache.page_size != PAGE:
-        return f"prototype needs head_dim {D} and page_size {PAGE}"
-    if fmt.sink_tokens or fmt.tail_capacity > 1:
-        return "prototype has no BF16 window program (sink/recent)"
-    ratio = num_q_heads // cache.num_kv_heads
-    if ratio > 8:
-        return f"at most 8 query heads per KV head (HS = 8), got {ratio}"
-    return None
-
-
-def make_descriptors(cache, layer=0):
-    """TMA descriptors over the cache pools: words [pages, Hkv, 64, 8] i32 (box [1, 1, 64, 8],
-    32-byte swizzle), scales viewed [pages, Hkv, 128] fp32 (box [1, 1, 128])."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    st = cache.layers[layer]
-    wl, _, sl = descriptor_layouts()
-    descs = []
-    for words, scales in ((st.k_words, st.k_scales), (st.v_words, st.v_scales)):
-        sv = scales.view(scales.shape[0], scales.shape[1], -1)
-        descs.append(TensorDescriptor(words, list(words.shape), list(words.stride()),
-                                      [1, 1, PAGE, WORDS], wl))
-        descs.append(TensorDescriptor(sv, list(sv.shape), list(sv.stride()), [1, 1, 2 * PAGE], sl))
-    return descs  # kw, ks, vw, vs
+LOG2E = 1.4426950408889634  # the emulation's logit scale
 
 
 def decode(q, cache, batch, num_splits, *, sm_scale=None, opt=5, spc=2, consumer_regs=232,
-           producer_regs=40, maxnreg=None, return_lse=False, descs=None, workspace=None):
-    """GPU only (untested here): split kernel + foscar's merge kernel; returns out (and lse)."""
+           producer_regs=40, maxnreg=None, return_lse=False, poison=False):
+    """The package's launcher (foscar.backends.gluon.decode) with these launch knobs; with
+    poison=True the split workspace is NaN-filled before the timed call."""
     import math
 
-    import torch
+    from foscar.backends import gluon as gluon_backend
+    from foscar.configs import GluonDecodeConfig
 
-    from foscar.kernels.triton_decode import merge_splits_kernel
+    cfg = GluonDecodeConfig(stages_per_consumer=spc, consumer_regs=consumer_regs,
+                            producer_regs=producer_regs, maxnreg=maxnreg, opt=opt)
+    sm_scale = 1 / math.sqrt(q.shape[2]) if sm_scale is None else sm_scale
 
-    reason = check_supported(cache, q.shape[1])
-    if reason:
-        raise ValueError(reason)
-    bsz, hq, d = q.shape
-    ratio = hq // cache.num_kv_heads
-    sm_scale = 1 / math.sqrt(d) if sm_scale is None else sm_scale
-    kw, ks, vw, vs = descs or make_descriptors(cache, batch.layer)
-    if workspace is None:
-        workspace = (torch.empty(bsz, hq, num_splits, d, dtype=torch.float32, device=q.device),
-                     torch.empty(bsz, hq, num_splits, dtype=torch.float32, device=q.device))
-    o_part, lse_part = workspace
-    foscar_gluon_decode_split[(bsz, cache.num_kv_heads, num_splits)](
-        q, kw, ks, vw, vs, batch.kv_indptr, batch.kv_indices, batch.num_quantized, o_part,
-        lse_part, sm_scale * LOG2E, MAGIC, num_splits,
-        q.stride(0), q.stride(1), o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        lse_part.stride(0), lse_part.stride(1),
-        H=ratio, HS=8, K_BITS=2, V_BITS=2, V_CHANNEL=False, SPC=spc, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, OPT=opt,
-        num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}))
-    out = torch.empty_like(q)
-    lse = torch.empty(bsz, hq, dtype=torch.float32, device=q.device) if return_lse else None
-    merge_splits_kernel[(bsz, hq)](
-        o_part_ptr=o_part, lse_part_ptr=lse_part, o_ptr=out, lse_ptr=lse if return_lse else out,
-        num_parts=num_splits, stride_op_b=o_part.stride(0), stride_op_h=o_part.stride(1),
-        stride_op_split=o_part.stride(2), stride_lp_b=lse_part.stride(0),
-        stride_lp_h=lse_part.stride(1), stride_o_b=out.stride(0), stride_o_h=out.stride(1),
-        stride_l_b=lse.stride(0) if return_lse else 0, stride_l_h=lse.stride(1) if return_lse else 0,
-        D=d, BLOCK_P=max(2, 1 << (num_splits - 1).bit_length()), WRITE_LSE=return_lse,
-        INTERP=False, num_warps=4)
-    return (out, lse) if return_lse else out
+    def call():
+        return gluon_backend.decode(q, cache, batch, sm_scale, config=cfg, splits=num_splits,
+                                    return_lse=return_lse)
+
+    if poison:
+        call()  # creates the workspace cached on the batch
+        for o_part, lse_part in batch._workspaces.values():
+            o_part.fill_(float("nan"))
+            lse_part.fill_(float("nan"))
+    return call()
 
 
 def sass_report(ck, label=""):
