@@ -155,7 +155,7 @@ def decode(
         sms = triton_backend._num_sms(q.device.index or 0)
         splits = num_splits(bsz, cache.num_kv_heads, max(batch.num_quantized_host), cfg, sms)
     fmt = cache.fmt
-    has_windows = fmt.sink_tokens > 0 or fmt.tail_capacity > 1
+    has_windows = triton_backend.has_window_program(fmt)
     parts = splits + int(has_windows)
     o_part, lse_part = triton_backend._workspace(batch, (bsz, num_q_heads, parts, d), q.device)
     if out is None:

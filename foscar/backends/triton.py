@@ -84,6 +84,13 @@ def supports(cache: QuantizedKVCache, num_q_heads: int) -> str | None:
     return None
 
 
+def has_window_program(fmt) -> bool:
+    """Whether a format keeps BF16 tokens beside the history (sink, recent window, or the
+    incomplete group of a channel-wise axis), read by the split kernel's window program as one
+    more partial. Token-wise K and V without windows keep every token in the history."""
+    return fmt.sink_tokens > 0 or fmt.tail_capacity > 1
+
+
 def _workspace(batch: DecodeBatch, shape: tuple, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Split partials, allocated once per batch plan and shape (graph-safe reuse)."""
     cache = batch.__dict__.setdefault("_workspaces", {})
@@ -124,10 +131,7 @@ def decode(
     if splits is None:
         sms = _num_sms(q.device.index or 0) if q.is_cuda else 4
         splits = num_splits(bsz, cache.num_kv_heads, max(batch.num_quantized_host), cfg, sms)
-    fmt = cache.fmt
-    # token-wise K and V without windows keep every token in the history: no BF16 program
-    has_windows = fmt.sink_tokens > 0 or fmt.tail_capacity > 1
-    parts = splits + int(has_windows)
+    parts = splits + int(has_window_program(cache.fmt))
     o_part, lse_part = _workspace(batch, (bsz, num_q_heads, parts, d), q.device)
     if out is None:
         out = torch.empty_like(q)
@@ -147,7 +151,7 @@ def _launch_split(q, cache, batch, sm_scale, o_part, lse_part, splits, programs,
     d = q.shape[2]
     ratio = q.shape[1] // cache.num_kv_heads
     hs, hpk, hpv = column_widths(fmt, d, ratio, cfg.block_n, reconstruct)
-    has_windows = fmt.sink_tokens > 0 or fmt.tail_capacity > 1
+    has_windows = has_window_program(fmt)
     kern.decode_split_kernel[(q.shape[0], cache.num_kv_heads, programs)](
         q_ptr=q,
         k_words_ptr=st.k_words,
