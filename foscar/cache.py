@@ -60,6 +60,7 @@ from .formats import (
     KVFormat,
     QuantFormat,
     Role,
+    _bit_offsets,
     channel_order,
     fold_scale_offset,
     pack_codes,
@@ -77,6 +78,7 @@ __all__ = [
 ]
 
 _ALLOWED_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+DECODE_WRITE_PATHS = ("auto", "fused", "torch")
 
 
 @dataclass
@@ -254,6 +256,11 @@ class QuantizedKVCache:
         Storage of the BF16 sink/tail (default ``torch.bfloat16``).
     check_finite : bool
         Reject K/V containing NaN or Inf (default True; see the module docstring).
+    decode_write : {"auto", "fused", "torch"}
+        How a decode step (one new token per sequence) is written: "fused" is one Triton launch
+        per role (foscar.kernels.cache_write; token-wise unclipped history formats, a CUDA
+        device or the Triton interpreter), "torch" the tensor operations of a prefill's path,
+        "auto" fused wherever it applies on a CUDA device. Both store the same bits.
 
     Example
     -------
@@ -278,6 +285,7 @@ class QuantizedKVCache:
         device: torch.device | str = "cpu",
         window_dtype: torch.dtype = torch.bfloat16,
         check_finite: bool = True,
+        decode_write: str = "auto",
     ) -> None:
         if not isinstance(fmt, KVFormat):
             raise TypeError(f"fmt must be a KVFormat, got {type(fmt).__name__}")
@@ -305,6 +313,10 @@ class QuantizedKVCache:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.window_dtype = window_dtype
         self.check_finite = check_finite
+        if decode_write not in DECODE_WRITE_PATHS:
+            raise ValueError(f"decode_write must be one of {DECODE_WRITE_PATHS}, got {decode_write!r}")
+        self.decode_write = decode_write
+        self._desc_memo: tuple | None = None  # (descriptor rows, their device tensor)
         self.layers = [self._allocate_layer() for _ in range(num_layers)]
         self.transforms = [LayerTransform() for _ in range(num_layers)]
         self._free_pages: list[int] = list(range(num_pages - 1, -1, -1))  # pop() gives 0 first
@@ -325,6 +337,45 @@ class QuantizedKVCache:
             order = channel_order(role, f.bits, self.head_dim, self.fmt.mapping)
             orders[name] = order.to(self.device)
         return orders[name]
+
+    def packing_tables(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(order [D], bit offsets [32 // bits])`` int32 on the device, for the fused write."""
+        tables = self.__dict__.setdefault("_packing_tables", {})
+        if name not in tables:
+            f = self.fmt.key if name == "k" else self.fmt.value
+            order = self.channel_order(name).to(torch.int32)
+            shifts = _bit_offsets(f.bits, self.fmt.mapping, self.device).to(torch.int32)
+            tables[name] = (order, shifts)
+        return tables[name]
+
+    def fused_write_reason(self, layer: int = 0) -> str | None:
+        """``None`` if a decode step of ``layer`` can take the fused write, else why not."""
+        for name in ("k", "v"):
+            f = self._history_format(layer, name)
+            if f.axis is not GroupAxis.TOKEN:
+                return f"{name} history groups run along tokens (channel-wise)"
+            if f.clip is not None:
+                return f"{name} history is clipped (a per-token percentile)"
+        d = self.head_dim
+        if d & (d - 1) or d < 16:
+            return f"head_dim must be a power of two >= 16, got {d}"
+        if self.window_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            return f"window dtype {self.window_dtype} (the kernel loads 16- or 32-bit floats)"
+        from .backends import triton as triton_backend
+
+        if not triton_backend.available(self.device):
+            return f"Triton cannot run on {self.device}"
+        return None
+
+    def _fused_write(self, layer: int) -> bool:
+        if self.decode_write == "torch" or (
+            self.decode_write == "auto" and self.device.type != "cuda"
+        ):
+            return False
+        reason = self.fused_write_reason(layer)
+        if reason is not None and self.decode_write == "fused":
+            raise ValueError(f"decode_write='fused' cannot write this cache: {reason}")
+        return reason is None
 
     def _allocate_layer(self) -> LayerStorage:
         p, h, d, ps = self.num_pages, self.num_kv_heads, self.head_dim, self.page_size
@@ -572,6 +623,8 @@ class QuantizedKVCache:
                 f"page pool exhausted: this append needs {sum(need)} more pages, "
                 f"{len(self._free_pages)} of {self.num_pages} are free"
             )
+        decode_step = all(n == 1 for n in num_new_tokens)
+        fused = decode_step and self._fused_write(layer)  # may raise: before any write
         tr = self.transforms[layer]
         if tr.key_rotation is not None:
             k = rotate_rows(k, tr.key_rotation)
@@ -581,8 +634,8 @@ class QuantizedKVCache:
         for s, n in zip(seqs, need):
             for _ in range(n):
                 s.pages.append(self._free_pages.pop())
-        if all(n == 1 for n in num_new_tokens):
-            self._write_decode(layer, seqs, new_lengths, k, v)
+        if decode_step:
+            self._write_decode(layer, seqs, new_lengths, k, v, fused)
         else:
             self._write(layer, seqs, new_lengths, num_new_tokens, k, v)
         for s, n in zip(seqs, new_lengths):
@@ -664,17 +717,21 @@ class QuantizedKVCache:
             st.k_tail[slot, :, pos] = k[src].to(wd)
             st.v_tail[slot, :, pos] = v[src].to(wd)
 
-    def _write_decode(self, layer, seqs, new_lengths, k, v) -> None:
+    def _write_decode(self, layer, seqs, new_lengths, k, v, fused: bool = False) -> None:
         """:meth:`_write` for one new token per sequence (a decode step), bit for bit.
 
         The same scatter, with index lists built in Python: per sequence that is a few integer
         operations, where :meth:`_write` spends a dozen tensor operations (27 ms for 32
         sequences on 2 CPU cores against 2 ms here; ``tests/test_cache_decode.py`` checks both
-        paths leave identical caches).
+        paths leave identical caches). ``fused``: quantize, pack and scatter in one Triton
+        launch per role instead (foscar.kernels.cache_write; ``tests/test_cache_write.py``).
         """
         fmt = self.fmt
         st = self.layers[layer]
         sink, cap, ps = fmt.sink_tokens, fmt.tail_capacity, self.page_size
+        if fused:
+            self._write_decode_fused(layer, seqs, new_lengths, k, v)
+            return
         sink_src, sink_slot, sink_pos = [], [], []
         tail_src, tail_slot, tail_pos = [], [], []
         old_slot, old_ring, old_dst, new_src, new_dst = [], [], [], [], []
@@ -727,6 +784,44 @@ class QuantizedKVCache:
             src, slot, pos = idx(tail_src), idx(tail_slot), idx(tail_pos)
             st.k_tail[slot, :, pos] = k[src].to(wd)
             st.v_tail[slot, :, pos] = v[src].to(wd)
+
+    def _write_decode_fused(self, layer, seqs, new_lengths, k, v) -> None:
+        """The fused decode write: per sequence the six integers of the kernel's descriptor
+        (token-wise history: at most one token is demoted per step), one launch per role."""
+        from .backends.triton import write_decode_tokens
+
+        fmt = self.fmt
+        sink, cap, ps = fmt.sink_tokens, fmt.tail_capacity, self.page_size
+        rows = []
+        for seq, l1 in zip(seqs, new_lengths):
+            l0 = l1 - 1
+            lq0, lq1 = _num_quantized(l0, fmt), _num_quantized(l1, fmt)
+            page = row = ring = -1
+            if lq1 > lq0:  # quantum 1: exactly history index lq0 is demoted
+                t = lq0
+                ring = -1 if t == l0 - sink else t % cap
+                page, row = seq.pages[t // ps], t % ps
+            rows.append(
+                (
+                    seq.slot,
+                    l0 if l0 < sink else -1,
+                    (l0 - sink) % cap if l0 >= sink + lq1 else -1,
+                    ring,
+                    page,
+                    row,
+                )
+            )
+        rows = tuple(rows)
+        # every layer of a step has the same descriptor: one host-to-device copy per step
+        if self._desc_memo is None or self._desc_memo[0] != rows:
+            self._desc_memo = (rows, _host_to(self.device, list(rows), torch.int32))
+        desc = self._desc_memo[1]
+        wd = self.window_dtype
+        for name, x in (("k", k), ("v", v)):
+            x = x if x.dtype == wd else x.to(wd)
+            if x.stride(-1) != 1:
+                x = x.contiguous()
+            write_decode_tokens(self, layer, name, x, desc)
 
     def _write_demoted(self, layer, k, v, old, new, segments, hist_page, hist_row) -> None:
         """Quantize the demoted tokens of K and V into the history, in demotion order.

@@ -36,7 +36,7 @@ def test_decode_writer_equals_general_writer(fmt_args):
         for _ in range(2)
     ]
     general = caches[1]
-    general._write_decode = lambda layer, seqs, lengths, k, v: general._write(
+    general._write_decode = lambda layer, seqs, lengths, k, v, fused=False: general._write(
         layer, seqs, lengths, [1] * len(seqs), k, v
     )
     g = torch.Generator().manual_seed(0)

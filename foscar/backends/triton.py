@@ -1,4 +1,5 @@
-"""Launcher of the Triton decode kernels (foscar.kernels.triton_decode).
+"""Launchers of the Triton kernels: decode attention (foscar.kernels.triton_decode) and a decode
+step's cache write (foscar.kernels.cache_write).
 
 Validates what only this backend requires, keeps the split workspace on the DecodeBatch (so a
 CUDA-graph replay allocates nothing), computes the grid and calls the kernels with keyword
@@ -16,7 +17,7 @@ from ..cache import DecodeBatch, QuantizedKVCache
 from ..configs import TritonDecodeConfig, column_widths, num_splits, triton_decode_config
 from ..formats import OperandMapping, Role, has_kernel_order
 
-__all__ = ["available", "supports", "decode"]
+__all__ = ["available", "supports", "decode", "write_decode_tokens"]
 
 MAGIC_BF16X2 = 0x43004300  # two bf16 128.0: the mantissa-injection base of both halves
 
@@ -250,4 +251,53 @@ def merge_partials(o_part, lse_part, out, lse=None) -> None:
         WRITE_LSE=return_lse,
         INTERP=interpreting(),
         num_warps=4,
+    )
+
+
+@functools.cache
+def _cache_write():
+    _triton()  # the interpreter patch, if interpreting
+    from ..kernels import cache_write
+
+    return cache_write
+
+
+def write_decode_tokens(cache: QuantizedKVCache, layer: int, name: str, src, desc) -> None:
+    """One decode step's write of role ``name`` ("k" or "v") into ``layer``, one launch.
+
+    src: ``[batch, H, D]`` the new tokens in the cache's window dtype (last axis contiguous);
+    desc: ``[batch, 6]`` int32 on the cache's device (foscar.kernels.cache_write.DESC_FIELDS).
+    The caller (:meth:`QuantizedKVCache.append`) has checked everything and chosen this path
+    only for a token-wise, unclipped history format (``QuantizedKVCache.fused_write_reason``).
+    """
+    kern = _cache_write()
+    st = cache.layers[layer]
+    f = cache.fmt.key if name == "k" else cache.fmt.value
+    alpha, beta = cache.fmt.mapping.alpha_beta(f.bits)
+    order, shifts = cache.packing_tables(name)
+    words, scales = getattr(st, f"{name}_words"), getattr(st, f"{name}_scales")
+    sink, tail = getattr(st, f"{name}_sink"), getattr(st, f"{name}_tail")
+    kern.decode_write_kernel[(src.shape[0], cache.num_kv_heads)](
+        src_ptr=src,
+        src_stride_b=src.stride(0),
+        src_stride_h=src.stride(1),
+        desc_ptr=desc,
+        sink_ptr=sink,
+        tail_ptr=tail,
+        words_ptr=words,
+        scales_ptr=scales,
+        order_ptr=order,
+        shifts_ptr=shifts,
+        H=cache.num_kv_heads,
+        SINK=sink.shape[2],
+        RING=tail.shape[2],
+        PAGE=cache.page_size,
+        ENTRIES=scales.shape[2],
+        D=cache.head_dim,
+        GROUP=f.group_size,
+        BITS=f.bits,
+        LEVELS=float(f.levels),
+        ALPHA_INV=1.0 / alpha,
+        BETA=float(beta),
+        num_warps=1 if cache.head_dim <= 64 else 2,
     )

@@ -1,0 +1,115 @@
+"""Triton kernel of a decode step's cache write: one new token per sequence, in one launch.
+
+What :meth:`foscar.cache.QuantizedKVCache.append` does for a decode step with a token-wise,
+unclipped history format, bit for bit (``tests/test_cache_write.py``), fused: the torch path
+spends ~60 small tensor operations per role and layer (quantize, fold, pack, scatters), which
+made the host, not the GPU, the limit of an end-to-end decode step (NOTES 14).
+
+One program per ``(sequence, KV head)`` of one role (K or V):
+
+1. if the step demotes a token into the quantized history, load it (from the tail ring, or the
+   new token itself when there is no recent window) in the packed channel order, quantize each
+   group (``s = max(hi - lo, 1e-8) / levels``, ``q = floor((x - lo) / s + 0.5)``, IEEE division
+   as in :func:`foscar.quantize.quantize`), fold (``s' = s / alpha``, ``z' = lo - beta s'``),
+   and store the packed words and the ``(s', z')`` pairs;
+2. store the new token into the sink or the tail ring (after a barrier: the demoted token and
+   the new one share the ring slot).
+
+The per-sequence integers (slot, positions, destination page) are computed on the host, as in
+the torch path, and passed as one ``[batch, 6]`` int32 tensor: ``slot, sink position, tail
+position, ring position of the demoted token (-1: the new token itself), history page (-1: no
+demotion), row in that page``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["decode_write_kernel", "DESC_FIELDS"]
+
+#: columns of the descriptor tensor
+DESC_FIELDS = ("slot", "sink_pos", "tail_pos", "ring_pos", "page", "row")
+
+
+@triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def decode_write_kernel(
+    src_ptr,  # [batch, H, D] the new tokens, window dtype
+    src_stride_b,
+    src_stride_h,
+    desc_ptr,  # [batch, 6] int32
+    sink_ptr,  # [max_seqs, H, S, D] window dtype
+    tail_ptr,  # [max_seqs, H, R, D] window dtype
+    words_ptr,  # [P, H, ps, W] int32
+    scales_ptr,  # [P, H, E, 2] float32
+    order_ptr,  # [D] int32: packed position -> channel
+    shifts_ptr,  # [32 // BITS] int32: bit offset of each field of a word
+    H,
+    SINK,
+    RING,
+    PAGE,
+    ENTRIES,
+    D: tl.constexpr,
+    GROUP: tl.constexpr,
+    BITS: tl.constexpr,
+    LEVELS: tl.constexpr,  # 2**BITS - 1, as a float
+    ALPHA_INV: tl.constexpr,  # 1 / alpha (a power of two)
+    BETA: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    desc = desc_ptr + b * 6
+    slot = tl.load(desc)
+    sink_pos = tl.load(desc + 1)
+    tail_pos = tl.load(desc + 2)
+    ring_pos = tl.load(desc + 3)
+    page = tl.load(desc + 4)
+    row = tl.load(desc + 5)
+    PER_WORD: tl.constexpr = 32 // BITS
+    W: tl.constexpr = D // PER_WORD
+    NG: tl.constexpr = D // GROUP
+
+    d = tl.arange(0, D)
+    src = src_ptr + b.to(tl.int64) * src_stride_b + h * src_stride_h
+    ring = tail_ptr + ((slot.to(tl.int64) * H + h) * RING) * D
+
+    if page >= 0:
+        order = tl.load(order_ptr + d)
+        from_ring = ring_pos >= 0
+        x_ring = tl.load(ring + ring_pos * D + order, mask=(d < D) & from_ring, other=0.0)
+        x_new = tl.load(src + order, mask=(d < D) & (ring_pos < 0), other=0.0)
+        x = tl.where(from_ring, x_ring.to(tl.float32), x_new.to(tl.float32))
+        group = order // GROUP
+        lo = tl.zeros([D], tl.float32)
+        inv = tl.zeros([D], tl.float32)
+        scale = tl.full([D], 1.0, tl.float32)
+        entry0 = scales_ptr + (((page.to(tl.int64) * H + h) * ENTRIES) + row * NG) * 2
+        for j in tl.static_range(NG):
+            member = group == j
+            lo_j = tl.min(tl.where(member, x, float("inf")), axis=0)
+            hi_j = tl.max(tl.where(member, x, float("-inf")), axis=0)
+            s_j = tl.math.div_rn(tl.maximum(hi_j - lo_j, 1e-8), LEVELS)
+            lo = tl.where(member, lo_j, lo)
+            scale = tl.where(member, s_j, scale)
+            s_fold = s_j * ALPHA_INV  # exact: alpha is a power of two
+            tl.store(entry0 + 2 * j, s_fold)
+            tl.store(entry0 + 2 * j + 1, lo_j - BETA * s_fold)  # BETA * s_fold is exact too
+        q = tl.floor(tl.math.div_rn(x - lo, scale) + 0.5)
+        q = tl.minimum(tl.maximum(q, 0.0), LEVELS).to(tl.int32)
+        shifts = tl.load(shifts_ptr + tl.arange(0, PER_WORD))
+        fields = tl.reshape(q, [W, PER_WORD]) << shifts[None, :]
+        words = tl.reduce(fields, 1, _or)
+        w = tl.arange(0, W)
+        tl.store(words_ptr + ((page.to(tl.int64) * H + h) * PAGE + row) * W + w, words)
+
+    tl.debug_barrier()  # the demoted token was read before the new one takes its ring slot
+    x_in = tl.load(src + d)
+    if sink_pos >= 0:
+        tl.store(sink_ptr + ((slot.to(tl.int64) * H + h) * SINK + sink_pos) * D + d, x_in)
+    if tail_pos >= 0:
+        tl.store(ring + tail_pos * D + d, x_in)
