@@ -69,7 +69,7 @@ def test_fused_write_equals_torch_write(case, monkeypatch):
     ids = [[c.add_sequence() for _ in prompt] for c in caches]
     n = [p for p in prompt if p]
     for layer in range(2):
-        x = torch.randn(sum(n), 2, d, generator=gen)
+        x = torch.randn(sum(n), 2, d, generator=gen).to(KERNEL_DEVICE)
         for c, cid in zip(caches, ids):
             c.append([i for i, p in zip(cid, prompt) if p], x, x * 2, n, layer=layer)
     for step in range(21):  # page size 16: every sequence crosses a page boundary
@@ -111,10 +111,11 @@ def test_fused_write_refusals_leave_the_cache_unchanged():
     for fmt, why in ((clipped, "clipped"), (channel, "channel-wise")):
         cache = _pair(fmt, 64)[1]
         sid = cache.add_sequence()
-        cache.append([sid], torch.randn(40, 2, 64), torch.randn(40, 2, 64), [40])
+        x = torch.randn(41, 2, 64, device=KERNEL_DEVICE)
+        cache.append([sid], x[:40], x[:40], [40])
         before, pages = _snapshot(cache), list(cache._free_pages)
         with pytest.raises(ValueError, match=f"decode_write='fused' cannot.*{why}"):
-            cache.append([sid], torch.randn(1, 2, 64), torch.randn(1, 2, 64))
+            cache.append([sid], x[40:], x[40:])
         assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(cache)))
         assert cache._free_pages == pages and cache.seq_len(sid) == 40
     # a per-layer clip (OSCAR's fitted ratios) refuses that layer only

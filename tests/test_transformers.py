@@ -452,6 +452,22 @@ def test_plan_is_reused_across_layers(tiny, monkeypatch):
 
 
 # ---------------------------------------------------------------------------- rejected input
+def test_a_dropped_cache_frees_its_pool_without_the_garbage_collector(tiny):
+    """No reference cycle: `del cache` frees the page pool at once (on a GPU, its memory)."""
+    import gc
+    import weakref
+
+    enc = ragged_batch([5, 9])
+    _, _, cache = foscar_generate(tiny, enc, FORMATS["INT2 KIVI + windows"], 4)
+    pool = weakref.ref(cache.kv.layers[0].k_words)
+    gc.disable()
+    try:
+        del cache
+        assert pool() is None
+    finally:
+        gc.enable()
+
+
 def test_rejected_configurations_fail_at_construction(tiny):
     fmt_bad = KVFormat(QuantFormat(4, "token", 64), QuantFormat(4, "token", 64))  # D = 32
     with pytest.raises(ValueError, match=r"fmt does not fit this model.*head_dim \(32\).*64"):

@@ -30,6 +30,7 @@ method through the batch sizes, one panel per context length.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import sys
@@ -218,6 +219,7 @@ def decode_point(model, method: str, batch: int, context: int, new_tokens: int, 
             torch.cuda.synchronize(device)
 
     model.set_attn_implementation("foscar" if method.startswith("foscar") else "sdpa")
+    gc.collect()
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -249,6 +251,7 @@ def decode_point(model, method: str, batch: int, context: int, new_tokens: int, 
         "kv_cache_gib": cache_bytes(cache) / 2**30,
     }
     del cache, out
+    gc.collect()  # caches in reference cycles (transformers' own) free their memory only here
     if cuda:
         torch.cuda.empty_cache()
     return row

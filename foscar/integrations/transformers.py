@@ -61,6 +61,7 @@ transformers pitfalls handled here (checked on 5.17 and 5.24)
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -174,8 +175,17 @@ class _LayerView(CacheLayerMixin):
 
     def __init__(self, parent: FoscarCache, layer_idx: int) -> None:
         super().__init__()
-        self._parent = parent
+        # a weak reference: a strong one would make every FoscarCache a reference cycle, whose
+        # GPU pool outlives `del cache` until the garbage collector runs
+        self._parent_ref = weakref.ref(parent)
         self._layer_idx = layer_idx
+
+    @property
+    def _parent(self) -> FoscarCache:
+        parent = self._parent_ref()
+        if parent is None:
+            raise RuntimeError("this layer's FoscarCache no longer exists")
+        return parent
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.is_initialized = True
