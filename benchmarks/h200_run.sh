@@ -12,6 +12,7 @@
 #   bash benchmarks/h200_run.sh grid    # foscar bench: the 13-point grid and --axes all
 #   bash benchmarks/h200_run.sh session4 # fused cache write tests, Gluon suite rest, e2e 32K
 #   bash benchmarks/h200_run.sh session4b # fused write GPU tests, e2e 32K + 100K (128 steps)
+#   bash benchmarks/h200_run.sh session4c # fused write and quantize GPU tests (after the fix)
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
 # Needs .whl/ (../shared/tools/device-wheels.sh) or .whl_slim/ carried for FlashInfer. Results go to $OUT.
@@ -136,6 +137,11 @@ case "$mode" in
     python3 -m foscar bench --e2e --e2e-contexts 32768 102400 --e2e-batches 1 4 16 32 --e2e-new-tokens 128 \
       --e2e-methods bf16 foscar-int4 foscar-int2 --e2e-max-seconds 400 --out "$OUT" \
       --name e2e_qwen3_8b 2>&1 | tee "$OUT/e2e.log" | grep -v "^\[" | tail -40
+    ;;
+  session4c)
+    # after quantize's IEEE division fix: the fused write against the torch writer, GPU vs CPU bits
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cache_write.py tests/test_cache_decode.py \
+      tests/test_quantize.py 2>&1 | tee "$OUT/gpu_tests_cache_write.log" | tail -8
     ;;
   e2e-32k|e2e-100k)
     # end-to-end decode (random weights, synthetic prompt K/V); needs transformers installed.

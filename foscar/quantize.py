@@ -1,7 +1,8 @@
 """Reference quantizers: per-token percentile clipping, min-max affine INT2/INT4, dequantization.
 
 ``x ~= s * q + z`` with ``s = max(max - min, 1e-8) / (2**bits - 1)``, ``z = min`` and
-``q = clamp(floor((x - min) / s + 0.5), 0, 2**bits - 1)`` over each group, computed in fp32
+``q = clamp(floor((x - min) / s + 0.5), 0, 2**bits - 1)`` over each group, computed in fp32 with
+IEEE division on every device
 (OSCAR's released quantizer, oscar.md Sec. 3, written in foscar's ``x = s*q + z`` convention).
 Clipping (``QuantFormat.clip = p``) clamps each token to ``[-tau, tau]`` first, with ``tau`` the
 ``min(floor(p*d), d-1)``-th smallest ``|x|`` of its ``d`` channels.
@@ -53,7 +54,11 @@ def quantize(x: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Ten
         reduce_dim = -2
     lo = grouped.amin(dim=reduce_dim, keepdim=True)
     hi = grouped.amax(dim=reduce_dim, keepdim=True)
-    scale = (hi - lo).clamp_min(SCALE_FLOOR) / fmt.levels
+    span = (hi - lo).clamp_min(SCALE_FLOOR)
+    # Divide by a device tensor, not a Python number: CUDA torch turns division by a CPU
+    # scalar into multiplication by its reciprocal (not IEEE division), so the same values
+    # quantized to other bits on a GPU than on a CPU (and than the fused decode write).
+    scale = span / span.new_full((), fmt.levels)
     codes = torch.floor((grouped - lo) / scale + 0.5).clamp_(0, fmt.levels)
     codes = codes.reshape(xf.shape).to(torch.uint8)
     return codes, scale.squeeze(reduce_dim), lo.squeeze(reduce_dim)

@@ -76,3 +76,16 @@ def test_clipped_quantizer_applies_the_clip_first():
 def test_channel_wise_needs_whole_groups():
     with pytest.raises(ValueError, match="multiple of 32 tokens"):
         quantize(torch.randn(40, 64), QuantFormat(2, "channel", 32))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("axis", ["token", "channel"])
+def test_a_gpu_quantizes_to_the_cpus_bits(bits, axis):
+    """IEEE division on both devices (CUDA torch multiplies by the reciprocal of a Python
+    divisor), so a cache quantizes to the same bits wherever it lives."""
+    g = torch.Generator().manual_seed(bits)
+    x = torch.randn(4, 256, 128, generator=g) * torch.rand(1, 1, 128, generator=g) * 5
+    fmt = QuantFormat(bits, axis, 32)
+    for a, b in zip(quantize(x, fmt), quantize(x.cuda(), fmt)):
+        assert torch.equal(a, b.cpu())
