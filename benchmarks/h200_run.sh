@@ -13,6 +13,7 @@
 #   bash benchmarks/h200_run.sh session4 # fused cache write tests, Gluon suite rest, e2e 32K
 #   bash benchmarks/h200_run.sh session4b # fused write GPU tests, e2e 32K + 100K (128 steps)
 #   bash benchmarks/h200_run.sh session4c # fused write and quantize GPU tests (after the fix)
+#   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
 # Needs .whl/ (../shared/tools/device-wheels.sh) or .whl_slim/ carried for FlashInfer. Results go to $OUT.
@@ -142,6 +143,15 @@ case "$mode" in
     # after quantize's IEEE division fix: the fused write against the torch writer, GPU vs CPU bits
     timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cache_write.py tests/test_cache_decode.py \
       tests/test_quantize.py 2>&1 | tee "$OUT/gpu_tests_cache_write.log" | tail -8
+    ;;
+  e2e-1k)
+    # issue 5's 1K decoded tokens after 32K-token prompts at the headline points: BF16 at its
+    # largest fitting batch of the grid (16) and foscar INT2/INT4 at 32 users
+    python3 -m foscar bench --e2e --e2e-contexts 32768 --e2e-batches 16 --e2e-new-tokens 1024 \
+      --e2e-methods bf16 --out "$OUT" --name e2e_qwen3_8b_1k_bf16 2>&1 | grep -v "^\[" | tail -12
+    python3 -m foscar bench --e2e --e2e-contexts 32768 --e2e-batches 32 --e2e-new-tokens 1024 \
+      --e2e-methods foscar-int2 foscar-int4 --out "$OUT" --name e2e_qwen3_8b_1k_foscar 2>&1 \
+      | grep -v "^\[" | tail -12
     ;;
   e2e-32k|e2e-100k)
     # end-to-end decode (random weights, synthetic prompt K/V); needs transformers installed.

@@ -76,6 +76,19 @@ def eval_formats(
             )
         kivi = KVFormat(QuantFormat(bits, "channel", g), QuantFormat(bits, "token", g))
         rows.append(EvalFormat(f"INT{bits} KIVI (K channel, V token)", kivi, bits))
+    # INT4 with BF16 windows, and with groups of 32 (issue 5's "INT4 within 1% of BF16")
+    for name, kg, vg, ka in (
+        (f"INT4 KIVI + BF16 {SINK}/{RECENT}", g, g, "channel"),
+        (f"INT4 KIVI g32 + BF16 {SINK}/{RECENT}", 32, 32, "channel"),
+        (f"INT4 token g32 + BF16 {SINK}/{RECENT}", 32, 32, "token"),
+    ):
+        fmt = KVFormat(
+            QuantFormat(4, ka, min(kg, g)),
+            QuantFormat(4, "token", min(vg, g)),
+            sink_tokens=SINK,
+            recent_tokens=RECENT,
+        )
+        rows.append(EvalFormat(name, fmt, 4))
     g2 = [QuantFormat(2, "channel", g), QuantFormat(2, "token", g)]
     rows.append(
         EvalFormat(
