@@ -15,7 +15,8 @@ OSCAR INT2 + BF16 s/r, clips 0.96/0.92 U*H*P_br; 0.96/0.92; s/r (the ablations' 
 ... w/o P_br, w/o H, w/o U             U*H, U*P_br, H*P_br; 0.96/0.92; s/r
 ... no rotation                        identity; 0.96/0.92; s/r
 ... K^TK/V^TV targets                  U*H*P_br of K^T K and V^T V; 0.96/0.92; s/r
-OSCAR-select INT2 (+ BF16 s/r)         per layer U*H*P_br or H*P_br; fitted; none (s/r)
+OSCAR-select INT2 (+ BF16 s/r)         per layer and K/V: U*H*P_br, H*P_br or U*H*P_br of
+                                       K^TK/V^TV, the smallest fitted error; fitted; none (s/r)
 OSCAR INT4 (+ BF16 s/r)                U*H*P_br; fitted for INT4; none (s/r)
 =====================================  =========================================================
 
@@ -267,7 +268,12 @@ def prepare(
     cal = calibrate(model, seqs, header=header, log=log)
     t1 = time.perf_counter()
     full = fit_clips(model, seqs[:1], cal.rotations(), windows=windows, log=log)
-    candidates = {"full": cal.rotations(), "no-u": cal.rotations("no-u")}
+    candidates = {
+        "full": cal.rotations(),
+        "no-u": cal.rotations("no-u"),
+        # the plain second moments: lower K error than C_Q's on SmolLM2 (EVAL_NOTES 3)
+        "ktk": cal.rotations(key_target="plain", value_target="plain"),
+    }
     sel = select_rotations(model, seqs[:1], candidates, windows=windows, log=log)
     t2 = time.perf_counter()
     errors = attention_errors(model, cal, held_out, windows=windows) if held_out else None
