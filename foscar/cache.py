@@ -50,6 +50,7 @@ non-finite value poisons its whole group, as it would a BF16 attention).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -314,15 +315,20 @@ class QuantizedKVCache:
         self.window_dtype = window_dtype
         self.check_finite = check_finite
         if decode_write not in DECODE_WRITE_PATHS:
-            raise ValueError(f"decode_write must be one of {DECODE_WRITE_PATHS}, got {decode_write!r}")
+            raise ValueError(
+                f"decode_write must be one of {DECODE_WRITE_PATHS}, got {decode_write!r}"
+            )
         self.decode_write = decode_write
         self._desc_memo: tuple | None = None  # (descriptor rows, their device tensor)
+        self._fused_failure: str | None = None  # why "auto" stopped taking the fused write
         self.layers = [self._allocate_layer() for _ in range(num_layers)]
         self.transforms = [LayerTransform() for _ in range(num_layers)]
         self._free_pages: list[int] = list(range(num_pages - 1, -1, -1))  # pop() gives 0 first
         self._free_slots: list[int] = list(range(max_seqs - 1, -1, -1))
         self._seqs: dict[object, _Sequence] = {}
         self._next_id = 0
+        if decode_write == "fused" and (reason := self.fused_write_reason(0)) is not None:
+            raise ValueError(f"decode_write='fused' cannot write this cache: {reason}")
 
     # ------------------------------------------------------------------ storage
     def scale_entries_per_page(self, f: QuantFormat) -> int:
@@ -369,7 +375,7 @@ class QuantizedKVCache:
 
     def _fused_write(self, layer: int) -> bool:
         if self.decode_write == "torch" or (
-            self.decode_write == "auto" and self.device.type != "cuda"
+            self.decode_write == "auto" and (self.device.type != "cuda" or self._fused_failure)
         ):
             return False
         reason = self.fused_write_reason(layer)
@@ -730,8 +736,21 @@ class QuantizedKVCache:
         st = self.layers[layer]
         sink, cap, ps = fmt.sink_tokens, fmt.tail_capacity, self.page_size
         if fused:
-            self._write_decode_fused(layer, seqs, new_lengths, k, v)
-            return
+            try:
+                self._write_decode_fused(layer, seqs, new_lengths, k, v)
+                return
+            except Exception as e:  # e.g. Triton cannot compile here
+                if self.decode_write == "fused":
+                    raise
+                # "auto": the torch path below writes the same destinations with the same bits
+                # (a K written before a failed V launch is overwritten identically)
+                self._fused_failure = f"{type(e).__name__}: {e}"
+                warnings.warn(
+                    f"foscar: the fused decode write failed ({self._fused_failure}); this cache "
+                    "writes decode steps with torch operations from now on",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
         sink_src, sink_slot, sink_pos = [], [], []
         tail_src, tail_slot, tail_pos = [], [], []
         old_slot, old_ring, old_dst, new_src, new_dst = [], [], [], [], []

@@ -27,24 +27,29 @@ CASES = [
 
 
 def _snapshot(cache):
-    return [t.clone() for st in cache.layers for t in st.tensors().values()]
+    """Every pool tensor's bytes (NaN and the sign of zero compared bit for bit)."""
+    return [
+        t.contiguous().view(torch.uint8).clone()
+        for st in cache.layers
+        for t in st.tensors().values()
+    ]
 
 
-def _pair(fmt, head_dim, **kw):
+def _pair(fmt, head_dim, max_seqs=4, paths=("torch", "fused"), **kw):
     return [
         QuantizedKVCache(
             fmt,
             num_kv_heads=2,
             head_dim=head_dim,
             num_pages=48,
-            max_seqs=4,
+            max_seqs=max_seqs,
             num_layers=2,
             page_size=16,
             device=KERNEL_DEVICE,
             decode_write=path,
             **kw,
         )
-        for path in ("torch", "fused")
+        for path in paths
     ]
 
 
@@ -77,7 +82,9 @@ def test_fused_write_equals_torch_write(case, monkeypatch):
             # bf16 input on even steps (the model's dtype), fp32 on odd ones (rounded on entry);
             # outliers make groups with very different ranges
             dtype = torch.bfloat16 if step % 2 == 0 else torch.float32
-            k = (torch.randn(3, 2, d, generator=gen) * torch.rand(1, 1, d, generator=gen) * 4).to(dtype)
+            k = (torch.randn(3, 2, d, generator=gen) * torch.rand(1, 1, d, generator=gen) * 4).to(
+                dtype
+            )
             v = torch.randn(3, 2, d, generator=gen).to(dtype)
             v[0, 0, 0] = 30.0
             for c, cid in zip(caches, ids):
@@ -105,11 +112,82 @@ def test_fused_write_with_rotations_and_a_strided_input():
             assert torch.equal(a, b), f"step {step}"
 
 
+@pytest.mark.parametrize("window_dtype", [torch.float16, torch.float32])
+def test_fused_write_reordered_subsets_other_window_dtypes(window_dtype):
+    """Rows in a changing order and subset (batch position != slot), layers written at
+    different steps, fp16/fp32 windows, head_dim 256."""
+    fmt = KVFormat(
+        QuantFormat(4, "token", 128), QuantFormat(2, "token", 64), sink_tokens=2, recent_tokens=3
+    )
+    caches = _pair(fmt, 256, max_seqs=5, window_dtype=window_dtype)
+    ids = [[c.add_sequence() for _ in range(5)] for c in caches]
+    gen = torch.Generator().manual_seed(2)
+    for step in range(14):
+        pick = torch.randperm(5, generator=gen)[: 1 + step % 5].tolist()
+        for layer in (0, 1) if step % 3 else (1,):  # layer 0 lags behind on some steps
+            kv = torch.randn(2, len(pick), 2, 256, generator=gen).to(KERNEL_DEVICE)
+            for c, cid in zip(caches, ids):
+                c.append([cid[j] for j in pick], kv[0], kv[1], layer=layer)
+        for a, b in zip(_snapshot(caches[0]), _snapshot(caches[1])):
+            assert torch.equal(a, b), f"step {step}"
+    assert caches[0].seq_len(ids[0][0], 1) != caches[0].seq_len(ids[0][0], 0)
+
+
+def test_fused_write_poisons_a_group_with_a_nan():
+    """check_finite=False: a NaN poisons its group's (s', z') on both paths (the codes of such a
+    group are unspecified), every other entry is bit for bit the same."""
+    fmt = KVFormat(QuantFormat(2, "token", 32), QuantFormat(2, "token", 32))
+    caches = _pair(fmt, 64, check_finite=False)
+    ids = [c.add_sequence() for c in caches]
+    k = torch.randn(3, 1, 2, 64)
+    k[1, 0, 1, 40] = float("nan")  # step 1, head 1, the second group
+    for step in range(3):
+        for c, sid in zip(caches, ids):
+            x = k[step].to(KERNEL_DEVICE)
+            c.append([sid], x, x)
+    sa, sb = caches[0].layers[0].k_scales, caches[1].layers[0].k_scales
+    page = caches[0].pages_of(ids[0])[0]
+    assert sa[page, 1, 2 + 1].isnan().all() and sb[page, 1, 2 + 1].isnan().all()  # row 1, g 1
+    keep = ~sa.isnan()
+    assert torch.equal(sa[keep], sb[keep]) and keep.sum() == sa.numel() - 2
+    wa, wb = caches[0].layers[0].k_words, caches[1].layers[0].k_words
+    wa[page, 1, 1], wb[page, 1, 1] = 0, 0  # the poisoned row's codes: unspecified
+    assert torch.equal(wa, wb)
+
+
+def test_auto_falls_back_to_torch_when_the_kernel_fails(monkeypatch):
+    fmt = KVFormat(QuantFormat(2, "token", 64), QuantFormat(2, "token", 64), recent_tokens=2)
+    torch_cache, auto = _pair(fmt, 64)
+    auto.decode_write = "auto"
+    # "auto" takes the fused write on CUDA only; take it here too, until a failure is recorded
+    monkeypatch.setattr(auto, "_fused_write", lambda layer: auto._fused_failure is None)
+
+    def broken(*args):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(triton_backend, "write_decode_tokens", broken)
+    ids = [c.add_sequence() for c in (torch_cache, auto)]
+    x = torch.randn(5, 2, 64).to(KERNEL_DEVICE)
+    for c, sid in zip((torch_cache, auto), ids):
+        c.append([sid], x[:3], x[:3], [3])
+    with pytest.warns(RuntimeWarning, match="fused decode write failed.*no compiler"):
+        auto.append([ids[1]], x[3:4], x[3:4])
+    torch_cache.append([ids[0]], x[3:4], x[3:4])
+    auto.append([ids[1]], x[4:], x[4:])  # no second warning: torch from now on
+    torch_cache.append([ids[0]], x[4:], x[4:])
+    assert "no compiler" in auto._fused_failure
+    for a, b in zip(_snapshot(torch_cache), _snapshot(auto)):
+        assert torch.equal(a, b)
+
+
 def test_fused_write_refusals_leave_the_cache_unchanged():
     clipped = KVFormat(QuantFormat(2, "token", 64, clip=0.9), QuantFormat(2, "token", 64))
     channel = KVFormat(QuantFormat(2, "channel", 32), QuantFormat(2, "token", 64))
     for fmt, why in ((clipped, "clipped"), (channel, "channel-wise")):
-        cache = _pair(fmt, 64)[1]
+        with pytest.raises(ValueError, match=f"decode_write='fused' cannot.*{why}"):
+            _pair(fmt, 64)  # at construction
+        (cache,) = _pair(fmt, 64, paths=("torch",))
+        cache.decode_write = "fused"  # a cache whose format passed, then changed underneath
         sid = cache.add_sequence()
         x = torch.randn(41, 2, 64, device=KERNEL_DEVICE)
         cache.append([sid], x[:40], x[:40], [40])
@@ -125,7 +203,9 @@ def test_fused_write_refusals_leave_the_cache_unchanged():
     assert cache.fused_write_reason(0) is None
     assert "v history is clipped" in cache.fused_write_reason(1)
     with pytest.raises(ValueError, match="decode_write must be one of"):
-        QuantizedKVCache(fmt, num_kv_heads=2, head_dim=64, num_pages=4, max_seqs=1, decode_write="x")
+        QuantizedKVCache(
+            fmt, num_kv_heads=2, head_dim=64, num_pages=4, max_seqs=1, decode_write="x"
+        )
 
 
 def test_auto_takes_the_torch_path_on_a_cpu():

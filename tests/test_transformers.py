@@ -468,6 +468,35 @@ def test_a_dropped_cache_frees_its_pool_without_the_garbage_collector(tiny):
         gc.enable()
 
 
+def test_deepcopy_and_pickle_keep_the_layer_views_on_their_own_cache(tiny):
+    """transformers reuses a prompt cache through copy.deepcopy: the copy's layer views must
+    answer for the copy (and outlive the original)."""
+    import copy
+    import pickle
+
+    enc = ragged_batch([6, 3])
+    _, _, cache = foscar_generate(tiny, enc, FORMATS["INT2 KIVI + windows"], 3)
+    seen = cache.get_seq_length(0)
+    twin = copy.deepcopy(cache)
+    loaded = pickle.loads(pickle.dumps(cache))
+    for c in (twin, loaded):
+        assert all(layer._parent is c for layer in c.layers)
+        assert torch.equal(c.kv.layers[0].k_words, cache.kv.layers[0].k_words)
+    del cache
+    twin._seen[0] += 1  # the copy's state, not the (gone) original's
+    assert twin.layers[0].get_seq_length() == seen + 1
+    assert twin.layers[0].get_mask_sizes(1) == (seen + 2, 0)
+
+
+def test_decode_write_reaches_the_pool(tiny):
+    _, _, cache = foscar_generate(
+        tiny, ragged_batch([4]), FORMATS["INT2 KIVI + windows"], 2, decode_write="torch"
+    )
+    assert cache.kv.decode_write == "torch"
+    with pytest.raises(ValueError, match="decode_write must be one of"):
+        FoscarCache(FORMATS["INT2 KIVI + windows"], tiny.config, decode_write="triton")
+
+
 def test_rejected_configurations_fail_at_construction(tiny):
     fmt_bad = KVFormat(QuantFormat(4, "token", 64), QuantFormat(4, "token", 64))  # D = 32
     with pytest.raises(ValueError, match=r"fmt does not fit this model.*head_dim \(32\).*64"):

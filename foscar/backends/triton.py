@@ -8,6 +8,7 @@ arguments only.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -262,6 +263,13 @@ def _cache_write():
     return cache_write
 
 
+def _on_device(device: torch.device):
+    """Triton launches on the current CUDA device's stream: make it the tensors' device."""
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
 def write_decode_tokens(cache: QuantizedKVCache, layer: int, name: str, src, desc) -> None:
     """One decode step's write of role ``name`` ("k" or "v") into ``layer``, one launch.
 
@@ -275,29 +283,31 @@ def write_decode_tokens(cache: QuantizedKVCache, layer: int, name: str, src, des
     f = cache.fmt.key if name == "k" else cache.fmt.value
     alpha, beta = cache.fmt.mapping.alpha_beta(f.bits)
     order, shifts = cache.packing_tables(name)
-    words, scales = getattr(st, f"{name}_words"), getattr(st, f"{name}_scales")
-    sink, tail = getattr(st, f"{name}_sink"), getattr(st, f"{name}_tail")
-    kern.decode_write_kernel[(src.shape[0], cache.num_kv_heads)](
-        src_ptr=src,
-        src_stride_b=src.stride(0),
-        src_stride_h=src.stride(1),
-        desc_ptr=desc,
-        sink_ptr=sink,
-        tail_ptr=tail,
-        words_ptr=words,
-        scales_ptr=scales,
-        order_ptr=order,
-        shifts_ptr=shifts,
-        H=cache.num_kv_heads,
-        SINK=sink.shape[2],
-        RING=tail.shape[2],
-        PAGE=cache.page_size,
-        ENTRIES=scales.shape[2],
-        D=cache.head_dim,
-        GROUP=f.group_size,
-        BITS=f.bits,
-        LEVELS=float(f.levels),
-        ALPHA_INV=1.0 / alpha,
-        BETA=float(beta),
-        num_warps=1 if cache.head_dim <= 64 else 2,
-    )
+    scales, tail = getattr(st, f"{name}_scales"), getattr(st, f"{name}_tail")
+    sink = getattr(st, f"{name}_sink")
+    with _on_device(src.device):
+        kern.decode_write_kernel[(src.shape[0], cache.num_kv_heads)](
+            src_ptr=src,
+            src_stride_b=src.stride(0),
+            src_stride_h=src.stride(1),
+            desc_ptr=desc,
+            sink_ptr=sink,
+            tail_ptr=tail,
+            words_ptr=getattr(st, f"{name}_words"),
+            scales_ptr=scales,
+            order_ptr=order,
+            shifts_ptr=shifts,
+            H=cache.num_kv_heads,
+            SINK=sink.shape[2],
+            RING=tail.shape[2],
+            PAGE=cache.page_size,
+            ENTRIES=scales.shape[2],
+            D=cache.head_dim,
+            GROUP=f.group_size,
+            BITS=f.bits,
+            LEVELS=float(f.levels),
+            ALPHA_INV=1.0 / alpha,
+            BETA=float(beta),
+            num_warps=1 if cache.head_dim <= 64 else 2,
+            enable_fp_fusion=False,  # z' = lo - beta * s' rounds once, as in fold_scale_offset
+        )

@@ -76,7 +76,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         "foscar.integrations.transformers needs transformers>=5: pip install 'foscar[hf]'"
     ) from e
 
-from ..cache import DecodeBatch, QuantizedKVCache, rotate_rows
+from ..cache import DECODE_WRITE_PATHS, DecodeBatch, QuantizedKVCache, rotate_rows
 from ..decode import BACKENDS, decode_attention
 from ..formats import GroupAxis, KVFormat
 from ..quantize import dequantize
@@ -187,6 +187,18 @@ class _LayerView(CacheLayerMixin):
             raise RuntimeError("this layer's FoscarCache no longer exists")
         return parent
 
+    # deepcopy and pickle see a strong reference (they memoize the cache, so a copied view
+    # points at the copied cache); a weakref itself would be copied as is, or not pickle at all
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_parent_ref"] = self._parent
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        parent = state.pop("_parent_ref")
+        self.__dict__.update(state)
+        self._parent_ref = weakref.ref(parent)
+
     def lazy_initialization(self, key_states, value_states) -> None:
         self.is_initialized = True
 
@@ -270,6 +282,10 @@ class FoscarCache(Cache):
         ``decode_attention``'s reference, to fp32 rounding, without unpacking the whole history
         at every step (at 4K tokens on 2 CPU cores, 3-6x faster per step).
 
+    decode_write : ``"auto"``, ``"fused"`` or ``"torch"``
+        How a decode step's K/V are written (:class:`foscar.QuantizedKVCache`): ``"auto"`` takes
+        the fused Triton write on a GPU where it applies.
+
     The pool is allocated at the first forward pass, on the device of its K/V. Every check of
     the format against the model's shapes runs here, at construction.
 
@@ -296,6 +312,7 @@ class FoscarCache(Cache):
         check_finite: bool = True,
         check_mask: bool = True,
         decode: str = "kernel",
+        decode_write: str = "auto",
     ) -> None:
         if not isinstance(fmt, KVFormat):
             raise TypeError(f"fmt must be a foscar.KVFormat, got {type(fmt).__name__}")
@@ -303,6 +320,10 @@ class FoscarCache(Cache):
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if decode not in DECODE_PATHS:
             raise ValueError(f"decode must be one of {DECODE_PATHS}, got {decode!r}")
+        if decode_write not in DECODE_WRITE_PATHS:
+            raise ValueError(
+                f"decode_write must be one of {DECODE_WRITE_PATHS}, got {decode_write!r}"
+            )
         cfg = _text_config(config) if config is not None else None
         if cfg is not None:
             self._check_attention_layers(cfg)
@@ -364,6 +385,7 @@ class FoscarCache(Cache):
         self.check_finite = check_finite
         self.check_mask = check_mask
         self.decode = decode
+        self.decode_write = decode_write
         #: the one foscar cache holding every layer (allocated at the first forward pass)
         self.kv: QuantizedKVCache | None = None
         self.seq_ids: list | None = None  # one foscar sequence per batch row
@@ -424,6 +446,7 @@ class FoscarCache(Cache):
                 page_size=self.page_size,
                 device=device,
                 check_finite=self.check_finite,
+                decode_write=self.decode_write,
             )
         self.seq_ids = [self.kv.add_sequence() for _ in range(batch_size)]
 

@@ -12,8 +12,11 @@ One program per ``(sequence, KV head)`` of one role (K or V):
    group (``s = max(hi - lo, 1e-8) / levels``, ``q = floor((x - lo) / s + 0.5)``, IEEE division
    as in :func:`foscar.quantize.quantize`), fold (``s' = s / alpha``, ``z' = lo - beta s'``),
    and store the packed words and the ``(s', z')`` pairs;
-2. store the new token into the sink or the tail ring (after a barrier: the demoted token and
-   the new one share the ring slot).
+2. store the new token into the sink or the tail ring (never the demoted token's ring slot).
+
+NaN and infinities (a cache with ``check_finite=False``): min, max and the scale floor propagate
+NaN as torch does, so a non-finite value poisons its group's ``(s', z')`` on both paths (the
+codes of such a group are unspecified on both).
 
 The per-sequence integers (slot, positions, destination page) are computed on the host, as in
 the torch path, and passed as one ``[batch, 6]`` int32 tensor: ``slot, sink position, tail
@@ -35,6 +38,17 @@ DESC_FIELDS = ("slot", "sink_pos", "tail_pos", "ring_pos", "page", "row")
 @triton.jit
 def _or(a, b):
     return a | b
+
+
+@triton.jit
+def _nan_min(a, b):
+    # NaN-propagating, as torch's amin: a NaN poisons its group (check_finite=False)
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _nan_max(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -86,19 +100,22 @@ def decode_write_kernel(
         x = tl.where(from_ring, x_ring.to(tl.float32), x_new.to(tl.float32))
         group = order // GROUP
         lo = tl.zeros([D], tl.float32)
-        inv = tl.zeros([D], tl.float32)
         scale = tl.full([D], 1.0, tl.float32)
         entry0 = scales_ptr + (((page.to(tl.int64) * H + h) * ENTRIES) + row * NG) * 2
         for j in tl.static_range(NG):
             member = group == j
-            lo_j = tl.min(tl.where(member, x, float("inf")), axis=0)
-            hi_j = tl.max(tl.where(member, x, float("-inf")), axis=0)
-            s_j = tl.math.div_rn(tl.maximum(hi_j - lo_j, 1e-8), LEVELS)
+            lo_j = tl.reduce(tl.where(member, x, float("inf")), 0, _nan_min)
+            hi_j = tl.reduce(tl.where(member, x, float("-inf")), 0, _nan_max)
+            span = tl.maximum(hi_j - lo_j, 1e-8, propagate_nan=tl.PropagateNan.ALL)
+            s_j = tl.math.div_rn(span, LEVELS)
             lo = tl.where(member, lo_j, lo)
             scale = tl.where(member, s_j, scale)
             s_fold = s_j * ALPHA_INV  # exact: alpha is a power of two
             tl.store(entry0 + 2 * j, s_fold)
-            tl.store(entry0 + 2 * j + 1, lo_j - BETA * s_fold)  # BETA * s_fold is exact too
+            if BETA == 0.0:  # as fold_scale_offset: no 0 * s' (NaN when s' overflowed)
+                tl.store(entry0 + 2 * j + 1, lo_j)
+            else:  # BETA * s_fold is exact; the launch turns off FMA contraction
+                tl.store(entry0 + 2 * j + 1, lo_j - BETA * s_fold)
         q = tl.floor(tl.math.div_rn(x - lo, scale) + 0.5)
         q = tl.minimum(tl.maximum(q, 0.0), LEVELS).to(tl.int32)
         shifts = tl.load(shifts_ptr + tl.arange(0, PER_WORD))
@@ -107,7 +124,8 @@ def decode_write_kernel(
         w = tl.arange(0, W)
         tl.store(words_ptr + ((page.to(tl.int64) * H + h) * PAGE + row) * W + w, words)
 
-    tl.debug_barrier()  # the demoted token was read before the new one takes its ring slot
+    # (the demoted token's ring slot is never the new token's: (l0 - S - W) % (W + 1) against
+    # (l0 - S) % (W + 1), so no barrier is needed between the two)
     x_in = tl.load(src + d)
     if sink_pos >= 0:
         tl.store(sink_ptr + ((slot.to(tl.int64) * H + h) * SINK + sink_pos) * D + d, x_in)
