@@ -13,6 +13,7 @@
 #   bash benchmarks/h200_run.sh session4 # fused cache write tests, Gluon suite rest, e2e 32K
 #   bash benchmarks/h200_run.sh session4b # fused write GPU tests, e2e 32K + 100K (128 steps)
 #   bash benchmarks/h200_run.sh session4c # fused write and quantize GPU tests (after the fix)
+#   bash benchmarks/h200_run.sh cache-write # the fused write's GPU tests alone
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -143,6 +144,11 @@ case "$mode" in
     # after quantize's IEEE division fix: the fused write against the torch writer, GPU vs CPU bits
     timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cache_write.py tests/test_cache_decode.py \
       tests/test_quantize.py 2>&1 | tee "$OUT/gpu_tests_cache_write.log" | tail -8
+    ;;
+  cache-write)
+    # the fused write's tests alone (after the review's NaN / FMA / device changes)
+    timeout 60 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cache_write.py \
+      2>&1 | tee "$OUT/gpu_tests_cache_write_review.log" | tail -6
     ;;
   e2e-1k)
     # issue 5's 1K decoded tokens after 32K-token prompts at the headline points: BF16 at its
