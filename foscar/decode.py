@@ -8,6 +8,7 @@ import torch
 
 from . import configs, reference
 from .backends import gluon as gluon_backend
+from .backends import on_device
 from .backends import triton as triton_backend
 from .cache import DecodeBatch, QuantizedKVCache, rotate_rows
 from .formats import GroupAxis
@@ -157,16 +158,17 @@ def _decode(q, cache, batch, sm_scale, backend, return_lse, out, lse):
             raise ValueError(f"backend {backend!r} does not cover this cache: {reason}")
         if q.dtype != torch.bfloat16:
             raise TypeError(f"backend {backend!r} needs bfloat16 queries, got {q.dtype}")
-        return module.decode(
-            q,
-            cache,
-            batch,
-            sm_scale,
-            out=out,
-            lse=lse,
-            return_lse=return_lse,
-            reconstruct=backend.endswith("-reconstruct"),
-        )
+        with on_device(q.device):  # a cache on cuda:1 while cuda:0 is current
+            return module.decode(
+                q,
+                cache,
+                batch,
+                sm_scale,
+                out=out,
+                lse=lse,
+                return_lse=return_lse,
+                reconstruct=backend.endswith("-reconstruct"),
+            )
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     o, lse_ref = reference.attend_folded(
         q, cache, batch, sm_scale, block_n=REFERENCE_BLOCK_N, dtype=dtype

@@ -8,7 +8,6 @@ arguments only.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 
@@ -17,6 +16,7 @@ import torch
 from ..cache import DecodeBatch, QuantizedKVCache
 from ..configs import TritonDecodeConfig, column_widths, num_splits, triton_decode_config
 from ..formats import OperandMapping, Role, has_kernel_order
+from . import on_device
 
 __all__ = ["available", "supports", "decode", "write_decode_tokens"]
 
@@ -263,13 +263,6 @@ def _cache_write():
     return cache_write
 
 
-def _on_device(device: torch.device):
-    """Triton launches on the current CUDA device's stream: make it the tensors' device."""
-    if device.type == "cuda" and device.index != torch.cuda.current_device():
-        return torch.cuda.device(device)
-    return contextlib.nullcontext()
-
-
 def write_decode_tokens(cache: QuantizedKVCache, layer: int, name: str, src, desc) -> None:
     """One decode step's write of role ``name`` ("k" or "v") into ``layer``, one launch.
 
@@ -285,7 +278,7 @@ def write_decode_tokens(cache: QuantizedKVCache, layer: int, name: str, src, des
     order, shifts = cache.packing_tables(name)
     scales, tail = getattr(st, f"{name}_scales"), getattr(st, f"{name}_tail")
     sink = getattr(st, f"{name}_sink")
-    with _on_device(src.device):
+    with on_device(src.device):
         kern.decode_write_kernel[(src.shape[0], cache.num_kv_heads)](
             src_ptr=src,
             src_stride_b=src.stride(0),
