@@ -327,8 +327,8 @@ class QuantizedKVCache:
         self._free_slots: list[int] = list(range(max_seqs - 1, -1, -1))
         self._seqs: dict[object, _Sequence] = {}
         self._next_id = 0
-        if decode_write == "fused" and (reason := self.fused_write_reason(0)) is not None:
-            raise ValueError(f"decode_write='fused' cannot write this cache: {reason}")
+        if decode_write == "fused":
+            self._fused_write(0)  # raises if the fused write cannot serve this cache
 
     # ------------------------------------------------------------------ storage
     def scale_entries_per_page(self, f: QuantFormat) -> int:
@@ -732,9 +732,7 @@ class QuantizedKVCache:
         paths leave identical caches). ``fused``: quantize, pack and scatter in one Triton
         launch per role instead (foscar.kernels.cache_write; ``tests/test_cache_write.py``).
         """
-        fmt = self.fmt
         st = self.layers[layer]
-        sink, cap, ps = fmt.sink_tokens, fmt.tail_capacity, self.page_size
         if fused:
             try:
                 self._write_decode_fused(layer, seqs, new_lengths, k, v)
@@ -756,28 +754,28 @@ class QuantizedKVCache:
         old_slot, old_ring, old_dst, new_src, new_dst = [], [], [], [], []
         hist_page, hist_row, segments = [], [], []
         for i, (seq, l1) in enumerate(zip(seqs, new_lengths)):
-            l0 = l1 - 1
-            if l0 < sink:
+            at_sink, at_tail, demoted = self._decode_step_places(seq, l1)
+            if at_sink is not None:
                 sink_src.append(i)
                 sink_slot.append(seq.slot)
-                sink_pos.append(l0)
-            lq0, lq1 = _num_quantized(l0, fmt), _num_quantized(l1, fmt)
-            for t in range(lq0, lq1):  # demoted: from the ring, or this token (no window)
-                if t == l0 - sink:
+                sink_pos.append(at_sink)
+            for ring, page, row in demoted:  # from the ring, or this token (ring None)
+                if ring is None:
                     new_src.append(i)
                     new_dst.append(len(hist_page))
                 else:
                     old_slot.append(seq.slot)
-                    old_ring.append(t % cap)
+                    old_ring.append(ring)
                     old_dst.append(len(hist_page))
-                hist_page.append(seq.pages[t // ps])
-                hist_row.append(t % ps)
-            if lq1 > lq0:
-                segments.append((seq.pages, lq0, lq1 - lq0))
-            if l0 >= sink + lq1:
+                hist_page.append(page)
+                hist_row.append(row)
+            if demoted:
+                lq0 = _num_quantized(l1 - 1, self.fmt)
+                segments.append((seq.pages, lq0, len(demoted)))
+            if at_tail is not None:
                 tail_src.append(i)
                 tail_slot.append(seq.slot)
-                tail_pos.append((l0 - sink) % cap)
+                tail_pos.append(at_tail)
         dev = self.device
 
         def idx(values):
@@ -804,28 +802,38 @@ class QuantizedKVCache:
             st.k_tail[slot, :, pos] = k[src].to(wd)
             st.v_tail[slot, :, pos] = v[src].to(wd)
 
+    def _decode_step_places(self, seq, l1: int) -> tuple:
+        """Where a decode step puts the token that makes ``seq`` ``l1`` tokens long:
+        ``(sink position or None, tail ring position or None, demoted)`` with ``demoted`` the
+        history tokens this step quantizes, each ``(ring position or None for the new token
+        itself, page, row)`` (one per step for token-wise K and V; a group for channel-wise)."""
+        fmt = self.fmt
+        sink, cap, ps = fmt.sink_tokens, fmt.tail_capacity, self.page_size
+        l0 = l1 - 1
+        lq0, lq1 = _num_quantized(l0, fmt), _num_quantized(l1, fmt)
+        demoted = [
+            (None if t == l0 - sink else t % cap, seq.pages[t // ps], t % ps)
+            for t in range(lq0, lq1)
+        ]
+        at_sink = l0 if l0 < sink else None
+        at_tail = (l0 - sink) % cap if l0 >= sink + lq1 else None
+        return at_sink, at_tail, demoted
+
     def _write_decode_fused(self, layer, seqs, new_lengths, k, v) -> None:
         """The fused decode write: per sequence the six integers of the kernel's descriptor
         (token-wise history: at most one token is demoted per step), one launch per role."""
         from .backends.triton import write_decode_tokens
 
-        fmt = self.fmt
-        sink, cap, ps = fmt.sink_tokens, fmt.tail_capacity, self.page_size
         rows = []
         for seq, l1 in zip(seqs, new_lengths):
-            l0 = l1 - 1
-            lq0, lq1 = _num_quantized(l0, fmt), _num_quantized(l1, fmt)
-            page = row = ring = -1
-            if lq1 > lq0:  # quantum 1: exactly history index lq0 is demoted
-                t = lq0
-                ring = -1 if t == l0 - sink else t % cap
-                page, row = seq.pages[t // ps], t % ps
+            at_sink, at_tail, demoted = self._decode_step_places(seq, l1)
+            ring, page, row = demoted[0] if demoted else (-1, -1, -1)
             rows.append(
                 (
                     seq.slot,
-                    l0 if l0 < sink else -1,
-                    (l0 - sink) % cap if l0 >= sink + lq1 else -1,
-                    ring,
+                    -1 if at_sink is None else at_sink,
+                    -1 if at_tail is None else at_tail,
+                    -1 if ring is None else ring,
                     page,
                     row,
                 )
