@@ -30,7 +30,7 @@ __all__ = [
     "GluonDecodeConfig",
     "gluon_decode_config",
     "GLUON_OVER_TRITON_US",
-    "GLUON_CHANNEL_V_MIN_CTAS",
+    "gluon_min_ctas",
 ]
 
 
@@ -145,28 +145,44 @@ def gluon_decode_config() -> GluonDecodeConfig:
     return GluonDecodeConfig()
 
 
-#: Where ``backend="auto"`` takes the Gluon kernel over the Triton one, from the H200 grid of
-#: session 3 (`bash benchmarks/h200_run.sh grid`, results/h200/decode_grid.* and decode_axes.*;
-#: H_Q=32, H_KV=8, D=128, g=128, microseconds as (Triton, Gluon)). Token-wise V: Gluon is faster
-#: at every point measured (13 points x INT2/INT4 and the axes grid), so auto always takes it.
-#: Channel-wise V: Gluon is faster from B=8 on, but at B=1 it measured slower at 2 of 4 points
-#: (not yet explained: benchmarks/NOTES.md 12), so auto takes it only from
-#: ``GLUON_CHANNEL_V_MIN_CTAS`` (sequences x KV heads) on.
+#: Where ``backend="auto"`` takes the Gluon kernel over the Triton one, from the H200 grids
+#: (`bash benchmarks/h200_run.sh grid`, results/h200/decode_grid.* and decode_axes.*; H_Q=32,
+#: H_KV=8, D=128, g=128, microseconds as (Triton, Gluon)). :func:`gluon_min_ctas` reads the rule
+#: off this table. Token-wise K and V: Gluon is faster at every point measured (13 points x
+#: INT2/INT4 and the axes grid), so auto always takes it. Channel-wise V: Gluon is faster from
+#: B=8 on, but at B=1 it measured slower at 2 of 4 points (not yet explained:
+#: benchmarks/NOTES.md 12). An axis pair without rows here is not taken by auto.
 GLUON_OVER_TRITON_US = {
-    # (bits, v_axis, batch, kv_len): (triton, gluon)
-    (2, "token", 1, 8192): (14.7, 13.6),
-    (2, "token", 1, 131072): (73.3, 47.6),
-    (2, "token", 8, 131072): (493.7, 304.9),
-    (2, "token", 64, 131072): (3804.8, 2246.7),
-    (4, "token", 1, 8192): (16.0, 13.9),
-    (4, "token", 64, 131072): (4466.9, 2342.6),
-    (2, "channel", 1, 32768): (28.2, 126.3),
-    (2, "channel", 1, 131072): (80.2, 54.6),
-    (2, "channel", 8, 32768): (148.2, 94.7),
-    (2, "channel", 8, 131072): (558.2, 326.1),
-    (4, "channel", 1, 32768): (31.4, 27.3),
-    (4, "channel", 1, 131072): (89.9, 187.3),
-    (4, "channel", 8, 32768): (167.4, 154.9),
-    (4, "channel", 8, 131072): (626.0, 334.9),
+    # (bits, k_axis, v_axis, batch, kv_len): (triton, gluon)
+    (2, "token", "token", 1, 8192): (14.7, 13.6),
+    (2, "token", "token", 1, 131072): (73.3, 47.6),
+    (2, "token", "token", 8, 131072): (493.7, 304.9),
+    (2, "token", "token", 64, 131072): (3804.8, 2246.7),
+    (4, "token", "token", 1, 8192): (16.0, 13.9),
+    (4, "token", "token", 64, 131072): (4466.9, 2342.6),
+    (2, "token", "channel", 1, 32768): (28.2, 126.3),
+    (2, "token", "channel", 1, 131072): (80.2, 54.6),
+    (2, "token", "channel", 8, 32768): (148.2, 94.7),
+    (2, "token", "channel", 8, 131072): (558.2, 326.1),
+    (4, "token", "channel", 1, 32768): (31.4, 27.3),
+    (4, "token", "channel", 1, 131072): (89.9, 187.3),
+    (4, "token", "channel", 8, 32768): (167.4, 154.9),
+    (4, "token", "channel", 8, 131072): (626.0, 334.9),
 }
-GLUON_CHANNEL_V_MIN_CTAS = 64  # B=8 x H_KV=8: Gluon won all 4 channel-V points there
+GLUON_GRID_KV_HEADS = 8  # H_KV of every row above: a row's CTAs are batch x 8
+
+
+def gluon_min_ctas(k_axis: str, v_axis: str) -> int | None:
+    """Sequences x KV heads from which ``auto`` takes Gluon for this axis pair: the smallest
+    measured batch from which Gluon won every measured point (0 when it won them all), ``None``
+    where it never did or the pair was not measured."""
+    rows = [
+        (batch, triton_us > gluon_us)
+        for (_, k, v, batch, _), (triton_us, gluon_us) in GLUON_OVER_TRITON_US.items()
+        if (k, v) == (k_axis, v_axis)
+    ]
+    batches = sorted({b for b, _ in rows})
+    for b in batches:
+        if all(won for batch, won in rows if batch >= b):
+            return 0 if b == batches[0] else b * GLUON_GRID_KV_HEADS
+    return None

@@ -26,20 +26,19 @@ REFERENCE_BLOCK_N = 1024
 
 def default_backend(cache: QuantizedKVCache, q: torch.Tensor) -> str:
     """The backend ``"auto"`` picks: on a Hopper GPU the Gluon kernel where it covers the format
-    and was measured faster (``configs.GLUON_OVER_TRITON_US``: token-wise V always, channel-wise
-    V from ``configs.GLUON_CHANNEL_V_MIN_CTAS`` sequences x KV heads on), else the Triton kernel
-    on a GPU when it covers the format, else the reference."""
+    and was measured faster (``configs.gluon_min_ctas`` of the K/V axes, read off the measured
+    ``configs.GLUON_OVER_TRITON_US``: token-wise K and V always, channel-wise V from 64
+    sequences x KV heads on), else the Triton kernel on a GPU when it covers the format, else
+    the reference."""
     if (
         q.is_cuda
         and q.dtype == torch.bfloat16
         and gluon_backend.available(q.device)
         and gluon_backend.supports(cache, q.shape[1]) is None
-        and (
-            cache.fmt.value.axis is GroupAxis.TOKEN
-            or q.shape[0] * cache.num_kv_heads >= configs.GLUON_CHANNEL_V_MIN_CTAS
-        )
     ):
-        return "gluon"
+        min_ctas = configs.gluon_min_ctas(cache.fmt.key.axis.value, cache.fmt.value.axis.value)
+        if min_ctas is not None and q.shape[0] * cache.num_kv_heads >= min_ctas:
+            return "gluon"
     if (
         q.is_cuda
         and triton_backend.available(q.device)

@@ -38,6 +38,7 @@ INT4 = QuantFormat(4, "token", 128)
 FMT = KVFormat(INT2, INT2)
 BIT_PAIRS = [(2, 2), (4, 4), (2, 4), (4, 2)]
 V_AXES = ["token", "channel"]
+AXIS_PAIRS = [(k, v) for k in V_AXES for v in V_AXES]  # (key axis, value axis)
 # lengths 1, primes, a page multiple and its neighbours: single-token, partial-page, multi-page
 LENGTHS = (1, 17, 63, 64, 65, 263, 4099)
 
@@ -47,7 +48,7 @@ _COMPILE = """
 import json, os, subprocess, sys, tempfile
 import triton
 from foscar.backends.gluon import compile_sm90
-ck = compile_sm90(k_bits={k_bits}, v_bits={v_bits}, v_channel={v_channel})
+ck = compile_sm90(k_bits={k_bits}, v_bits={v_bits}, v_channel={v_channel}, k_channel={k_channel})
 ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, "k.ptx")
@@ -59,9 +60,9 @@ print(json.dumps(dict(warps=ck.metadata.num_warps, info=info,
 """
 
 
-@pytest.mark.parametrize("v_axis", V_AXES)
+@pytest.mark.parametrize("k_axis,v_axis", AXIS_PAIRS)
 @pytest.mark.parametrize("k_bits,v_bits", BIT_PAIRS)
-def test_compiles_for_sm90_without_spills(k_bits, v_bits, v_axis):
+def test_compiles_for_sm90_without_spills(k_bits, v_bits, k_axis, v_axis):
     """Compiled in a fresh process: the interpreter (TRITON_INTERPRET=1, set for the CPU suite)
     replaces triton's own jit functions, which the Gluon compiler cannot reference."""
     import json
@@ -72,7 +73,12 @@ def test_compiles_for_sm90_without_spills(k_bits, v_bits, v_axis):
         [
             sys.executable,
             "-c",
-            _COMPILE.format(k_bits=k_bits, v_bits=v_bits, v_channel=v_axis == "channel"),
+            _COMPILE.format(
+                k_bits=k_bits,
+                v_bits=v_bits,
+                v_channel=v_axis == "channel",
+                k_channel=k_axis == "channel",
+            ),
         ],
         capture_output=True,
         text=True,
@@ -82,8 +88,10 @@ def test_compiles_for_sm90_without_spills(k_bits, v_bits, v_axis):
     assert done.returncode == 0, done.stderr[-2000:]
     res = json.loads(done.stdout.strip().splitlines()[-1])
     assert res["warps"] == 12  # 2 consumer warpgroups + the producer's warpgroup
-    # channel-wise V keeps a ones operand for sum(P') and spills 8 bytes per consumer thread
-    spill = "8 bytes spill stores" if v_axis == "channel" else "0 bytes spill stores"
+    # channel-wise V keeps a ones operand for sum(P') and spills 8 bytes per consumer thread,
+    # 16 with channel-wise K's Q' fold beside it
+    spill = {("token", "token"): 0, ("channel", "token"): 0, ("token", "channel"): 8}
+    spill = f"{spill.get((k_axis, v_axis), 16)} bytes spill stores"
     assert spill in res["info"], res["info"]
     cfg = gluon_decode_config()
     assert f"Used {cfg.maxnreg} registers" in res["info"], res["info"]  # 2 CTAs/SM of 12 warps
@@ -93,7 +101,7 @@ def test_compiles_for_sm90_without_spills(k_bits, v_bits, v_axis):
 @pytest.mark.parametrize(
     "fmt, heads, reason",
     [
-        (KVFormat(QuantFormat(4, "channel", 128), INT2), 8, "key is i4c128"),
+        (KVFormat(QuantFormat(4, "channel", 64), INT2), 8, "key is i4c64"),
         (KVFormat(INT4, QuantFormat(4, "token", 32)), 8, "value is i4t32"),
         (KVFormat(INT2, QuantFormat(2, "channel", 64)), 8, "value is i2c64"),
         (KVFormat(INT2, QuantFormat(2, "token", 64)), 8, "value is i2t64"),
@@ -120,6 +128,7 @@ def test_supports_head_dim_and_page_size():
         KVFormat(INT4, INT2),
         KVFormat(INT2, INT4, sink_tokens=64, recent_tokens=256),
         KVFormat(INT2, QuantFormat(2, "channel", 128)),
+        KVFormat(QuantFormat(4, "channel", 128), QuantFormat(2, "channel", 128)),
     ):
         cache, _ = build_cache(fmt, (5,))
         assert gluon_backend.supports(cache, 8) is None
@@ -185,6 +194,19 @@ def test_odd_lengths_every_gqa_ratio(ratio, k_bits, v_bits, v_axis):
 
 
 @sm90_only
+@pytest.mark.parametrize("v_axis", V_AXES)
+@pytest.mark.parametrize(
+    "ratio,k_bits,v_bits", [(r, 2, 2) for r in (1, 2, 3, 5, 8)] + [(4, *b) for b in BIT_PAIRS]
+)
+def test_channel_wise_keys(ratio, k_bits, v_bits, v_axis):
+    """Channel-wise K (groups of 128 tokens): every GQA ratio at INT2, every bit pair at 4."""
+    fmt = KVFormat(QuantFormat(k_bits, "channel", 128), QuantFormat(v_bits, v_axis, 128))
+    cache, batch = build_cache(fmt, LENGTHS, num_kv_heads=2, device="cuda", seed=ratio)
+    q = queries(batch, 2 * ratio, 128, "cuda")
+    check_against_reference(*run(q, cache, batch), q, cache, batch)
+
+
+@sm90_only
 @pytest.mark.parametrize("sink,recent", [(4, 0), (0, 37), (64, 256)])
 @pytest.mark.parametrize("v_axis", V_AXES)
 def test_bf16_windows(sink, recent, v_axis):
@@ -212,10 +234,11 @@ def test_split_counts_and_poisoned_workspace(splits):
 
 
 @sm90_only
-@pytest.mark.parametrize("v_axis", V_AXES)
-def test_reconstruct_ablation(v_axis):
+@pytest.mark.parametrize("k_axis,v_axis", AXIS_PAIRS)
+def test_reconstruct_ablation(k_axis, v_axis):
     """backend="gluon-reconstruct": s' y + z' on every operand value instead of the folds."""
-    fmt = KVFormat(INT2, QuantFormat(4, v_axis, 128), sink_tokens=3)
+    k = QuantFormat(2, k_axis, 128)
+    fmt = KVFormat(k, QuantFormat(4, v_axis, 128), sink_tokens=3)
     cache, batch = build_cache(fmt, LENGTHS, device="cuda")
     q = queries(batch, 8, 128, "cuda")
     check_against_reference(*run(q, cache, batch, backend="gluon-reconstruct"), q, cache, batch)
@@ -253,8 +276,8 @@ def test_auto_picks_gluon_on_hopper():
     assert (
         default_backend(build_cache(KVFormat(INT4, INT4), (100,), device="cuda")[0], q) == "gluon"
     )
-    cache_c, _ = build_cache(KVFormat(QuantFormat(4, "channel", 128), INT2), (100,), device="cuda")
-    assert default_backend(cache_c, q) == "triton"
+    cache_c, _ = build_cache(KVFormat(QuantFormat(4, "channel", 64), INT2), (100,), device="cuda")
+    assert default_backend(cache_c, q) == "triton"  # g = 64: not in the Gluon kernel
     # channel-wise V: Gluon from GLUON_CHANNEL_V_MIN_CTAS sequences x KV heads on (measured)
     chan_v = KVFormat(INT2, QuantFormat(2, "channel", 128))
     small, small_batch = build_cache(chan_v, (100,), num_kv_heads=2, device="cuda")
@@ -264,22 +287,26 @@ def test_auto_picks_gluon_on_hopper():
 
 
 @sm90_only
-@pytest.mark.parametrize("v_axis", V_AXES)
+@pytest.mark.parametrize("k_axis,v_axis", AXIS_PAIRS)
 @pytest.mark.parametrize("bits", [2, 4])
-def test_paper_shape(bits, v_axis):
-    """H_Q=32, H_KV=8, D=128, page 64, g=128, 32K tokens, zero-mean data."""
-    fmt = KVFormat(QuantFormat(bits, "token", 128), QuantFormat(bits, v_axis, 128))
+def test_paper_shape(bits, k_axis, v_axis):
+    """H_Q=32, H_KV=8, D=128, page 64, g=128, 32K tokens, zero-mean data (channel-wise K once
+    missed the bar here by putting a +128 offset's cancellation on the tensor core)."""
+    fmt = KVFormat(QuantFormat(bits, k_axis, 128), QuantFormat(bits, v_axis, 128))
     cache, batch = build_cache(fmt, (32768, 4099), num_kv_heads=8, device="cuda", seed=bits)
     q = queries(batch, 32, 128, "cuda")
     check_against_reference(*run(q, cache, batch), q, cache, batch)
 
 
 @sm90_only
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", range(4))
 def test_random_ragged_batches(seed):
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, 20000, (16,), generator=g).tolist()
-    k, v = [(INT2, INT2), (INT4, QuantFormat(2, "channel", 128)), (INT2, INT4)][seed]
+    k_chan = QuantFormat(2, "channel", 128)
+    k, v = [(INT2, INT2), (INT4, QuantFormat(2, "channel", 128)), (INT2, INT4), (k_chan, INT4)][
+        seed
+    ]
     fmt = KVFormat(k, v, sink_tokens=64 * (seed % 2), recent_tokens=256 * (seed % 2))
     cache, batch = build_cache(fmt, lengths, num_kv_heads=8, device="cuda", seed=seed)
     q = queries(batch, 32, 128, "cuda")
@@ -309,3 +336,24 @@ def test_cuda_graph_replay(windows, v_axis):
         graph.replay()
         torch.cuda.synchronize()
         check_against_reference(out, lse, q, cache, batch)
+
+
+def test_auto_rule_is_read_off_the_measured_table(monkeypatch):
+    """``auto`` takes Gluon where the H200 table says it won: token-wise K and V everywhere,
+    channel-wise V from the smallest batch it won every point at (x H_KV = 8), never for an
+    axis pair without rows."""
+    from foscar import configs
+
+    assert configs.gluon_min_ctas("token", "token") == 0
+    assert configs.gluon_min_ctas("token", "channel") == 64
+    assert configs.gluon_min_ctas("channel", "token") is None  # not measured
+    table = {
+        (2, "channel", "token", 1, 32768): (30.0, 40.0),  # lost at B=1
+        (2, "channel", "token", 8, 32768): (150.0, 90.0),
+        (2, "channel", "token", 64, 32768): (900.0, 600.0),
+        (2, "channel", "channel", 1, 32768): (30.0, 20.0),
+        (2, "channel", "channel", 64, 32768): (900.0, 950.0),  # lost at the largest batch
+    }
+    monkeypatch.setattr(configs, "GLUON_OVER_TRITON_US", table)
+    assert configs.gluon_min_ctas("channel", "token") == 64
+    assert configs.gluon_min_ctas("channel", "channel") is None

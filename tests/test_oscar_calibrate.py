@@ -286,8 +286,94 @@ def test_select_rotations_takes_the_better_candidate_per_layer(tiny):
         select_rotations(tiny, seqs, {})
     with pytest.raises(ValueError, match="select_bits"):
         select_rotations(tiny, seqs, cands, bits=(4,))
-    with pytest.raises(ValueError, match="candidates must share one shape"):
-        select_rotations(tiny, seqs, {**cands, "head": cal.rotations(per_head=True)})
+    short = OscarRotations(cal.rotations().key[:1], cal.rotations().value[:1])
+    with pytest.raises(ValueError, match="candidates must share num_layers and head_dim"):
+        select_rotations(tiny, seqs, {**cands, "short": short})
+
+
+@torch.no_grad()
+def test_select_rotations_with_per_kv_head_candidates(tiny):
+    """Per-layer and per-KV-head candidates mix: per-layer ones are broadcast to the KV heads,
+    the choice per layer and role is the smallest fitted error, and choosing among a subset of
+    the fitted candidates equals selecting among that subset from scratch."""
+    from foscar.oscar import choose_rotations, fit_candidates, select_rotations
+
+    seqs = sequences()
+    cal = calibrate(tiny, seqs)
+    plain = {"key_target": "plain", "value_target": "plain"}
+
+    def candidates():
+        return {
+            "full": cal.rotations(),
+            "no-u": cal.rotations("no-u"),
+            "full-kvh": cal.rotations(per_head=True),
+            "ktk-kvh": cal.rotations(**plain, per_head=True),
+        }
+
+    cands = candidates()
+    fitted = fit_candidates(tiny, seqs[:1], cands, bits=(2, 4), num_queries=8)
+    assert fitted is cands and all((2, "key") in r.clips for r in cands.values())
+    sel = choose_rotations(fitted)
+    assert sel.per_head and tuple(sel.key.shape) == (LAYERS, H, D, D)
+    assert sel.header["candidates"]["full-kvh"]["per_head"] is True
+    assert sel.header["candidates"]["full"]["per_head"] is False
+    fits = sel.header["clip_fit"]
+    for role in ("key", "value"):
+        errs = {n: fits[n][f"int2.{role}"]["fitted_relative_error"] for n in cands}
+        for layer in range(LAYERS):
+            best = min(cands, key=lambda n: errs[n][layer])
+            assert sel.header["selection"][role][layer] == best
+            want = getattr(cands[best], role)[layer].expand(H, D, D)  # from [1 or H, D, D]
+            assert torch.equal(getattr(sel, role)[layer], want)
+            for b in (2, 4):
+                want_clip = float(cands[best].clips[(b, role)][layer])
+                assert float(sel.clips[(b, role)][layer]) == want_clip
+        per = sel.header["selection"][f"{role}_error_per_candidate"]
+        assert sel.header["selection"][f"{role}_error"] <= min(per.values()) + 1e-12
+    # per KV head, U*H*P_br differs between the heads (each head's own targets)
+    assert not torch.allclose(cands["full-kvh"].key[0, 0], cands["full-kvh"].key[0, 1])
+    # a subset of the fitted candidates: the same as selecting among it from scratch; adding
+    # the per-head candidates can only lower the fitted error
+    layer_only = {n: r for n, r in fitted.items() if not r.per_head}
+    sub = choose_rotations(layer_only)
+    assert not sub.per_head and tuple(sub.key.shape) == (LAYERS, 1, D, D)
+    fresh = {n: r for n, r in candidates().items() if n in layer_only}
+    again = select_rotations(tiny, seqs[:1], fresh, bits=(2, 4), num_queries=8)
+    assert again.header["selection"] == sub.header["selection"]
+    assert torch.equal(again.key, sub.key) and torch.equal(again.value, sub.value)
+    for role in ("key", "value"):
+        e_all = sel.header["selection"][f"{role}_error"]
+        assert e_all <= sub.header["selection"][f"{role}_error"] + 1e-12
+    # the candidates were not modified by the choices
+    torch.testing.assert_close(cands["full"].key, cal.rotations().key)
+    # on a cache: one rotation per KV head, the broadcast layers included
+    fmt = KVFormat(QuantFormat(2, "token", D), QuantFormat(2, "token", D))
+    cache = QuantizedKVCache(
+        fmt, num_kv_heads=H, head_dim=D, num_pages=4, max_seqs=1, num_layers=LAYERS
+    )
+    apply_to_cache(sel, cache, clip_bits=2)
+    for layer in range(LAYERS):
+        tr = cache.transforms[layer]
+        torch.testing.assert_close(tr.key_rotation, sel.key[layer])
+        torch.testing.assert_close(tr.value_rotation, sel.value[layer])
+        assert tr.key_clip == float(sel.clips[(2, "key")][layer])
+
+
+def test_choose_rotations_checks_its_candidates(tiny):
+    from foscar.oscar import choose_rotations
+
+    cal = calibrate(tiny, sequences())
+    with pytest.raises(ValueError, match="candidates must name at least one"):
+        choose_rotations({})
+    with pytest.raises(ValueError, match=r"candidates \['full'\] have no fitted clips"):
+        choose_rotations({"full": cal.rotations()})
+    fitted = fit_clips(tiny, sequences()[:1], cal.rotations(), bits=(4,), num_queries=8)
+    with pytest.raises(ValueError, match=r"select_bits \(2\) must be one of bits \(4,\)"):
+        choose_rotations({"full": fitted})
+    eye = torch.eye(D, dtype=f64)
+    three = OscarRotations(eye.expand(LAYERS, 3, D, D), eye.expand(LAYERS, 3, D, D))
+    with pytest.raises(ValueError, match="per KV head of one count"):
+        choose_rotations({"head": cal.rotations(per_head=True), "three": three})
 
 
 def test_windowed_attention_reads_exact_keys_inside_the_windows():

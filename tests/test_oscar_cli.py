@@ -89,6 +89,12 @@ def test_calibrate_rejects_bad_arguments(toy):
         oscar_cli.run(parse(["--fit-windows", "64", "-1"]))
     with pytest.raises(ValueError, match="--select chooses by the INT2 error"):
         oscar_cli.run(parse(["--select", "--clip-bits", "4"]))
+    with pytest.raises(ValueError, match="--select-kv-heads adds candidates to --select"):
+        oscar_cli.run(parse(["--select-kv-heads"]))
+    with pytest.raises(ValueError, match="drop --per-head"):
+        oscar_cli.run(parse(["--select", "--select-kv-heads", "--per-head"]))
+    with pytest.raises(ValueError, match="--recipe no-u reads no target"):
+        oscar_cli.run(parse(["--select", "--select-kv-heads", "--recipe", "no-u"]))
     with pytest.raises(ValueError, match="--text .* is not a file"):
         oscar_cli.run(parse(["--model", str(toy / "model"), "--text", str(toy / "none.txt")]))
     with pytest.raises(ValueError, match="fewer than 100000"):
@@ -120,6 +126,19 @@ def test_calibrate_select(toy):
         (2, "value"),
     }
     assert any("rotation kept in" in line for line in lines)
+    # with per-KV-head candidates: one rotation per KV head in the file
+    args = parse(
+        ["--model", str(toy / "model"), "--text", str(toy / "text.txt"), "--tokens", "256",
+         "--seq-len", "128", "--clip-tokens", "128", "--clip-queries", "8", "--clip-bits", "2",
+         "--select", "--select-kv-heads", "--key-target", "plain", "--out", str(out)]
+    )  # fmt: skip
+    lines = []
+    assert oscar_cli.run(args, log=lines.append) == 0
+    r = OscarRotations.load(out, num_layers=2, num_kv_heads=2)
+    assert r.per_head and r.key.shape[1] == 2
+    assert set(r.header["selection"]["key"]) <= {"full", "no-u", "full per KV head"}
+    assert r.header["candidates"]["full per KV head"]["key_target"] == "plain"
+    assert any(line.startswith("key: full per KV head in ") for line in lines)
 
 
 def test_prepare_rows_for_foscar_eval(toy):
@@ -132,12 +151,18 @@ def test_prepare_rows_for_foscar_eval(toy):
     held = [torch.arange(100, 164)]
     rows, info = prepare(model, tok, tokens=256, seq_len=128, windows=(8, 16), held_out=held)
     names = [r.name for r in rows]
-    assert "OSCAR INT2 + BF16 8/16 (fitted clips)" in names and len(names) == 13
+    assert "OSCAR INT2 + BF16 8/16 (fitted clips)" in names and len(names) == 15
+    assert "OSCAR-select per-KV-head INT2 + BF16 8/16 (fitted clips)" in names
     assert info["calibration"]["calibration_sequences"] == [128, 128]
     assert len(info["fitted_clips"]["int2.key"]) == 2 and len(info["selection"]["key"]) == 2
-    assert "w/o H" in info["attention_errors_heldout"]["errors"]
+    assert set(info["selection"]["key"]) <= {"full", "no-u", "ktk"}
+    assert len(info["selection_per_kv_head"]["value"]) == 2
+    assert set(info["selection_errors"]["key"]) == {"full", "no-u", "ktk", "full-kvh", "ktk-kvh"}
+    errors = info["attention_errors_heldout"]["errors"]
+    assert "w/o H" in errors and "K^TK/V^TV per KV head" in errors
     md = report(info)
     assert "256 tokens" in md and "| w/o H | " in md and "OSCAR-select key" in md
+    assert "per-KV-head value, of 2 layers" in md
     path = toy / "p.safetensors"
     rows[1].rotations.save(path)
     rows, info = prepare(model, tok, path=str(path))

@@ -39,7 +39,7 @@ def setup():
 
 
 def test_rows_from_a_calibration(setup):
-    _, cal, rot = setup
+    model, cal, rot = setup
     rows = oscar_formats(D, calibration=cal, rotations=rot, windows=(4, 16))
     names = [r.name for r in rows]
     assert names == [
@@ -71,6 +71,20 @@ def test_rows_from_a_calibration(setup):
         "OSCAR-select INT2 + BF16 4/16 (fitted clips)",
     ]
     assert sel[4].clip_bits == 2 and sel[4].fmt.recent_tokens == 16
+    held = [torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(3))]
+    head = fit_clips(model, held, cal.rotations(per_head=True), num_queries=8)
+    both = oscar_formats(
+        D, calibration=cal, rotations=rot, selected=rot, selected_per_head=head, windows=(4, 16)
+    )
+    assert [r.name for r in both][3:7] == [
+        "OSCAR-select INT2 (fitted clips)",
+        "OSCAR-select INT2 + BF16 4/16 (fitted clips)",
+        "OSCAR-select per-KV-head INT2 (fitted clips)",
+        "OSCAR-select per-KV-head INT2 + BF16 4/16 (fitted clips)",
+    ]
+    assert both[6].rotations is head and both[6].clip_bits == 2 and both[6].fmt.sink_tokens == 4
+    # --formats "OSCAR-select INT2 +" keeps selecting the per-layer row alone
+    assert [r.name for r in both if "OSCAR-select INT2 +" in r.name] == [both[4].name]
     bare = cal.rotations()
     names = [r.name for r in oscar_formats(D, rotations=bare)]
     assert names == [
@@ -125,3 +139,55 @@ def test_attention_errors(setup):
         for role in ("key", "value"):
             assert set(e[role]) == {"1", "0.9", "per-layer best"}
             assert 0 < e[role]["per-layer best"] <= min(e[role]["1"], e[role]["0.9"]) + 1e-12
+
+
+@torch.no_grad()
+def test_per_kv_head_selection_in_the_harness(setup):
+    """The per-KV-head OSCAR-select row's cache holds one rotation per KV head per layer."""
+    model, cal, rot = setup
+    from foscar.oscar import choose_rotations
+
+    held = [torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(4))]
+    fitted = {
+        "full": fit_clips(model, held, cal.rotations(), num_queries=8),
+        "full-kvh": fit_clips(model, held, cal.rotations(per_head=True), num_queries=8),
+    }
+    sel = choose_rotations(fitted)
+    row = oscar_formats(D, calibration=cal, rotations=rot, selected_per_head=sel)[4]
+    assert row.name == "OSCAR-select per-KV-head INT2 + BF16 64/256 (fitted clips)"
+    use_foscar_attention(model)
+    g = torch.Generator().manual_seed(5)
+    pre = record_prefill(model, [torch.randint(0, 96, (30,), generator=g).tolist()])
+    cache = row.make_cache(model, pre, 8)
+    for layer in range(2):
+        tr = cache.kv.transforms[layer]
+        for h in range(2):
+            torch.testing.assert_close(tr.key_rotation[h], sel.key[layer, h])
+            torch.testing.assert_close(tr.value_rotation[h], sel.value[layer, h])
+        assert tr.value_clip == float(sel.clips[(2, "value")][layer])
+
+
+def test_report_counts_the_selection():
+    from foscar.oscar.evaluate import report
+
+    info = {
+        "selection": {"key": ["ktk", "no-u", "ktk"], "value": ["full", "full", "ktk"]},
+        "selection_per_kv_head": {
+            "key": ["ktk-kvh", "no-u", "ktk"],
+            "value": ["full-kvh", "full", "full-kvh"],
+        },
+        "selection_errors": {"key": {"full": 0.2, "ktk-kvh": 0.1}},
+    }
+    lines = report(info).splitlines()
+    assert "- OSCAR-select key, of 3 layers: H*P_br in 1, K^TK/V^TV in 2" in lines
+    assert "- OSCAR-select value, of 3 layers: U*H*P_br in 2, K^TK/V^TV in 1" in lines
+    assert (
+        "- per-KV-head key, of 3 layers: H*P_br in 1, K^TK/V^TV in 1, K^TK/V^TV per KV head in 1"
+        in lines
+    )
+    assert "- per-KV-head value, of 3 layers: U*H*P_br in 1, U*H*P_br per KV head in 2" in lines
+    assert any(
+        line.startswith("- fitted INT2 key error per candidate")
+        and line.endswith("U*H*P_br 0.200, K^TK/V^TV per KV head 0.100")
+        for line in lines
+    )

@@ -58,8 +58,8 @@ def supports(cache: QuantizedKVCache, num_q_heads: int) -> str | None:
     if fmt.mapping is not OperandMapping.BF16:
         return f"the Gluon kernel builds bf16 operands; mapping is {fmt.mapping.value!r}"
     k, v = fmt.key, fmt.value
-    if k.bits not in (2, 4) or (k.axis, k.group_size) != (GroupAxis.TOKEN, HEAD_DIM):
-        return f"the Gluon kernel covers token-wise INT2/INT4 keys with g=128; key is {k.short()}"
+    if k.bits not in (2, 4) or k.group_size != HEAD_DIM:
+        return f"the Gluon kernel covers INT2/INT4 keys with g=128; key is {k.short()}"
     if v.bits not in (2, 4) or v.group_size != HEAD_DIM:
         return f"the Gluon kernel covers INT2/INT4 values with g=128; value is {v.short()}"
     if cache.head_dim != HEAD_DIM:
@@ -117,7 +117,9 @@ def _descriptors(cache: QuantizedKVCache, layer: int):
     return memo[key]
 
 
-def _constexprs(cfg: GluonDecodeConfig, heads_per_kv: int, k_bits: int, v_bits: int, v_channel):
+def _constexprs(
+    cfg: GluonDecodeConfig, heads_per_kv: int, k_bits: int, v_bits: int, v_channel, k_channel
+):
     """The kernel's compile-time arguments (one place for the launcher and compile_sm90)."""
     return dict(
         H=heads_per_kv,
@@ -125,6 +127,7 @@ def _constexprs(cfg: GluonDecodeConfig, heads_per_kv: int, k_bits: int, v_bits: 
         K_BITS=k_bits,
         V_BITS=v_bits,
         V_CHANNEL=v_channel,
+        K_CHANNEL=k_channel,
         SPC=cfg.stages_per_consumer,
         CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_REGS=cfg.producer_regs,
@@ -163,9 +166,13 @@ def decode(
     if return_lse and lse is None:
         lse = torch.empty(bsz, num_q_heads, dtype=torch.float32, device=q.device)
     kw, ks, vw, vs = _descriptors(cache, batch.layer)
-    v_channel = fmt.value.axis is GroupAxis.CHANNEL
     consts = _constexprs(
-        cfg, num_q_heads // cache.num_kv_heads, fmt.key.bits, fmt.value.bits, v_channel
+        cfg,
+        num_q_heads // cache.num_kv_heads,
+        fmt.key.bits,
+        fmt.value.bits,
+        fmt.value.axis is GroupAxis.CHANNEL,
+        fmt.key.axis is GroupAxis.CHANNEL,
     )
     kern.gluon_decode_split_kernel[(bsz, cache.num_kv_heads, splits)](
         q,
@@ -206,6 +213,7 @@ def compile_sm90(
     k_bits: int = 2,
     v_bits: int = 2,
     v_channel: bool = False,
+    k_channel: bool = False,
 ):
     """Compile the kernel for sm_90a without a GPU (tests, SASS counts): a CompiledKernel whose
     ``asm`` holds ttgir/ptx/cubin. The layout proofs of the operand programs
@@ -239,7 +247,7 @@ def compile_sm90(
         "qk_scale": "fp32",
         "magic": "i32",
     }
-    consts = _constexprs(cfg, heads_per_kv, k_bits, v_bits, v_channel)
+    consts = _constexprs(cfg, heads_per_kv, k_bits, v_bits, v_channel, k_channel)
     fn = kern.gluon_decode_split_kernel
     full = {n: sig.get(n, "constexpr" if n in consts else "i32") for n in fn.arg_names}
     src = GluonASTSource(fn, full, constexprs=consts, attrs={})

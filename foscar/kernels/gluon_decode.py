@@ -133,6 +133,33 @@ def v_words_load_layout(BITS=2):
 
 
 @gluon.constexpr_function
+def q_fold_layout():
+    """[8 heads, 128 channels] for channel-wise K's fold Q * s'_c: channels 0-2 and 6 in
+    registers (6 = the group's second scale chunk), 3-5 in lanes 0-2, heads in lanes 3-4 and
+    warp 0 (warp 1 holds a copy)."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 64]],
+        lane_bases=[[0, 8], [0, 16], [0, 32], [1, 0], [2, 0]],
+        warp_bases=[[4, 0], [0, 0]],
+        block_bases=[],
+        shape=[8, 128],
+    )
+
+
+@gluon.constexpr_function
+def k_chunk_scale_layout():
+    """[64 entries, 2] (s', z') pairs of one channel-wise K scale chunk, as q_fold_layout's
+    channels 0-5 need them (the rest broadcast)."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [1, 0], [2, 0], [4, 0]],
+        lane_bases=[[8, 0], [16, 0], [32, 0], [0, 0], [0, 0]],
+        warp_bases=[[0, 0], [0, 0]],
+        block_bases=[],
+        shape=[64, 2],
+    )
+
+
+@gluon.constexpr_function
 def scale_pair_layout():
     """[64 tokens, 2] (s', z') pairs: tokens as the accumulator's rows, the pair in registers."""
     return gl.DistributedLinearLayout(
@@ -182,14 +209,26 @@ def _bf16_pair(x):
 
 
 @gluon.jit
-def _k_operand(words, magic, HS: gl.constexpr, BITS: gl.constexpr):
+def _sub_bf16x2(x, y):
+    """Two bf16 lanes of int32 x minus those of y (one HADD2.BF16; exact for the code range)."""
+    return gl.inline_asm_elementwise(
+        "sub.rn.bf16x2 $0, $1, $2;", "=r,r,r", [x, y], dtype=gl.int32, is_pure=True, pack=1
+    )
+
+
+@gluon.jit
+def _k_operand(words, magic, HS: gl.constexpr, BITS: gl.constexpr, ZERO: gl.constexpr = False):
     """K operand [64 tokens, 128 channels] bf16 (natural channel order) in the wgmma A layout,
-    from words [64, W] in SliceLayout(2, k_words3_layout(BITS))."""
+    from words [64, W] in SliceLayout(2, k_words3_layout(BITS)): y = 128 + q, or with ZERO the
+    code q itself (one more bf16x2 subtraction per pair: channel-wise K, whose folded Q' would
+    otherwise put the cancellation of a +128 offset on the tensor core's accumulation)."""
     L3: gl.constexpr = k_words3_layout(BITS)
     F: gl.constexpr = 16 // BITS
     MASK: gl.constexpr = ((1 << BITS) - 1) * 0x00010001
     f = gl.arange(0, F, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
     x = ((gl.expand_dims(words, 2) >> (BITS * f)[None, None, :]) & MASK) | magic  # [n, word, k]
+    if ZERO:
+        x = _sub_bf16x2(x, magic)
     y = _bf16_pair(x)  # [n, word = BITS*T + e, k = 2*kbl + i', j]
     y = y.reshape([64, 4, BITS, F // 2, 2, 2])  # n, T, e, kbl, i', j
     # channel 8 (e F + k) + 2T + j = 8 F e + 16 kbl + 8 i' + 2T + j
@@ -253,6 +292,30 @@ def _channel_scale_pairs(buf0, buf1, HS: gl.constexpr):
 
 
 @gluon.jit
+def _channel_key_fold(buf0, buf1, qt_smem, q_smem, zq_smem):
+    """Channel-wise K (a group of 128 tokens, channels 0-63 in the scale chunk of its first page,
+    64-127 in its second): Q' = bf16(Q s'_c) into q_smem, the B operand of the tile's QK product
+    over the zero-offset codes q, and the offset zq[h] = sum_c Q_c (z'_c + 128 s'_c) into
+    zq_smem, so that S = Q' . q + zq (x = s' (q + 128) + z'). The +128 stays out of the product
+    and cancels in fp32 here. Q is read from q_smem [8, 128] per tile (held in registers across
+    the loop it made the KcVc consumer spill 232 bytes)."""
+    LS: gl.constexpr = k_chunk_scale_layout()
+    s0, z0 = gl.split(buf0.reshape([64, 2]).load(LS))
+    s1, z1 = gl.split(buf1.reshape([64, 2]).load(LS))
+    col_l: gl.constexpr = gl.SliceLayout(0, q_fold_layout())
+    s = gl.convert_layout(
+        gl.permute(gl.join(s0, s1), [1, 0]).reshape([128]), col_l, assert_trivial=True
+    )
+    z = gl.convert_layout(
+        gl.permute(gl.join(z0, z1), [1, 0]).reshape([128]), col_l, assert_trivial=True
+    )
+    qf = qt_smem.load(q_fold_layout()).to(gl.float32)
+    q_smem.store((qf * s[None, :]).to(gl.bfloat16))
+    zq_smem.store(gl.sum(qf * (z + 128.0 * s)[None, :], axis=1))  # [8]
+    fence_async_shared()
+
+
+@gluon.jit
 def _rows_to_128(x, HS: gl.constexpr):
     """[64, HS] accumulator whose rows are equal -> [128, HS] accumulator (both m-tiles), a
     register relabeling."""
@@ -299,6 +362,7 @@ def _tile(
     qt_smem,
     p_smem,
     qsum,
+    kfold,
     qk_scale,
     magic,
     C: gl.constexpr,
@@ -311,6 +375,7 @@ def _tile(
     V_BITS: gl.constexpr = CFG[3]
     V_CHANNEL: gl.constexpr = CFG[4]
     OPT: gl.constexpr = CFG[5]
+    K_CHANNEL: gl.constexpr = CFG[6]
     FAST_MAX: gl.constexpr = (OPT & 1) != 0
     PIPE: gl.constexpr = (OPT & 2) != 0
     FAST_RCP: gl.constexpr = (OPT & 4) != 0
@@ -325,7 +390,13 @@ def _tile(
         return m_i, l_i, z_i, acc, o_tok, alpha_prev, vt_prev
     kw = kw_bufs.index(s).reshape([64, 4 * K_BITS]).load(gl.SliceLayout(2, k_words3_layout(K_BITS)))
     vw = vw_bufs.index(s).reshape([64, 4 * V_BITS]).load(v_words_load_layout(V_BITS))
-    ks, kz = _scale_pairs(ks_bufs.index(s), HS)
+    if K_CHANNEL:
+        q_all, q_smem, zq_smem = kfold
+        _channel_key_fold(ks_bufs.index(2 * s), ks_bufs.index(2 * s + 1), q_all, q_smem, zq_smem)
+        b_qk = q_smem.permute((1, 0))
+    else:
+        ks, kz = _scale_pairs(ks_bufs.index(s), HS)
+        b_qk = qt_smem.permute((1, 0))
     if V_CHANNEL:
         # per channel of the tile's group: [128] in the rows of the PV accumulator
         vs, vz = _channel_scale_pairs(vs_bufs.index(2 * s), vs_bufs.index(2 * s + 1), HS)
@@ -339,14 +410,21 @@ def _tile(
 
     RECONSTRUCT: gl.constexpr = (OPT & 128) != 0
     a_l: gl.constexpr = a_operand_layout(HS)
-    k_op = _k_operand(kw, magic, HS, K_BITS)
+    k_op = _k_operand(kw, magic, HS, K_BITS, K_CHANNEL and not RECONSTRUCT)
     if RECONSTRUCT:  # the ablation: s' y + z' for every value, in registers, before the product
-        ks_a = gl.convert_layout(ks, gl.SliceLayout(1, a_l))
-        kz_a = gl.convert_layout(kz, gl.SliceLayout(1, a_l))
-        k_op = (k_op.to(gl.float32) * ks_a[:, None] + kz_a[:, None]).to(gl.bfloat16)
+        if K_CHANNEL:  # per channel: the columns of K, scales from the group's two chunks
+            ks_c, kz_c = _channel_scale_pairs(ks_bufs.index(2 * s), ks_bufs.index(2 * s + 1), HS)
+            ks_a = gl.convert_layout(ks_c, gl.SliceLayout(0, a_l))
+            kz_a = gl.convert_layout(kz_c, gl.SliceLayout(0, a_l))
+            k_op = (k_op.to(gl.float32) * ks_a[None, :] + kz_a[None, :]).to(gl.bfloat16)
+        else:  # per token: the rows of K
+            ks_a = gl.convert_layout(ks, gl.SliceLayout(1, a_l))
+            kz_a = gl.convert_layout(kz, gl.SliceLayout(1, a_l))
+            k_op = (k_op.to(gl.float32) * ks_a[:, None] + kz_a[:, None]).to(gl.bfloat16)
+        b_qk = qt_smem.permute((1, 0))
     s_tok = warpgroup_mma(
         k_op,
-        qt_smem.permute((1, 0)),
+        b_qk,
         gl.zeros([64, HS], gl.float32, acc_l),
         use_acc=False,
         is_async=True,
@@ -380,6 +458,10 @@ def _tile(
     # acc-fold of token-wise K: S = c * (s'_K * (Q . y_K) + z'_K * sum(Q)), c in ks and qsum
     if RECONSTRUCT:
         sc = s_acc * qk_scale
+    elif K_CHANNEL:
+        # acc-fold of channel-wise K: S = c * (Q' . q + zq), Q' and zq built for the group
+        zq = kfold[2].load(gl.SliceLayout(0, acc_l))
+        sc = (s_acc + zq[None, :]) * qk_scale
     else:
         sc = s_acc * (ks * qk_scale)[:, None] + kz[:, None] * qsum[None, :]
     if MASKED:
@@ -433,17 +515,28 @@ def _tile(
 
 
 @gluon.jit
-def _consume(C: gl.constexpr, ring, qt_smem, p_bufs, span, qk_scale, magic, CFG: gl.constexpr):
+def _consume(C: gl.constexpr, ring, qt_smem, op_bufs, span, qk_scale, magic, CFG: gl.constexpr):
     """Consumer C's loop over tiles t_begin + C + 2i; returns (m, l, unnormalised O^T [D, HS]).
-    span: (t_begin, t_full, t_end, n_q); CFG: (SPC, HS, K_BITS, V_BITS, V_CHANNEL, OPT)."""
+    span: (t_begin, t_full, t_end, n_q); op_bufs: (P'^T, channel-wise K's Q' and zq) buffers of
+    both consumers; CFG: (SPC, HS, K_BITS, V_BITS, V_CHANNEL, OPT, K_CHANNEL)."""
     t_begin, t_full, t_end, n_q = span
     HS: gl.constexpr = CFG[1]
     OPT: gl.constexpr = CFG[5]
+    K_CHANNEL: gl.constexpr = CFG[6]
     PIPE: gl.constexpr = (OPT & 2) != 0
     acc_l: gl.constexpr = acc_layout(HS)
+    p_bufs, kq_bufs, zq_bufs = op_bufs
     p_smem = p_bufs.index(C)
     qf = qt_smem.load(gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])).to(gl.float32)
     qsum = gl.convert_layout(gl.sum(qf, axis=1), gl.SliceLayout(0, acc_l)) * qk_scale
+    if K_CHANNEL:  # Q in the fold's layout, and this consumer's Q' and zq buffers
+        kfold = (
+            qt_smem,
+            kq_bufs.index(C),
+            zq_bufs.slice(C * HS, HS),
+        )
+    else:
+        kfold = (0, 0, 0)
     acc = gl.zeros([128, HS], gl.float32, acc_l)
     st = (
         gl.full([HS], -float("inf"), gl.float32, gl.SliceLayout(0, acc_l)),
@@ -466,6 +559,7 @@ def _consume(C: gl.constexpr, ring, qt_smem, p_bufs, span, qk_scale, magic, CFG:
             qt_smem,
             p_smem,
             qsum,
+            kfold,
             qk_scale,
             magic,
             C,
@@ -482,6 +576,7 @@ def _consume(C: gl.constexpr, ring, qt_smem, p_bufs, span, qk_scale, magic, CFG:
             qt_smem,
             p_smem,
             qsum,
+            kfold,
             qk_scale,
             magic,
             C,
@@ -498,19 +593,19 @@ def _consume(C: gl.constexpr, ring, qt_smem, p_bufs, span, qk_scale, magic, CFG:
 
 
 @gluon.jit
-def _consumer1(ring, qt_smem, p_bufs, merge_bufs, span, qk_scale, magic, CFG: gl.constexpr):
+def _consumer1(ring, qt_smem, op_bufs, merge_bufs, span, qk_scale, magic, CFG: gl.constexpr):
     """Consumer 1 leaves its state in shared memory; the kernel merges it after the partitions
     join (the join is a CTA barrier, so no mbarrier hand-off is needed)."""
     m_smem, l_smem, o_smem = merge_bufs
-    m1, l1, num1 = _consume(1, ring, qt_smem, p_bufs, span, qk_scale, magic, CFG)
+    m1, l1, num1 = _consume(1, ring, qt_smem, op_bufs, span, qk_scale, magic, CFG)
     m_smem.store(m1)
     l_smem.store(l1)
     o_smem.store(num1)
 
 
 @gluon.jit
-def _consumer0(ring, qt_smem, p_bufs, span, qk_scale, magic, CFG: gl.constexpr):
-    return _consume(0, ring, qt_smem, p_bufs, span, qk_scale, magic, CFG)
+def _consumer0(ring, qt_smem, op_bufs, span, qk_scale, magic, CFG: gl.constexpr):
+    return _consume(0, ring, qt_smem, op_bufs, span, qk_scale, magic, CFG)
 
 
 @gluon.jit
@@ -555,24 +650,25 @@ def _producer(descs, ring, kv_indices_ptr, page_base, t_begin, t_end, kvh, CFG: 
     SPC: gl.constexpr = CFG[0]
     V_CHANNEL: gl.constexpr = CFG[4]
     OPT: gl.constexpr = CFG[5]
+    K_CHANNEL: gl.constexpr = CFG[6]
     COMPUTE_ONLY: gl.constexpr = (OPT & 64) != 0
     nbytes: gl.constexpr = (
         kw_desc.block_type.nbytes
-        + ks_desc.block_type.nbytes
+        + ks_desc.block_type.nbytes * (2 if K_CHANNEL else 1)
         + vw_desc.block_type.nbytes
         + vs_desc.block_type.nbytes * (2 if V_CHANNEL else 1)
     )
     n = t_end - t_begin
     idx = kv_indices_ptr + page_base + t_begin
     page_next = gl.load(idx, mask=n > 0, other=0)
-    if V_CHANNEL:  # the other page of tile t's 2-page group, t ^ 1, also one tile ahead
+    if V_CHANNEL or K_CHANNEL:  # the other page of tile t's 2-page group, t ^ 1, one tile ahead
         sib_next = gl.load(kv_indices_ptr + page_base + (t_begin ^ 1), mask=n > 0, other=0)
     for j in range(n):
         # the page index of tile j+1 is loaded one iteration ahead: its latency overlaps the
         # wait for a free stage instead of delaying the TMA issue
         page = page_next
         page_next = gl.load(idx + j + 1, mask=j + 1 < n, other=0)
-        if V_CHANNEL:
+        if V_CHANNEL or K_CHANNEL:
             sib = sib_next
             t_next = t_begin + j + 1
             sib_next = gl.load(kv_indices_ptr + page_base + (t_next ^ 1), mask=j + 1 < n, other=0)
@@ -586,13 +682,20 @@ def _producer(descs, ring, kv_indices_ptr, page_base, t_begin, t_end, kvh, CFG: 
             mbarrier.expect(bar, nbytes)
             tma.async_copy_global_to_shared(kw_desc, [page, kvh, 0, 0], bar, kw_bufs.index(s))
             tma.async_copy_global_to_shared(vw_desc, [page, kvh, 0, 0], bar, vw_bufs.index(s))
-            tma.async_copy_global_to_shared(ks_desc, [page, kvh, 0], bar, ks_bufs.index(s))
-            if V_CHANNEL:
-                # a channel-wise V group of 128 tokens keeps its 128 (s', z') pairs in the
+            if V_CHANNEL or K_CHANNEL:
+                # a channel-wise group of 128 tokens keeps its 128 (s', z') pairs in the
                 # scale chunks of its two pages (foscar.cache): both, for either tile
                 odd = (t_begin + j) % 2
                 g0 = page + (sib - page) * odd  # the group's first page
                 g1 = sib + (page - sib) * odd
+            if K_CHANNEL:
+                tma.async_copy_global_to_shared(ks_desc, [g0, kvh, 0], bar, ks_bufs.index(2 * s))
+                tma.async_copy_global_to_shared(
+                    ks_desc, [g1, kvh, 0], bar, ks_bufs.index(2 * s + 1)
+                )
+            else:
+                tma.async_copy_global_to_shared(ks_desc, [page, kvh, 0], bar, ks_bufs.index(s))
+            if V_CHANNEL:
                 tma.async_copy_global_to_shared(vs_desc, [g0, kvh, 0], bar, vs_bufs.index(2 * s))
                 tma.async_copy_global_to_shared(
                     vs_desc, [g1, kvh, 0], bar, vs_bufs.index(2 * s + 1)
@@ -629,6 +732,7 @@ def gluon_decode_split_kernel(
     K_BITS: gl.constexpr,  # 2 or 4
     V_BITS: gl.constexpr,
     V_CHANNEL: gl.constexpr,  # channel-wise V groups of 128 tokens (else token-wise, g = D)
+    K_CHANNEL: gl.constexpr,  # channel-wise K groups of 128 tokens (else token-wise, g = D)
     SPC: gl.constexpr,  # ring stages per consumer (2 x SPC in all)
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
@@ -643,7 +747,10 @@ def gluon_decode_split_kernel(
     NS: gl.constexpr = 2 * SPC
     kw_bufs = gl.allocate_shared_memory(gl.int32, [NS] + kw_desc.block_type.shape, kw_desc.layout)
     vw_bufs = gl.allocate_shared_memory(gl.int32, [NS] + vw_desc.block_type.shape, vw_desc.layout)
-    ks_bufs = gl.allocate_shared_memory(gl.float32, [NS] + ks_desc.block_type.shape, ks_desc.layout)
+    KSB: gl.constexpr = NS * (2 if K_CHANNEL else 1)  # channel-wise K: two scale chunks a stage
+    ks_bufs = gl.allocate_shared_memory(
+        gl.float32, [KSB] + ks_desc.block_type.shape, ks_desc.layout
+    )
     VSB: gl.constexpr = NS * (2 if V_CHANNEL else 1)  # channel-wise V: two scale chunks a stage
     vs_bufs = gl.allocate_shared_memory(
         gl.float32, [VSB] + vs_desc.block_type.shape, vs_desc.layout
@@ -671,6 +778,13 @@ def gluon_decode_split_kernel(
     p_bufs = gl.allocate_shared_memory(
         gl.bfloat16, [2, HS, 64], gl.NVMMASharedLayout.get_default_for([HS, 64], gl.bfloat16)
     )
+    # channel-wise K: each consumer's Q' [HS, 128] (the QK product's B operand, built per tile)
+    # and its offsets zq [HS]
+    KQB: gl.constexpr = 2 if K_CHANNEL else 1
+    kq_bufs = gl.allocate_shared_memory(
+        gl.bfloat16, [KQB, HS, 128], gl.NVMMASharedLayout.get_default_for([HS, 128], gl.bfloat16)
+    )
+    zq_bufs = gl.allocate_shared_memory(gl.float32, [KQB * HS], plain_shared_layout(1))
     m_smem = gl.allocate_shared_memory(gl.float32, [HS], plain_shared_layout(1))
     l_smem = gl.allocate_shared_memory(gl.float32, [HS], plain_shared_layout(1))
     o_smem = gl.allocate_shared_memory(gl.float32, [128, HS], plain_shared_layout(2))
@@ -690,13 +804,14 @@ def gluon_decode_split_kernel(
     ring = (kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty)
     descs = (kw_desc, ks_desc, vw_desc, vs_desc)
     span = (t_begin, t_full, t_end, n_q)
-    CFG: gl.constexpr = (SPC, HS, K_BITS, V_BITS, V_CHANNEL, OPT)
+    CFG: gl.constexpr = (SPC, HS, K_BITS, V_BITS, V_CHANNEL, OPT, K_CHANNEL)
+    op_bufs = (p_bufs, kq_bufs, zq_bufs)
     m0, l0, num0 = gl.warp_specialize(
         [
-            (_consumer0, (ring, qt_smem, p_bufs, span, qk_scale, magic, CFG)),
+            (_consumer0, (ring, qt_smem, op_bufs, span, qk_scale, magic, CFG)),
             (
                 _consumer1,
-                (ring, qt_smem, p_bufs, (m_smem, l_smem, o_smem), span, qk_scale, magic, CFG),
+                (ring, qt_smem, op_bufs, (m_smem, l_smem, o_smem), span, qk_scale, magic, CFG),
             ),
             (
                 _producer,

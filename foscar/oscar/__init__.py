@@ -9,7 +9,8 @@ Specification: ``../shared/docs/oscar.md``. The pieces, in the order they run:
   (:mod:`foscar.oscar.rotation`, with the paper's ablations);
 - :func:`fit_clips`: per-layer clip ratios for K and V minimising attention-output error;
 - :func:`select_rotations` (our extension): per layer and for K and V, the candidate rotation
-  (with or without ``U``) with the smaller fitted error;
+  (with or without ``U``, per layer or per KV head) with the smallest fitted error
+  (:func:`fit_candidates` then :func:`choose_rotations`);
 - :class:`OscarRotations` (:mod:`foscar.oscar.policy`): the artifact, saved and loaded as
   safetensors; :func:`apply_to_cache` sets it on a :class:`foscar.QuantizedKVCache`
   (:meth:`~foscar.QuantizedKVCache.set_transform`) and :func:`oscar_cache` builds a
@@ -18,7 +19,15 @@ Specification: ``../shared/docs/oscar.md``. The pieces, in the order they run:
 ``foscar calibrate`` runs the first three and writes the file.
 """
 
-from .calibrate import CLIP_CANDIDATES, Calibration, calibrate, fit_clips, select_rotations
+from .calibrate import (
+    CLIP_CANDIDATES,
+    Calibration,
+    calibrate,
+    choose_rotations,
+    fit_candidates,
+    fit_clips,
+    select_rotations,
+)
 from .policy import FORMAT_VERSION, OscarRotations, apply_to_cache, oscar_cache
 from .rotation import RECIPES, RotationRecipe, bit_reversal, hadamard, rotation
 
@@ -32,6 +41,8 @@ __all__ = [
     "apply_to_cache",
     "bit_reversal",
     "calibrate",
+    "choose_rotations",
+    "fit_candidates",
     "fit_clips",
     "hadamard",
     "oscar_cache",

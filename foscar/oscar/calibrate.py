@@ -12,8 +12,11 @@
    ratio with the smallest relative error of the causal attention output at ``num_queries``
    query positions (spread over each sequence's second half) wins.
 4. :func:`select_rotations` (our extension) picks, per layer and for K and V separately, the
-   candidate rotation (e.g. with or without ``U``) whose fitted error is smallest: on SmolLM2
-   the query eigenbasis ``U`` helps values but not keys (README, OSCAR section).
+   candidate rotation (e.g. with or without ``U``, per layer or per KV head) whose fitted error
+   is smallest: on SmolLM2 the query eigenbasis ``U`` helps values but not keys (README, OSCAR
+   section). It is :func:`fit_candidates` (the clip fit of every candidate) followed by
+   :func:`choose_rotations` (the choice), which can also choose among a subset of fitted
+   candidates without fitting them again.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ __all__ = [
     "Calibration",
     "calibrate",
     "fit_clips",
+    "fit_candidates",
+    "choose_rotations",
     "select_rotations",
     "CLIP_CANDIDATES",
     "KEY_TARGETS",
@@ -338,6 +343,115 @@ def fit_clips(
     return rotations
 
 
+def _common_heads(candidates: dict[str, OscarRotations]) -> int:
+    """The head count ``Hr`` the candidates share once per-layer ones (``Hr = 1``) are
+    broadcast to the KV heads; ``ValueError`` naming the shapes unless they fit together."""
+    shapes = {n: tuple(r.key.shape) for n, r in candidates.items()}
+    layers_dims = {(s[0], s[2]) for s in shapes.values()}
+    heads = {s[1] for s in shapes.values()} - {1}
+    if len(layers_dims) != 1 or len(heads) > 1:
+        raise ValueError(
+            "candidates must share num_layers and head_dim, and be per layer ([L, 1, d, d]) or "
+            f"per KV head of one count ([L, H, d, d]); got {shapes}"
+        )
+    return heads.pop() if heads else 1
+
+
+@torch.no_grad()
+def fit_candidates(
+    model,
+    sequences,
+    candidates: dict[str, OscarRotations],
+    *,
+    bits: Sequence[int] = (2, 4),
+    group_size: int | None = None,
+    clip_candidates: Sequence[float] = CLIP_CANDIDATES,
+    num_queries: int = 64,
+    windows: tuple[int, int] = (0, 0),
+    log: Callable[[str], None] | None = None,
+) -> dict[str, OscarRotations]:
+    """:func:`fit_clips` of every candidate rotation on ``sequences`` (each candidate gets its
+    clips and ``header["clip_fit"]`` in place); returns ``candidates``, ready for
+    :func:`choose_rotations`. Candidates may mix per-layer (``[L, 1, d, d]``) and per-KV-head
+    (``[L, H, d, d]``) rotations."""
+    if not candidates:
+        raise ValueError("candidates must name at least one rotation")
+    _common_heads(candidates)
+    for name, rot in candidates.items():
+        if log:
+            log(f"selection: fitting clips of candidate {name!r}")
+        fit_clips(
+            model,
+            sequences,
+            rot,
+            bits=bits,
+            group_size=group_size,
+            candidates=clip_candidates,
+            num_queries=num_queries,
+            windows=windows,
+        )
+    return candidates
+
+
+def choose_rotations(fitted: dict[str, OscarRotations], *, select_bits: int = 2) -> OscarRotations:
+    """Per layer and per K/V, the fitted candidate with the smallest attention error.
+
+    ``fitted``: candidates whose clips :func:`fit_clips` (or :func:`fit_candidates`) fitted on
+    the same sequences and windows. For each layer, K takes the rotation (and its fitted clip
+    ratios for every width fitted for all candidates) of the candidate whose K error at
+    ``select_bits`` is smallest, and V likewise. Per-layer candidates (``[L, 1, d, d]``) are
+    broadcast to the KV heads when another candidate is per KV head (``[L, H, d, d]``); the
+    result is then per KV head. The header records the choice per layer
+    (``header["selection"]``) and every candidate's clip fit. The candidates are not modified.
+    """
+    if not fitted:
+        raise ValueError("candidates must name at least one rotation")
+    heads = _common_heads(fitted)
+    names = list(fitted)
+    unfitted = [n for n in names if "clip_fit" not in fitted[n].header]
+    if unfitted:
+        raise ValueError(f"candidates {unfitted} have no fitted clips (run fit_clips first)")
+    bits = sorted(set.intersection(*({b for b, _ in r.clips} for r in fitted.values())))
+    if select_bits not in bits:
+        raise ValueError(f"select_bits ({select_bits}) must be one of bits {tuple(bits)}")
+    first = fitted[names[0]]
+    layers = first.num_layers
+    out = {"key": [], "value": []}
+    clips = {(b, role): torch.zeros(layers, dtype=torch.float64) for b in bits for role in out}
+    choice = {"key": [], "value": []}
+    for role in ("key", "value"):
+        errors = torch.tensor(
+            [
+                fitted[n].header["clip_fit"][f"int{select_bits}.{role}"]["fitted_relative_error"]
+                for n in names
+            ]
+        )  # [candidate, layer]
+        best = errors.argmin(dim=0)
+        for layer in range(layers):
+            r = fitted[names[int(best[layer])]]
+            out[role].append(getattr(r, role)[layer].expand(heads, -1, -1))
+            for b in bits:
+                clips[(b, role)][layer] = r.clips[(b, role)][layer]
+            choice[role].append(names[int(best[layer])])
+        choice[f"{role}_error"] = errors.min(dim=0).values.mean().item()
+        choice[f"{role}_error_per_candidate"] = dict(zip(names, errors.mean(dim=1).tolist()))
+    header = {
+        **first.header,
+        "recipe": "selected per layer from " + ", ".join(names),
+        "selection": {"bits": select_bits, **choice},
+        "candidates": {
+            n: {
+                **{k: fitted[n].header.get(k) for k in ("recipe", "key_target", "value_target")},
+                "per_head": fitted[n].per_head,
+            }
+            for n in names
+        },
+    }
+    header.pop("clip_fit", None)
+    header["clip_fit"] = {n: fitted[n].header["clip_fit"] for n in names}
+    return OscarRotations(torch.stack(out["key"]), torch.stack(out["value"]), clips, header)
+
+
 @torch.no_grad()
 def select_rotations(
     model,
@@ -354,66 +468,29 @@ def select_rotations(
 ) -> OscarRotations:
     """Per layer and per K/V, the candidate rotation with the smallest fitted attention error.
 
-    Every candidate (e.g. ``{"full": U*H*P_br, "no-u": H*P_br}``, all of one shape) gets its
-    clips fitted (:func:`fit_clips`) on ``sequences``; for each layer, K takes the rotation (and
-    its fitted clip ratios for every width of ``bits``) of the candidate whose K error at
-    ``select_bits`` is smallest, and V likewise. The header records the choice per layer.
+    Every candidate (e.g. ``{"full": U*H*P_br, "no-u": H*P_br}``; per layer ``[L, 1, d, d]``
+    or per KV head ``[L, H, d, d]``, mixed as needed) gets its clips fitted
+    (:func:`fit_candidates`) on ``sequences``; :func:`choose_rotations` then takes, for each
+    layer, K's rotation and fitted clip ratios (every width of ``bits``) from the candidate
+    whose K error at ``select_bits`` is smallest, and V's likewise. The header records the
+    choice per layer.
     """
     if not candidates:
         raise ValueError("candidates must name at least one rotation")
     if select_bits not in bits:
         raise ValueError(f"select_bits ({select_bits}) must be one of bits {tuple(bits)}")
-    names = list(candidates)
-    shapes = {tuple(r.key.shape) for r in candidates.values()}
-    if len(shapes) != 1:
-        raise ValueError(f"candidates must share one shape, got {sorted(shapes)}")
-    fitted = {}
-    for name in names:
-        if log:
-            log(f"selection: fitting clips of candidate {name!r}")
-        fitted[name] = fit_clips(
-            model,
-            sequences,
-            candidates[name],
-            bits=bits,
-            group_size=group_size,
-            candidates=clip_candidates,
-            num_queries=num_queries,
-            windows=windows,
-        )
-    first = fitted[names[0]]
-    layers = first.num_layers
-    out = {"key": [], "value": []}
-    clips = {(b, role): torch.zeros(layers, dtype=torch.float64) for b in bits for role in out}
-    choice = {"key": [], "value": []}
-    for role in ("key", "value"):
-        errors = torch.tensor(
-            [
-                fitted[n].header["clip_fit"][f"int{select_bits}.{role}"]["fitted_relative_error"]
-                for n in names
-            ]
-        )  # [candidate, layer]
-        best = errors.argmin(dim=0)
-        for layer in range(layers):
-            r = fitted[names[int(best[layer])]]
-            out[role].append(getattr(r, role)[layer])
-            for b in bits:
-                clips[(b, role)][layer] = r.clips[(b, role)][layer]
-            choice[role].append(names[int(best[layer])])
-        choice[f"{role}_error"] = errors.min(dim=0).values.mean().item()
-        choice[f"{role}_error_per_candidate"] = dict(zip(names, errors.mean(dim=1).tolist()))
-    header = {
-        **first.header,
-        "recipe": "selected per layer from " + ", ".join(names),
-        "selection": {"bits": select_bits, **choice},
-        "candidates": {
-            n: {k: fitted[n].header.get(k) for k in ("recipe", "key_target", "value_target")}
-            for n in names
-        },
-    }
-    header.pop("clip_fit", None)
-    header["clip_fit"] = {n: fitted[n].header["clip_fit"] for n in names}
-    return OscarRotations(torch.stack(out["key"]), torch.stack(out["value"]), clips, header)
+    fitted = fit_candidates(
+        model,
+        sequences,
+        candidates,
+        bits=bits,
+        group_size=group_size,
+        clip_candidates=clip_candidates,
+        num_queries=num_queries,
+        windows=windows,
+        log=log,
+    )
+    return choose_rotations(fitted, select_bits=select_bits)
 
 
 def default_sequences(tok, tokens: int, seq_len: int, text: str) -> list[torch.Tensor]:

@@ -49,6 +49,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "smaller fitted attention error at INT2 (our extension; needs --clip-bits with 2)",
     )
     p.add_argument(
+        "--select-kv-heads",
+        action="store_true",
+        help="with --select, also offer the --recipe rotation per KV head (the file then holds "
+        "one rotation per KV head; layers that keep a per-layer one repeat it)",
+    )
+    p.add_argument(
         "--clip-bits",
         type=int,
         nargs="*",
@@ -85,6 +91,19 @@ def _check(args) -> None:
         raise ValueError(f"--fit-windows must be non-negative, got {args.fit_windows}")
     if args.select and 2 not in args.clip_bits:
         raise ValueError("--select chooses by the INT2 error: --clip-bits must include 2")
+    if args.select_kv_heads:
+        if not args.select:
+            raise ValueError("--select-kv-heads adds candidates to --select: pass --select")
+        if args.per_head:
+            raise ValueError(
+                "--select-kv-heads offers per-KV-head rotations beside per-layer ones: drop "
+                "--per-head"
+            )
+        if args.recipe in ("no-u", "none", "hadamard"):
+            raise ValueError(
+                f"--select-kv-heads: --recipe {args.recipe} reads no target (no U), so it is "
+                "the same rotation for every KV head"
+            )
 
 
 def run(args, log=print) -> int:
@@ -149,11 +168,16 @@ def run(args, log=print) -> int:
                 key_target=args.key_target, value_target=args.value_target, per_head=args.per_head
             )
             candidates = {args.recipe: rot, "no-u": cal.rotations("no-u", **kw)}
+            if args.select_kv_heads:
+                kw["per_head"] = True
+                candidates[f"{args.recipe} per KV head"] = cal.rotations(args.recipe, **kw)
             rot = select_rotations(model, clip_seqs, candidates, **fit)
             sel = rot.header["selection"]
             for role in ("key", "value"):
                 n = sel[role].count(args.recipe)
                 log(f"{role}: {args.recipe} rotation kept in {n} of {rot.num_layers} layers")
+                for name in list(candidates)[2:]:
+                    log(f"{role}: {name} in {sel[role].count(name)} of {rot.num_layers} layers")
         else:
             fit_clips(model, clip_seqs, rot, **fit)
         t_fit = time.perf_counter() - t3

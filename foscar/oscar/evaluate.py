@@ -17,6 +17,9 @@ OSCAR INT2 + BF16 s/r, clips 0.96/0.92 U*H*P_br; 0.96/0.92; s/r (the ablations' 
 ... K^TK/V^TV targets                  U*H*P_br of K^T K and V^T V; 0.96/0.92; s/r
 OSCAR-select INT2 (+ BF16 s/r)         per layer and K/V: U*H*P_br, H*P_br or U*H*P_br of
                                        K^TK/V^TV, the smallest fitted error; fitted; none (s/r)
+OSCAR-select per-KV-head INT2 (+ s/r)  the same candidates and U*H*P_br per KV head of both
+                                       targets (H*P_br has no per-head variant: it reads no
+                                       target); fitted; none (s/r)
 OSCAR INT4 (+ BF16 s/r)                U*H*P_br; fitted for INT4; none (s/r)
 =====================================  =========================================================
 
@@ -29,7 +32,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..formats import KVFormat, QuantFormat
-from .calibrate import Calibration, calibrate, default_sequences, fit_clips, select_rotations
+from .calibrate import (
+    Calibration,
+    calibrate,
+    choose_rotations,
+    default_sequences,
+    fit_candidates,
+    fit_clips,
+)
 from .policy import OscarRotations, oscar_cache
 
 __all__ = [
@@ -41,10 +51,27 @@ __all__ = [
     "report",
     "RELEASED_CLIPS",
     "ERROR_VARIANTS",
+    "SELECT_CANDIDATES",
 ]
 
 #: the released recipe's fixed clip ratios (oscar.md Sec. 3)
 RELEASED_CLIPS = (0.96, 0.92)
+
+#: OSCAR-select's candidates: name -> (label, recipe, :meth:`Calibration.rotations` kwargs);
+#: the "OSCAR-select" rows choose among the per-layer ones, "OSCAR-select per-KV-head" among all
+SELECT_CANDIDATES = {
+    "full": ("U*H*P_br", "full", {}),
+    "no-u": ("H*P_br", "no-u", {}),
+    # the plain second moments: lower K error than C_Q's on SmolLM2 (EVAL_NOTES 3)
+    "ktk": ("K^TK/V^TV", "full", {"key_target": "plain", "value_target": "plain"}),
+    # one rotation per KV head: the lowest V error of the held-out table (EVAL_NOTES 5)
+    "full-kvh": ("U*H*P_br per KV head", "full", {"per_head": True}),
+    "ktk-kvh": (
+        "K^TK/V^TV per KV head",
+        "full",
+        {"key_target": "plain", "value_target": "plain", "per_head": True},
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -82,6 +109,7 @@ def oscar_formats(
     calibration: Calibration | None = None,
     rotations: OscarRotations | None = None,
     selected: OscarRotations | None = None,
+    selected_per_head: OscarRotations | None = None,
     windows: tuple[int, int] = (64, 256),
 ) -> list[OscarEvalFormat]:
     """The rows of the module docstring.
@@ -91,6 +119,8 @@ def oscar_formats(
     rotations : alone, gives the OSCAR rows of that artifact.
     selected : rotations chosen per layer (:func:`foscar.oscar.select_rotations`) with fitted
         clips: adds the "OSCAR-select" rows.
+    selected_per_head : the same, chosen among candidates that include per-KV-head rotations
+        (``[L, H, d, d]``): adds the "OSCAR-select per-KV-head" rows.
     windows : ``(sink, recent)`` BF16 tokens of the windowed rows.
     """
     if calibration is None and rotations is None:
@@ -128,11 +158,12 @@ def oscar_formats(
         )
     )
     rows += oscar_rows(rotations, 2)
-    if selected is not None:
-        rows += [
-            OscarEvalFormat(f"OSCAR-select INT2{x} (fitted clips)", f, 2, selected, 2)
-            for x, f in (("", _fmt(2, g)), (w, _fmt(2, g, None, s, r)))
-        ]
+    for label, sel in (("OSCAR-select", selected), ("OSCAR-select per-KV-head", selected_per_head)):
+        if sel is not None:
+            rows += [
+                OscarEvalFormat(f"{label} INT2{x} (fitted clips)", f, 2, sel, 2)
+                for x, f in (("", _fmt(2, g)), (w, _fmt(2, g, None, s, r)))
+            ]
     rows.append(OscarEvalFormat(f"OSCAR INT2{w} (clips 0.96/0.92)", fixed, 2, rotations))
     for recipe, label in (
         ("no-br", "w/o P_br"),
@@ -176,6 +207,10 @@ ERROR_VARIANTS = {
     "Hadamard (QuaRot-style)": ("hadamard", {}),
     "K^TK/V^TV targets": ("full", {"key_target": "plain", "value_target": "plain"}),
     "per KV head": ("full", {"per_head": True}),
+    "K^TK/V^TV per KV head": (
+        "full",
+        {"key_target": "plain", "value_target": "plain", "per_head": True},
+    ),
 }
 
 
@@ -242,8 +277,9 @@ def prepare(
 
     Calibration text: the first ``tokens`` tokens of CPython's language reference (the text the
     harness fits its own clipping on; never scored), in sequences of ``seq_len``. Clips are
-    fitted (INT2 and INT4, with ``windows`` left exact) and OSCAR-select chosen on the first
-    sequence. With ``path`` (a
+    fitted (INT2 and INT4, with ``windows`` left exact) on the first sequence for every
+    candidate of :data:`SELECT_CANDIDATES` (once each); OSCAR-select chooses among the
+    per-layer ones, OSCAR-select per-KV-head among all. With ``path`` (a
     ``foscar calibrate`` file) only that artifact's rows are returned. ``held_out``: token-id
     sequences of the evaluation text for the attention-error table (skipped when None).
     ``info`` goes into the result's config.
@@ -267,19 +303,28 @@ def prepare(
     t0 = time.perf_counter()
     cal = calibrate(model, seqs, header=header, log=log)
     t1 = time.perf_counter()
-    full = fit_clips(model, seqs[:1], cal.rotations(), windows=windows, log=log)
-    candidates = {
-        "full": cal.rotations(),
-        "no-u": cal.rotations("no-u"),
-        # the plain second moments: lower K error than C_Q's on SmolLM2 (EVAL_NOTES 3)
-        "ktk": cal.rotations(key_target="plain", value_target="plain"),
-    }
-    sel = select_rotations(model, seqs[:1], candidates, windows=windows, log=log)
+    fitted = fit_candidates(
+        model,
+        seqs[:1],
+        {n: cal.rotations(recipe, **kw) for n, (_, recipe, kw) in SELECT_CANDIDATES.items()},
+        windows=windows,
+        log=log,
+    )
+    full = fitted["full"]  # the full recipe with fitted clips: the "OSCAR INT2/INT4" rows
+    sel = choose_rotations(
+        {n: r for n, r in fitted.items() if not SELECT_CANDIDATES[n][2].get("per_head")}
+    )
+    sel_kvh = choose_rotations(fitted)
     t2 = time.perf_counter()
     errors = attention_errors(model, cal, held_out, windows=windows) if held_out else None
     t3 = time.perf_counter()
     rows = oscar_formats(
-        cal.head_dim, calibration=cal, rotations=full, selected=sel, windows=windows
+        cal.head_dim,
+        calibration=cal,
+        rotations=full,
+        selected=sel,
+        selected_per_head=sel_kvh,
+        windows=windows,
     )
     fit = full.header["clip_fit"]
     info = {
@@ -301,10 +346,28 @@ def prepare(
         },
         "selection": {r: sel.header["selection"][r] for r in ("key", "value")},
         "selected_clips_int2": {r: sel.clips[(2, r)].tolist() for r in ("key", "value")},
+        "selection_per_kv_head": {r: sel_kvh.header["selection"][r] for r in ("key", "value")},
+        "selected_per_kv_head_clips_int2": {
+            r: sel_kvh.clips[(2, r)].tolist() for r in ("key", "value")
+        },
+        "selection_errors": {
+            role: sel_kvh.header["selection"][f"{role}_error_per_candidate"]
+            for role in ("key", "value")
+        },
     }
     if errors is not None:
         info["attention_errors_heldout"] = {"bits": 2, "windows": list(windows), "errors": errors}
     return rows, info
+
+
+def _label(name: str) -> str:
+    return SELECT_CANDIDATES[name][0] if name in SELECT_CANDIDATES else name
+
+
+def _ordered(names) -> list[str]:
+    """``names`` in :data:`SELECT_CANDIDATES`' order (unknown names last, sorted)."""
+    order = list(SELECT_CANDIDATES)
+    return sorted(names, key=lambda n: (order.index(n) if n in order else len(order), n))
 
 
 def report(info: dict) -> str:
@@ -324,10 +387,14 @@ def report(info: dict) -> str:
             f"- fitted {key} clip ratios: mean {sum(clips) / len(clips):.3f}, "
             f"range {min(clips):g}-{max(clips):g}"
         )
-    for role, chosen in info.get("selection", {}).items():
+    for key, row in (("selection", "OSCAR-select"), ("selection_per_kv_head", "per-KV-head")):
+        for role, chosen in info.get(key, {}).items():
+            counts = ", ".join(f"{_label(n)} in {chosen.count(n)}" for n in _ordered(set(chosen)))
+            lines.append(f"- {row} {role}, of {len(chosen)} layers: {counts}")
+    for role, per in info.get("selection_errors", {}).items():
         lines.append(
-            f"- OSCAR-select {role}: U*H*P_br in {chosen.count('full')} of {len(chosen)} layers, "
-            f"H*P_br in {chosen.count('no-u')}"
+            f"- fitted INT2 {role} error per candidate (calibration text, mean over layers): "
+            + ", ".join(f"{_label(n)} {per[n]:.3f}" for n in _ordered(per))
         )
     errors = info.get("attention_errors_heldout", {}).get("errors")
     if errors:
