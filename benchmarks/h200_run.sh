@@ -14,6 +14,8 @@
 #   bash benchmarks/h200_run.sh session4b # fused write GPU tests, e2e 32K + 100K (128 steps)
 #   bash benchmarks/h200_run.sh session4c # fused write and quantize GPU tests (after the fix)
 #   bash benchmarks/h200_run.sh cache-write # the fused write's GPU tests alone
+#   bash benchmarks/h200_run.sh s5-tests # session 5: Gluon channel-wise K + head_dim 64 GPU tests, fused write
+#   bash benchmarks/h200_run.sh s5-bench # session 5: axes grid (channel-wise K in Gluon), head_dim 64 grid, racecheck
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -115,6 +117,22 @@ case "$mode" in
     # the 13-point grid with foscar and FlashInfer BF16 only (when device time is short)
     python3 -m foscar bench --grid main --iters 20 --methods foscar-triton flashinfer-bf16 \
       --out "$OUT" --name decode_grid_lite 2>&1 | tee "$OUT/grid.log"
+    ;;
+  s5-tests)
+    timeout 330 python3 -m pytest -q -p no:cacheprovider -rs --durations 8 tests/test_gluon_kernel.py \
+      -k "channel_wise_keys or head_dim_64 or paper_shape or reconstruct or ragged or auto_picks" \
+      2>&1 | tee "$OUT/gpu_tests_gluon_session5.log" | tail -30
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cache_write.py tests/test_cache_decode.py \
+      2>&1 | tee "$OUT/gpu_tests_cache_write_session5.log" | tail -8
+    ;;
+  s5-bench)
+    python3 -m foscar bench --grid axes --methods foscar-gluon foscar-triton flashinfer-bf16 --out "$OUT" \
+      2>&1 | tee "$OUT/axes.log" | grep -v "^\[" | tail -30
+    python3 -m foscar bench --grid main --head-dim 64 --methods foscar-gluon foscar-triton flashinfer-bf16 \
+      --name decode_grid_d64 --out "$OUT" 2>&1 | tee "$OUT/grid_d64.log" | grep -v "^\[" | tail -30
+    sel="channel_wise_keys and 4-2-2-token or head_dim_64 and 4-2-2"
+    timeout 150 compute-sanitizer --tool racecheck --print-limit 10 python3 -m pytest -q -x -p no:cacheprovider \
+      tests/test_gluon_kernel.py -k "$sel" 2>&1 | grep -v "Host Frame" | tail -30 | tee "$OUT/gluon_racecheck_session5.log"
     ;;
   grid)
     python3 -m foscar bench --grid both --out "$OUT" 2>&1 | tee "$OUT/grid.log"

@@ -151,35 +151,35 @@ def gluon_decode_config() -> GluonDecodeConfig:
 #: off this table. Token-wise K and V: Gluon is faster at every point measured (13 points x
 #: INT2/INT4 and the axes grid), so auto always takes it. Channel-wise V: Gluon is faster from
 #: B=8 on, but at B=1 it measured slower at 2 of 4 points (not yet explained:
-#: benchmarks/NOTES.md 12). An axis pair without rows here is not taken by auto.
+#: benchmarks/NOTES.md 12). A shape (axis pair, head_dim) without rows is not taken by auto.
 GLUON_OVER_TRITON_US = {
-    # (bits, k_axis, v_axis, batch, kv_len): (triton, gluon)
-    (2, "token", "token", 1, 8192): (14.7, 13.6),
-    (2, "token", "token", 1, 131072): (73.3, 47.6),
-    (2, "token", "token", 8, 131072): (493.7, 304.9),
-    (2, "token", "token", 64, 131072): (3804.8, 2246.7),
-    (4, "token", "token", 1, 8192): (16.0, 13.9),
-    (4, "token", "token", 64, 131072): (4466.9, 2342.6),
-    (2, "token", "channel", 1, 32768): (28.2, 126.3),
-    (2, "token", "channel", 1, 131072): (80.2, 54.6),
-    (2, "token", "channel", 8, 32768): (148.2, 94.7),
-    (2, "token", "channel", 8, 131072): (558.2, 326.1),
-    (4, "token", "channel", 1, 32768): (31.4, 27.3),
-    (4, "token", "channel", 1, 131072): (89.9, 187.3),
-    (4, "token", "channel", 8, 32768): (167.4, 154.9),
-    (4, "token", "channel", 8, 131072): (626.0, 334.9),
+    # (bits, k_axis, v_axis, head_dim, batch, kv_len): (triton, gluon)
+    (2, "token", "token", 128, 1, 8192): (14.7, 13.6),
+    (2, "token", "token", 128, 1, 131072): (73.3, 47.6),
+    (2, "token", "token", 128, 8, 131072): (493.7, 304.9),
+    (2, "token", "token", 128, 64, 131072): (3804.8, 2246.7),
+    (4, "token", "token", 128, 1, 8192): (16.0, 13.9),
+    (4, "token", "token", 128, 64, 131072): (4466.9, 2342.6),
+    (2, "token", "channel", 128, 1, 32768): (28.2, 126.3),
+    (2, "token", "channel", 128, 1, 131072): (80.2, 54.6),
+    (2, "token", "channel", 128, 8, 32768): (148.2, 94.7),
+    (2, "token", "channel", 128, 8, 131072): (558.2, 326.1),
+    (4, "token", "channel", 128, 1, 32768): (31.4, 27.3),
+    (4, "token", "channel", 128, 1, 131072): (89.9, 187.3),
+    (4, "token", "channel", 128, 8, 32768): (167.4, 154.9),
+    (4, "token", "channel", 128, 8, 131072): (626.0, 334.9),
 }
 GLUON_GRID_KV_HEADS = 8  # H_KV of every row above: a row's CTAs are batch x 8
 
 
-def gluon_min_ctas(k_axis: str, v_axis: str) -> int | None:
-    """Sequences x KV heads from which ``auto`` takes Gluon for this axis pair: the smallest
-    measured batch from which Gluon won every measured point (0 when it won them all), ``None``
-    where it never did or the pair was not measured."""
+def gluon_min_ctas(k_axis: str, v_axis: str, head_dim: int = 128) -> int | None:
+    """Sequences x KV heads from which ``auto`` takes Gluon for this axis pair and head_dim: the
+    smallest measured batch from which Gluon won every measured point (0 when it won them all),
+    ``None`` where it never did or the shape was not measured."""
     rows = [
         (batch, triton_us > gluon_us)
-        for (_, k, v, batch, _), (triton_us, gluon_us) in GLUON_OVER_TRITON_US.items()
-        if (k, v) == (k_axis, v_axis)
+        for (_, k, v, d, batch, _), (triton_us, gluon_us) in GLUON_OVER_TRITON_US.items()
+        if (k, v, d) == (k_axis, v_axis, head_dim)
     ]
     batches = sorted({b for b, _ in rows})
     for b in batches:

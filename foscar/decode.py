@@ -11,7 +11,6 @@ from .backends import gluon as gluon_backend
 from .backends import on_device
 from .backends import triton as triton_backend
 from .cache import DecodeBatch, QuantizedKVCache, rotate_rows
-from .formats import GroupAxis
 
 __all__ = ["decode_attention", "default_backend", "BACKENDS"]
 
@@ -36,7 +35,8 @@ def default_backend(cache: QuantizedKVCache, q: torch.Tensor) -> str:
         and gluon_backend.available(q.device)
         and gluon_backend.supports(cache, q.shape[1]) is None
     ):
-        min_ctas = configs.gluon_min_ctas(cache.fmt.key.axis.value, cache.fmt.value.axis.value)
+        fmt = cache.fmt
+        min_ctas = configs.gluon_min_ctas(fmt.key.axis.value, fmt.value.axis.value, cache.head_dim)
         if min_ctas is not None and q.shape[0] * cache.num_kv_heads >= min_ctas:
             return "gluon"
     if (

@@ -48,7 +48,8 @@ _COMPILE = """
 import json, os, subprocess, sys, tempfile
 import triton
 from foscar.backends.gluon import compile_sm90
-ck = compile_sm90(k_bits={k_bits}, v_bits={v_bits}, v_channel={v_channel}, k_channel={k_channel})
+ck = compile_sm90(k_bits={k_bits}, v_bits={v_bits}, v_channel={v_channel}, k_channel={k_channel},
+                  head_dim={head_dim})
 ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, "k.ptx")
@@ -60,9 +61,11 @@ print(json.dumps(dict(warps=ck.metadata.num_warps, info=info,
 """
 
 
-@pytest.mark.parametrize("k_axis,v_axis", AXIS_PAIRS)
+@pytest.mark.parametrize(
+    "head_dim,k_axis,v_axis", [(128, *axes) for axes in AXIS_PAIRS] + [(64, "token", "token")]
+)
 @pytest.mark.parametrize("k_bits,v_bits", BIT_PAIRS)
-def test_compiles_for_sm90_without_spills(k_bits, v_bits, k_axis, v_axis):
+def test_compiles_for_sm90_without_spills(k_bits, v_bits, head_dim, k_axis, v_axis):
     """Compiled in a fresh process: the interpreter (TRITON_INTERPRET=1, set for the CPU suite)
     replaces triton's own jit functions, which the Gluon compiler cannot reference."""
     import json
@@ -78,6 +81,7 @@ def test_compiles_for_sm90_without_spills(k_bits, v_bits, k_axis, v_axis):
                 v_bits=v_bits,
                 v_channel=v_axis == "channel",
                 k_channel=k_axis == "channel",
+                head_dim=head_dim,
             ),
         ],
         capture_output=True,
@@ -115,12 +119,18 @@ def test_supports_names_what_it_does_not_cover(fmt, heads, reason):
 
 
 def test_supports_head_dim_and_page_size():
-    fmt64 = KVFormat(QuantFormat(2, "token", 64), QuantFormat(2, "token", 64))
+    fmt64 = KVFormat(QuantFormat(2, "token", 64), QuantFormat(4, "token", 64))
     cache, _ = build_cache(fmt64, (5,), head_dim=64)
-    assert "key is i2t64" in gluon_backend.supports(cache, 4)
+    assert gluon_backend.supports(cache, 4) is None
+    g32 = KVFormat(QuantFormat(2, "token", 32), QuantFormat(2, "token", 64))
+    cache, _ = build_cache(g32, (5,), head_dim=64)
+    assert "g=head_dim=64; key is i2t32" in gluon_backend.supports(cache, 4)
+    chan64 = KVFormat(QuantFormat(2, "token", 64), QuantFormat(2, "channel", 64))
+    cache, _ = build_cache(chan64, (5,), head_dim=64)
+    assert "channel-wise groups at head_dim 128; value is i2c64" in gluon_backend.supports(cache, 4)
     fmt256 = KVFormat(INT2, INT2)
     cache, _ = build_cache(fmt256, (5,), head_dim=256)
-    assert "head_dim 128, got 256" in gluon_backend.supports(cache, 4)
+    assert "head_dim 128 or 64, got 256" in gluon_backend.supports(cache, 4)
     cache, _ = build_cache(FMT, (5,), page_size=32)
     assert "page_size 64" in gluon_backend.supports(cache, 4)
     for fmt in (
@@ -204,6 +214,42 @@ def test_channel_wise_keys(ratio, k_bits, v_bits, v_axis):
     cache, batch = build_cache(fmt, LENGTHS, num_kv_heads=2, device="cuda", seed=ratio)
     q = queries(batch, 2 * ratio, 128, "cuda")
     check_against_reference(*run(q, cache, batch), q, cache, batch)
+
+
+@sm90_only
+@pytest.mark.parametrize(
+    "ratio,k_bits,v_bits", [(r, 2, 2) for r in (1, 2, 3, 5, 8)] + [(4, *b) for b in BIT_PAIRS]
+)
+def test_head_dim_64(ratio, k_bits, v_bits):
+    """head_dim 64 (g = 64, token-wise K and V): every GQA ratio at INT2, every bit pair at 4;
+    the INT2 value pieces are nibbles, two to a byte."""
+    fmt = KVFormat(QuantFormat(k_bits, "token", 64), QuantFormat(v_bits, "token", 64))
+    cache, batch = build_cache(fmt, LENGTHS, num_kv_heads=2, head_dim=64, device="cuda", seed=ratio)
+    q = queries(batch, 2 * ratio, 64, "cuda")
+    check_against_reference(*run(q, cache, batch), q, cache, batch)
+
+
+@sm90_only
+@pytest.mark.parametrize("bits", [2, 4])
+def test_head_dim_64_model_shape_with_windows(bits):
+    """SmolLM2-135M's attention (9 query heads over 3 KV heads, head_dim 64) at 8K tokens with
+    64/256 BF16 windows, and a CUDA-graph replay of it."""
+    q_fmt = QuantFormat(bits, "token", 64)
+    fmt = KVFormat(q_fmt, q_fmt, sink_tokens=64, recent_tokens=256)
+    cache, batch = build_cache(fmt, (8192, 1000, 3), num_kv_heads=3, head_dim=64, device="cuda")
+    q = queries(batch, 9, 64, "cuda")
+    check_against_reference(*run(q, cache, batch), q, cache, batch)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device="cuda")
+    kw = dict(backend="gluon", out=out, lse=lse, return_lse=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_attention(q, cache, batch, **kw)
+    q.copy_(queries(batch, 9, 64, "cuda", seed=5))
+    out.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize()
+    check_against_reference(out, lse, q, cache, batch)
 
 
 @sm90_only
@@ -347,13 +393,16 @@ def test_auto_rule_is_read_off_the_measured_table(monkeypatch):
     assert configs.gluon_min_ctas("token", "token") == 0
     assert configs.gluon_min_ctas("token", "channel") == 64
     assert configs.gluon_min_ctas("channel", "token") is None  # not measured
+    assert configs.gluon_min_ctas("token", "token", 64) is None  # not measured
     table = {
-        (2, "channel", "token", 1, 32768): (30.0, 40.0),  # lost at B=1
-        (2, "channel", "token", 8, 32768): (150.0, 90.0),
-        (2, "channel", "token", 64, 32768): (900.0, 600.0),
-        (2, "channel", "channel", 1, 32768): (30.0, 20.0),
-        (2, "channel", "channel", 64, 32768): (900.0, 950.0),  # lost at the largest batch
+        (2, "channel", "token", 128, 1, 32768): (30.0, 40.0),  # lost at B=1
+        (2, "channel", "token", 128, 8, 32768): (150.0, 90.0),
+        (2, "channel", "token", 128, 64, 32768): (900.0, 600.0),
+        (2, "channel", "channel", 128, 1, 32768): (30.0, 20.0),
+        (2, "channel", "channel", 128, 64, 32768): (900.0, 950.0),  # lost at the largest batch
+        (4, "token", "token", 64, 1, 8192): (20.0, 10.0),
     }
     monkeypatch.setattr(configs, "GLUON_OVER_TRITON_US", table)
     assert configs.gluon_min_ctas("channel", "token") == 64
     assert configs.gluon_min_ctas("channel", "channel") is None
+    assert configs.gluon_min_ctas("token", "token", 64) == 0

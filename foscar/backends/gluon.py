@@ -22,7 +22,7 @@ from . import triton as triton_backend
 
 __all__ = ["available", "supports", "decode", "num_splits"]
 
-HEAD_DIM = 128
+HEAD_DIMS = (128, 64)  # 64: token-wise K and V only
 PAGE_SIZE = 64
 MAX_HEADS_PER_KV = 8  # the wgmma N of the QK and PV products (HS = 8)
 
@@ -58,12 +58,20 @@ def supports(cache: QuantizedKVCache, num_q_heads: int) -> str | None:
     if fmt.mapping is not OperandMapping.BF16:
         return f"the Gluon kernel builds bf16 operands; mapping is {fmt.mapping.value!r}"
     k, v = fmt.key, fmt.value
-    if k.bits not in (2, 4) or k.group_size != HEAD_DIM:
-        return f"the Gluon kernel covers INT2/INT4 keys with g=128; key is {k.short()}"
-    if v.bits not in (2, 4) or v.group_size != HEAD_DIM:
-        return f"the Gluon kernel covers INT2/INT4 values with g=128; value is {v.short()}"
-    if cache.head_dim != HEAD_DIM:
-        return f"the Gluon kernel needs head_dim {HEAD_DIM}, got {cache.head_dim}"
+    d = cache.head_dim
+    if d not in HEAD_DIMS:
+        return f"the Gluon kernel needs head_dim 128 or 64, got {d}"
+    for role, q in (("key", k), ("value", v)):
+        if q.bits not in (2, 4) or q.group_size != d:
+            return (
+                f"the Gluon kernel covers INT2/INT4 {role}s with g=head_dim={d}; "
+                f"{role} is {q.short()}"
+            )
+        if d != 128 and q.axis is not GroupAxis.TOKEN:
+            return (
+                f"the Gluon kernel covers channel-wise groups at head_dim 128; "
+                f"{role} is {q.short()}"
+            )
     if cache.page_size != PAGE_SIZE:
         return (
             f"the Gluon kernel needs page_size {PAGE_SIZE} (a page per tile), got {cache.page_size}"
@@ -96,7 +104,7 @@ def _descriptors(cache: QuantizedKVCache, layer: int):
     if key not in memo:
         kern = _gluon()
         k_layout, v_layout, scales_layout = kern.descriptor_layouts(
-            cache.fmt.key.bits, cache.fmt.value.bits
+            cache.fmt.key.bits, cache.fmt.value.bits, cache.head_dim
         )
         descs = []
         for words, scales, layout in (
@@ -118,7 +126,13 @@ def _descriptors(cache: QuantizedKVCache, layer: int):
 
 
 def _constexprs(
-    cfg: GluonDecodeConfig, heads_per_kv: int, k_bits: int, v_bits: int, v_channel, k_channel
+    cfg: GluonDecodeConfig,
+    heads_per_kv: int,
+    k_bits: int,
+    v_bits: int,
+    v_channel: bool,
+    k_channel: bool,
+    head_dim: int,
 ):
     """The kernel's compile-time arguments (one place for the launcher and compile_sm90)."""
     return dict(
@@ -128,6 +142,7 @@ def _constexprs(
         V_BITS=v_bits,
         V_CHANNEL=v_channel,
         K_CHANNEL=k_channel,
+        HD=head_dim,
         SPC=cfg.stages_per_consumer,
         CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_REGS=cfg.producer_regs,
@@ -173,6 +188,7 @@ def decode(
         fmt.value.bits,
         fmt.value.axis is GroupAxis.CHANNEL,
         fmt.key.axis is GroupAxis.CHANNEL,
+        d,
     )
     kern.gluon_decode_split_kernel[(bsz, cache.num_kv_heads, splits)](
         q,
@@ -214,6 +230,7 @@ def compile_sm90(
     v_bits: int = 2,
     v_channel: bool = False,
     k_channel: bool = False,
+    head_dim: int = 128,
 ):
     """Compile the kernel for sm_90a without a GPU (tests, SASS counts): a CompiledKernel whose
     ``asm`` holds ttgir/ptx/cubin. The layout proofs of the operand programs
@@ -225,13 +242,13 @@ def compile_sm90(
 
     kern = _gluon()
     cfg = cfg or gluon_decode_config()
-    k_layout, v_layout, scales_layout = kern.descriptor_layouts(k_bits, v_bits)
+    k_layout, v_layout, scales_layout = kern.descriptor_layouts(k_bits, v_bits, head_dim)
 
     def desc(dtype, block, layout):
         return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout!r}>"
 
-    k_box = [1, 1, kern.PAGE, kern.words_per_row(k_bits)]
-    v_box = [1, 1, kern.PAGE, kern.words_per_row(v_bits)]
+    k_box = [1, 1, kern.PAGE, kern.words_per_row(k_bits, head_dim)]
+    v_box = [1, 1, kern.PAGE, kern.words_per_row(v_bits, head_dim)]
     scales_box = [1, 1, 2 * kern.PAGE]
     sig = {
         "q_ptr": "*bf16",
@@ -247,7 +264,7 @@ def compile_sm90(
         "qk_scale": "fp32",
         "magic": "i32",
     }
-    consts = _constexprs(cfg, heads_per_kv, k_bits, v_bits, v_channel, k_channel)
+    consts = _constexprs(cfg, heads_per_kv, k_bits, v_bits, v_channel, k_channel, head_dim)
     fn = kern.gluon_decode_split_kernel
     full = {n: sig.get(n, "constexpr" if n in consts else "i32") for n in fn.arg_names}
     src = GluonASTSource(fn, full, constexprs=consts, attrs={})

@@ -422,6 +422,12 @@ def add_arguments(parser) -> None:
         ],
     )
     parser.add_argument("--bits", type=int, nargs="+", default=[2, 4])
+    parser.add_argument(
+        "--head-dim",
+        type=int,
+        default=128,
+        help="head_dim of every method (H_Q=32, H_KV=8); foscar's groups: min(head_dim, 128)",
+    )
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--out", default="benchmarks/results/h200")
     parser.add_argument("--name", default=None, help="result file stem (default by grid)")
@@ -443,7 +449,9 @@ def run(args) -> int:
         print("foscar bench needs a CUDA GPU", file=sys.stderr)
         return 2
     grid = "axes" if args.axes == "all" else args.grid
+    shape = Shape(head_dim=args.head_dim, group_size=min(args.head_dim, 128))
     env = environment(torch.device("cuda"))
+    env["shape"] = dataclasses.asdict(shape)
     print(json.dumps(env))
     jobs = []
     if grid in ("main", "both"):
@@ -464,7 +472,9 @@ def run(args) -> int:
     if grid == "quick":
         jobs.append(("decode_quick", [(1, 32768), (64, 16384)], [AXES[0]], args.methods))
     for name, points, axes, methods in jobs:
-        rows = run_grid(points, methods, axes=axes, bits_list=args.bits, iters=args.iters)
+        rows = run_grid(
+            points, methods, axes=axes, bits_list=args.bits, iters=args.iters, shape=shape
+        )
         write_results(rows, env, args.out, args.name or name)
         print(markdown_table(rows))
     return 0

@@ -78,57 +78,66 @@ def a_operand_layout(HS):
     return gl.DotOperandLayout(operand_index=0, parent=acc_layout(HS), k_width=2)
 
 
-def words_per_row(bits):
-    """int32 words of one packed row of D = 128 codes."""
-    return D * bits // 32
+def words_per_row(bits, head_dim=D):
+    """int32 words of one packed row of head_dim codes."""
+    return head_dim * bits // 32
 
 
 @gluon.constexpr_function
-def k_words3_layout(BITS=2):
-    """[64 tokens, W words, F fields] (W = 4 * BITS, F = 16 / BITS): words as the m64n8
-    accumulator's rows (thread (w, l) owns rows l//4 + 8i + 16w and words BITS*(l%4) + e,
+def _log2(x):
+    return x.bit_length() - 1
+
+
+@gluon.constexpr_function
+def k_words3_layout(BITS=2, HD=D):
+    """[64 tokens, W words, F fields] (W = HD * BITS / 32, F = 16 / BITS): words as the m64n8
+    accumulator's rows (thread (w, l) owns rows l//4 + 8i + 16w and words E*(l%4) + e, E = W / 4,
     foscar.formats.kernel_bit_location role "key"), the extraction fields in registers."""
-    eb, fb = BITS.bit_length() - 1, (16 // BITS).bit_length() - 1
+    E = HD * BITS // 128
+    eb, fb = _log2(E), _log2(16 // BITS)
     return gl.DistributedLinearLayout(
         reg_bases=[[0, 1 << i, 0] for i in range(eb)]
         + [[8, 0, 0]]
         + [[0, 0, 1 << i] for i in range(fb)],
-        lane_bases=[[0, BITS, 0], [0, 2 * BITS, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        lane_bases=[[0, E, 0], [0, 2 * E, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
         warp_bases=[[16, 0, 0], [32, 0, 0]],
         block_bases=[],
-        shape=[64, 4 * BITS, 16 // BITS],
+        shape=[64, 4 * E, 16 // BITS],
     )
 
 
 @gluon.constexpr_function
-def v_words4_layout(BITS=2):
-    """[32 token pairs m, W words, PW pieces X, 4 fields]: a row of V is cut into 32 pieces of
-    4 * BITS bits (PW = 8 / BITS per word; foscar.formats.kernel_bit_location role "value").
-    Pair m = 8kb + 4i' + T with T = lane%4; piece g = lane//4 of warp w's 16 channels, so the
-    word is (8w + g) // PW and X = g % PW; the fields and (kb, i') in registers."""
-    pb = (8 // BITS).bit_length() - 1
+def v_words4_layout(BITS=2, HD=D):
+    """[32 token pairs m, W words, PW pieces X, FV fields]: a row of V is cut into 32 pieces of
+    PB = BITS * HD / 32 bits (PW = 32 / PB per word, FV = HD / 32 fields of BITS each;
+    foscar.formats.kernel_bit_location role "value"). Pair m = 8kb + 4i' + T with T = lane%4;
+    piece g = lane//4 of warp w's 16 channels, so the word is (8w + g) // PW and X = g % PW; the
+    fields and (kb, i') in registers."""
+    PB = BITS * HD // 32
+    pb = _log2(32 // PB)
     return gl.DistributedLinearLayout(
-        reg_bases=[[4, 0, 0, 0], [8, 0, 0, 0], [16, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2]],
+        reg_bases=[[4, 0, 0, 0], [8, 0, 0, 0], [16, 0, 0, 0]]
+        + [[0, 0, 0, 1 << i] for i in range(_log2(HD // 32))],
         lane_bases=[[1, 0, 0, 0], [2, 0, 0, 0]]
         + [[0, 0, 1 << i, 0] for i in range(pb)]
         + [[0, 1 << i, 0, 0] for i in range(3 - pb)],
         warp_bases=[[0, 1 << (3 - pb), 0, 0], [0, 1 << (4 - pb), 0, 0]],
         block_bases=[],
-        shape=[32, 4 * BITS, 8 // BITS, 4],
+        shape=[32, HD * BITS // 32, 32 // PB, HD // 32],
     )
 
 
 @gluon.constexpr_function
-def v_words_load_layout(BITS=2):
+def v_words_load_layout(BITS=2, HD=D):
     """[64 tokens, W words] as the V path reads them from smem: token bit 0 (the pair's parity)
     in a register, the lanes that take different pieces of one word replicated."""
-    pb = (8 // BITS).bit_length() - 1
+    pb = _log2(32 // (BITS * HD // 32))
     return gl.DistributedLinearLayout(
         reg_bases=[[1, 0], [8, 0], [16, 0], [32, 0]],
         lane_bases=[[2, 0], [4, 0]] + [[0, 0]] * pb + [[0, 1 << i] for i in range(3 - pb)],
         warp_bases=[[0, 1 << (3 - pb)], [0, 1 << (4 - pb)]],
         block_bases=[],
-        shape=[64, 4 * BITS],
+        shape=[64, HD * BITS // 32],
     )
 
 
@@ -217,34 +226,40 @@ def _sub_bf16x2(x, y):
 
 
 @gluon.jit
-def _k_operand(words, magic, HS: gl.constexpr, BITS: gl.constexpr, ZERO: gl.constexpr = False):
-    """K operand [64 tokens, 128 channels] bf16 (natural channel order) in the wgmma A layout,
-    from words [64, W] in SliceLayout(2, k_words3_layout(BITS)): y = 128 + q, or with ZERO the
+def _k_operand(
+    words, magic, HS: gl.constexpr, BITS: gl.constexpr, HD: gl.constexpr, ZERO: gl.constexpr
+):
+    """K operand [64 tokens, HD channels] bf16 (natural channel order) in the wgmma A layout,
+    from words [64, W] in SliceLayout(2, k_words3_layout(BITS, HD)): y = 128 + q, or with ZERO the
     code q itself (one more bf16x2 subtraction per pair: channel-wise K, whose folded Q' would
     otherwise put the cancellation of a +128 offset on the tensor core's accumulation)."""
-    L3: gl.constexpr = k_words3_layout(BITS)
+    L3: gl.constexpr = k_words3_layout(BITS, HD)
+    E: gl.constexpr = HD * BITS // 128  # words per thread and row
     F: gl.constexpr = 16 // BITS
     MASK: gl.constexpr = ((1 << BITS) - 1) * 0x00010001
     f = gl.arange(0, F, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
     x = ((gl.expand_dims(words, 2) >> (BITS * f)[None, None, :]) & MASK) | magic  # [n, word, k]
     if ZERO:
         x = _sub_bf16x2(x, magic)
-    y = _bf16_pair(x)  # [n, word = BITS*T + e, k = 2*kbl + i', j]
-    y = y.reshape([64, 4, BITS, F // 2, 2, 2])  # n, T, e, kbl, i', j
+    y = _bf16_pair(x)  # [n, word = E*T + e, k = 2*kbl + i', j]
+    y = y.reshape([64, 4, E, F // 2, 2, 2])  # n, T, e, kbl, i', j
     # channel 8 (e F + k) + 2T + j = 8 F e + 16 kbl + 8 i' + 2T + j
     y = gl.permute(y, [0, 2, 3, 4, 1, 5])  # n, e, kbl, i', T, j
-    return gl.convert_layout(y.reshape([64, 128]), a_operand_layout(HS), assert_trivial=True)
+    return gl.convert_layout(y.reshape([64, HD]), a_operand_layout(HS), assert_trivial=True)
 
 
 @gluon.jit
-def _vt_operand(words, magic, HS: gl.constexpr, BITS: gl.constexpr):
-    """V^T operand [128 channels, 64 tokens] bf16 in the wgmma A layout, from words [64, W] in
-    v_words_load_layout(BITS). One PRMT joins piece X of an even and an odd token."""
-    L4: gl.constexpr = v_words4_layout(BITS)
+def _vt_operand(words, magic, HS: gl.constexpr, BITS: gl.constexpr, HD: gl.constexpr):
+    """V^T operand [HD channels, 64 tokens] bf16 in the wgmma A layout, from words [64, W] in
+    v_words_load_layout(BITS, HD). One PRMT joins piece X of an even and an odd token (a piece
+    of 4 bits, HD = 64 at INT2, shares its byte with piece X ^ 1 and is shifted into place)."""
+    L4: gl.constexpr = v_words4_layout(BITS, HD)
     L3: gl.constexpr = gl.SliceLayout(3, L4)
-    W: gl.constexpr = 4 * BITS
-    PW: gl.constexpr = 8 // BITS  # pieces per word
-    PBY: gl.constexpr = BITS // 2  # bytes per piece (INT2: 1, INT4: 2)
+    W: gl.constexpr = HD * BITS // 32
+    PB: gl.constexpr = BITS * HD // 32  # bits per piece
+    PW: gl.constexpr = 32 // PB  # pieces per word
+    FV: gl.constexpr = HD // 32  # fields per piece
+    PBY: gl.constexpr = (PB + 7) // 8  # bytes per piece (a nibble takes its byte)
     MASK: gl.constexpr = ((1 << BITS) - 1) * 0x00010001
     even, odd = gl.split(gl.permute(words.reshape([32, 2, W]), [0, 2, 1]))  # [m, word] each
     even = gl.convert_layout(even, gl.SliceLayout(2, L3), assert_trivial=True)
@@ -252,16 +267,24 @@ def _vt_operand(words, magic, HS: gl.constexpr, BITS: gl.constexpr):
     X = gl.arange(0, PW, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
     # bytes (a[X], a[X + PBY - 1], b[X], b[X + PBY - 1]): piece X of the even token in the low
     # half, of the odd token in the high half
-    lo = X * PBY
+    lo = (X * PB) // 8
     sel = lo | ((lo + PBY - 1) << 4) | ((lo + 4) << 8) | ((lo + PBY + 3) << 12)
     xb = _prmt(gl.expand_dims(even, 2), gl.expand_dims(odd, 2), sel[None, None, :])  # [m, word, X]
-    f = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4))))
-    x = ((gl.expand_dims(xb, 3) >> (BITS * f)[None, None, None, :]) & MASK) | magic
+    xb = gl.expand_dims(xb, 3)
+    if PB % 8 == 0:
+        f = gl.arange(0, FV, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4))))
+        x = ((xb >> (BITS * f)[None, None, None, :]) & MASK) | magic
+    else:  # field f of a nibble piece: bit 4 (X % 2) + BITS f of its byte
+        L2: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, L4))
+        X2 = gl.arange(0, PW, layout=gl.SliceLayout(1, L2))
+        f = gl.arange(0, FV, layout=gl.SliceLayout(0, L2))
+        shift = ((X2 * PB) % 8)[:, None] + (BITS * f)[None, :]
+        x = ((xb >> shift[None, None, :, :]) & MASK) | magic
     y = _bf16_pair(x)  # [m, word, X, f, J]
-    y = y.reshape([4, 2, 4, 4, W // 4, PW, 2, 2, 2])  # kb, i', T, w, g_hi, X, b, a, J
+    y = y.reshape([4, 2, 4, 4, W // 4, PW, HD // 64, 2, 2])  # kb, i', T, w, g_hi, X, b, a, J
     # channel 64b + 16w + 8a + g with piece g = PW * g_hi + X; token 2m + J
     y = gl.permute(y, [6, 3, 7, 4, 5, 0, 1, 2, 8])  # b, w, a, g_hi, X | kb, i', T, J
-    return gl.convert_layout(y.reshape([128, 64]), a_operand_layout(HS), assert_trivial=True)
+    return gl.convert_layout(y.reshape([HD, 64]), a_operand_layout(HS), assert_trivial=True)
 
 
 @gluon.jit
@@ -376,6 +399,7 @@ def _tile(
     V_CHANNEL: gl.constexpr = CFG[4]
     OPT: gl.constexpr = CFG[5]
     K_CHANNEL: gl.constexpr = CFG[6]
+    HD: gl.constexpr = CFG[7]
     FAST_MAX: gl.constexpr = (OPT & 1) != 0
     PIPE: gl.constexpr = (OPT & 2) != 0
     FAST_RCP: gl.constexpr = (OPT & 4) != 0
@@ -388,8 +412,9 @@ def _tile(
     if MEMORY_ONLY:  # timing ablation: stream the ring, no math (the output is garbage)
         mbarrier.arrive(empty.index(s))
         return m_i, l_i, z_i, acc, o_tok, alpha_prev, vt_prev
-    kw = kw_bufs.index(s).reshape([64, 4 * K_BITS]).load(gl.SliceLayout(2, k_words3_layout(K_BITS)))
-    vw = vw_bufs.index(s).reshape([64, 4 * V_BITS]).load(v_words_load_layout(V_BITS))
+    kw = kw_bufs.index(s).reshape([64, HD * K_BITS // 32])
+    kw = kw.load(gl.SliceLayout(2, k_words3_layout(K_BITS, HD)))
+    vw = vw_bufs.index(s).reshape([64, HD * V_BITS // 32]).load(v_words_load_layout(V_BITS, HD))
     if K_CHANNEL:
         q_all, q_smem, zq_smem = kfold
         _channel_key_fold(ks_bufs.index(2 * s), ks_bufs.index(2 * s + 1), q_all, q_smem, zq_smem)
@@ -410,7 +435,7 @@ def _tile(
 
     RECONSTRUCT: gl.constexpr = (OPT & 128) != 0
     a_l: gl.constexpr = a_operand_layout(HS)
-    k_op = _k_operand(kw, magic, HS, K_BITS, K_CHANNEL and not RECONSTRUCT)
+    k_op = _k_operand(kw, magic, HS, K_BITS, HD, K_CHANNEL and not RECONSTRUCT)
     if RECONSTRUCT:  # the ablation: s' y + z' for every value, in registers, before the product
         if K_CHANNEL:  # per channel: the columns of K, scales from the group's two chunks
             ks_c, kz_c = _channel_scale_pairs(ks_bufs.index(2 * s), ks_bufs.index(2 * s + 1), HS)
@@ -431,7 +456,7 @@ def _tile(
     )
     if LATE_ARRIVE:
         mbarrier.arrive(empty.index(s))  # after the QK wgmma is issued
-    vt_op = _vt_operand(vw, magic, HS, V_BITS)  # meant to overlap the QK wgmma
+    vt_op = _vt_operand(vw, magic, HS, V_BITS, HD)  # meant to overlap the QK wgmma
     if RECONSTRUCT:
         if V_CHANNEL:  # per channel: the rows of V^T
             vs_a = gl.convert_layout(vs, gl.SliceLayout(1, a_l))
@@ -486,7 +511,7 @@ def _tile(
     o_tok = warpgroup_mma(
         vt_op,
         p_smem.permute((1, 0)),
-        gl.zeros([128, HS], gl.float32, acc_l),
+        gl.zeros([HD, HS], gl.float32, acc_l),
         use_acc=False,
         is_async=True,
     )
@@ -523,6 +548,7 @@ def _consume(C: gl.constexpr, ring, qt_smem, op_bufs, span, qk_scale, magic, CFG
     HS: gl.constexpr = CFG[1]
     OPT: gl.constexpr = CFG[5]
     K_CHANNEL: gl.constexpr = CFG[6]
+    HD: gl.constexpr = CFG[7]
     PIPE: gl.constexpr = (OPT & 2) != 0
     acc_l: gl.constexpr = acc_layout(HS)
     p_bufs, kq_bufs, zq_bufs = op_bufs
@@ -537,7 +563,7 @@ def _consume(C: gl.constexpr, ring, qt_smem, op_bufs, span, qk_scale, magic, CFG
         )
     else:
         kfold = (0, 0, 0)
-    acc = gl.zeros([128, HS], gl.float32, acc_l)
+    acc = gl.zeros([HD, HS], gl.float32, acc_l)
     st = (
         gl.full([HS], -float("inf"), gl.float32, gl.SliceLayout(0, acc_l)),
         gl.zeros([64, HS], gl.float32, acc_l),
@@ -545,7 +571,7 @@ def _consume(C: gl.constexpr, ring, qt_smem, op_bufs, span, qk_scale, magic, CFG
         acc,
         warpgroup_mma_init(acc),
         gl.full([HS], 1.0, gl.float32, gl.SliceLayout(0, acc_l)),
-        gl.zeros([128, 64], gl.bfloat16, a_operand_layout(HS)),
+        gl.zeros([HD, 64], gl.bfloat16, a_operand_layout(HS)),
     )
     n_all = gl.maximum(t_end - t_begin - C + 1, 0) // 2
     n_full = gl.maximum(t_full - t_begin - C + 1, 0) // 2
@@ -622,6 +648,7 @@ def _merge_and_store(
     stride_lp_h,
     H: gl.constexpr,
     HS: gl.constexpr,
+    HD: gl.constexpr,
 ):
     """Merge consumer 1's state (shared memory) into consumer 0's and write this split's partial."""
     acc_l: gl.constexpr = acc_layout(HS)
@@ -636,7 +663,7 @@ def _merge_and_store(
     num = num0 * a0[None, :] + num1 * a1[None, :]
     o = num / gl.where(l_tot > 0, l_tot, 1.0)[None, :]
     lse = gl.where(l_tot > 0, m + gl.log2(gl.where(l_tot > 0, l_tot, 1.0)), -float("inf"))
-    d = gl.arange(0, 128, layout=gl.SliceLayout(1, acc_l))
+    d = gl.arange(0, HD, layout=gl.SliceLayout(1, acc_l))
     h = gl.arange(0, HS, layout=gl.SliceLayout(0, acc_l))
     gl.store(o_base + h[None, :] * stride_op_h + d[:, None], o, mask=(h < H)[None, :])
     gl.store(lse_base + h * stride_lp_h, lse, mask=h < H)
@@ -733,6 +760,7 @@ def gluon_decode_split_kernel(
     V_BITS: gl.constexpr,
     V_CHANNEL: gl.constexpr,  # channel-wise V groups of 128 tokens (else token-wise, g = D)
     K_CHANNEL: gl.constexpr,  # channel-wise K groups of 128 tokens (else token-wise, g = D)
+    HD: gl.constexpr,  # head_dim: 128, or 64 (token-wise K and V only)
     SPC: gl.constexpr,  # ring stages per consumer (2 x SPC in all)
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
@@ -766,14 +794,14 @@ def gluon_decode_split_kernel(
     # on the H200: compute-sanitizer, session 3)
     ql: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     h = gl.arange(0, HS, layout=gl.SliceLayout(1, ql))
-    d = gl.arange(0, 128, layout=gl.SliceLayout(0, ql))
+    d = gl.arange(0, HD, layout=gl.SliceLayout(0, ql))
     qt = gl.load(
         q_ptr + b * stride_q_b + (kvh * H + h)[:, None] * stride_q_h + d[None, :],
         mask=(h < H)[:, None],
         other=0.0,
     )
     qt_smem = gl.allocate_shared_memory(
-        gl.bfloat16, [HS, 128], gl.NVMMASharedLayout.get_default_for([HS, 128], gl.bfloat16), qt
+        gl.bfloat16, [HS, HD], gl.NVMMASharedLayout.get_default_for([HS, HD], gl.bfloat16), qt
     )
     p_bufs = gl.allocate_shared_memory(
         gl.bfloat16, [2, HS, 64], gl.NVMMASharedLayout.get_default_for([HS, 64], gl.bfloat16)
@@ -787,7 +815,7 @@ def gluon_decode_split_kernel(
     zq_bufs = gl.allocate_shared_memory(gl.float32, [KQB * HS], plain_shared_layout(1))
     m_smem = gl.allocate_shared_memory(gl.float32, [HS], plain_shared_layout(1))
     l_smem = gl.allocate_shared_memory(gl.float32, [HS], plain_shared_layout(1))
-    o_smem = gl.allocate_shared_memory(gl.float32, [128, HS], plain_shared_layout(2))
+    o_smem = gl.allocate_shared_memory(gl.float32, [HD, HS], plain_shared_layout(2))
     fence_async_shared()
 
     # ---- this split's tiles (one page each), as decode_split_kernel computes them
@@ -804,7 +832,8 @@ def gluon_decode_split_kernel(
     ring = (kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty)
     descs = (kw_desc, ks_desc, vw_desc, vs_desc)
     span = (t_begin, t_full, t_end, n_q)
-    CFG: gl.constexpr = (SPC, HS, K_BITS, V_BITS, V_CHANNEL, OPT, K_CHANNEL)
+    gl.static_assert(HD == 128 or not (K_CHANNEL or V_CHANNEL))
+    CFG: gl.constexpr = (SPC, HS, K_BITS, V_BITS, V_CHANNEL, OPT, K_CHANNEL, HD)
     op_bufs = (p_bufs, kq_bufs, zq_bufs)
     m0, l0, num0 = gl.warp_specialize(
         [
@@ -822,14 +851,18 @@ def gluon_decode_split_kernel(
         [CONSUMER_REGS, PRODUCER_REGS],
     )
     _merge_and_store(
-        m0, l0, num0, m_smem, l_smem, o_smem, o_base, lse_base, stride_op_h, stride_lp_h, H, HS
+        m0, l0, num0, m_smem, l_smem, o_smem, o_base, lse_base, stride_op_h, stride_lp_h, H, HS, HD
     )
 
 
-def descriptor_layouts(k_bits=2, v_bits=2):
+def descriptor_layouts(k_bits=2, v_bits=2, head_dim=D):
     """Shared layouts of the TMA boxes: K words [1, 1, PAGE, W_K] int32, V words
     [1, 1, PAGE, W_V] int32 (the widest swizzle their rows allow), scales [1, 1, 2 * PAGE] fp32."""
-    k_words = gl.NVMMASharedLayout.get_default_for([1, 1, PAGE, words_per_row(k_bits)], gl.int32)
-    v_words = gl.NVMMASharedLayout.get_default_for([1, 1, PAGE, words_per_row(v_bits)], gl.int32)
+    k_words = gl.NVMMASharedLayout.get_default_for(
+        [1, 1, PAGE, words_per_row(k_bits, head_dim)], gl.int32
+    )
+    v_words = gl.NVMMASharedLayout.get_default_for(
+        [1, 1, PAGE, words_per_row(v_bits, head_dim)], gl.int32
+    )
     scales = gl.NVMMASharedLayout.get_default_for([1, 1, 2 * PAGE], gl.float32)
     return k_words, v_words, scales
