@@ -126,13 +126,16 @@ case "$mode" in
       2>&1 | tee "$OUT/gpu_tests_cache_write_session5.log" | tail -8
     ;;
   s5-bench)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gluon_kernel.py \
+      -k "channel_wise_keys or paper_shape or ragged" 2>&1 | tee "$OUT/gpu_tests_gluon_session5b.log" | tail -12
     python3 -m foscar bench --grid axes --methods foscar-gluon foscar-triton flashinfer-bf16 --out "$OUT" \
       2>&1 | tee "$OUT/axes.log" | grep -v "^\[" | tail -30
     python3 -m foscar bench --grid main --head-dim 64 --methods foscar-gluon foscar-triton flashinfer-bf16 \
       --name decode_grid_d64 --out "$OUT" 2>&1 | tee "$OUT/grid_d64.log" | grep -v "^\[" | tail -30
     sel="channel_wise_keys and 4-2-2-token or head_dim_64 and 4-2-2"
     timeout 150 compute-sanitizer --tool racecheck --print-limit 10 python3 -m pytest -q -x -p no:cacheprovider \
-      tests/test_gluon_kernel.py -k "$sel" 2>&1 | grep -v "Host Frame" | tail -30 | tee "$OUT/gluon_racecheck_session5.log"
+      tests/test_gluon_kernel.py -k "$sel" 2>&1 | grep -v "Host Frame" | tail -30 > "$OUT/gluon_racecheck_session5.log"
+    tail -12 "$OUT/gluon_racecheck_session5.log"
     ;;
   grid)
     python3 -m foscar bench --grid both --out "$OUT" 2>&1 | tee "$OUT/grid.log"
