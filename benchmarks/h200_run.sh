@@ -125,6 +125,9 @@ case "$mode" in
     timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cache_write.py tests/test_cache_decode.py \
       2>&1 | tee "$OUT/gpu_tests_cache_write_session5.log" | tail -8
     ;;
+  diagnose-kc)
+    python3 benchmarks/diagnose_channel_k.py 2>&1 | tee "$OUT/diagnose_channel_k.log"
+    ;;
   s5-bench)
     timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gluon_kernel.py \
       -k "channel_wise_keys or paper_shape or ragged" 2>&1 | tee "$OUT/gpu_tests_gluon_session5b.log" | tail -12
