@@ -128,6 +128,20 @@ case "$mode" in
   diagnose-kc)
     python3 benchmarks/diagnose_channel_k.py 2>&1 | tee "$OUT/diagnose_channel_k.log"
     ;;
+  s5-fix)
+    # after the capture-buffer fix: repeated calls, the Gluon suite's new cases, the sanitizers
+    python3 benchmarks/diagnose_channel_k.py 2>&1 | tee "$OUT/diagnose_channel_k_fixed.log"
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gluon_kernel.py \
+      -k "channel_wise_keys or head_dim_64 or paper_shape or reconstruct or ragged or graph_replay or split_counts" \
+      2>&1 > "$OUT/gpu_tests_gluon_session5c.log"; tail -4 "$OUT/gpu_tests_gluon_session5c.log"
+    grep -E "^_+ test_|AssertionError: error" "$OUT/gpu_tests_gluon_session5c.log" | head -20
+    sel="channel_wise_keys and 4-2-2-token or head_dim_64 and 4-2-2 or odd_lengths_every_gqa_ratio and 4-4-4-channel"
+    for tool in racecheck memcheck; do
+      timeout 120 compute-sanitizer --tool $tool --print-limit 10 python3 -m pytest -q -x -p no:cacheprovider \
+        tests/test_gluon_kernel.py -k "$sel" 2>&1 | grep -v "Host Frame" | tail -30 > "$OUT/gluon_${tool}_session5.log"
+      tail -8 "$OUT/gluon_${tool}_session5.log"
+    done
+    ;;
   s5-bench)
     timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gluon_kernel.py \
       -k "channel_wise_keys or paper_shape or ragged" 2>&1 | tee "$OUT/gpu_tests_gluon_session5b.log" | tail -12

@@ -371,6 +371,28 @@ def _col_max(sc, HS: gl.constexpr, FAST_MAX: gl.constexpr):
         return gl.max(sc, axis=0)
 
 
+# ---------------------------------------------------------------------------------------- split
+@gluon.jit
+def _split_span(seq_ptrs, num_splits):
+    """This CTA's tiles (one page each), as decode_split_kernel computes them: (t_begin, t_full,
+    t_end, n_q, page_base). Every partition computes it from the kernel's arguments: values
+    computed before ``warp_specialize`` reach the workers through a shared-memory capture buffer
+    that triton 3.6 lets the default partition's layout-conversion scratch overlap, so consumer 0
+    could overwrite a worker's span before the worker read it (compute-sanitizer racecheck,
+    wrong outputs on the H200 that changed from call to call: benchmarks/NOTES.md 15)."""
+    kv_indptr_ptr, num_quantized_ptr = seq_ptrs
+    b = gl.program_id(0)
+    split = gl.program_id(2)
+    n_q = gl.load(num_quantized_ptr + b)
+    page_base = gl.load(kv_indptr_ptr + b)
+    n_tiles = gl.cdiv(n_q, 64)
+    per_split = gl.cdiv(n_tiles, num_splits)
+    t_begin = gl.minimum(split * per_split, n_tiles)
+    t_end = gl.minimum(t_begin + per_split, n_tiles)
+    t_full = gl.maximum(gl.minimum(t_end, n_q // 64), t_begin)
+    return t_begin, t_full, t_end, n_q, page_base
+
+
 # ------------------------------------------------------------------------------------- consumer
 # OPT bits (constexpr): 1 = one-barrier cross-warp max; 2 = deferred PV wait (the PV wgmma of tile
 # i in flight across the loop back-edge: ptxas C7512 serializes every wgmma, do not use);
@@ -419,7 +441,11 @@ def _tile(
     kw = kw_bufs.index(s).reshape([64, HD * K_BITS // 32])
     kw = kw.load(gl.SliceLayout(2, k_words3_layout(K_BITS, HD)))
     vw = vw_bufs.index(s).reshape([64, HD * V_BITS // 32]).load(v_words_load_layout(V_BITS, HD))
-    if K_CHANNEL:
+    RECONSTRUCT: gl.constexpr = (OPT & 128) != 0
+    if K_CHANNEL and RECONSTRUCT:  # per channel, read before the stage is released
+        ks, kz = _channel_scale_pairs(ks_bufs.index(2 * s), ks_bufs.index(2 * s + 1), HS)
+        b_qk = qt_smem.permute((1, 0))
+    elif K_CHANNEL:
         q_all, q_smem, zq_smem = kfold
         _channel_key_fold(ks_bufs.index(2 * s), ks_bufs.index(2 * s + 1), q_all, q_smem, zq_smem)
         b_qk = q_smem.permute((1, 0))
@@ -437,20 +463,17 @@ def _tile(
             empty.index(s)
         )  # stage s may be refilled (Gluon puts a partition bar.sync first)
 
-    RECONSTRUCT: gl.constexpr = (OPT & 128) != 0
     a_l: gl.constexpr = a_operand_layout(HS)
     k_op = _k_operand(kw, magic, HS, K_BITS, HD, K_CHANNEL and not RECONSTRUCT)
     if RECONSTRUCT:  # the ablation: s' y + z' for every value, in registers, before the product
-        if K_CHANNEL:  # per channel: the columns of K, scales from the group's two chunks
-            ks_c, kz_c = _channel_scale_pairs(ks_bufs.index(2 * s), ks_bufs.index(2 * s + 1), HS)
-            ks_a = gl.convert_layout(ks_c, gl.SliceLayout(0, a_l))
-            kz_a = gl.convert_layout(kz_c, gl.SliceLayout(0, a_l))
+        if K_CHANNEL:  # per channel: the columns of K
+            ks_a = gl.convert_layout(ks, gl.SliceLayout(0, a_l))
+            kz_a = gl.convert_layout(kz, gl.SliceLayout(0, a_l))
             k_op = (k_op.to(gl.float32) * ks_a[None, :] + kz_a[None, :]).to(gl.bfloat16)
         else:  # per token: the rows of K
             ks_a = gl.convert_layout(ks, gl.SliceLayout(1, a_l))
             kz_a = gl.convert_layout(kz, gl.SliceLayout(1, a_l))
             k_op = (k_op.to(gl.float32) * ks_a[:, None] + kz_a[:, None]).to(gl.bfloat16)
-        b_qk = qt_smem.permute((1, 0))
     s_tok = warpgroup_mma(
         k_op,
         b_qk,
@@ -544,11 +567,11 @@ def _tile(
 
 
 @gluon.jit
-def _consume(C: gl.constexpr, ring, qt_smem, op_bufs, span, qk_scale, magic, CFG: gl.constexpr):
+def _consume(C: gl.constexpr, ring, qt_smem, op_bufs, split, qk_scale, magic, CFG: gl.constexpr):
     """Consumer C's loop over tiles t_begin + C + 2i; returns (m, l, unnormalised O^T [D, HS]).
-    span: (t_begin, t_full, t_end, n_q); op_bufs: (P'^T, channel-wise K's Q' and zq) buffers of
-    both consumers; CFG: (SPC, HS, K_BITS, V_BITS, V_CHANNEL, OPT, K_CHANNEL)."""
-    t_begin, t_full, t_end, n_q = span
+    split: (seq_ptrs, num_splits) for _split_span; op_bufs: (P'^T, channel-wise K's Q' and zq)
+    buffers of both consumers; CFG: (SPC, HS, K_BITS, V_BITS, V_CHANNEL, OPT, K_CHANNEL, HD)."""
+    t_begin, t_full, t_end, n_q, _ = _split_span(*split)
     HS: gl.constexpr = CFG[1]
     OPT: gl.constexpr = CFG[5]
     K_CHANNEL: gl.constexpr = CFG[6]
@@ -623,19 +646,19 @@ def _consume(C: gl.constexpr, ring, qt_smem, op_bufs, span, qk_scale, magic, CFG
 
 
 @gluon.jit
-def _consumer1(ring, qt_smem, op_bufs, merge_bufs, span, qk_scale, magic, CFG: gl.constexpr):
+def _consumer1(ring, qt_smem, op_bufs, merge_bufs, split, qk_scale, magic, CFG: gl.constexpr):
     """Consumer 1 leaves its state in shared memory; the kernel merges it after the partitions
     join (the join is a CTA barrier, so no mbarrier hand-off is needed)."""
     m_smem, l_smem, o_smem = merge_bufs
-    m1, l1, num1 = _consume(1, ring, qt_smem, op_bufs, span, qk_scale, magic, CFG)
+    m1, l1, num1 = _consume(1, ring, qt_smem, op_bufs, split, qk_scale, magic, CFG)
     m_smem.store(m1)
     l_smem.store(l1)
     o_smem.store(num1)
 
 
 @gluon.jit
-def _consumer0(ring, qt_smem, op_bufs, span, qk_scale, magic, CFG: gl.constexpr):
-    return _consume(0, ring, qt_smem, op_bufs, span, qk_scale, magic, CFG)
+def _consumer0(ring, qt_smem, op_bufs, split, qk_scale, magic, CFG: gl.constexpr):
+    return _consume(0, ring, qt_smem, op_bufs, split, qk_scale, magic, CFG)
 
 
 @gluon.jit
@@ -675,8 +698,10 @@ def _merge_and_store(
 
 # ------------------------------------------------------------------------------------- producer
 @gluon.jit
-def _producer(descs, ring, kv_indices_ptr, page_base, t_begin, t_end, kvh, CFG: gl.constexpr):
+def _producer(descs, ring, kv_indices_ptr, split, CFG: gl.constexpr):
     kw_desc, ks_desc, vw_desc, vs_desc = descs
+    t_begin, _, t_end, _, page_base = _split_span(*split)
+    kvh = gl.program_id(1)
     kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty = ring
     SPC: gl.constexpr = CFG[0]
     V_CHANNEL: gl.constexpr = CFG[4]
@@ -822,33 +847,34 @@ def gluon_decode_split_kernel(
     o_smem = gl.allocate_shared_memory(gl.float32, [HD, HS], plain_shared_layout(2))
     fence_async_shared()
 
-    # ---- this split's tiles (one page each), as decode_split_kernel computes them
-    n_q = gl.load(num_quantized_ptr + b)
-    page_base = gl.load(kv_indptr_ptr + b)
-    n_tiles = gl.cdiv(n_q, 64)
-    per_split = gl.cdiv(n_tiles, num_splits)
-    t_begin = gl.minimum(split * per_split, n_tiles)
-    t_end = gl.minimum(t_begin + per_split, n_tiles)
-    t_full = gl.maximum(gl.minimum(t_end, n_q // 64), t_begin)
     o_base = o_part_ptr + b * stride_op_b + (kvh * H) * stride_op_h + split * stride_op_split
     lse_base = lse_part_ptr + b * stride_lp_b + (kvh * H) * stride_lp_h + split
 
     ring = (kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty)
     descs = (kw_desc, ks_desc, vw_desc, vs_desc)
-    span = (t_begin, t_full, t_end, n_q)
+    split_args = ((kv_indptr_ptr, num_quantized_ptr), num_splits)  # _split_span in each partition
     gl.static_assert(HD == 128 or not (K_CHANNEL or V_CHANNEL))
     CFG: gl.constexpr = (SPC, HS, K_BITS, V_BITS, V_CHANNEL, OPT, K_CHANNEL, HD)
     op_bufs = (p_bufs, kq_bufs, zq_bufs)
     m0, l0, num0 = gl.warp_specialize(
         [
-            (_consumer0, (ring, qt_smem, op_bufs, span, qk_scale, magic, CFG)),
+            (_consumer0, (ring, qt_smem, op_bufs, split_args, qk_scale, magic, CFG)),
             (
                 _consumer1,
-                (ring, qt_smem, op_bufs, (m_smem, l_smem, o_smem), span, qk_scale, magic, CFG),
+                (
+                    ring,
+                    qt_smem,
+                    op_bufs,
+                    (m_smem, l_smem, o_smem),
+                    split_args,
+                    qk_scale,
+                    magic,
+                    CFG,
+                ),
             ),
             (
                 _producer,
-                (descs, ring, kv_indices_ptr, page_base, t_begin, t_end, kvh, CFG),
+                (descs, ring, kv_indices_ptr, split_args, CFG),
             ),
         ],
         [4, 1],
