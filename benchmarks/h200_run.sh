@@ -128,6 +128,11 @@ case "$mode" in
   diagnose-kc)
     python3 benchmarks/diagnose_channel_k.py 2>&1 | tee "$OUT/diagnose_channel_k.log"
     ;;
+  s5-variants)
+    python3 benchmarks/diagnose_channel_k_variants.py 2>&1 | tee "$OUT/diagnose_channel_k_variants.log"
+    python3 -m foscar bench --grid main --methods foscar-gluon flashinfer-bf16 --name decode_grid_gluon_s5 \
+      --out "$OUT" 2>&1 | tee "$OUT/grid_gluon_s5.log" | grep -v "^\[" | tail -8
+    ;;
   s5-fix)
     # after the capture-buffer fix: repeated calls, the Gluon suite's new cases, the sanitizers
     python3 benchmarks/diagnose_channel_k.py 2>&1 | tee "$OUT/diagnose_channel_k_fixed.log"

@@ -315,7 +315,7 @@ def _channel_scale_pairs(buf0, buf1, HS: gl.constexpr):
 
 
 @gluon.jit
-def _channel_key_fold(buf0, buf1, qt_smem, q_smem, zq_smem):
+def _channel_key_fold(buf0, buf1, qt_smem, q_smem, zq_smem, HS: gl.constexpr, ZQ_REG: gl.constexpr):
     """Channel-wise K (a group of 128 tokens, channels 0-63 in the scale chunk of its first page,
     64-127 in its second): Q' = bf16(Q s'_c) into q_smem, the B operand of the tile's QK product
     over the zero-offset codes q, and the offset zq[h] = sum_c Q'_c (128 + z'_c / s'_c) into
@@ -338,8 +338,14 @@ def _channel_key_fold(buf0, buf1, qt_smem, q_smem, zq_smem):
     qf = qt_smem.load(q_fold_layout()).to(gl.float32)
     qb = (qf * s[None, :]).to(gl.bfloat16)
     q_smem.store(qb)
-    zq_smem.store(gl.sum(qb.to(gl.float32) * (128.0 + gl.fdiv(z, s))[None, :], axis=1))  # [8]
-    fence_async_shared()
+    zq = gl.sum(qb.to(gl.float32) * (128.0 + gl.fdiv(z, s))[None, :], axis=1)  # [8]
+    if ZQ_REG:  # to the accumulator's columns by the compiler's conversion
+        fence_async_shared()
+        return gl.convert_layout(zq, gl.SliceLayout(0, acc_layout(HS)))
+    else:
+        zq_smem.store(zq)
+        fence_async_shared()
+        return zq_smem.load(gl.SliceLayout(0, acc_layout(HS)))
 
 
 @gluon.jit
@@ -400,7 +406,8 @@ def _split_span(seq_ptrs, num_splits):
 # 32 = memory-only timing ablation (consumers only wait/arrive); 64 = compute-only timing
 # ablation (after the first 2*SPC tiles the producer arrives without loading); 128 = per-value
 # reconstruction (the ablation of Fig. 10a: s' y + z' on every K and V operand value in registers,
-# P unscaled, no folds). Default 5.
+# P unscaled, no folds); 256 = channel-wise K's offsets zq to the accumulator's columns by the
+# compiler's layout conversion instead of an explicit shared buffer. Default 5.
 @gluon.jit
 def _tile(
     i,
@@ -429,6 +436,7 @@ def _tile(
     FAST_MAX: gl.constexpr = (OPT & 1) != 0
     PIPE: gl.constexpr = (OPT & 2) != 0
     FAST_RCP: gl.constexpr = (OPT & 4) != 0
+    ZQ_REG: gl.constexpr = (OPT & 256) != 0
     acc_l: gl.constexpr = acc_layout(HS)
     kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty = ring
     m_i, l_i, z_i, acc, o_tok, alpha_prev, vt_prev = st
@@ -447,7 +455,9 @@ def _tile(
         b_qk = qt_smem.permute((1, 0))
     elif K_CHANNEL:
         q_all, q_smem, zq_smem = kfold
-        _channel_key_fold(ks_bufs.index(2 * s), ks_bufs.index(2 * s + 1), q_all, q_smem, zq_smem)
+        zq = _channel_key_fold(
+            ks_bufs.index(2 * s), ks_bufs.index(2 * s + 1), q_all, q_smem, zq_smem, HS, ZQ_REG
+        )
         b_qk = q_smem.permute((1, 0))
     else:
         ks, kz = _scale_pairs(ks_bufs.index(s), HS)
@@ -512,7 +522,6 @@ def _tile(
         sc = s_acc * qk_scale
     elif K_CHANNEL:
         # acc-fold of channel-wise K: S = c * (Q' . q + zq), Q' and zq built for the group
-        zq = kfold[2].load(gl.SliceLayout(0, acc_l))
         sc = (s_acc + zq[None, :]) * qk_scale
     else:
         sc = s_acc * (ks * qk_scale)[:, None] + kz[:, None] * qsum[None, :]
