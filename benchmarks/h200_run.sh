@@ -133,6 +133,15 @@ case "$mode" in
     python3 -m foscar bench --grid main --methods foscar-gluon flashinfer-bf16 --name decode_grid_gluon_s5 \
       --out "$OUT" 2>&1 | tee "$OUT/grid_gluon_s5.log" | grep -v "^\[" | tail -8
     ;;
+  s5-final)
+    # channel-wise K at 1 CTA/SM: the Gluon cases that raced, the variant check, the axes grid
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gluon_kernel.py \
+      -k "channel_wise_keys or paper_shape or ragged or reconstruct" 2>&1 > "$OUT/gpu_tests_gluon_session5d.log"
+    tail -3 "$OUT/gpu_tests_gluon_session5d.log"; grep -E "^_+ test_|AssertionError: error" "$OUT/gpu_tests_gluon_session5d.log" | head
+    python3 benchmarks/diagnose_channel_k.py 2>&1 | tee "$OUT/diagnose_channel_k_1cta.log"
+    python3 -m foscar bench --grid axes --methods foscar-gluon foscar-triton flashinfer-bf16 --out "$OUT" \
+      2>&1 | tee "$OUT/axes.log" | grep -v "^\[" | tail -22
+    ;;
   s5-fix)
     # after the capture-buffer fix: repeated calls, the Gluon suite's new cases, the sanitizers
     python3 benchmarks/diagnose_channel_k.py 2>&1 | tee "$OUT/diagnose_channel_k_fixed.log"

@@ -141,7 +141,15 @@ class GluonDecodeConfig:
     opt: int = 5  # kernel variant bits (foscar.kernels.gluon_decode, consumer section)
 
 
-def gluon_decode_config() -> GluonDecodeConfig:
+def gluon_decode_config(key_axis: str = "token") -> GluonDecodeConfig:
+    """The Gluon kernel's launch config. Channel-wise K runs at 1 CTA per SM (no ``maxnreg``, the
+    consumers at 232 registers): at the 2-CTA default its outputs changed from call to call on
+    the H200 (INT2 KcVt at 32K: worst of 6 calls 1.1e-1 against fp64, 6.5e-2 with 2 stages,
+    unchanged by a late stage release or by moving its offsets out of shared memory), at 1 CTA
+    per SM they are identical across calls and within the bar (4.1e-3; `bash
+    benchmarks/h200_run.sh s5-variants`, benchmarks/NOTES.md 15). The cause is not found."""
+    if key_axis == "channel":
+        return GluonDecodeConfig(maxnreg=None, ctas_per_sm=1, consumer_regs=232, producer_regs=40)
     return GluonDecodeConfig()
 
 

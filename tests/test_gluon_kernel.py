@@ -92,11 +92,15 @@ def test_compiles_for_sm90_without_spills(k_bits, v_bits, head_dim, k_axis, v_ax
     assert done.returncode == 0, done.stderr[-2000:]
     res = json.loads(done.stdout.strip().splitlines()[-1])
     assert res["warps"] == 12  # 2 consumer warpgroups + the producer's warpgroup
-    # channel-wise V keeps a ones operand for sum(P') and spills 8 bytes per consumer thread
-    spill = "8 bytes spill stores" if v_axis == "channel" else "0 bytes spill stores"
-    assert spill in res["info"], res["info"]
-    cfg = gluon_decode_config()
-    assert f"Used {cfg.maxnreg} registers" in res["info"], res["info"]  # 2 CTAs/SM of 12 warps
+    # channel-wise V keeps a ones operand for sum(P') and spills 8-12 bytes per consumer thread
+    # at 2 CTAs/SM; channel-wise K runs at 1 CTA/SM (configs.gluon_decode_config) without spills
+    import re
+
+    spilled = int(re.search(r"(\d+) bytes spill stores", res["info"]).group(1))
+    assert spilled <= (12 if (k_axis, v_axis) == ("token", "channel") else 0), res["info"]
+    cfg = gluon_decode_config(k_axis)
+    if cfg.maxnreg:  # 2 CTAs/SM of 12 warps; channel-wise K runs 1 CTA/SM (configs)
+        assert f"Used {cfg.maxnreg} registers" in res["info"], res["info"]
     assert res["wgmma"] >= 16  # QK and PV on the tensor cores
 
 

@@ -166,7 +166,7 @@ def decode(
     """Gluon history splits (+ the Triton window program) + the merge; returns ``out`` (and lse)."""
     kern = _gluon()
     bsz, num_q_heads, d = q.shape
-    cfg = config or gluon_decode_config()
+    cfg = config or gluon_decode_config(cache.fmt.key.axis.value)
     if reconstruct:  # the ablation: per-value s' y + z' instead of the folds (kernel OPT 128)
         cfg = dataclasses.replace(cfg, opt=cfg.opt | 128)
     if splits is None:
@@ -241,7 +241,7 @@ def compile_sm90(
     from triton.experimental.gluon._runtime import GluonASTSource
 
     kern = _gluon()
-    cfg = cfg or gluon_decode_config()
+    cfg = cfg or gluon_decode_config("channel" if k_channel else "token")
     k_layout, v_layout, scales_layout = kern.descriptor_layouts(k_bits, v_bits, head_dim)
 
     def desc(dtype, block, layout):
