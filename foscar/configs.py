@@ -154,28 +154,68 @@ def gluon_decode_config(key_axis: str = "token") -> GluonDecodeConfig:
 
 
 #: Where ``backend="auto"`` takes the Gluon kernel over the Triton one, from the H200 grids
-#: (`bash benchmarks/h200_run.sh grid`, results/h200/decode_grid.* and decode_axes.*; H_Q=32,
-#: H_KV=8, D=128, g=128, microseconds as (Triton, Gluon)). :func:`gluon_min_ctas` reads the rule
-#: off this table. Token-wise K and V: Gluon is faster at every point measured (13 points x
-#: INT2/INT4 and the axes grid), so auto always takes it. Channel-wise V: Gluon is faster from
-#: B=8 on, but at B=1 it measured slower at 2 of 4 points (not yet explained:
-#: benchmarks/NOTES.md 12). A shape (axis pair, head_dim) without rows is not taken by auto.
+#: (`bash benchmarks/h200_run.sh grid` in session 3, `s5-bench` / `s5-final` in session 5;
+#: results/h200/decode_grid.*, decode_axes.*, decode_grid_d64.*; H_Q=32, H_KV=8, microseconds as
+#: (Triton, Gluon)). :func:`gluon_min_ctas` reads the rule off this table: token-wise K with
+#: token- or channel-wise V, head_dim 128 or 64: Gluon won every point measured, so auto always
+#: takes it; channel-wise K: Triton won most points, so auto keeps Triton. A shape (axis pair,
+#: head_dim) without rows is not taken by auto.
 GLUON_OVER_TRITON_US = {
     # (bits, k_axis, v_axis, head_dim, batch, kv_len): (triton, gluon)
+    # token-wise K and V, session 3 (decode_grid.*, a subset of the 13 points)
     (2, "token", "token", 128, 1, 8192): (14.7, 13.6),
     (2, "token", "token", 128, 1, 131072): (73.3, 47.6),
     (2, "token", "token", 128, 8, 131072): (493.7, 304.9),
     (2, "token", "token", 128, 64, 131072): (3804.8, 2246.7),
     (4, "token", "token", 128, 1, 8192): (16.0, 13.9),
     (4, "token", "token", 128, 64, 131072): (4466.9, 2342.6),
-    (2, "token", "channel", 128, 1, 32768): (28.2, 126.3),
-    (2, "token", "channel", 128, 1, 131072): (80.2, 54.6),
-    (2, "token", "channel", 128, 8, 32768): (148.2, 94.7),
-    (2, "token", "channel", 128, 8, 131072): (558.2, 326.1),
-    (4, "token", "channel", 128, 1, 32768): (31.4, 27.3),
-    (4, "token", "channel", 128, 1, 131072): (89.9, 187.3),
-    (4, "token", "channel", 128, 8, 32768): (167.4, 154.9),
-    (4, "token", "channel", 128, 8, 131072): (626.0, 334.9),
+    # session 5 axes grid (decode_axes.*; the session-3 B=1 outliers did not recur)
+    (2, "token", "channel", 128, 1, 32768): (28.3, 26.5),
+    (2, "token", "channel", 128, 1, 131072): (80.2, 55.9),
+    (2, "token", "channel", 128, 8, 32768): (148.4, 128.3),
+    (2, "token", "channel", 128, 8, 131072): (555.3, 331.0),
+    (4, "token", "channel", 128, 1, 32768): (31.5, 27.9),
+    (4, "token", "channel", 128, 1, 131072): (90.0, 57.3),
+    (4, "token", "channel", 128, 8, 32768): (168.2, 100.0),
+    (4, "token", "channel", 128, 8, 131072): (623.2, 332.4),
+    # channel-wise K, session 5 (1 CTA/SM): Triton is faster at most points
+    (2, "channel", "channel", 128, 1, 32768): (36.0, 39.4),
+    (2, "channel", "channel", 128, 1, 131072): (98.6, 110.9),
+    (2, "channel", "channel", 128, 8, 32768): (189.0, 206.0),
+    (2, "channel", "channel", 128, 8, 131072): (710.9, 781.3),
+    (2, "channel", "token", 128, 1, 32768): (32.8, 40.3),
+    (2, "channel", "token", 128, 1, 131072): (87.9, 113.4),
+    (2, "channel", "token", 128, 8, 32768): (168.1, 210.8),
+    (2, "channel", "token", 128, 8, 131072): (626.3, 790.4),
+    (4, "channel", "channel", 128, 1, 32768): (40.7, 41.0),
+    (4, "channel", "channel", 128, 1, 131072): (115.4, 114.8),
+    (4, "channel", "channel", 128, 8, 32768): (218.9, 212.1),
+    (4, "channel", "channel", 128, 8, 131072): (827.6, 791.4),
+    (4, "channel", "token", 128, 1, 32768): (37.0, 40.7),
+    (4, "channel", "token", 128, 1, 131072): (101.6, 114.0),
+    (4, "channel", "token", 128, 8, 32768): (192.2, 212.1),
+    (4, "channel", "token", 128, 8, 131072): (722.0, 798.3),
+    # head_dim 64, session 5 (decode_grid_d64.*; g = 64)
+    (2, "token", "token", 64, 1, 8192): (13.3, 12.4),
+    (2, "token", "token", 64, 1, 32768): (22.7, 17.5),
+    (2, "token", "token", 64, 1, 131072): (60.9, 38.1),
+    (2, "token", "token", 64, 1, 524288): (205.1, 119.7),
+    (2, "token", "token", 64, 8, 8192): (35.4, 24.2),
+    (2, "token", "token", 64, 8, 32768): (110.7, 65.6),
+    (2, "token", "token", 64, 8, 131072): (405.1, 232.4),
+    (2, "token", "token", 64, 8, 524288): (1580.6, 877.5),
+    (2, "token", "token", 64, 64, 8192): (210.9, 121.7),
+    (2, "token", "token", 64, 64, 131072): (3162.3, 1674.9),
+    (4, "token", "token", 64, 1, 8192): (13.9, 12.4),
+    (4, "token", "token", 64, 1, 32768): (24.3, 17.7),
+    (4, "token", "token", 64, 1, 131072): (65.4, 37.5),
+    (4, "token", "token", 64, 1, 524288): (222.9, 115.7),
+    (4, "token", "token", 64, 8, 8192): (37.9, 23.8),
+    (4, "token", "token", 64, 8, 32768): (118.9, 63.7),
+    (4, "token", "token", 64, 8, 131072): (440.0, 223.5),
+    (4, "token", "token", 64, 8, 524288): (1717.8, 833.6),
+    (4, "token", "token", 64, 64, 8192): (228.3, 119.6),
+    (4, "token", "token", 64, 64, 131072): (3445.5, 1617.9),
 }
 GLUON_GRID_KV_HEADS = 8  # H_KV of every row above: a row's CTAs are batch x 8
 

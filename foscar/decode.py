@@ -26,9 +26,8 @@ REFERENCE_BLOCK_N = 1024
 def default_backend(cache: QuantizedKVCache, q: torch.Tensor) -> str:
     """The backend ``"auto"`` picks: on a Hopper GPU the Gluon kernel where it covers the format
     and was measured faster (``configs.gluon_min_ctas`` of the K/V axes, read off the measured
-    ``configs.GLUON_OVER_TRITON_US``: token-wise K and V always, channel-wise V from 64
-    sequences x KV heads on), else the Triton kernel on a GPU when it covers the format, else
-    the reference."""
+    ``configs.GLUON_OVER_TRITON_US``: token-wise K always, channel-wise K never), else the
+    Triton kernel on a GPU when it covers the format, else the reference."""
     if (
         q.is_cuda
         and q.dtype == torch.bfloat16
