@@ -31,6 +31,7 @@ __all__ = [
     "gluon_decode_config",
     "GLUON_OVER_TRITON_US",
     "gluon_min_ctas",
+    "auto_takes_gluon",
 ]
 
 
@@ -158,8 +159,9 @@ def gluon_decode_config(key_axis: str = "token") -> GluonDecodeConfig:
 #: results/h200/decode_grid.*, decode_axes.*, decode_grid_d64.*; H_Q=32, H_KV=8, microseconds as
 #: (Triton, Gluon)). :func:`gluon_min_ctas` reads the rule off this table: token-wise K with
 #: token- or channel-wise V, head_dim 128 or 64: Gluon won every point measured, so auto always
-#: takes it; channel-wise K: Triton won most points, so auto keeps Triton. A shape (axis pair,
-#: head_dim) without rows is not taken by auto.
+#: takes it; channel-wise K: Triton won most points, so auto keeps Triton, except INT4 with
+#: channel-wise K and V from 64 sequences x KV heads on (Gluon won both B=8 points by 3-4%). A
+#: shape (axis pair, head_dim, bit widths) without rows is not taken by auto.
 GLUON_OVER_TRITON_US = {
     # (bits, k_axis, v_axis, head_dim, batch, kv_len): (triton, gluon)
     # token-wise K and V, session 3 (decode_grid.*, a subset of the 13 points)
@@ -220,17 +222,29 @@ GLUON_OVER_TRITON_US = {
 GLUON_GRID_KV_HEADS = 8  # H_KV of every row above: a row's CTAs are batch x 8
 
 
-def gluon_min_ctas(k_axis: str, v_axis: str, head_dim: int = 128) -> int | None:
-    """Sequences x KV heads from which ``auto`` takes Gluon for this axis pair and head_dim: the
-    smallest measured batch from which Gluon won every measured point (0 when it won them all),
-    ``None`` where it never did or the shape was not measured."""
+def gluon_min_ctas(
+    k_axis: str, v_axis: str, head_dim: int = 128, bits: tuple[int, ...] = (2, 4)
+) -> int | None:
+    """Sequences x KV heads from which ``auto`` takes Gluon for this axis pair and head_dim, over
+    the table's rows of the given bit widths (a format's K and V widths: a mixed INT2/INT4
+    format pools both): the smallest measured batch from which Gluon won every such point (0
+    when it won them all), ``None`` where it never did or the shape was not measured."""
     rows = [
         (batch, triton_us > gluon_us)
-        for (_, k, v, d, batch, _), (triton_us, gluon_us) in GLUON_OVER_TRITON_US.items()
-        if (k, v, d) == (k_axis, v_axis, head_dim)
+        for (b, k, v, d, batch, _), (triton_us, gluon_us) in GLUON_OVER_TRITON_US.items()
+        if (k, v, d) == (k_axis, v_axis, head_dim) and b in bits
     ]
     batches = sorted({b for b, _ in rows})
     for b in batches:
         if all(won for batch, won in rows if batch >= b):
             return 0 if b == batches[0] else b * GLUON_GRID_KV_HEADS
     return None
+
+
+def auto_takes_gluon(
+    k_axis: str, v_axis: str, head_dim: int, bits: tuple[int, ...], ctas: int
+) -> bool:
+    """Whether ``backend="auto"`` takes Gluon for a format it covers at ``ctas`` = sequences x KV
+    heads (:func:`gluon_min_ctas`)."""
+    min_ctas = gluon_min_ctas(k_axis, v_axis, head_dim, bits)
+    return min_ctas is not None and ctas >= min_ctas

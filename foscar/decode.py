@@ -26,7 +26,7 @@ REFERENCE_BLOCK_N = 1024
 def default_backend(cache: QuantizedKVCache, q: torch.Tensor) -> str:
     """The backend ``"auto"`` picks: on a Hopper GPU the Gluon kernel where it covers the format
     and was measured faster (``configs.gluon_min_ctas`` of the K/V axes, read off the measured
-    ``configs.GLUON_OVER_TRITON_US``: token-wise K always, channel-wise K never), else the
+    ``configs.GLUON_OVER_TRITON_US``: token-wise K always, channel-wise K rarely), else the
     Triton kernel on a GPU when it covers the format, else the reference."""
     if (
         q.is_cuda
@@ -34,9 +34,14 @@ def default_backend(cache: QuantizedKVCache, q: torch.Tensor) -> str:
         and gluon_backend.available(q.device)
         and gluon_backend.supports(cache, q.shape[1]) is None
     ):
-        fmt = cache.fmt
-        min_ctas = configs.gluon_min_ctas(fmt.key.axis.value, fmt.value.axis.value, cache.head_dim)
-        if min_ctas is not None and q.shape[0] * cache.num_kv_heads >= min_ctas:
+        k, v = cache.fmt.key, cache.fmt.value
+        if configs.auto_takes_gluon(
+            k.axis.value,
+            v.axis.value,
+            cache.head_dim,
+            tuple({k.bits, v.bits}),
+            q.shape[0] * cache.num_kv_heads,
+        ):
             return "gluon"
     if (
         q.is_cuda

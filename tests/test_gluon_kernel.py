@@ -11,6 +11,7 @@ lengths, every GQA ratio it covers, windows, ragged batches, the paper shape, CU
 
 import math
 import os
+import re
 import subprocess
 
 import pytest
@@ -94,13 +95,14 @@ def test_compiles_for_sm90_without_spills(k_bits, v_bits, head_dim, k_axis, v_ax
     assert res["warps"] == 12  # 2 consumer warpgroups + the producer's warpgroup
     # channel-wise V keeps a ones operand for sum(P') and spills 8-12 bytes per consumer thread
     # at 2 CTAs/SM; channel-wise K runs at 1 CTA/SM (configs.gluon_decode_config) without spills
-    import re
-
     spilled = int(re.search(r"(\d+) bytes spill stores", res["info"]).group(1))
     assert spilled <= (12 if (k_axis, v_axis) == ("token", "channel") else 0), res["info"]
     cfg = gluon_decode_config(k_axis)
-    if cfg.maxnreg:  # 2 CTAs/SM of 12 warps; channel-wise K runs 1 CTA/SM (configs)
+    if cfg.maxnreg:  # 2 CTAs/SM of 12 warps
         assert f"Used {cfg.maxnreg} registers" in res["info"], res["info"]
+    else:  # channel-wise K must stay at 1 CTA/SM (configs.gluon_decode_config): 384 threads
+        used = int(re.search(r"Used (\d+) registers", res["info"]).group(1))
+        assert used * 384 > 65536 // 2, res["info"]
     assert res["wgmma"] >= 16  # QK and PV on the tensor cores
 
 
@@ -127,9 +129,12 @@ def test_supports_head_dim_and_page_size():
     g32 = KVFormat(QuantFormat(2, "token", 32), QuantFormat(2, "token", 64))
     cache, _ = build_cache(g32, (5,), head_dim=64)
     assert "g=head_dim=64; key is i2t32" in gluon_backend.supports(cache, 4)
-    chan64 = KVFormat(QuantFormat(2, "token", 64), QuantFormat(2, "channel", 64))
-    cache, _ = build_cache(chan64, (5,), head_dim=64)
-    assert "channel-wise groups at head_dim 128; value is i2c64" in gluon_backend.supports(cache, 4)
+    for v in (QuantFormat(2, "channel", 64), QuantFormat(2, "channel", 128)):
+        cache, _ = build_cache(KVFormat(QuantFormat(2, "token", 64), v), (5,), head_dim=64)
+        reason = gluon_backend.supports(cache, 4)
+        assert f"at head_dim 128 only (got 64); value is {v.short()}" in reason
+    cache, _ = build_cache(KVFormat(QuantFormat(2, "channel", 64), INT2), (5,))
+    assert "groups of 128 tokens (2 pages); key is i2c64" in gluon_backend.supports(cache, 4)
     fmt256 = KVFormat(INT2, INT2)
     cache, _ = build_cache(fmt256, (5,), head_dim=256)
     assert "head_dim 128 or 64, got 256" in gluon_backend.supports(cache, 4)
@@ -158,7 +163,7 @@ def test_cpu_call_is_refused_and_auto_does_not_pick_it():
 
 
 def test_tma_descriptors_cover_the_pools_and_are_cached():
-    """One TMA box is one page of one KV head: the words of 64 tokens ([1, 1, 64, 4 * bits])
+    """One TMA box is one page of one KV head: the words of 64 tokens ([1, 1, 64, D * bits / 32])
     and the page's 128 scale floats; built once per layer's pools."""
     fmt = KVFormat(INT4, QuantFormat(2, "channel", 128))
     cache, _ = build_cache(fmt, (100, 300), num_kv_heads=2)
@@ -170,6 +175,14 @@ def test_tma_descriptors_cover_the_pools_and_are_cached():
         assert desc.block_shape == [1, 1, 128]
         assert desc.shape == [scales.shape[0], scales.shape[1], scales[0, 0].numel()]
     assert gluon_backend._descriptors(cache, 0)[0] is kw
+    fmt64 = KVFormat(QuantFormat(2, "token", 64), QuantFormat(4, "token", 64))
+    cache, _ = build_cache(fmt64, (100,), head_dim=64)
+    kw, ks, vw, _ = gluon_backend._descriptors(cache, 0)
+    assert (kw.block_shape, vw.block_shape, ks.block_shape) == (
+        [1, 1, 64, 4],
+        [1, 1, 64, 8],
+        [1, 1, 128],
+    )
 
 
 @pytest.mark.parametrize(
@@ -180,6 +193,24 @@ def test_split_rule(batch, tokens, expected):
     """2 CTAs per SM on 132 SMs filled once (rounded down), at least 2 pages per split."""
     cfg = GluonDecodeConfig()
     assert gluon_backend.num_splits(batch, 8, tokens, cfg, 132) == expected
+
+
+def test_channel_wise_keys_launch_one_cta_per_sm():
+    """Channel-wise K's config fills 1 CTA per SM (at 2 its outputs raced on the H200), and a
+    2-CTA config passed for it is warned about."""
+    cfg = gluon_decode_config("channel")
+    assert (cfg.ctas_per_sm, cfg.maxnreg) == (1, None)
+    assert gluon_backend.num_splits(8, 8, 131072, cfg, 132) == 2  # 132 // 64
+    assert gluon_decode_config("token").ctas_per_sm == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="launches the kernel: needs a GPU")
+def test_two_cta_config_for_channel_wise_keys_warns():
+    fmt = KVFormat(QuantFormat(2, "channel", 128), INT2)
+    cache, batch = build_cache(fmt, (300,), device="cuda")
+    q = queries(batch, 8, 128, "cuda")
+    with pytest.warns(RuntimeWarning, match="CTAs per SM"):
+        gluon_backend.decode(q, cache, batch, 128**-0.5, config=GluonDecodeConfig())
 
 
 # ---------------------------------------------------------------------------- sm_90 only
@@ -407,4 +438,9 @@ def test_auto_rule_is_read_off_the_measured_table(monkeypatch):
     monkeypatch.setattr(configs, "GLUON_OVER_TRITON_US", table)
     assert configs.gluon_min_ctas("channel", "token") == 64
     assert configs.gluon_min_ctas("channel", "channel") is None
+    assert configs.gluon_min_ctas("channel", "channel", bits=(2,)) is None  # the INT2 rows only
     assert configs.gluon_min_ctas("token", "token", 64) == 0
+    # default_backend's comparison: sequences x KV heads against the threshold
+    assert not configs.auto_takes_gluon("channel", "token", 128, (2,), 63)
+    assert configs.auto_takes_gluon("channel", "token", 128, (2,), 64)
+    assert not configs.auto_takes_gluon("channel", "channel", 128, (2, 4), 10**6)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 
 import torch
 
@@ -62,14 +63,22 @@ def supports(cache: QuantizedKVCache, num_q_heads: int) -> str | None:
     if d not in HEAD_DIMS:
         return f"the Gluon kernel needs head_dim 128 or 64, got {d}"
     for role, q in (("key", k), ("value", v)):
-        if q.bits not in (2, 4) or q.group_size != d:
+        if q.bits not in (2, 4):
+            return f"the Gluon kernel covers INT2/INT4 {role}s; {role} is {q.short()}"
+        if q.axis is GroupAxis.CHANNEL:
+            if d != 128:
+                return (
+                    f"the Gluon kernel covers channel-wise groups at head_dim 128 only (got "
+                    f"{d}); {role} is {q.short()}"
+                )
+            if q.group_size != 2 * PAGE_SIZE:
+                return (
+                    f"the Gluon kernel covers channel-wise {role}s in groups of "
+                    f"{2 * PAGE_SIZE} tokens (2 pages); {role} is {q.short()}"
+                )
+        elif q.group_size != d:
             return (
-                f"the Gluon kernel covers INT2/INT4 {role}s with g=head_dim={d}; "
-                f"{role} is {q.short()}"
-            )
-        if d != 128 and q.axis is not GroupAxis.TOKEN:
-            return (
-                f"the Gluon kernel covers channel-wise groups at head_dim 128; "
+                f"the Gluon kernel covers token-wise {role}s with g=head_dim={d}; "
                 f"{role} is {q.short()}"
             )
     if cache.page_size != PAGE_SIZE:
@@ -93,8 +102,8 @@ def num_splits(batch: int, num_kv_heads: int, max_tokens: int, cfg: GluonDecodeC
 
 def _descriptors(cache: QuantizedKVCache, layer: int):
     """TMA descriptors of one layer's pools, built once per pool tensor (cached on the cache):
-    words ``[pages, H, 64, W]`` int32 (box ``[1, 1, 64, W]``, W = 4 * bits), scales viewed
-    ``[pages, H, 128]`` fp32 (box ``[1, 1, 128]``)."""
+    words ``[pages, H, 64, W]`` int32 (box ``[1, 1, 64, W]``, W = head_dim * bits / 32), scales
+    viewed ``[pages, H, 128]`` fp32 (box ``[1, 1, 128]``)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     st = cache.layers[layer]
@@ -167,6 +176,14 @@ def decode(
     kern = _gluon()
     bsz, num_q_heads, d = q.shape
     cfg = config or gluon_decode_config(cache.fmt.key.axis.value)
+    if cache.fmt.key.axis is GroupAxis.CHANNEL and cfg.ctas_per_sm > 1:
+        warnings.warn(
+            f"channel-wise K with a config of {cfg.ctas_per_sm} CTAs per SM: on the H200 its "
+            "outputs changed from call to call at 2 CTAs/SM (benchmarks/NOTES.md 15); "
+            "configs.gluon_decode_config('channel') launches 1",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     if reconstruct:  # the ablation: per-value s' y + z' instead of the folds (kernel OPT 128)
         cfg = dataclasses.replace(cfg, opt=cfg.opt | 128)
     if splits is None:

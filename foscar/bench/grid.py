@@ -475,6 +475,7 @@ def run(args) -> int:
         rows = run_grid(
             points, methods, axes=axes, bits_list=args.bits, iters=args.iters, shape=shape
         )
-        write_results(rows, env, args.out, args.name or name)
+        default_name = name if args.head_dim == 128 else f"{name}_d{args.head_dim}"
+        write_results(rows, env, args.out, args.name or default_name)
         print(markdown_table(rows))
     return 0

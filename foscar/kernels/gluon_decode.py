@@ -1,9 +1,10 @@
 """Warp-specialized FOSCAR decode split kernel for Hopper (sm_90a), in Triton's Gluon dialect.
 
 Launched by :mod:`foscar.backends.gluon`; the merge of the splits is the Triton
-``merge_splits_kernel``. Scope: token-wise INT2 K and V, group size g = D = 128, head_dim 128,
-page size 64 = one tile, up to 8 query heads per KV head (padded to HS = 8, the wgmma N), the
-quantized history only (formats with BF16 sink/recent windows go to the Triton kernel).
+``merge_splits_kernel``. Scope: INT2/INT4 K and V, each token-wise (g = D) or channel-wise
+(groups of 128 tokens = 2 pages) at head_dim D = 128, token-wise at D = 64; page size 64 = one
+tile, up to 8 query heads per KV head (padded to HS = 8, the wgmma N), the quantized history
+only (a format's BF16 sink/recent windows are read by the Triton window program).
 
 Partitions (``gl.warp_specialize``, triton 3.6.0):
     default  (4 warps): consumer 0, tiles t_begin + 0, 2, 4, ...
@@ -13,10 +14,12 @@ Partitions (``gl.warp_specialize``, triton 3.6.0):
                         scales per tile into a ring of 2 x SPC stages (SPC per consumer)
 
 Per tile, a consumer (one warpgroup) does
-    LDS packed words -> K operand [64 tok, 128 ch] bf16 in registers (SHF + LOP3)
-    S^T = K_op @ Q^T        wgmma m64n8k16 x 8, A from registers, Q [8, 128] K-major in smem
-    V^T operand [128 ch, 64 tok] (PRMT + SHF + LOP3) while the QK wgmma runs
+    LDS packed words -> K operand [64 tok, D ch] bf16 in registers (SHF + LOP3)
+    S^T = K_op @ Q^T        wgmma m64n8k16 x D/16, A from registers, Q [8, D] K-major in smem
+    V^T operand [D ch, 64 tok] (PRMT + SHF + LOP3) while the QK wgmma runs
     acc-fold of K (per token s'_K, z'_K), online softmax over the 64 tokens (cross-warp max)
+    (channel-wise K instead: Q' = bf16(Q s'_c) of the tile's group into the consumer's B-operand
+    buffer, the K operand the codes q themselves, S = Q' . q + zq with zq from the rounded Q')
     operand-fold of V into P: P' = bf16(P * s'_V); offset term z2 += P' * z'_V / s'_V
     O^T(tile) = V^T_op @ P'   wgmma m64n8k16 x 2 x 4, P'^T [8, 64] K-major through smem,
     added to the running O^T on the CUDA cores (Note [tensor-core accumulation] in
@@ -24,7 +27,8 @@ Per tile, a consumer (one warpgroup) does
 
 Data contract (foscar.cache; the same as ``decode_split_kernel``):
     q:        [B, Hq, D] bf16
-    k_words:  [pages, Hkv, PAGE, D*2/32] int32 (channel order of role "key") -> TMA box [1,1,64,8]
+    k_words:  [pages, Hkv, PAGE, W = D*bits/32] int32 (channel order of role "key")
+              -> TMA box [1, 1, 64, W]
     k_scales: [pages, Hkv, PAGE*D/g, 2] fp32 viewed as [pages, Hkv, 2*PAGE]  -> TMA box [1,1,128]
     v_*:      likewise (role "value")
     o_part:   [B, Hq, num_splits, D] fp32, normalised partial outputs
@@ -33,10 +37,13 @@ Data contract (foscar.cache; the same as ``decode_split_kernel``):
 Packed words: foscar's layouts fit the wgmma register fragments unchanged (every
 ``convert_layout(..., assert_trivial=True)`` below is a compile-time proof that the bit
 operations land each bf16 pair in the register the m64nNk16 A fragment wants):
-    K: thread (warp w, lane l) owns rows l//4 + 8i + 16w and words 2*(l%4) + {0,1} of its rows
-       (2 x LDS.64 per tile); register (i, i', kb) = field 2*(kb%4) + i' of word 2*(l%4) + kb//4.
-    V: thread owns byte (l//4)%4 of word 2w + (l//4)//4 of 16 tokens (16 x LDS.32, 4 threads read
-       the same word); one PRMT per token pair joins the bytes, 4 SHF/LOP3 pairs make 8 operands.
+    K: thread (warp w, lane l) owns rows l//4 + 8i + 16w and words E*(l%4) + e, E = D*bits/128,
+       of its rows; at INT2 and D = 128: register (i, i', kb) = field 2*(kb%4) + i' of word
+       2*(l%4) + kb//4 (2 x LDS.64 per tile).
+    V: a row is 32 pieces of bits*D/32 bits; thread (w, l) owns piece 8w + l//4 of 16 tokens
+       (at INT2, D = 128: byte (l//4)%4 of word 2w + (l//4)//4; 4 threads read the same word);
+       one PRMT per token pair joins the pieces' bytes (a 4-bit piece at INT2, D = 64, takes the
+       byte it shares and is shifted into place), SHF/LOP3 pairs make the operands.
 
 B operands are stored K-major: MN-major Q^T / P' with 16-byte rows made the wgmma read shared
 memory out of bounds on the H200 (compute-sanitizer memcheck, benchmarks/NOTES.md 12).
@@ -265,8 +272,8 @@ def _vt_operand(words, magic, HS: gl.constexpr, BITS: gl.constexpr, HD: gl.const
     even = gl.convert_layout(even, gl.SliceLayout(2, L3), assert_trivial=True)
     odd = gl.convert_layout(odd, gl.SliceLayout(2, L3), assert_trivial=True)
     X = gl.arange(0, PW, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
-    # bytes (a[X], a[X + PBY - 1], b[X], b[X + PBY - 1]): piece X of the even token in the low
-    # half, of the odd token in the high half
+    # bytes (a[lo], a[lo + PBY - 1], b[lo], b[lo + PBY - 1]), lo = X * PB // 8: piece X of the
+    # even token in the low half, of the odd token in the high half
     lo = (X * PB) // 8
     sel = lo | ((lo + PBY - 1) << 4) | ((lo + 4) << 8) | ((lo + PBY + 3) << 12)
     xb = _prmt(gl.expand_dims(even, 2), gl.expand_dims(odd, 2), sel[None, None, :])  # [m, word, X]
@@ -301,8 +308,9 @@ def _scale_pairs(buf, HS: gl.constexpr):
 
 @gluon.jit
 def _channel_scale_pairs(buf0, buf1, HS: gl.constexpr):
-    """(s', z') of the 128 channels of a channel-wise V group (channels 0-63 in the chunk of its
-    first page, 64-127 in its second), each [128] in the rows of the [128, HS] accumulator."""
+    """(s', z') of the 128 channels of a channel-wise group (channels 0-63 in the chunk of its
+    first page, 64-127 in its second), each [128] in the rows of the [128, HS] accumulator (V's
+    fold; channel-wise K's reconstruct ablation converts them to K's columns)."""
     s0, z0 = _scale_pairs(buf0, HS)
     s1, z1 = _scale_pairs(buf1, HS)
     row_l: gl.constexpr = gl.SliceLayout(1, acc_layout(HS))
@@ -325,6 +333,7 @@ def _channel_key_fold(buf0, buf1, qt_smem, q_smem, zq_smem, HS: gl.constexpr, ZQ
     over the 5e-3 bar at 32K on the H200 (benchmarks/NOTES.md 15). The +128 stays out of the
     product and cancels in fp32 here. Q is read from qt_smem per tile (held in registers across
     the loop it made the KcVc consumer spill 232 bytes)."""
+    gl.static_assert(HS == 8, "q_fold_layout holds 8 heads")
     LS: gl.constexpr = k_chunk_scale_layout()
     s0, z0 = gl.split(buf0.reshape([64, 2]).load(LS))
     s1, z1 = gl.split(buf1.reshape([64, 2]).load(LS))
@@ -402,12 +411,13 @@ def _split_span(seq_ptrs, num_splits):
 # ------------------------------------------------------------------------------------- consumer
 # OPT bits (constexpr): 1 = one-barrier cross-warp max; 2 = deferred PV wait (the PV wgmma of tile
 # i in flight across the loop back-edge: ptxas C7512 serializes every wgmma, do not use);
-# 4 = rcp.approx for z'/s'; 8 = arrive on `empty` after the QK wgmma issue (same barrier count);
-# 32 = memory-only timing ablation (consumers only wait/arrive); 64 = compute-only timing
-# ablation (after the first 2*SPC tiles the producer arrives without loading); 128 = per-value
-# reconstruction (the ablation of Fig. 10a: s' y + z' on every K and V operand value in registers,
-# P unscaled, no folds); 256 = channel-wise K's offsets zq to the accumulator's columns by the
-# compiler's layout conversion instead of an explicit shared buffer. Default 5.
+# 4 = rcp.approx for token-wise V's z'/s' (channel-wise K's z'/s' always divides); 8 = arrive on
+# `empty` after the QK wgmma issue (same barrier count); 32 = memory-only timing ablation
+# (consumers only wait/arrive); 64 = compute-only timing ablation (after the first 2*SPC tiles
+# the producer arrives without loading); 128 = per-value reconstruction (the ablation of Fig.
+# 10a: s' y + z' on every K and V operand value in registers, P unscaled, no folds); 256 =
+# channel-wise K's offsets zq to the accumulator's columns by the compiler's layout conversion
+# instead of an explicit shared buffer. Default 5.
 @gluon.jit
 def _tile(
     i,
