@@ -307,6 +307,14 @@ def _scale_pairs(buf, HS: gl.constexpr):
 
 
 @gluon.jit
+def _group_channels(a0, a1, layout: gl.constexpr):
+    """The [64] halves of a channel-wise group's 128 values (channels 0-63 from its first page's
+    chunk, 64-127 from its second) -> [128] in ``layout``, a register relabeling."""
+    a = gl.permute(gl.join(a0, a1), [1, 0]).reshape([128])
+    return gl.convert_layout(a, layout, assert_trivial=True)
+
+
+@gluon.jit
 def _channel_scale_pairs(buf0, buf1, HS: gl.constexpr):
     """(s', z') of the 128 channels of a channel-wise group (channels 0-63 in the chunk of its
     first page, 64-127 in its second), each [128] in the rows of the [128, HS] accumulator (V's
@@ -314,12 +322,7 @@ def _channel_scale_pairs(buf0, buf1, HS: gl.constexpr):
     s0, z0 = _scale_pairs(buf0, HS)
     s1, z1 = _scale_pairs(buf1, HS)
     row_l: gl.constexpr = gl.SliceLayout(1, acc_layout(HS))
-    s = gl.permute(gl.join(s0, s1), [1, 0]).reshape([128])
-    z = gl.permute(gl.join(z0, z1), [1, 0]).reshape([128])
-    return (
-        gl.convert_layout(s, row_l, assert_trivial=True),
-        gl.convert_layout(z, row_l, assert_trivial=True),
-    )
+    return _group_channels(s0, s1, row_l), _group_channels(z0, z1, row_l)
 
 
 @gluon.jit
@@ -338,12 +341,8 @@ def _channel_key_fold(buf0, buf1, qt_smem, q_smem, zq_smem, HS: gl.constexpr, ZQ
     s0, z0 = gl.split(buf0.reshape([64, 2]).load(LS))
     s1, z1 = gl.split(buf1.reshape([64, 2]).load(LS))
     col_l: gl.constexpr = gl.SliceLayout(0, q_fold_layout())
-    s = gl.convert_layout(
-        gl.permute(gl.join(s0, s1), [1, 0]).reshape([128]), col_l, assert_trivial=True
-    )
-    z = gl.convert_layout(
-        gl.permute(gl.join(z0, z1), [1, 0]).reshape([128]), col_l, assert_trivial=True
-    )
+    s = _group_channels(s0, s1, col_l)
+    z = _group_channels(z0, z1, col_l)
     qf = qt_smem.load(q_fold_layout()).to(gl.float32)
     qb = (qf * s[None, :]).to(gl.bfloat16)
     q_smem.store(qb)
@@ -464,9 +463,9 @@ def _tile(
         ks, kz = _channel_scale_pairs(ks_bufs.index(2 * s), ks_bufs.index(2 * s + 1), HS)
         b_qk = qt_smem.permute((1, 0))
     elif K_CHANNEL:
-        q_all, q_smem, zq_smem = kfold
+        q_smem, zq_smem = kfold
         zq = _channel_key_fold(
-            ks_bufs.index(2 * s), ks_bufs.index(2 * s + 1), q_all, q_smem, zq_smem, HS, ZQ_REG
+            ks_bufs.index(2 * s), ks_bufs.index(2 * s + 1), qt_smem, q_smem, zq_smem, HS, ZQ_REG
         )
         b_qk = q_smem.permute((1, 0))
     else:
@@ -601,14 +600,10 @@ def _consume(C: gl.constexpr, ring, qt_smem, op_bufs, split, qk_scale, magic, CF
     p_smem = p_bufs.index(C)
     qf = qt_smem.load(gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])).to(gl.float32)
     qsum = gl.convert_layout(gl.sum(qf, axis=1), gl.SliceLayout(0, acc_l)) * qk_scale
-    if K_CHANNEL:  # Q in the fold's layout, and this consumer's Q' and zq buffers
-        kfold = (
-            qt_smem,
-            kq_bufs.index(C),
-            zq_bufs.slice(C * HS, HS),
-        )
+    if K_CHANNEL:  # this consumer's Q' and zq buffers
+        kfold = (kq_bufs.index(C), zq_bufs.slice(C * HS, HS))
     else:
-        kfold = (0, 0, 0)
+        kfold = (0, 0)
     acc = gl.zeros([HD, HS], gl.float32, acc_l)
     st = (
         gl.full([HS], -float("inf"), gl.float32, gl.SliceLayout(0, acc_l)),
