@@ -262,6 +262,27 @@ def test_transformers_cache_with_rotations(tiny):
         oscar_cache(int2, big, rot)
 
 
+def assert_picks_smallest_fitted_error(sel, cands, per_head=False):
+    """For every layer and role, ``sel`` holds the candidate with the smallest fitted INT2
+    error (broadcast to the KV heads when ``per_head``), with that candidate's fitted clips."""
+    fits = sel.header["clip_fit"]
+    for role in ("key", "value"):
+        errs = {n: fits[n][f"int2.{role}"]["fitted_relative_error"] for n in cands}
+        for layer in range(LAYERS):
+            best = min(cands, key=lambda n: errs[n][layer])
+            assert sel.header["selection"][role][layer] == best
+            want = getattr(cands[best], role)[layer]
+            if per_head:
+                want = want.expand(H, D, D)  # from [1 or H, D, D]
+            assert torch.equal(getattr(sel, role)[layer], want)
+            for b in (2, 4):
+                clip = float(sel.clips[(b, role)][layer])
+                assert clip == fits[best][f"int{b}.{role}"]["fitted"][layer]
+                assert clip == float(cands[best].clips[(b, role)][layer])
+        per = sel.header["selection"][f"{role}_error_per_candidate"]
+        assert sel.header["selection"][f"{role}_error"] <= min(per.values()) + 1e-12
+
+
 @torch.no_grad()
 def test_select_rotations_takes_the_better_candidate_per_layer(tiny):
     from foscar.oscar import select_rotations
@@ -270,18 +291,7 @@ def test_select_rotations_takes_the_better_candidate_per_layer(tiny):
     cal = calibrate(tiny, seqs)
     cands = {"full": cal.rotations(), "no-u": cal.rotations("no-u")}
     sel = select_rotations(tiny, seqs[:1], cands, bits=(2, 4), num_queries=8)
-    fits = sel.header["clip_fit"]
-    for role in ("key", "value"):
-        errs = {n: fits[n][f"int2.{role}"]["fitted_relative_error"] for n in cands}
-        for layer in range(LAYERS):
-            best = min(cands, key=lambda n: errs[n][layer])
-            assert sel.header["selection"][role][layer] == best
-            assert torch.equal(getattr(sel, role)[layer], getattr(cands[best], role)[layer])
-            for b in (2, 4):
-                want = fits[best][f"int{b}.{role}"]["fitted"][layer]
-                assert float(sel.clips[(b, role)][layer]) == want
-        per = sel.header["selection"][f"{role}_error_per_candidate"]
-        assert sel.header["selection"][f"{role}_error"] <= min(per.values()) + 1e-12
+    assert_picks_smallest_fitted_error(sel, cands)
     with pytest.raises(ValueError, match="candidates must name at least one"):
         select_rotations(tiny, seqs, {})
     with pytest.raises(ValueError, match="select_bits"):
@@ -317,19 +327,7 @@ def test_select_rotations_with_per_kv_head_candidates(tiny):
     assert sel.per_head and tuple(sel.key.shape) == (LAYERS, H, D, D)
     assert sel.header["candidates"]["full-kvh"]["per_head"] is True
     assert sel.header["candidates"]["full"]["per_head"] is False
-    fits = sel.header["clip_fit"]
-    for role in ("key", "value"):
-        errs = {n: fits[n][f"int2.{role}"]["fitted_relative_error"] for n in cands}
-        for layer in range(LAYERS):
-            best = min(cands, key=lambda n: errs[n][layer])
-            assert sel.header["selection"][role][layer] == best
-            want = getattr(cands[best], role)[layer].expand(H, D, D)  # from [1 or H, D, D]
-            assert torch.equal(getattr(sel, role)[layer], want)
-            for b in (2, 4):
-                want_clip = float(cands[best].clips[(b, role)][layer])
-                assert float(sel.clips[(b, role)][layer]) == want_clip
-        per = sel.header["selection"][f"{role}_error_per_candidate"]
-        assert sel.header["selection"][f"{role}_error"] <= min(per.values()) + 1e-12
+    assert_picks_smallest_fitted_error(sel, cands, per_head=True)
     # per KV head, U*H*P_br differs between the heads (each head's own targets)
     assert not torch.allclose(cands["full-kvh"].key[0, 0], cands["full-kvh"].key[0, 1])
     # a subset of the fitted candidates: the same as selecting among it from scratch; adding
