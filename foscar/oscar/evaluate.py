@@ -57,20 +57,19 @@ __all__ = [
 #: the released recipe's fixed clip ratios (oscar.md Sec. 3)
 RELEASED_CLIPS = (0.96, 0.92)
 
+#: :meth:`Calibration.rotations` kwargs of the plain second-moment targets (K^TK, V^TV)
+PLAIN_TARGETS = {"key_target": "plain", "value_target": "plain"}
+
 #: OSCAR-select's candidates: name -> (label, recipe, :meth:`Calibration.rotations` kwargs);
 #: the "OSCAR-select" rows choose among the per-layer ones, "OSCAR-select per-KV-head" among all
 SELECT_CANDIDATES = {
     "full": ("U*H*P_br", "full", {}),
     "no-u": ("H*P_br", "no-u", {}),
     # the plain second moments: lower K error than C_Q's on SmolLM2 (EVAL_NOTES 3)
-    "ktk": ("K^TK/V^TV", "full", {"key_target": "plain", "value_target": "plain"}),
+    "ktk": ("K^TK/V^TV", "full", PLAIN_TARGETS),
     # one rotation per KV head: the lowest V error of the held-out table (EVAL_NOTES 5)
     "full-kvh": ("U*H*P_br per KV head", "full", {"per_head": True}),
-    "ktk-kvh": (
-        "K^TK/V^TV per KV head",
-        "full",
-        {"key_target": "plain", "value_target": "plain", "per_head": True},
-    ),
+    "ktk-kvh": ("K^TK/V^TV per KV head", "full", {**PLAIN_TARGETS, "per_head": True}),
 }
 
 
@@ -205,12 +204,9 @@ ERROR_VARIANTS = {
     "w/o U (Hadamard * P_br)": ("no-u", {}),
     "no rotation": ("none", {}),
     "Hadamard (QuaRot-style)": ("hadamard", {}),
-    "K^TK/V^TV targets": ("full", {"key_target": "plain", "value_target": "plain"}),
-    "per KV head": ("full", {"per_head": True}),
-    "K^TK/V^TV per KV head": (
-        "full",
-        {"key_target": "plain", "value_target": "plain", "per_head": True},
-    ),
+    "K^TK/V^TV targets": SELECT_CANDIDATES["ktk"][1:],
+    "per KV head": SELECT_CANDIDATES["full-kvh"][1:],
+    "K^TK/V^TV per KV head": SELECT_CANDIDATES["ktk-kvh"][1:],
 }
 
 
