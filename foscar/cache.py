@@ -82,6 +82,12 @@ _ALLOWED_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.flo
 DECODE_WRITE_PATHS = ("auto", "fused", "torch")
 
 
+def check_decode_write(decode_write: str) -> None:
+    """Raise ``ValueError`` unless ``decode_write`` names a decode-step write path."""
+    if decode_write not in DECODE_WRITE_PATHS:
+        raise ValueError(f"decode_write must be one of {DECODE_WRITE_PATHS}, got {decode_write!r}")
+
+
 @dataclass
 class LayerStorage:
     """The pool tensors of one layer (shapes in the module docstring)."""
@@ -314,10 +320,7 @@ class QuantizedKVCache:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.window_dtype = window_dtype
         self.check_finite = check_finite
-        if decode_write not in DECODE_WRITE_PATHS:
-            raise ValueError(
-                f"decode_write must be one of {DECODE_WRITE_PATHS}, got {decode_write!r}"
-            )
+        check_decode_write(decode_write)
         self.decode_write = decode_write
         self._desc_memo: tuple | None = None  # (descriptor rows, their device tensor)
         self._fused_failure: str | None = None  # why "auto" stopped taking the fused write

@@ -76,7 +76,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         "foscar.integrations.transformers needs transformers>=5: pip install 'foscar[hf]'"
     ) from e
 
-from ..cache import DECODE_WRITE_PATHS, DecodeBatch, QuantizedKVCache, rotate_rows
+from ..cache import DecodeBatch, QuantizedKVCache, check_decode_write, rotate_rows
 from ..decode import BACKENDS, decode_attention
 from ..formats import GroupAxis, KVFormat
 from ..quantize import dequantize
@@ -320,10 +320,7 @@ class FoscarCache(Cache):
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if decode not in DECODE_PATHS:
             raise ValueError(f"decode must be one of {DECODE_PATHS}, got {decode!r}")
-        if decode_write not in DECODE_WRITE_PATHS:
-            raise ValueError(
-                f"decode_write must be one of {DECODE_WRITE_PATHS}, got {decode_write!r}"
-            )
+        check_decode_write(decode_write)  # the pool is built later, at the first forward
         cfg = _text_config(config) if config is not None else None
         if cfg is not None:
             self._check_attention_layers(cfg)

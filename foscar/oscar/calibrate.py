@@ -475,11 +475,10 @@ def select_rotations(
     whose K error at ``select_bits`` is smallest, and V's likewise. The header records the
     choice per layer.
     """
-    if not candidates:
-        raise ValueError("candidates must name at least one rotation")
+    # choose_rotations checks this too, but only after the fit (minutes): fail first
     if select_bits not in bits:
         raise ValueError(f"select_bits ({select_bits}) must be one of bits {tuple(bits)}")
-    fitted = fit_candidates(
+    fitted = fit_candidates(  # refuses an empty ``candidates`` before any work
         model,
         sequences,
         candidates,
