@@ -16,6 +16,10 @@
 #   bash benchmarks/h200_run.sh cache-write # the fused write's GPU tests alone
 #   bash benchmarks/h200_run.sh s5-tests # session 5: Gluon channel-wise K + head_dim 64 GPU tests, fused write
 #   bash benchmarks/h200_run.sh s5-bench # session 5: axes grid (channel-wise K in Gluon), head_dim 64 grid, racecheck
+#   bash benchmarks/h200_run.sh s6-tp2   # session 6: two-page tiles: GPU suite, repeat check, main-grid variants
+#   bash benchmarks/h200_run.sh s6-profile # session 6: ncu stall samples per SASS instruction (INT2 B=64 L=16K)
+#   bash benchmarks/h200_run.sh s6-axes  # session 6: channel-K 2-CTA racecheck; axes grid, 1 vs 2 pages per tile
+#   bash benchmarks/h200_run.sh s6-final # session 6: Gluon GPU suite at the shipped configs, the axes grid
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -127,6 +131,56 @@ case "$mode" in
     ;;
   diagnose-kc)
     python3 benchmarks/diagnose_channel_k.py 2>&1 | tee "$OUT/diagnose_channel_k.log"
+    ;;
+  s6-tp2)
+    # session 6: two-page tiles. The Gluon GPU suite forced to 2 pages per tile, a subset forced
+    # to 1 (the refactored one-page tile), the channel-K repeat check, the variants on the grid
+    FOSCAR_TEST_GLUON_TILE_PAGES=2 timeout 240 python3 -m pytest -q -p no:cacheprovider -rs \
+      tests/test_gluon_kernel.py -k "not compiles" > "$OUT/gpu_tests_gluon_tp2.log" 2>&1
+    tail -3 "$OUT/gpu_tests_gluon_tp2.log"; grep -E "^_+ test_|Error: error|^E  " "$OUT/gpu_tests_gluon_tp2.log" | head -20
+    FOSCAR_TEST_GLUON_TILE_PAGES=1 timeout 120 python3 -m pytest -q -p no:cacheprovider -rs \
+      tests/test_gluon_kernel.py -k "paper_shape or ragged or reconstruct or graph_replay" \
+      > "$OUT/gpu_tests_gluon_tp1.log" 2>&1
+    tail -3 "$OUT/gpu_tests_gluon_tp1.log"; grep -E "^_+ test_" "$OUT/gpu_tests_gluon_tp1.log" | head
+    timeout 330 python3 benchmarks/gluon_variants.py --out "$OUT" --points main \
+      --variants tp1 tp2 tp2s4 --repeat-check --name gluon_tile_pages_main 2>&1 | tail -45
+    ;;
+  s6-profile)
+    # session 6: where the one-page INT2 kernel's warps stall, per SASS instruction (ncu source
+    # page: stall samples by reason), plus pipe utilization; B=64 L=16K token-wise INT2
+    timeout 300 ncu --clock-control none --launch-skip 2 --launch-count 1 -k regex:gluon_decode_split_kernel \
+      --section SpeedOfLight --section SchedulerStats --section WarpStateStats --section SourceCounters \
+      --section ComputeWorkloadAnalysis --section InstructionStats -o "$OUT/prof_gluon_64_16384" \
+      python3 benchmarks/gluon_probe.py launch 64 16384 gluon > "$OUT/ncu_profile.log" 2>&1
+    tail -3 "$OUT/ncu_profile.log"
+    ncu -i "$OUT/prof_gluon_64_16384.ncu-rep" --page details > "$OUT/ncu_details_64_16384.txt" 2>&1
+    ncu -i "$OUT/prof_gluon_64_16384.ncu-rep" --page source --csv --print-source sass \
+      > "$OUT/ncu_sass_64_16384.csv" 2>&1
+    head -c 600 "$OUT/ncu_sass_64_16384.csv"; wc -c "$OUT/ncu_sass_64_16384.csv"
+    grep -E "Pipe|Tensor|Issue|Eligible|Stall|Warp Cycles" "$OUT/ncu_details_64_16384.txt" | head -40
+    gzip "$OUT/ncu_sass_64_16384.csv"; rm -f "$OUT/prof_gluon_64_16384.ncu-rep"
+    ;;
+  s6-axes)
+    # session 6: channel-wise K at 2 CTAs/SM (it raced there): repeated calls, then racecheck,
+    # one- and two-page tiles; then the axes grid: one- vs two-page tiles beside Triton
+    for tp in 1 2; do
+      python3 benchmarks/sanitize_gluon.py --k-axis channel --tile-pages $tp --ctas 2 --tokens 16384 --calls 4 2>&1 | tail -4
+      timeout 150 compute-sanitizer --tool racecheck --print-limit 20 python3 benchmarks/sanitize_gluon.py \
+        --k-axis channel --tile-pages $tp --ctas 2 --tokens 16384 2>&1 | grep -v "Host Frame" \
+        > "$OUT/racecheck_kc_2cta_tp$tp.log"
+      grep -E "RACECHECK SUMMARY|hazard|rel L2" "$OUT/racecheck_kc_2cta_tp$tp.log" | sort | uniq -c | head -12
+    done
+    timeout 360 python3 benchmarks/gluon_variants.py --out "$OUT" --points axes \
+      --variants tp1 tp2 triton --name gluon_tile_pages_axes 2>&1 | tail -42
+    ;;
+  s6-final)
+    # session 6 final: the Gluon GPU suite at the shipped configs (channel-wise K: two-page
+    # tiles), then the axes grid (foscar bench, auto's configs) beside Triton and FlashInfer
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gluon_kernel.py \
+      -k "not compiles" > "$OUT/gpu_tests_gluon_session6.log" 2>&1
+    tail -3 "$OUT/gpu_tests_gluon_session6.log"; grep -E "^_+ test_|Error: error" "$OUT/gpu_tests_gluon_session6.log" | head -20
+    timeout 260 python3 -m foscar bench --grid axes --methods foscar-gluon foscar-triton flashinfer-bf16 \
+      --out "$OUT" 2>&1 | tee "$OUT/axes.log" | grep -v "^\[" | tail -30
     ;;
   s5-variants)
     python3 benchmarks/diagnose_channel_k_variants.py 2>&1 | tee "$OUT/diagnose_channel_k_variants.log"

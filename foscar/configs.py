@@ -19,6 +19,7 @@ benchmarks/results/h200/tune/, discussion in benchmarks/NOTES.md):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -140,28 +141,50 @@ class GluonDecodeConfig:
     maxnreg: int | None = 80
     ctas_per_sm: int = 2
     opt: int = 5  # kernel variant bits (foscar.kernels.gluon_decode, consumer section)
+    tile_pages: int = 1  # pages per tile and ring stage: 1, or 2 (a channel-wise group)
 
 
-def gluon_decode_config(key_axis: str = "token") -> GluonDecodeConfig:
+def gluon_decode_config(
+    key_axis: str = "token", tile_pages: int | None = None
+) -> GluonDecodeConfig:
     """The Gluon kernel's launch config. Channel-wise K runs at 1 CTA per SM (no ``maxnreg``, the
     consumers at 232 registers): at the 2-CTA default its outputs changed from call to call on
     the H200 (INT2 KcVt at 32K: worst of 6 calls 1.1e-1 against fp64, 6.5e-2 with 2 stages,
-    unchanged by a late stage release or by moving its offsets out of shared memory), at 1 CTA
-    per SM they are identical across calls and within the bar (4.1e-3; `bash
-    benchmarks/h200_run.sh s5-variants`, benchmarks/NOTES.md 15). The cause is not found."""
+    unchanged by a late stage release or by moving its offsets out of shared memory; with
+    two-page tiles 3.9e-2, session 6), at 1 CTA per SM they are identical across calls and
+    within the bar (4.1e-3; `bash benchmarks/h200_run.sh s5-variants` and `s6-tp2`,
+    benchmarks/NOTES.md 15-16). The cause is not found.
+
+    ``tile_pages``: pages per tile and ring stage. 2: one stage wait and release, one cross-warp
+    max exchange and one P' barrier per 128 tokens, and a channel-wise group (2 pages) is one
+    tile, so channel-wise K folds Q once per group instead of once per page in each consumer;
+    2 stages per consumer (8 pages in flight per CTA as with one-page tiles; INT4's 18 KiB
+    stages still fit 2 CTAs per SM). Default (``None``): what the H200 measured faster
+    (`s6-tp2`, `s6-axes`, NOTES 16): 2 for channel-wise K (24-27% faster at B = 8, every
+    format), 1 for token-wise K (two-page tiles were within 2% at B >= 8 and 5-10% slower at
+    B = 1)."""
+    if tile_pages is None:
+        tile_pages = 2 if key_axis == "channel" else 1
+    if tile_pages not in (1, 2):
+        raise ValueError(f"tile_pages must be 1 or 2, got {tile_pages!r}")
     if key_axis == "channel":
-        return GluonDecodeConfig(maxnreg=None, ctas_per_sm=1, consumer_regs=232, producer_regs=40)
-    return GluonDecodeConfig()
+        cfg = GluonDecodeConfig(maxnreg=None, ctas_per_sm=1, consumer_regs=232, producer_regs=40)
+    else:
+        cfg = GluonDecodeConfig()
+    if tile_pages == 2:
+        cfg = dataclasses.replace(cfg, tile_pages=2, stages_per_consumer=2)
+    return cfg
 
 
 #: Where ``backend="auto"`` takes the Gluon kernel over the Triton one, from the H200 grids
-#: (`bash benchmarks/h200_run.sh grid` in session 3, `s5-bench` / `s5-final` in session 5;
-#: results/h200/decode_grid.*, decode_axes.*, decode_grid_d64.*; H_Q=32, H_KV=8, microseconds as
-#: (Triton, Gluon)). :func:`gluon_min_ctas` reads the rule off this table: token-wise K with
+#: (`bash benchmarks/h200_run.sh grid` in session 3, `s5-bench` / `s5-final` in session 5,
+#: `s6-axes` in session 6; results/h200/decode_grid.*, decode_axes.*, decode_grid_d64.*,
+#: session6/gluon_tile_pages_axes.*; H_Q=32, H_KV=8, microseconds as (Triton, Gluon), each with
+#: its default config). :func:`gluon_min_ctas` reads the rule off this table: token-wise K with
 #: token- or channel-wise V, head_dim 128 or 64: Gluon won every point measured, so auto always
-#: takes it; channel-wise K: Triton won most points, so auto keeps Triton, except INT4 with
-#: channel-wise K and V from 64 sequences x KV heads on (Gluon won both B=8 points by 3-4%). A
-#: shape (axis pair, head_dim, bit widths) without rows is not taken by auto.
+#: takes it; channel-wise K (two-page tiles since session 6): Gluon won every point from 64
+#: sequences x KV heads on (B = 8), Triton below. A shape (axis pair, head_dim, bit widths)
+#: without rows is not taken by auto.
 GLUON_OVER_TRITON_US = {
     # (bits, k_axis, v_axis, head_dim, batch, kv_len): (triton, gluon)
     # token-wise K and V, session 3 (decode_grid.*, a subset of the 13 points)
@@ -180,23 +203,25 @@ GLUON_OVER_TRITON_US = {
     (4, "token", "channel", 128, 1, 131072): (90.0, 57.3),
     (4, "token", "channel", 128, 8, 32768): (168.2, 100.0),
     (4, "token", "channel", 128, 8, 131072): (623.2, 332.4),
-    # channel-wise K, session 5 (1 CTA/SM): Triton is faster at most points
-    (2, "channel", "channel", 128, 1, 32768): (36.0, 39.4),
-    (2, "channel", "channel", 128, 1, 131072): (98.6, 110.9),
-    (2, "channel", "channel", 128, 8, 32768): (189.0, 206.0),
-    (2, "channel", "channel", 128, 8, 131072): (710.9, 781.3),
-    (2, "channel", "token", 128, 1, 32768): (32.8, 40.3),
-    (2, "channel", "token", 128, 1, 131072): (87.9, 113.4),
-    (2, "channel", "token", 128, 8, 32768): (168.1, 210.8),
-    (2, "channel", "token", 128, 8, 131072): (626.3, 790.4),
-    (4, "channel", "channel", 128, 1, 32768): (40.7, 41.0),
-    (4, "channel", "channel", 128, 1, 131072): (115.4, 114.8),
-    (4, "channel", "channel", 128, 8, 32768): (218.9, 212.1),
-    (4, "channel", "channel", 128, 8, 131072): (827.6, 791.4),
-    (4, "channel", "token", 128, 1, 32768): (37.0, 40.7),
-    (4, "channel", "token", 128, 1, 131072): (101.6, 114.0),
-    (4, "channel", "token", 128, 8, 32768): (192.2, 212.1),
-    (4, "channel", "token", 128, 8, 131072): (722.0, 798.3),
+    # channel-wise K, session 6 (1 CTA/SM, two-page tiles; `s6-axes`, gluon_tile_pages_axes.*):
+    # Gluon won every B=8 point, Triton most B=1 points (three B=1 Gluon points were 2-7x their
+    # neighbours, NOTES 16)
+    (2, "channel", "token", 128, 1, 32768): (32.6, 34.0),
+    (2, "channel", "token", 128, 1, 131072): (87.3, 109.4),
+    (2, "channel", "token", 128, 8, 32768): (166.0, 163.4),
+    (2, "channel", "token", 128, 8, 131072): (624.9, 600.4),
+    (4, "channel", "token", 128, 1, 32768): (36.7, 188.9),
+    (4, "channel", "token", 128, 1, 131072): (100.5, 101.6),
+    (4, "channel", "token", 128, 8, 32768): (191.5, 167.1),
+    (4, "channel", "token", 128, 8, 131072): (720.5, 612.8),
+    (2, "channel", "channel", 128, 1, 32768): (35.8, 33.1),
+    (2, "channel", "channel", 128, 1, 131072): (98.0, 167.2),
+    (2, "channel", "channel", 128, 8, 32768): (187.2, 159.5),
+    (2, "channel", "channel", 128, 8, 131072): (705.6, 588.1),
+    (4, "channel", "channel", 128, 1, 32768): (40.1, 224.8),
+    (4, "channel", "channel", 128, 1, 131072): (113.9, 88.0),
+    (4, "channel", "channel", 128, 8, 32768): (217.7, 161.3),
+    (4, "channel", "channel", 128, 8, 131072): (820.0, 585.5),
     # head_dim 64, session 5 (decode_grid_d64.*; g = 64)
     (2, "token", "token", 64, 1, 8192): (13.3, 12.4),
     (2, "token", "token", 64, 1, 32768): (22.7, 17.5),

@@ -9,6 +9,7 @@ device these run the Triton path's checks over this backend: NaN-poisoned output
 lengths, every GQA ratio it covers, windows, ragged batches, the paper shape, CUDA graphs.
 """
 
+import dataclasses
 import math
 import os
 import re
@@ -31,6 +32,9 @@ if gluon_backend._gluon() is None:
     )
 
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+#: FOSCAR_TEST_GLUON_TILE_PAGES=1 or 2 runs the launching cases with that many pages per tile
+#: (configs.gluon_decode_config otherwise picks by shape); benchmarks/h200_run.sh runs both
+TILE_PAGES = int(os.environ.get("FOSCAR_TEST_GLUON_TILE_PAGES", "0"))
 sm90_only = pytest.mark.skipif(
     not HAS_SM90, reason="launches the Gluon kernel: needs a Hopper GPU (no interpreter path)"
 )
@@ -49,8 +53,9 @@ _COMPILE = """
 import json, os, subprocess, sys, tempfile
 import triton
 from foscar.backends.gluon import compile_sm90
-ck = compile_sm90(k_bits={k_bits}, v_bits={v_bits}, v_channel={v_channel}, k_channel={k_channel},
-                  head_dim={head_dim})
+from foscar.configs import GluonDecodeConfig
+ck = compile_sm90(GluonDecodeConfig(**{cfg}), k_bits={k_bits}, v_bits={v_bits},
+                  v_channel={v_channel}, k_channel={k_channel}, head_dim={head_dim})
 ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, "k.ptx")
@@ -66,12 +71,14 @@ print(json.dumps(dict(warps=ck.metadata.num_warps, info=info,
     "head_dim,k_axis,v_axis", [(128, *axes) for axes in AXIS_PAIRS] + [(64, "token", "token")]
 )
 @pytest.mark.parametrize("k_bits,v_bits", BIT_PAIRS)
-def test_compiles_for_sm90_without_spills(k_bits, v_bits, head_dim, k_axis, v_axis):
+@pytest.mark.parametrize("tile_pages", [1, 2])
+def test_compiles_for_sm90_without_spills(tile_pages, k_bits, v_bits, head_dim, k_axis, v_axis):
     """Compiled in a fresh process: the interpreter (TRITON_INTERPRET=1, set for the CPU suite)
     replaces triton's own jit functions, which the Gluon compiler cannot reference."""
     import json
     import sys
 
+    cfg = gluon_decode_config(k_axis, tile_pages=tile_pages)
     env = dict(os.environ, TRITON_INTERPRET="0")
     done = subprocess.run(
         [
@@ -83,6 +90,7 @@ def test_compiles_for_sm90_without_spills(k_bits, v_bits, head_dim, k_axis, v_ax
                 v_channel=v_axis == "channel",
                 k_channel=k_axis == "channel",
                 head_dim=head_dim,
+                cfg=dataclasses.asdict(cfg),
             ),
         ],
         capture_output=True,
@@ -93,11 +101,16 @@ def test_compiles_for_sm90_without_spills(k_bits, v_bits, head_dim, k_axis, v_ax
     assert done.returncode == 0, done.stderr[-2000:]
     res = json.loads(done.stdout.strip().splitlines()[-1])
     assert res["warps"] == 12  # 2 consumer warpgroups + the producer's warpgroup
-    # channel-wise V keeps a ones operand for sum(P') and spills 8-12 bytes per consumer thread
-    # at 2 CTAs/SM; channel-wise K runs at 1 CTA/SM (configs.gluon_decode_config) without spills
+    # one-page tiles: channel-wise V keeps a ones operand for sum(P') and spills 8-12 bytes per
+    # consumer thread at 2 CTAs/SM; two-page tiles: token-wise K and V at head_dim 128 spill
+    # 8-12 bytes in consumer 0 (104 registers), outside its loop; channel-wise K runs at 1 CTA/SM
+    # (configs.gluon_decode_config) without spills
     spilled = int(re.search(r"(\d+) bytes spill stores", res["info"]).group(1))
-    assert spilled <= (12 if (k_axis, v_axis) == ("token", "channel") else 0), res["info"]
-    cfg = gluon_decode_config(k_axis)
+    if tile_pages == 1:
+        allowed = 12 if (k_axis, v_axis) == ("token", "channel") else 0
+    else:
+        allowed = 12 if (k_axis, v_axis, head_dim) == ("token", "token", 128) else 0
+    assert spilled <= allowed, res["info"]
     if cfg.maxnreg:  # 2 CTAs/SM of 12 warps
         assert f"Used {cfg.maxnreg} registers" in res["info"], res["info"]
     else:  # channel-wise K must stay at 1 CTA/SM (configs.gluon_decode_config): 384 threads
@@ -190,9 +203,29 @@ def test_tma_descriptors_cover_the_pools_and_are_cached():
     [(1, 32768, 33), (1, 131072, 33), (8, 131072, 4), (64, 131072, 1), (1, 64, 1), (1, 300, 2)],
 )
 def test_split_rule(batch, tokens, expected):
-    """2 CTAs per SM on 132 SMs filled once (rounded down), at least 2 pages per split."""
+    """2 CTAs per SM on 132 SMs filled once (rounded down), at least a tile (one page) for each
+    of the two consumers per split."""
     cfg = GluonDecodeConfig()
     assert gluon_backend.num_splits(batch, 8, tokens, cfg, 132) == expected
+
+
+@pytest.mark.parametrize("tokens, expected", [(64, 1), (300, 1), (512, 2), (131072, 16)])
+def test_split_rule_counts_two_page_tiles(tokens, expected):
+    """With two-page tiles a split holds at least two 128-token tiles (one per consumer)."""
+    cfg = gluon_decode_config("channel")  # 1 CTA per SM, two-page tiles
+    assert gluon_backend.num_splits(1, 8, tokens, cfg, 132) == expected
+
+
+def test_default_tile_pages_follow_the_measurements():
+    """Two-page tiles (2 stages per consumer) for channel-wise K, one-page tiles for token-wise
+    K (configs.gluon_decode_config, benchmarks/NOTES.md 16); anything else is refused."""
+    chan, tok = gluon_decode_config("channel"), gluon_decode_config("token")
+    assert (chan.tile_pages, chan.stages_per_consumer) == (2, 2)
+    assert (tok.tile_pages, tok.stages_per_consumer) == (1, 4)
+    two = gluon_decode_config("token", tile_pages=2)
+    assert (two.tile_pages, two.stages_per_consumer, two.ctas_per_sm) == (2, 2, 2)
+    with pytest.raises(ValueError, match="tile_pages must be 1 or 2, got 3"):
+        gluon_decode_config("token", tile_pages=3)
 
 
 def test_channel_wise_keys_launch_one_cta_per_sm():
@@ -214,6 +247,17 @@ def test_two_cta_config_for_channel_wise_keys_warns():
 
 
 # ---------------------------------------------------------------------------- sm_90 only
+@pytest.fixture(autouse=True)
+def _forced_tile_pages(monkeypatch):
+    if TILE_PAGES:
+        chosen = gluon_backend.gluon_decode_config
+
+        def forced(key_axis="token", tile_pages=None):
+            return chosen(key_axis, TILE_PAGES)
+
+        monkeypatch.setattr(gluon_backend, "gluon_decode_config", forced)
+
+
 def run(q, cache, batch, backend="gluon", **kw):
     """Decode into NaN-poisoned outputs, so that any unwritten element fails the check."""
     out = torch.full_like(q, math.nan)
@@ -425,7 +469,8 @@ def test_auto_rule_is_read_off_the_measured_table(monkeypatch):
     assert configs.gluon_min_ctas("token", "token") == 0
     assert configs.gluon_min_ctas("token", "channel") == 0
     assert configs.gluon_min_ctas("token", "token", 64) == 0
-    assert configs.gluon_min_ctas("channel", "token") is None  # Triton won
+    assert configs.gluon_min_ctas("channel", "token") == 64  # Triton won at B = 1
+    assert configs.gluon_min_ctas("channel", "channel") == 64
     assert configs.gluon_min_ctas("token", "token", 256) is None  # not measured
     table = {
         (2, "channel", "token", 128, 1, 32768): (30.0, 40.0),  # lost at B=1

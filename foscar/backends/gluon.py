@@ -93,11 +93,12 @@ def supports(cache: QuantizedKVCache, num_q_heads: int) -> str | None:
 
 def num_splits(batch: int, num_kv_heads: int, max_tokens: int, cfg: GluonDecodeConfig, sms: int):
     """Splits per (sequence, KV head): the resident CTA slots (``cfg.ctas_per_sm`` per SM) filled
-    once, rounded down, at least 2 pages per split. Rounded up, the extra CTAs run a second wave
-    (H200, `h200_run.sh gluon-probe`: B=8 L=128K 5 splits 360 us, 4 splits 304 us)."""
-    pages = math.ceil(max_tokens / PAGE_SIZE)
+    once, rounded down, at least a tile for each of the two consumers per split. Rounded up, the
+    extra CTAs run a second wave (H200, `h200_run.sh gluon-probe`: B=8 L=128K 5 splits 360 us, 4
+    splits 304 us)."""
+    tiles = math.ceil(max_tokens / (PAGE_SIZE * cfg.tile_pages))
     wanted = (cfg.ctas_per_sm * sms) // (batch * num_kv_heads)
-    return max(1, min(wanted, max(1, pages // 2)))
+    return max(1, min(wanted, max(1, tiles // 2)))
 
 
 def _descriptors(cache: QuantizedKVCache, layer: int):
@@ -153,6 +154,7 @@ def _constexprs(
         K_CHANNEL=k_channel,
         HD=head_dim,
         SPC=cfg.stages_per_consumer,
+        TP=cfg.tile_pages,
         CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_REGS=cfg.producer_regs,
         OPT=cfg.opt,

@@ -387,9 +387,9 @@ def _col_max(sc, HS: gl.constexpr, FAST_MAX: gl.constexpr):
 
 # ---------------------------------------------------------------------------------------- split
 @gluon.jit
-def _split_span(seq_ptrs, num_splits):
-    """This CTA's tiles (one page each), as decode_split_kernel computes them: (t_begin, t_full,
-    t_end, n_q, page_base). Every partition computes it from the kernel's arguments: values
+def _split_span(seq_ptrs, num_splits, TP: gl.constexpr):
+    """This CTA's tiles (TP pages each), as decode_split_kernel computes them for pages: (t_begin,
+    t_full, t_end, n_q, page_base). Every partition computes it from the kernel's arguments: values
     computed before ``warp_specialize`` reach the workers through a shared-memory capture buffer
     that triton 3.6 lets the default partition's layout-conversion scratch overlap, so consumer 0
     could overwrite a worker's span before the worker read it (compute-sanitizer racecheck,
@@ -399,24 +399,119 @@ def _split_span(seq_ptrs, num_splits):
     split = gl.program_id(2)
     n_q = gl.load(num_quantized_ptr + b)
     page_base = gl.load(kv_indptr_ptr + b)
-    n_tiles = gl.cdiv(n_q, 64)
+    n_tiles = gl.cdiv(n_q, 64 * TP)
     per_split = gl.cdiv(n_tiles, num_splits)
     t_begin = gl.minimum(split * per_split, n_tiles)
     t_end = gl.minimum(t_begin + per_split, n_tiles)
-    t_full = gl.maximum(gl.minimum(t_end, n_q // 64), t_begin)
+    t_full = gl.maximum(gl.minimum(t_end, n_q // (64 * TP)), t_begin)
     return t_begin, t_full, t_end, n_q, page_base
 
 
 # ------------------------------------------------------------------------------------- consumer
 # OPT bits (constexpr): 1 = one-barrier cross-warp max; 2 = deferred PV wait (the PV wgmma of tile
-# i in flight across the loop back-edge: ptxas C7512 serializes every wgmma, do not use);
-# 4 = rcp.approx for token-wise V's z'/s' (channel-wise K's z'/s' always divides); 8 = arrive on
-# `empty` after the QK wgmma issue (same barrier count); 32 = memory-only timing ablation
-# (consumers only wait/arrive); 64 = compute-only timing ablation (after the first 2*SPC tiles
-# the producer arrives without loading); 128 = per-value reconstruction (the ablation of Fig.
-# 10a: s' y + z' on every K and V operand value in registers, P unscaled, no folds); 256 =
+# i in flight across the loop back-edge: ptxas C7512 serializes every wgmma, do not use; one-page
+# tiles only); 4 = rcp.approx for token-wise V's z'/s' (channel-wise K's z'/s' always divides);
+# 8 = arrive on `empty` after the QK wgmma issue (same barrier count); 32 = memory-only timing
+# ablation (consumers only wait/arrive); 64 = compute-only timing ablation (after the first 2*SPC
+# tiles the producer arrives without loading); 128 = per-value reconstruction (the ablation of
+# Fig. 10a: s' y + z' on every K and V operand value in registers, P unscaled, no folds); 256 =
 # channel-wise K's offsets zq to the accumulator's columns by the compiler's layout conversion
 # instead of an explicit shared buffer. Default 5.
+@gluon.jit
+def _load_k_words(buf, BITS: gl.constexpr, HD: gl.constexpr):
+    """One page's packed K words [64, W] as _k_operand takes them."""
+    return buf.reshape([64, HD * BITS // 32]).load(gl.SliceLayout(2, k_words3_layout(BITS, HD)))
+
+
+@gluon.jit
+def _load_v_words(buf, BITS: gl.constexpr, HD: gl.constexpr):
+    """One page's packed V words [64, W] as _vt_operand takes them."""
+    return buf.reshape([64, HD * BITS // 32]).load(v_words_load_layout(BITS, HD))
+
+
+@gluon.jit
+def _reconstruct(op, s, z, PER_ROW: gl.constexpr, HS: gl.constexpr):
+    """The ablation's per-value s' y + z' on an A operand in registers: s, z per row ([M]) or
+    per column ([K]; another thread distribution than the rows)."""
+    a_l: gl.constexpr = a_operand_layout(HS)
+    if PER_ROW:
+        s_a = gl.convert_layout(s, gl.SliceLayout(1, a_l))
+        z_a = gl.convert_layout(z, gl.SliceLayout(1, a_l))
+        return (op.to(gl.float32) * s_a[:, None] + z_a[:, None]).to(gl.bfloat16)
+    else:
+        s_a = gl.convert_layout(s, gl.SliceLayout(0, a_l))
+        z_a = gl.convert_layout(z, gl.SliceLayout(0, a_l))
+        return (op.to(gl.float32) * s_a[None, :] + z_a[None, :]).to(gl.bfloat16)
+
+
+@gluon.jit
+def _page_k_operand(words, ks, kz, magic, HS: gl.constexpr, CFG: gl.constexpr):
+    """K operand [64 tokens, HD] of one page's words (reconstructed in the ablation)."""
+    K_BITS: gl.constexpr = CFG[2]
+    K_CHANNEL: gl.constexpr = CFG[6]
+    HD: gl.constexpr = CFG[7]
+    RECONSTRUCT: gl.constexpr = (CFG[5] & 128) != 0
+    k_op = _k_operand(words, magic, HS, K_BITS, HD, K_CHANNEL and not RECONSTRUCT)
+    if RECONSTRUCT:  # token-wise: the rows of K; channel-wise: its columns
+        k_op = _reconstruct(k_op, ks, kz, not K_CHANNEL, HS)
+    return k_op
+
+
+@gluon.jit
+def _page_vt_operand(words, vs, vz, magic, HS: gl.constexpr, CFG: gl.constexpr):
+    """V^T operand [HD, 64 tokens] of one page's words (reconstructed in the ablation)."""
+    V_BITS: gl.constexpr = CFG[3]
+    V_CHANNEL: gl.constexpr = CFG[4]
+    HD: gl.constexpr = CFG[7]
+    vt_op = _vt_operand(words, magic, HS, V_BITS, HD)
+    if (CFG[5] & 128) != 0:  # channel-wise: the rows of V^T; token-wise: its columns
+        vt_op = _reconstruct(vt_op, vs, vz, V_CHANNEL, HS)
+    return vt_op
+
+
+@gluon.jit
+def _value_ratio(vs, vz, V_CHANNEL: gl.constexpr, FAST_RCP: gl.constexpr):
+    """Token-wise V's offset ratio z'/s' per token (channel-wise V folds after the product)."""
+    if V_CHANNEL:
+        return vz  # unused
+    elif FAST_RCP:
+        return vz * _rcp(vs)
+    else:
+        return gl.fdiv(vz, vs)
+
+
+@gluon.jit
+def _key_logits(s_acc, ks, kz, zq, qsum, qk_scale, CFG: gl.constexpr):
+    """Logits (log2 domain) of a [64, HS] QK product: the acc-fold of token-wise K, S = c (s'_K
+    (Q . y_K) + z'_K sum(Q)) (c folded into ks and qsum), or of channel-wise K, S = c (Q' . q +
+    zq), Q' and zq built for the group; the reconstruct ablation's product is the logit."""
+    if (CFG[5] & 128) != 0:
+        return s_acc * qk_scale
+    elif CFG[6]:
+        return (s_acc + zq[None, :]) * qk_scale
+    else:
+        return s_acc * (ks * qk_scale)[:, None] + kz[:, None] * qsum[None, :]
+
+
+@gluon.jit
+def _mask_rows(sc, vs, ratio, row0, n_q, HS: gl.constexpr, V_CHANNEL: gl.constexpr):
+    """Rows of the tile past the history (token row0 + r >= n_q) out of the softmax and, for
+    token-wise V, with harmless fold factors (their stale words may hold anything)."""
+    rows = gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout(HS)))
+    valid = row0 + rows < n_q
+    sc = gl.where(valid[:, None], sc, -float("inf"))
+    if not V_CHANNEL:
+        vs = gl.where(valid, vs, 1.0)
+        ratio = gl.where(valid, ratio, 0.0)
+    return sc, vs, ratio
+
+
+@gluon.jit
+def _channel_value_fold(acc, alpha, o_t, p_sum, vs, vz, HS: gl.constexpr):
+    """acc-fold of channel-wise V: O = alpha O + s'_c (V_y^T P')[c, h] + z'_c sum_n P'[n, h]."""
+    return acc * alpha[None, :] + vs[:, None] * o_t + vz[:, None] * _rows_to_128(p_sum, HS)
+
+
 @gluon.jit
 def _tile(
     i,
@@ -425,7 +520,7 @@ def _tile(
     st,
     ring,
     qt_smem,
-    p_smem,
+    p_bufs,
     qsum,
     kfold,
     qk_scale,
@@ -434,9 +529,9 @@ def _tile(
     CFG: gl.constexpr,
     MASKED: gl.constexpr,
 ):
+    """One page (64 tokens) of consumer C: tile t, its i-th."""
     SPC: gl.constexpr = CFG[0]
     HS: gl.constexpr = CFG[1]
-    K_BITS: gl.constexpr = CFG[2]
     V_BITS: gl.constexpr = CFG[3]
     V_CHANNEL: gl.constexpr = CFG[4]
     OPT: gl.constexpr = CFG[5]
@@ -446,19 +541,20 @@ def _tile(
     PIPE: gl.constexpr = (OPT & 2) != 0
     FAST_RCP: gl.constexpr = (OPT & 4) != 0
     ZQ_REG: gl.constexpr = (OPT & 256) != 0
+    RECONSTRUCT: gl.constexpr = (OPT & 128) != 0
     acc_l: gl.constexpr = acc_layout(HS)
     kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty = ring
     m_i, l_i, z_i, acc, o_tok, alpha_prev, vt_prev = st
+    p_smem = p_bufs.index(C)
     s = C * SPC + i % SPC
     mbarrier.wait(ready.index(s), (i // SPC) & 1)
     MEMORY_ONLY: gl.constexpr = (OPT & 32) != 0
     if MEMORY_ONLY:  # timing ablation: stream the ring, no math (the output is garbage)
         mbarrier.arrive(empty.index(s))
         return m_i, l_i, z_i, acc, o_tok, alpha_prev, vt_prev
-    kw = kw_bufs.index(s).reshape([64, HD * K_BITS // 32])
-    kw = kw.load(gl.SliceLayout(2, k_words3_layout(K_BITS, HD)))
-    vw = vw_bufs.index(s).reshape([64, HD * V_BITS // 32]).load(v_words_load_layout(V_BITS, HD))
-    RECONSTRUCT: gl.constexpr = (OPT & 128) != 0
+    kw = _load_k_words(kw_bufs.index(s), CFG[2], HD)
+    vw = _load_v_words(vw_bufs.index(s), V_BITS, HD)
+    ks, kz, zq = 0, 0, 0
     if K_CHANNEL and RECONSTRUCT:  # per channel, read before the stage is released
         ks, kz = _channel_scale_pairs(ks_bufs.index(2 * s), ks_bufs.index(2 * s + 1), HS)
         b_qk = qt_smem.permute((1, 0))
@@ -481,18 +577,8 @@ def _tile(
         mbarrier.arrive(
             empty.index(s)
         )  # stage s may be refilled (Gluon puts a partition bar.sync first)
+    k_op = _page_k_operand(kw, ks, kz, magic, HS, CFG)
 
-    a_l: gl.constexpr = a_operand_layout(HS)
-    k_op = _k_operand(kw, magic, HS, K_BITS, HD, K_CHANNEL and not RECONSTRUCT)
-    if RECONSTRUCT:  # the ablation: s' y + z' for every value, in registers, before the product
-        if K_CHANNEL:  # per channel: the columns of K
-            ks_a = gl.convert_layout(ks, gl.SliceLayout(0, a_l))
-            kz_a = gl.convert_layout(kz, gl.SliceLayout(0, a_l))
-            k_op = (k_op.to(gl.float32) * ks_a[None, :] + kz_a[None, :]).to(gl.bfloat16)
-        else:  # per token: the rows of K
-            ks_a = gl.convert_layout(ks, gl.SliceLayout(1, a_l))
-            kz_a = gl.convert_layout(kz, gl.SliceLayout(1, a_l))
-            k_op = (k_op.to(gl.float32) * ks_a[:, None] + kz_a[:, None]).to(gl.bfloat16)
     s_tok = warpgroup_mma(
         k_op,
         b_qk,
@@ -502,22 +588,8 @@ def _tile(
     )
     if LATE_ARRIVE:
         mbarrier.arrive(empty.index(s))  # after the QK wgmma is issued
-    vt_op = _vt_operand(vw, magic, HS, V_BITS, HD)  # meant to overlap the QK wgmma
-    if RECONSTRUCT:
-        if V_CHANNEL:  # per channel: the rows of V^T
-            vs_a = gl.convert_layout(vs, gl.SliceLayout(1, a_l))
-            vz_a = gl.convert_layout(vz, gl.SliceLayout(1, a_l))
-            vt_op = (vt_op.to(gl.float32) * vs_a[:, None] + vz_a[:, None]).to(gl.bfloat16)
-        else:  # per token: the columns of V^T (another thread distribution than the rows)
-            vs_a = gl.convert_layout(vs, gl.SliceLayout(0, a_l))
-            vz_a = gl.convert_layout(vz, gl.SliceLayout(0, a_l))
-            vt_op = (vt_op.to(gl.float32) * vs_a[None, :] + vz_a[None, :]).to(gl.bfloat16)
-    if V_CHANNEL:
-        ratio = vz  # unused
-    elif FAST_RCP:
-        ratio = vz * _rcp(vs)
-    else:
-        ratio = gl.fdiv(vz, vs)
+    vt_op = _page_vt_operand(vw, vs, vz, magic, HS, CFG)  # meant to overlap the QK wgmma
+    ratio = _value_ratio(vs, vz, V_CHANNEL, FAST_RCP)
     gl.static_assert(not (PIPE and (V_CHANNEL or RECONSTRUCT)))
     if PIPE:
         # waits for QK(i) and for PV(i-1), issued at the end of the previous tile
@@ -526,21 +598,9 @@ def _tile(
     else:
         s_acc, k_op = warpgroup_mma_wait(0, deps=[s_tok, k_op])
 
-    # acc-fold of token-wise K: S = c * (s'_K * (Q . y_K) + z'_K * sum(Q)), c in ks and qsum
-    if RECONSTRUCT:
-        sc = s_acc * qk_scale
-    elif K_CHANNEL:
-        # acc-fold of channel-wise K: S = c * (Q' . q + zq), Q' and zq built for the group
-        sc = (s_acc + zq[None, :]) * qk_scale
-    else:
-        sc = s_acc * (ks * qk_scale)[:, None] + kz[:, None] * qsum[None, :]
+    sc = _key_logits(s_acc, ks, kz, zq, qsum, qk_scale, CFG)
     if MASKED:
-        rows = gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
-        valid = t * 64 + rows < n_q
-        sc = gl.where(valid[:, None], sc, -float("inf"))
-        if not V_CHANNEL:
-            vs = gl.where(valid, vs, 1.0)
-            ratio = gl.where(valid, ratio, 0.0)
+        sc, vs, ratio = _mask_rows(sc, vs, ratio, t * 64, n_q, HS, V_CHANNEL)
     m_new = gl.maximum(m_i, _col_max(sc, HS, FAST_MAX))
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(sc - m_new[None, :])
@@ -572,9 +632,7 @@ def _tile(
             is_async=True,
         )
         o_t, vt_op, p_sum, ones = warpgroup_mma_wait(0, deps=[o_tok, vt_op, sum_tok, ones])
-        # acc-fold of channel-wise V: O += s'_c (V_y^T P')[c, h] + z'_c sum_n P'[n, h]
-        p_sum = _rows_to_128(p_sum, HS)
-        acc = acc * alpha[None, :] + vs[:, None] * o_t + vz[:, None] * p_sum
+        acc = _channel_value_fold(acc, alpha, o_t, p_sum, vs, vz, HS)
     elif PIPE:
         alpha_prev = alpha
         vt_prev = vt_op
@@ -585,11 +643,149 @@ def _tile(
 
 
 @gluon.jit
+def _tile_pair(
+    i,
+    t,
+    n_q,
+    st,
+    ring,
+    qt_smem,
+    p_bufs,
+    qsum,
+    kfold,
+    qk_scale,
+    magic,
+    C: gl.constexpr,
+    CFG: gl.constexpr,
+    MASKED: gl.constexpr,
+):
+    """Two pages (128 tokens) of consumer C: tile t, its i-th, pages a and b of one ring stage.
+    Per 128 tokens one stage wait and release, one cross-warp max exchange and one P' barrier
+    (a page per tile passes each once per 64 tokens: the barrier chain that bounds INT2,
+    benchmarks/NOTES.md 12); a channel-wise group is one tile, so K's fold runs once per group.
+    The two QK products go to two [64, HS] accumulators; the two PV products of the tile chain
+    on the tensor core (128 tokens, within Note [tensor-core accumulation]'s fresh-per-tile
+    rule), added to the running O in fp32."""
+    SPC: gl.constexpr = CFG[0]
+    HS: gl.constexpr = CFG[1]
+    V_BITS: gl.constexpr = CFG[3]
+    V_CHANNEL: gl.constexpr = CFG[4]
+    OPT: gl.constexpr = CFG[5]
+    K_CHANNEL: gl.constexpr = CFG[6]
+    HD: gl.constexpr = CFG[7]
+    FAST_MAX: gl.constexpr = (OPT & 1) != 0
+    FAST_RCP: gl.constexpr = (OPT & 4) != 0
+    ZQ_REG: gl.constexpr = (OPT & 256) != 0
+    RECONSTRUCT: gl.constexpr = (OPT & 128) != 0
+    gl.static_assert((OPT & (2 | 8)) == 0, "deferred PV wait and late arrive: one-page tiles")
+    acc_l: gl.constexpr = acc_layout(HS)
+    kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty = ring
+    m_i, l_i, z_i, acc, o_tok, alpha_prev, vt_prev = st
+    pa_smem = p_bufs.index(2 * C)
+    pb_smem = p_bufs.index(2 * C + 1)
+    s = C * SPC + i % SPC
+    mbarrier.wait(ready.index(s), (i // SPC) & 1)
+    if (OPT & 32) != 0:  # memory-only timing ablation
+        mbarrier.arrive(empty.index(s))
+        return m_i, l_i, z_i, acc, o_tok, alpha_prev, vt_prev
+    # scales: page a's chunk at 2s, page b's at 2s + 1 (a channel-wise group's two chunks),
+    # read after the QK products where the folds allow (registers: 112 per consumer thread)
+    ks_a, kz_a, ks_b, kz_b, zq = 0, 0, 0, 0, 0
+    if K_CHANNEL and RECONSTRUCT:
+        ks_a, kz_a = _channel_scale_pairs(ks_bufs.index(2 * s), ks_bufs.index(2 * s + 1), HS)
+        ks_b = ks_a
+        kz_b = kz_a
+        b_qk = qt_smem.permute((1, 0))
+    elif K_CHANNEL:
+        q_smem, zq_smem = kfold
+        zq = _channel_key_fold(
+            ks_bufs.index(2 * s), ks_bufs.index(2 * s + 1), qt_smem, q_smem, zq_smem, HS, ZQ_REG
+        )
+        b_qk = q_smem.permute((1, 0))
+    else:
+        if RECONSTRUCT:
+            ks_a, kz_a = _scale_pairs(ks_bufs.index(2 * s), HS)
+            ks_b, kz_b = _scale_pairs(ks_bufs.index(2 * s + 1), HS)
+        b_qk = qt_smem.permute((1, 0))
+    zero = gl.zeros([64, HS], gl.float32, acc_l)
+    K_BITS: gl.constexpr = CFG[2]
+    kw_a = _load_k_words(kw_bufs.index(2 * s), K_BITS, HD)
+    k_a = _page_k_operand(kw_a, ks_a, kz_a, magic, HS, CFG)
+    sa_tok = warpgroup_mma(k_a, b_qk, zero, use_acc=False, is_async=True)
+    sa_tok, k_a = warpgroup_mma_wait(0, deps=[sa_tok, k_a])
+    kw_b = _load_k_words(kw_bufs.index(2 * s + 1), K_BITS, HD)
+    k_b = _page_k_operand(kw_b, ks_b, kz_b, magic, HS, CFG)
+    sb_tok = warpgroup_mma(k_b, b_qk, zero, use_acc=False, is_async=True)
+    sa_acc, sb_acc, k_a, k_b = warpgroup_mma_wait(0, deps=[sa_tok, sb_tok, k_a, k_b])
+    if not K_CHANNEL and not RECONSTRUCT:
+        ks_a, kz_a = _scale_pairs(ks_bufs.index(2 * s), HS)
+        ks_b, kz_b = _scale_pairs(ks_bufs.index(2 * s + 1), HS)
+    if V_CHANNEL:
+        vs_a, vz_a = _channel_scale_pairs(vs_bufs.index(2 * s), vs_bufs.index(2 * s + 1), HS)
+        vs_b = vs_a
+        vz_b = vz_a
+    else:
+        vs_a, vz_a = _scale_pairs(vs_bufs.index(2 * s), HS)
+        vs_b, vz_b = _scale_pairs(vs_bufs.index(2 * s + 1), HS)
+    ratio_a = _value_ratio(vs_a, vz_a, V_CHANNEL, FAST_RCP)
+    ratio_b = _value_ratio(vs_b, vz_b, V_CHANNEL, FAST_RCP)
+
+    sc_a = _key_logits(sa_acc, ks_a, kz_a, zq, qsum, qk_scale, CFG)
+    sc_b = _key_logits(sb_acc, ks_b, kz_b, zq, qsum, qk_scale, CFG)
+    if MASKED:
+        sc_a, vs_a, ratio_a = _mask_rows(sc_a, vs_a, ratio_a, t * 128, n_q, HS, V_CHANNEL)
+        sc_b, vs_b, ratio_b = _mask_rows(sc_b, vs_b, ratio_b, t * 128 + 64, n_q, HS, V_CHANNEL)
+    m_new = gl.maximum(m_i, _col_max(gl.maximum(sc_a, sc_b), HS, FAST_MAX))
+    alpha = gl.exp2(m_i - m_new)
+    p_a = gl.exp2(sc_a - m_new[None, :])
+    p_b = gl.exp2(sc_b - m_new[None, :])
+    l_i = l_i * alpha[None, :] + (p_a + p_b)  # row sums reduced once after the loop
+    if V_CHANNEL or RECONSTRUCT:
+        pv_a = p_a.to(gl.bfloat16)
+        pv_b = p_b.to(gl.bfloat16)
+    else:  # operand-fold of token-wise V into P, offset term from the rounded P'
+        pv_a = (p_a * vs_a[:, None]).to(gl.bfloat16)
+        pv_b = (p_b * vs_b[:, None]).to(gl.bfloat16)
+        z_i = z_i * alpha[None, :] + (
+            pv_a.to(gl.float32) * ratio_a[:, None] + pv_b.to(gl.float32) * ratio_b[:, None]
+        )
+    pa_smem.store(gl.permute(pv_a, [1, 0]))  # P'^T [HS, 64] per page: K-major B operands
+    pb_smem.store(gl.permute(pv_b, [1, 0]))
+    fence_async_shared()
+    zero_o = gl.zeros([HD, HS], gl.float32, acc_l)
+    vt_a = _page_vt_operand(
+        _load_v_words(vw_bufs.index(2 * s), V_BITS, HD), vs_a, vz_a, magic, HS, CFG
+    )
+    o_tok = warpgroup_mma(vt_a, pa_smem.permute((1, 0)), zero_o, use_acc=False, is_async=True)
+    if not V_CHANNEL:  # page a's product done before page b's operand (104 registers)
+        o_tok, vt_a = warpgroup_mma_wait(0, deps=[o_tok, vt_a])
+    vw_b = _load_v_words(vw_bufs.index(2 * s + 1), V_BITS, HD)
+    mbarrier.arrive(empty.index(s))  # every read of stage s is done (a partition bar.sync first)
+    vt_b = _page_vt_operand(vw_b, vs_b, vz_b, magic, HS, CFG)
+    o_tok = warpgroup_mma(vt_b, pb_smem.permute((1, 0)), o_tok, use_acc=True, is_async=True)
+    if V_CHANNEL and not RECONSTRUCT:
+        # sum_n P'[n, h] over both pages by the tensor core (see _tile)
+        ones = gl.full([64, 64], 1.0, gl.bfloat16, a_operand_layout(HS))
+        sum_tok = warpgroup_mma(ones, pa_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
+        sum_tok = warpgroup_mma(ones, pb_smem.permute((1, 0)), sum_tok, use_acc=True, is_async=True)
+        o_t, vt_a, vt_b, p_sum, ones = warpgroup_mma_wait(
+            0, deps=[o_tok, vt_a, vt_b, sum_tok, ones]
+        )
+        acc = _channel_value_fold(acc, alpha, o_t, p_sum, vs_a, vz_a, HS)
+    else:
+        o_t, vt_a, vt_b = warpgroup_mma_wait(0, deps=[o_tok, vt_a, vt_b])
+        acc = acc * alpha[None, :] + o_t  # fresh accumulator per tile, added in fp32
+    return m_new, l_i, z_i, acc, o_tok, alpha_prev, vt_prev
+
+
+@gluon.jit
 def _consume(C: gl.constexpr, ring, qt_smem, op_bufs, split, qk_scale, magic, CFG: gl.constexpr):
     """Consumer C's loop over tiles t_begin + C + 2i; returns (m, l, unnormalised O^T [D, HS]).
-    split: (seq_ptrs, num_splits) for _split_span; op_bufs: (P'^T, channel-wise K's Q' and zq)
-    buffers of both consumers; CFG: (SPC, HS, K_BITS, V_BITS, V_CHANNEL, OPT, K_CHANNEL, HD)."""
-    t_begin, t_full, t_end, n_q, _ = _split_span(*split)
+    split: (seq_ptrs, num_splits) for _split_span; op_bufs: (P'^T per page, channel-wise K's Q'
+    and zq) buffers of both consumers; CFG: (SPC, HS, K_BITS, V_BITS, V_CHANNEL, OPT, K_CHANNEL,
+    HD, TP)."""
+    TP: gl.constexpr = CFG[8]
+    t_begin, t_full, t_end, n_q, _ = _split_span(*split, TP)
     HS: gl.constexpr = CFG[1]
     OPT: gl.constexpr = CFG[5]
     K_CHANNEL: gl.constexpr = CFG[6]
@@ -597,7 +793,6 @@ def _consume(C: gl.constexpr, ring, qt_smem, op_bufs, split, qk_scale, magic, CF
     PIPE: gl.constexpr = (OPT & 2) != 0
     acc_l: gl.constexpr = acc_layout(HS)
     p_bufs, kq_bufs, zq_bufs = op_bufs
-    p_smem = p_bufs.index(C)
     qf = qt_smem.load(gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])).to(gl.float32)
     qsum = gl.convert_layout(gl.sum(qf, axis=1), gl.SliceLayout(0, acc_l)) * qk_scale
     if K_CHANNEL:  # this consumer's Q' and zq buffers
@@ -617,39 +812,51 @@ def _consume(C: gl.constexpr, ring, qt_smem, op_bufs, split, qk_scale, magic, CF
     n_all = gl.maximum(t_end - t_begin - C + 1, 0) // 2
     n_full = gl.maximum(t_full - t_begin - C + 1, 0) // 2
     for i in range(n_full):
-        st = _tile(
-            i,
-            t_begin + C + 2 * i,
-            n_q,
-            st,
-            ring,
-            qt_smem,
-            p_smem,
-            qsum,
-            kfold,
-            qk_scale,
-            magic,
-            C,
-            CFG,
-            False,
-        )
-    if n_full < n_all:
-        st = _tile(
-            n_full,
-            t_begin + C + 2 * n_full,
-            n_q,
-            st,
-            ring,
-            qt_smem,
-            p_smem,
-            qsum,
-            kfold,
-            qk_scale,
-            magic,
-            C,
-            CFG,
-            True,
-        )
+        t = t_begin + C + 2 * i
+        if TP == 2:
+            st = _tile_pair(
+                i, t, n_q, st, ring, qt_smem, p_bufs, qsum, kfold, qk_scale, magic, C, CFG, False
+            )
+        else:
+            st = _tile(
+                i, t, n_q, st, ring, qt_smem, p_bufs, qsum, kfold, qk_scale, magic, C, CFG, False
+            )
+    if n_full < n_all:  # the last tile, partly past the history
+        t = t_begin + C + 2 * n_full
+        if TP == 2:
+            st = _tile_pair(
+                n_full,
+                t,
+                n_q,
+                st,
+                ring,
+                qt_smem,
+                p_bufs,
+                qsum,
+                kfold,
+                qk_scale,
+                magic,
+                C,
+                CFG,
+                True,
+            )
+        else:
+            st = _tile(
+                n_full,
+                t,
+                n_q,
+                st,
+                ring,
+                qt_smem,
+                p_bufs,
+                qsum,
+                kfold,
+                qk_scale,
+                magic,
+                C,
+                CFG,
+                True,
+            )
     m_i, l_i, z_i, acc, o_tok, alpha_prev, vt_prev = st
     if PIPE:
         o_prev, vt_prev = warpgroup_mma_wait(0, deps=[o_tok, vt_prev])
@@ -714,7 +921,8 @@ def _merge_and_store(
 @gluon.jit
 def _producer(descs, ring, kv_indices_ptr, split, CFG: gl.constexpr):
     kw_desc, ks_desc, vw_desc, vs_desc = descs
-    t_begin, _, t_end, _, page_base = _split_span(*split)
+    TP: gl.constexpr = CFG[8]
+    t_begin, _, t_end, n_q, page_base = _split_span(*split, TP)
     kvh = gl.program_id(1)
     kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty = ring
     SPC: gl.constexpr = CFG[0]
@@ -722,23 +930,31 @@ def _producer(descs, ring, kv_indices_ptr, split, CFG: gl.constexpr):
     OPT: gl.constexpr = CFG[5]
     K_CHANNEL: gl.constexpr = CFG[6]
     COMPUTE_ONLY: gl.constexpr = (OPT & 64) != 0
+    # a stage: TP pages of words, and TP scale chunks of each role (one-page tiles of a
+    # channel-wise role take both chunks of the page's 2-page group)
     nbytes: gl.constexpr = (
-        kw_desc.block_type.nbytes
-        + ks_desc.block_type.nbytes * (2 if K_CHANNEL else 1)
-        + vw_desc.block_type.nbytes
-        + vs_desc.block_type.nbytes * (2 if V_CHANNEL else 1)
+        (kw_desc.block_type.nbytes + vw_desc.block_type.nbytes) * TP
+        + ks_desc.block_type.nbytes * (2 if K_CHANNEL else TP)
+        + vs_desc.block_type.nbytes * (2 if V_CHANNEL else TP)
     )
     n = t_end - t_begin
-    idx = kv_indices_ptr + page_base + t_begin
+    idx = kv_indices_ptr + page_base + TP * t_begin
     page_next = gl.load(idx, mask=n > 0, other=0)
-    if V_CHANNEL or K_CHANNEL:  # the other page of tile t's 2-page group, t ^ 1, one tile ahead
+    if TP == 2:  # page b of the last tile may lie past the history: page a again (masked rows)
+        n_pages = gl.cdiv(n_q, 64)
+        pb_next = gl.load(idx + 1, mask=(n > 0) & (TP * t_begin + 1 < n_pages), other=page_next)
+    elif V_CHANNEL or K_CHANNEL:  # the other page of tile t's 2-page group, t ^ 1, one tile ahead
         sib_next = gl.load(kv_indices_ptr + page_base + (t_begin ^ 1), mask=n > 0, other=0)
     for j in range(n):
-        # the page index of tile j+1 is loaded one iteration ahead: its latency overlaps the
+        # the page indices of tile j+1 are loaded one iteration ahead: their latency overlaps the
         # wait for a free stage instead of delaying the TMA issue
         page = page_next
-        page_next = gl.load(idx + j + 1, mask=j + 1 < n, other=0)
-        if V_CHANNEL or K_CHANNEL:
+        page_next = gl.load(idx + TP * (j + 1), mask=j + 1 < n, other=0)
+        if TP == 2:
+            page_b = pb_next
+            pb_ok = (j + 1 < n) & (TP * (t_begin + j + 1) + 1 < n_pages)
+            pb_next = gl.load(idx + TP * (j + 1) + 1, mask=pb_ok, other=page_next)
+        elif V_CHANNEL or K_CHANNEL:
             sib = sib_next
             t_next = t_begin + j + 1
             sib_next = gl.load(kv_indices_ptr + page_base + (t_next ^ 1), mask=j + 1 < n, other=0)
@@ -748,6 +964,14 @@ def _producer(descs, ring, kv_indices_ptr, split, CFG: gl.constexpr):
         bar = ready.index(s)
         if COMPUTE_ONLY and j >= 2 * SPC:
             mbarrier.arrive(bar)  # timing ablation: consumers recompute stale stages, no HBM
+        elif TP == 2:
+            # pages a, b: words at 2s, 2s + 1; scale chunks likewise (for a channel-wise role
+            # the tile is its group, so these are the group's two chunks)
+            mbarrier.expect(bar, nbytes)
+            _copy_page(descs, (kw_bufs, ks_bufs, vw_bufs, vs_bufs), page, kvh, 2 * s, 2 * s, bar)
+            _copy_page(
+                descs, (kw_bufs, ks_bufs, vw_bufs, vs_bufs), page_b, kvh, 2 * s + 1, 2 * s + 1, bar
+            )
         else:
             mbarrier.expect(bar, nbytes)
             tma.async_copy_global_to_shared(kw_desc, [page, kvh, 0, 0], bar, kw_bufs.index(s))
@@ -772,6 +996,17 @@ def _producer(descs, ring, kv_indices_ptr, split, CFG: gl.constexpr):
                 )
             else:
                 tma.async_copy_global_to_shared(vs_desc, [page, kvh, 0], bar, vs_bufs.index(s))
+
+
+@gluon.jit
+def _copy_page(descs, bufs, page, kvh, w_idx, s_idx, bar):
+    """TMA copies of one page (K and V words, K and V scale chunks) into the given buffers."""
+    kw_desc, ks_desc, vw_desc, vs_desc = descs
+    kw_bufs, ks_bufs, vw_bufs, vs_bufs = bufs
+    tma.async_copy_global_to_shared(kw_desc, [page, kvh, 0, 0], bar, kw_bufs.index(w_idx))
+    tma.async_copy_global_to_shared(vw_desc, [page, kvh, 0, 0], bar, vw_bufs.index(w_idx))
+    tma.async_copy_global_to_shared(ks_desc, [page, kvh, 0], bar, ks_bufs.index(s_idx))
+    tma.async_copy_global_to_shared(vs_desc, [page, kvh, 0], bar, vs_bufs.index(s_idx))
 
 
 # --------------------------------------------------------------------------------------- kernel
@@ -805,6 +1040,7 @@ def gluon_decode_split_kernel(
     K_CHANNEL: gl.constexpr,  # channel-wise K groups of 128 tokens (else token-wise, g = D)
     HD: gl.constexpr,  # head_dim: 128, or 64 (token-wise K and V only)
     SPC: gl.constexpr,  # ring stages per consumer (2 x SPC in all)
+    TP: gl.constexpr,  # pages per tile and stage: 1, or 2 (one channel-wise group)
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
     OPT: gl.constexpr,  # see the consumer section
@@ -816,13 +1052,19 @@ def gluon_decode_split_kernel(
 
     # ---- shared memory: the ring, Q^T, P' per consumer, merge buffers, barriers
     NS: gl.constexpr = 2 * SPC
-    kw_bufs = gl.allocate_shared_memory(gl.int32, [NS] + kw_desc.block_type.shape, kw_desc.layout)
-    vw_bufs = gl.allocate_shared_memory(gl.int32, [NS] + vw_desc.block_type.shape, vw_desc.layout)
-    KSB: gl.constexpr = NS * (2 if K_CHANNEL else 1)  # channel-wise K: two scale chunks a stage
+    gl.static_assert(TP == 1 or TP == 2)
+    kw_bufs = gl.allocate_shared_memory(
+        gl.int32, [NS * TP] + kw_desc.block_type.shape, kw_desc.layout
+    )
+    vw_bufs = gl.allocate_shared_memory(
+        gl.int32, [NS * TP] + vw_desc.block_type.shape, vw_desc.layout
+    )
+    # scale chunks a stage: TP, or two for a channel-wise role (its group's)
+    KSB: gl.constexpr = NS * (2 if K_CHANNEL else TP)
     ks_bufs = gl.allocate_shared_memory(
         gl.float32, [KSB] + ks_desc.block_type.shape, ks_desc.layout
     )
-    VSB: gl.constexpr = NS * (2 if V_CHANNEL else 1)  # channel-wise V: two scale chunks a stage
+    VSB: gl.constexpr = NS * (2 if V_CHANNEL else TP)
     vs_bufs = gl.allocate_shared_memory(
         gl.float32, [VSB] + vs_desc.block_type.shape, vs_desc.layout
     )
@@ -846,8 +1088,8 @@ def gluon_decode_split_kernel(
     qt_smem = gl.allocate_shared_memory(
         gl.bfloat16, [HS, HD], gl.NVMMASharedLayout.get_default_for([HS, HD], gl.bfloat16), qt
     )
-    p_bufs = gl.allocate_shared_memory(
-        gl.bfloat16, [2, HS, 64], gl.NVMMASharedLayout.get_default_for([HS, 64], gl.bfloat16)
+    p_bufs = gl.allocate_shared_memory(  # P'^T of each consumer's pages
+        gl.bfloat16, [2 * TP, HS, 64], gl.NVMMASharedLayout.get_default_for([HS, 64], gl.bfloat16)
     )
     # channel-wise K: each consumer's Q' [HS, 128] (the QK product's B operand, built per tile)
     # and its offsets zq [HS]
@@ -868,7 +1110,7 @@ def gluon_decode_split_kernel(
     descs = (kw_desc, ks_desc, vw_desc, vs_desc)
     split_args = ((kv_indptr_ptr, num_quantized_ptr), num_splits)  # _split_span in each partition
     gl.static_assert(HD == 128 or not (K_CHANNEL or V_CHANNEL))
-    CFG: gl.constexpr = (SPC, HS, K_BITS, V_BITS, V_CHANNEL, OPT, K_CHANNEL, HD)
+    CFG: gl.constexpr = (SPC, HS, K_BITS, V_BITS, V_CHANNEL, OPT, K_CHANNEL, HD, TP)
     op_bufs = (p_bufs, kq_bufs, zq_bufs)
     m0, l0, num0 = gl.warp_specialize(
         [

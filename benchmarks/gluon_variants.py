@@ -1,0 +1,221 @@
+"""Gluon kernel launch variants beside FlashInfer BF16, in one process (H200).
+
+Times ``foscar.backends.gluon.decode`` with explicit configs (and, as variant ``triton``, the
+Triton kernel) (``configs.GluonDecodeConfig``) at
+the main grid's 13 points (token-wise K and V, INT2 and INT4) and, with ``--axes``, the axes
+grid's 4 points for the other K/V axis pairs; FlashInfer BF16 once per point. Writes JSON rows
+(one per variant, format and point) and a markdown table of microseconds and speedups.
+
+    python benchmarks/gluon_variants.py --out DIR [--axes] [--points main|axes|both]
+        [--variants tp1 tp2 ...] [--repeat-check [VARIANT ...]]
+
+``--repeat-check`` decodes INT2 K channel-wise, V token-wise at the 32K paper shape 6 times per
+variant and reports the worst error against fp64 and the spread between calls (the 2-CTA race
+of benchmarks/NOTES.md 15).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+from foscar import decode_attention  # noqa: E402
+from foscar.backends import gluon as gluon_backend  # noqa: E402
+from foscar.bench import baselines  # noqa: E402
+from foscar.bench.grid import (  # noqa: E402
+    AXES_GRID,
+    MAIN_GRID,
+    Shape,
+    foscar_kv_bytes,
+    random_cache,
+)
+from foscar.bench.timing import L2Flusher, bench_stats  # noqa: E402
+from foscar.configs import gluon_decode_config  # noqa: E402
+from foscar.formats import KVFormat, QuantFormat  # noqa: E402
+
+VARIANTS = {
+    "tp1": lambda axis, bits: gluon_decode_config(axis),
+    "tp2": lambda axis, bits: gluon_decode_config(axis, tile_pages=2),
+    # INT2 pages are 5 KiB: 4 stages of 2 pages per consumer fit 2 CTAs per SM
+    "tp2s4": lambda axis, bits: dataclasses.replace(
+        gluon_decode_config(axis, tile_pages=2), stages_per_consumer=4 if bits == 2 else 2
+    ),
+    # channel-wise K at 2 CTAs/SM (its one-page kernel raced there, NOTES 15)
+    "tp2-2cta": lambda axis, bits: gluon_decode_config("token", tile_pages=2),
+}
+
+
+def time_point(fmt, batch, kv_len, variants, flusher):
+    shape = Shape()
+    cache, plan = random_cache(fmt, batch, kv_len, shape, "cuda")
+    q = torch.randn(batch, shape.num_q_heads, shape.head_dim, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    sm = shape.head_dim**-0.5
+    res = {}
+    for name in variants:
+        if name == "triton":  # the Triton kernel, as backend="triton" runs it
+
+            def step(cache=cache, plan=plan):
+                return decode_attention(q, cache, plan, sm_scale=sm, backend="triton", out=out)
+
+        else:
+            cfg = VARIANTS[name](fmt.key.axis.value, fmt.key.bits)
+
+            def step(cfg=cfg, cache=cache, plan=plan):
+                return gluon_backend.decode(q, cache, plan, sm, out=out, config=cfg)
+
+        step()
+        torch.cuda.synchronize()
+        res[name] = bench_stats(step, iters=30, warmup=5, flusher=flusher, spin_us=300)["median_ms"]
+    del cache, plan, step
+    baselines.free_cuda_memory()
+    return res
+
+
+def repeat_check(variants):
+    from kernel_cases import build_cache, queries, rel_l2
+
+    from foscar.reference import attend_dequantized
+
+    fmt = KVFormat(QuantFormat(2, "channel", 128), QuantFormat(2, "token", 128))
+    cache, batch = build_cache(fmt, (32768, 4099), num_kv_heads=8, device="cuda", seed=2)
+    q = queries(batch, 32, 128, "cuda")
+    sm = 128**-0.5
+    ref, _ = attend_dequantized(q.double(), cache, batch, sm)
+    lines = []
+    for name in variants:
+        cfg = VARIANTS[name]("channel", 2)
+        outs = [gluon_backend.decode(q, cache, batch, sm, config=cfg).clone() for _ in range(6)]
+        worst = [max(rel_l2(o[i], ref[i]) for o in outs) for i in (0, 1)]
+        spread = max(float((o - outs[0]).abs().max()) for o in outs)
+        lines.append(
+            f"KcVt INT2 32K {name} ({cfg.ctas_per_sm} CTA/SM): worst per seq "
+            f"{[f'{e:.2e}' for e in worst]}, max diff between calls {spread:.2e}"
+        )
+        print(lines[-1], flush=True)
+    return lines
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--points", choices=["main", "axes", "both"], default="main")
+    ap.add_argument("--variants", nargs="+", default=["tp1", "tp2"])
+    ap.add_argument("--bits", nargs="+", type=int, default=[2, 4])
+    ap.add_argument("--repeat-check", nargs="*", default=None, metavar="VARIANT")
+    ap.add_argument("--name", default="gluon_variants")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    if args.repeat_check is not None:
+        lines = repeat_check(args.repeat_check or ["tp1", "tp2", "tp2-2cta"])
+        with open(os.path.join(args.out, args.name + "_repeat.txt"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+    jobs = []
+    if args.points in ("main", "both"):
+        jobs += [("token", "token", b, L) for b, L in MAIN_GRID]
+    if args.points in ("axes", "both"):
+        for k_axis, v_axis in [("channel", "token"), ("token", "channel"), ("channel", "channel")]:
+            jobs += [(k_axis, v_axis, b, L) for b, L in AXES_GRID]
+    flusher = L2Flusher(device="cuda")
+    shape = Shape()
+    rows = []
+    fi_us = {}
+    for k_axis, v_axis, batch, kv_len in jobs:
+        if (batch, kv_len) not in fi_us:
+            step, _ = baselines.BASELINES["flashinfer-bf16"](
+                batch, kv_len, shape.num_q_heads, shape.num_kv_heads, shape.head_dim, 64, "cuda"
+            )
+            fi_us[batch, kv_len] = (
+                1e3
+                * bench_stats(step, iters=30, warmup=5, flusher=flusher, spin_us=300)["median_ms"]
+            )
+            step.close()
+            del step
+            baselines.free_cuda_memory()
+        for bits in args.bits:
+            fmt = KVFormat(QuantFormat(bits, k_axis, 128), QuantFormat(bits, v_axis, 128))
+            res = time_point(fmt, batch, kv_len, args.variants, flusher)
+            kv_bytes = foscar_kv_bytes(fmt, batch, kv_len, shape)
+            for name, ms in res.items():
+                rows.append(
+                    dict(
+                        variant=name,
+                        bits=bits,
+                        k_axis=k_axis,
+                        v_axis=v_axis,
+                        batch=batch,
+                        kv_len=kv_len,
+                        us=1e3 * ms,
+                        flashinfer_bf16_us=fi_us[batch, kv_len],
+                        tbps=kv_bytes / ms / 1e9,
+                    )
+                )
+            print(
+                f"INT{bits} K{k_axis[0]}V{v_axis[0]} B={batch} L={kv_len // 1024}K FI "
+                f"{fi_us[batch, kv_len]:.1f} us | "
+                + " | ".join(f"{n} {1e3 * ms:.1f} us" for n, ms in res.items()),
+                flush=True,
+            )
+    flusher.free()
+    with open(os.path.join(args.out, args.name + ".json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    with open(os.path.join(args.out, args.name + ".md"), "w") as f:
+        f.write(markdown(rows, args.variants))
+    print(markdown(rows, args.variants))
+
+
+def markdown(rows, variants):
+    """Per format and point: microseconds and speedup over FlashInfer BF16 of each variant; the
+    geometric mean of the speedups per format and axis pair."""
+    lines = [
+        "| format | B | L | FlashInfer BF16 us | "
+        + " | ".join(f"{v} us (x, % of 4.8 TB/s)" for v in variants)
+        + " |",
+        "|" + "---|" * (4 + len(variants)),
+    ]
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["bits"], r["k_axis"], r["v_axis"], r["batch"], r["kv_len"]), {})[
+            r["variant"]
+        ] = r
+    for (bits, ka, va, b, L), by in groups.items():
+        fi = next(iter(by.values()))["flashinfer_bf16_us"]
+        cells = []
+        for v in variants:
+            r = by.get(v)
+            cells.append(
+                f"{r['us']:.1f} ({fi / r['us']:.2f}x, {100 * r['tbps'] / 4.8:.0f}%)" if r else "-"
+            )
+        lines.append(
+            f"| INT{bits} K{ka[0]}V{va[0]} | {b} | {L // 1024}K | {fi:.1f} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    lines.append("")
+    lines.append("Geometric-mean speedup over FlashInfer BF16:")
+    lines.append("")
+    keys = sorted({(r["bits"], r["k_axis"], r["v_axis"]) for r in rows})
+    for bits, ka, va in keys:
+        parts = []
+        for v in variants:
+            sp = [
+                r["flashinfer_bf16_us"] / r["us"]
+                for r in rows
+                if (r["bits"], r["k_axis"], r["v_axis"], r["variant"]) == (bits, ka, va, v)
+            ]
+            if sp:
+                parts.append(f"{v} {math.exp(sum(map(math.log, sp)) / len(sp)):.2f}x")
+        lines.append(f"- INT{bits} K{ka[0]}V{va[0]}: " + ", ".join(parts))
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
