@@ -1,7 +1,8 @@
 """Launcher of the warp-specialized Hopper kernel (foscar.kernels.gluon_decode).
 
-The Gluon kernel reads the quantized history (one 64-token page per tile, TMA ring, wgmma with
-register operands built from the packed words); a format's BF16 sink/recent windows are read by
+The Gluon kernel reads the quantized history (one or two 64-token pages per tile,
+``GluonDecodeConfig.tile_pages``; TMA ring, wgmma with register operands built from the packed
+words); a format's BF16 sink/recent windows are read by
 the Triton kernel's window program into one more partial, and the Triton merge kernel combines
 the partials. Everything per call is cached (TMA descriptors on the cache, the split workspace on
 the DecodeBatch), so a CUDA-graph replay allocates nothing.

@@ -2,15 +2,16 @@
 
 Launched by :mod:`foscar.backends.gluon`; the merge of the splits is the Triton
 ``merge_splits_kernel``. Scope: INT2/INT4 K and V, each token-wise (g = D) or channel-wise
-(groups of 128 tokens = 2 pages) at head_dim D = 128, token-wise at D = 64; page size 64 = one
-tile, up to 8 query heads per KV head (padded to HS = 8, the wgmma N), the quantized history
+(groups of 128 tokens = 2 pages) at head_dim D = 128, token-wise at D = 64; page size 64, a tile
+of TP = 1 or 2 pages (``_tile`` / ``_tile_pair``; 2 makes a channel-wise group one tile), up to 8
+query heads per KV head (padded to HS = 8, the wgmma N), the quantized history
 only (a format's BF16 sink/recent windows are read by the Triton window program).
 
 Partitions (``gl.warp_specialize``, triton 3.6.0):
     default  (4 warps): consumer 0, tiles t_begin + 0, 2, 4, ...
     worker 0 (4 warps): consumer 1, tiles t_begin + 1, 3, 5, ...; leaves its softmax state in
                         shared memory, merged by the default warps after the partitions join
-    worker 1 (1 warp) : producer, TMA copies of one page of packed K/V words and (s', z')
+    worker 1 (1 warp) : producer, TMA copies of TP pages of packed K/V words and their (s', z')
                         scales per tile into a ring of 2 x SPC stages (SPC per consumer)
 
 Per tile, a consumer (one warpgroup) does
