@@ -48,6 +48,10 @@ VARIANTS = {
     "tp2s4": lambda axis, bits: dataclasses.replace(
         gluon_decode_config(axis, tile_pages=2), stages_per_consumer=4 if bits == 2 else 2
     ),
+    # the scaled extraction of INT2 operands (kernel OPT 512) on the default config
+    "scaled": lambda axis, bits: dataclasses.replace(
+        gluon_decode_config(axis), opt=gluon_decode_config(axis).opt | 512
+    ),
     # channel-wise K at 2 CTAs/SM (its one-page kernel raced there, NOTES 15)
     "tp2-2cta": lambda axis, bits: gluon_decode_config("token", tile_pages=2),
 }
@@ -107,7 +111,7 @@ def repeat_check(variants):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--points", choices=["main", "axes", "both"], default="main")
+    ap.add_argument("--points", choices=["main", "axes", "both", "large"], default="main")
     ap.add_argument("--variants", nargs="+", default=["tp1", "tp2"])
     ap.add_argument("--bits", nargs="+", type=int, default=[2, 4])
     ap.add_argument("--repeat-check", nargs="*", default=None, metavar="VARIANT")
@@ -121,6 +125,8 @@ def main():
     jobs = []
     if args.points in ("main", "both"):
         jobs += [("token", "token", b, L) for b, L in MAIN_GRID]
+    if args.points == "large":  # three points of the main grid, L = 128K
+        jobs += [("token", "token", b, 131072) for b in (1, 8, 64)]
     if args.points in ("axes", "both"):
         for k_axis, v_axis in [("channel", "token"), ("token", "channel"), ("channel", "channel")]:
             jobs += [(k_axis, v_axis, b, L) for b, L in AXES_GRID]

@@ -20,6 +20,7 @@
 #   bash benchmarks/h200_run.sh s6-profile # session 6: ncu stall samples per SASS instruction (INT2 B=64 L=16K)
 #   bash benchmarks/h200_run.sh s6-axes  # session 6: channel-K 2-CTA racecheck; axes grid, 1 vs 2 pages per tile
 #   bash benchmarks/h200_run.sh s6-final # session 6: Gluon GPU suite at the shipped configs, the axes grid
+#   bash benchmarks/h200_run.sh s6-scaled # session 6: the scaled extraction (OPT 512): GPU cases, INT2 at 128K
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -181,6 +182,15 @@ case "$mode" in
     tail -3 "$OUT/gpu_tests_gluon_session6.log"; grep -E "^_+ test_|Error: error" "$OUT/gpu_tests_gluon_session6.log" | head -20
     timeout 260 python3 -m foscar bench --grid axes --methods foscar-gluon foscar-triton flashinfer-bf16 \
       --out "$OUT" 2>&1 | tee "$OUT/axes.log" | grep -v "^\[" | tail -30
+    ;;
+  s6-scaled)
+    # session 6: the scaled extraction (kernel OPT 512): its GPU cases, then INT2 timings at
+    # L=128K beside the default config and FlashInfer BF16
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gluon_kernel.py \
+      -k "scaled_extraction" > "$OUT/gpu_tests_gluon_scaled.log" 2>&1
+    tail -3 "$OUT/gpu_tests_gluon_scaled.log"; grep -E "^_+ test_|Error: error|^E  " "$OUT/gpu_tests_gluon_scaled.log" | head -12
+    timeout 150 python3 benchmarks/gluon_variants.py --out "$OUT" --points large --bits 2 \
+      --variants tp1 scaled --name gluon_scaled_large 2>&1 | tail -12
     ;;
   s5-variants)
     python3 benchmarks/diagnose_channel_k_variants.py 2>&1 | tee "$OUT/diagnose_channel_k_variants.log"

@@ -62,9 +62,29 @@ with tempfile.TemporaryDirectory() as tmp:
     open(path, "w").write(ck.asm["ptx"])
     info = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", path + ".cubin"],
                           capture_output=True, text=True, check=True).stderr
-print(json.dumps(dict(warps=ck.metadata.num_warps, info=info,
+    sass = subprocess.run([os.path.join(os.path.dirname(ptxas), "cuobjdump"), "-sass",
+                           path + ".cubin"], capture_output=True, text=True, check=True).stdout
+print(json.dumps(dict(warps=ck.metadata.num_warps, info=info, sass=sass,
                       wgmma=ck.asm["ptx"].count("wgmma.mma_async"))))
 """
+
+
+def tile_loops(sass):
+    """The consumers' tile loops in a SASS dump: innermost backward branches around HGMMAs, as
+    lists of instruction texts. Branches back from the out-of-line mbarrier retry blocks (placed
+    after the kernel's EXIT) are not loops of the code they return into."""
+    ins = re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)
+    addr = [int(a, 16) for a, _ in ins]
+    spans = []
+    for i, (_, text) in enumerate(ins):
+        m = re.search(r"BRA (0x[0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr[i]:
+            lo = addr.index(int(m.group(1), 16))
+            body = [t for _, t in ins[lo:i]]
+            if any("HGMMA" in t for t in body) and not any("EXIT" in t for t in body):
+                spans.append((lo, i))
+    inner = [(a, b) for a, b in spans if not any(a < c and d < b for c, d in spans)]
+    return [[t for _, t in ins[a : b + 1]] for a, b in inner]
 
 
 @pytest.mark.parametrize(
@@ -101,16 +121,14 @@ def test_compiles_for_sm90_without_spills(tile_pages, k_bits, v_bits, head_dim, 
     assert done.returncode == 0, done.stderr[-2000:]
     res = json.loads(done.stdout.strip().splitlines()[-1])
     assert res["warps"] == 12  # 2 consumer warpgroups + the producer's warpgroup
-    # one-page tiles: channel-wise V keeps a ones operand for sum(P') and spills 8-12 bytes per
-    # consumer thread at 2 CTAs/SM; two-page tiles: token-wise K and V at head_dim 128 spill
-    # 8-12 bytes in consumer 0 (104 registers), outside its loop; channel-wise K runs at 1 CTA/SM
-    # (configs.gluon_decode_config) without spills
+    # token-wise K at 2 CTAs/SM spills up to 20 bytes in consumer 0 (104 registers) at head_dim
+    # 128, outside its tile loop; channel-wise K (1 CTA/SM) and head_dim 64 do not spill
     spilled = int(re.search(r"(\d+) bytes spill stores", res["info"]).group(1))
-    if tile_pages == 1:
-        allowed = 12 if (k_axis, v_axis) == ("token", "channel") else 0
-    else:
-        allowed = 12 if (k_axis, v_axis, head_dim) == ("token", "token", 128) else 0
-    assert spilled <= allowed, res["info"]
+    assert spilled <= (20 if (k_axis, head_dim) == ("token", 128) else 0), res["info"]
+    loops = tile_loops(res["sass"])
+    assert len(loops) >= 2  # one per consumer
+    for body in loops:  # no local memory traffic where the time goes
+        assert not [t for t in body if re.search(r"\b(LDL|STL)\b", t)]
     if cfg.maxnreg:  # 2 CTAs/SM of 12 warps
         assert f"Used {cfg.maxnreg} registers" in res["info"], res["info"]
     else:  # channel-wise K must stay at 1 CTA/SM (configs.gluon_decode_config): 384 threads
@@ -247,6 +265,24 @@ def test_two_cta_config_for_channel_wise_keys_warns():
 
 
 # ---------------------------------------------------------------------------- sm_90 only
+def test_scaled_extraction_exponents_match_the_cache_layout():
+    """OPT 512's powers of 4 per channel (gluon_decode._scaled_exponent_k / _v) are where the
+    cache puts each INT2 field (foscar.formats.kernel_bit_location): a field at bit p of its
+    16-bit half (K) or byte piece (V) is taken after a shift by 6 (p // 6) and lands at
+    mantissa bit p - 6 (p // 6), so its operand is 128 + 2^(p - 6 (p // 6)) q."""
+    from foscar.formats import kernel_bit_location
+    from foscar.kernels import gluon_decode as kern
+
+    for role, width, exponent in (
+        ("key", 16, kern._scaled_exponent_k.fn),
+        ("value", 8, kern._scaled_exponent_v.fn),
+    ):
+        for c in range(128):
+            _, bit = kernel_bit_location(role, c, 128, 2)
+            p = bit % width
+            assert 2 * exponent(c) == p - 6 * (p // 6), (role, c, bit)
+
+
 @pytest.fixture(autouse=True)
 def _forced_tile_pages(monkeypatch):
     if TILE_PAGES:
@@ -407,6 +443,28 @@ def test_auto_picks_gluon_on_hopper():
     chan_v = KVFormat(INT2, QuantFormat(2, "channel", 128))
     small, small_batch = build_cache(chan_v, (100,), num_kv_heads=2, device="cuda")
     assert default_backend(small, queries(small_batch, 8, 128, "cuda")) == "gluon"
+
+
+@sm90_only
+@pytest.mark.parametrize(
+    "k_axis,v_axis,k_bits,v_bits",
+    [(*axes, 2, 2) for axes in AXIS_PAIRS]
+    + [("token", "token", 2, 4), ("channel", "channel", 4, 2)],
+)
+def test_scaled_extraction(k_axis, v_axis, k_bits, v_bits):
+    """OPT 512 (INT2 operands from 2 shifts per 8 K pairs and 1 per 4 V pairs, powers of 4
+    folded back into Q, the offsets and the output): the same bar over odd lengths and 32K."""
+    fmt = KVFormat(QuantFormat(k_bits, k_axis, 128), QuantFormat(v_bits, v_axis, 128))
+    cache, batch = build_cache(fmt, LENGTHS + (32768,), num_kv_heads=8, device="cuda", seed=k_bits)
+    q = queries(batch, 32, 128, "cuda")
+    cfg = gluon_backend.gluon_decode_config(k_axis)
+    cfg = dataclasses.replace(cfg, opt=cfg.opt | 512)
+    out = torch.full_like(q, math.nan)
+    lse = torch.full(q.shape[:2], math.nan, dtype=torch.float32, device="cuda")
+    o, lse = gluon_backend.decode(
+        q, cache, batch, 128**-0.5, out=out, lse=lse, return_lse=True, config=cfg
+    )
+    check_against_reference(o, lse, q, cache, batch)
 
 
 @sm90_only

@@ -234,8 +234,49 @@ def _sub_bf16x2(x, y):
 
 
 @gluon.jit
+def _scaled_exponent_k(c):
+    """Scaled extraction (INT2): key channel c is field k = (c // 8) % 8 of its word half
+    (foscar.formats.kernel_bit_location); after a shift by 6 (k // 3) it sits at mantissa bits
+    2 (k % 3), so its operand is 128 + 4^(k % 3) q. Returns k % 3."""
+    return ((c // 8) % 8) % 3
+
+
+@gluon.jit
+def _scaled_exponent_v(c):
+    """Scaled extraction (INT2, head_dim 128): value channel c is field f = 2 (c // 64) + (c // 8)
+    % 2 of its byte piece; its operand is 128 + 4^(f % 3) q. Returns f % 3."""
+    return (2 * (c // 64) + (c // 8) % 2) % 3
+
+
+@gluon.jit
+def _pow4(a, inverse: gl.constexpr):
+    """4^a (or 4^-a) in fp32, exactly, from the exponent bits."""
+    e = (127 - 2 * a) if inverse else (127 + 2 * a)
+    return (e << 23).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _fields(x, f, MASK: gl.constexpr, BITS: gl.constexpr, SCALED: gl.constexpr):
+    """Field f of each half of x as a bf16 pair's mantissa bits (before the magic exponent): at
+    bits 0-1 (one shift per field), or, scaled (INT2), at bits 2 (f % 3) after one shift per
+    three fields, so that a word of 8 INT2 pairs takes 2 shifts instead of 7 (the operand is then
+    128 + 4^(f % 3) q; Q and the output fold the 4^(f % 3) back, exactly)."""
+    if SCALED:
+        gl.static_assert(BITS == 2)
+        return (x >> (6 * (f // 3))) & ((f * 0 + MASK) << (2 * (f % 3)))
+    else:
+        return (x >> (BITS * f)) & MASK
+
+
+@gluon.jit
 def _k_operand(
-    words, magic, HS: gl.constexpr, BITS: gl.constexpr, HD: gl.constexpr, ZERO: gl.constexpr
+    words,
+    magic,
+    HS: gl.constexpr,
+    BITS: gl.constexpr,
+    HD: gl.constexpr,
+    ZERO: gl.constexpr,
+    SCALED: gl.constexpr = False,
 ):
     """K operand [64 tokens, HD channels] bf16 (natural channel order) in the wgmma A layout,
     from words [64, W] in SliceLayout(2, k_words3_layout(BITS, HD)): y = 128 + q, or with ZERO the
@@ -246,7 +287,7 @@ def _k_operand(
     F: gl.constexpr = 16 // BITS
     MASK: gl.constexpr = ((1 << BITS) - 1) * 0x00010001
     f = gl.arange(0, F, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
-    x = ((gl.expand_dims(words, 2) >> (BITS * f)[None, None, :]) & MASK) | magic  # [n, word, k]
+    x = _fields(gl.expand_dims(words, 2), f[None, None, :], MASK, BITS, SCALED) | magic
     if ZERO:
         x = _sub_bf16x2(x, magic)
     y = _bf16_pair(x)  # [n, word = E*T + e, k = 2*kbl + i', j]
@@ -257,7 +298,14 @@ def _k_operand(
 
 
 @gluon.jit
-def _vt_operand(words, magic, HS: gl.constexpr, BITS: gl.constexpr, HD: gl.constexpr):
+def _vt_operand(
+    words,
+    magic,
+    HS: gl.constexpr,
+    BITS: gl.constexpr,
+    HD: gl.constexpr,
+    SCALED: gl.constexpr = False,
+):
     """V^T operand [HD channels, 64 tokens] bf16 in the wgmma A layout, from words [64, W] in
     v_words_load_layout(BITS, HD). One PRMT joins piece X of an even and an odd token (a piece
     of 4 bits, HD = 64 at INT2, shares its byte with piece X ^ 1 and is shifted into place)."""
@@ -281,8 +329,9 @@ def _vt_operand(words, magic, HS: gl.constexpr, BITS: gl.constexpr, HD: gl.const
     xb = gl.expand_dims(xb, 3)
     if PB % 8 == 0:
         f = gl.arange(0, FV, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4))))
-        x = ((xb >> (BITS * f)[None, None, None, :]) & MASK) | magic
+        x = _fields(xb, f[None, None, None, :], MASK, BITS, SCALED) | magic
     else:  # field f of a nibble piece: bit 4 (X % 2) + BITS f of its byte
+        gl.static_assert(not SCALED, "scaled extraction: head_dim 128")
         L2: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, L4))
         X2 = gl.arange(0, PW, layout=gl.SliceLayout(1, L2))
         f = gl.arange(0, FV, layout=gl.SliceLayout(0, L2))
@@ -327,7 +376,16 @@ def _channel_scale_pairs(buf0, buf1, HS: gl.constexpr):
 
 
 @gluon.jit
-def _channel_key_fold(buf0, buf1, qt_smem, q_smem, zq_smem, HS: gl.constexpr, ZQ_REG: gl.constexpr):
+def _channel_key_fold(
+    buf0,
+    buf1,
+    qt_smem,
+    q_smem,
+    zq_smem,
+    HS: gl.constexpr,
+    ZQ_REG: gl.constexpr,
+    SCALED: gl.constexpr = False,
+):
     """Channel-wise K (a group of 128 tokens, channels 0-63 in the scale chunk of its first page,
     64-127 in its second): Q' = bf16(Q s'_c) into q_smem, the B operand of the tile's QK product
     over the zero-offset codes q, and the offset zq[h] = sum_c Q'_c (128 + z'_c / s'_c) into
@@ -346,7 +404,11 @@ def _channel_key_fold(buf0, buf1, qt_smem, q_smem, zq_smem, HS: gl.constexpr, ZQ
     z = _group_channels(z0, z1, col_l)
     qf = qt_smem.load(q_fold_layout()).to(gl.float32)
     qb = (qf * s[None, :]).to(gl.bfloat16)
-    q_smem.store(qb)
+    if SCALED:  # the operand holds 4^a q (scaled extraction): Q' 4^-a, exact in bf16
+        inv = _pow4(_scaled_exponent_k(gl.arange(0, 128, layout=col_l)), True)
+        q_smem.store((qb.to(gl.float32) * inv[None, :]).to(gl.bfloat16))
+    else:
+        q_smem.store(qb)
     zq = gl.sum(qb.to(gl.float32) * (128.0 + gl.fdiv(z, s))[None, :], axis=1)  # [8]
     if ZQ_REG:  # to the accumulator's columns by the compiler's conversion
         fence_async_shared()
@@ -417,7 +479,16 @@ def _split_span(seq_ptrs, num_splits, TP: gl.constexpr):
 # tiles the producer arrives without loading); 128 = per-value reconstruction (the ablation of
 # Fig. 10a: s' y + z' on every K and V operand value in registers, P unscaled, no folds); 256 =
 # channel-wise K's offsets zq to the accumulator's columns by the compiler's layout conversion
-# instead of an explicit shared buffer. Default 5.
+# instead of an explicit shared buffer; 512 = scaled extraction of INT2 operands at head_dim 128
+# (_fields: 2 shifts per 8 K pairs instead of 7, 1 per 4 V pairs instead of 3; Q, the offsets
+# and the output fold the powers of 4 back, exactly). Default 5.
+@gluon.constexpr_function
+def scaled_extraction(opt, bits, head_dim):
+    """Whether a role of ``bits`` takes the scaled extraction (OPT 512): INT2 at head_dim 128,
+    not in the reconstruct ablation (which needs y = 128 + q itself)."""
+    return (opt & 512) != 0 and bits == 2 and head_dim == 128 and (opt & 128) == 0
+
+
 @gluon.jit
 def _load_k_words(buf, BITS: gl.constexpr, HD: gl.constexpr):
     """One page's packed K words [64, W] as _k_operand takes them."""
@@ -452,7 +523,8 @@ def _page_k_operand(words, ks, kz, magic, HS: gl.constexpr, CFG: gl.constexpr):
     K_CHANNEL: gl.constexpr = CFG[6]
     HD: gl.constexpr = CFG[7]
     RECONSTRUCT: gl.constexpr = (CFG[5] & 128) != 0
-    k_op = _k_operand(words, magic, HS, K_BITS, HD, K_CHANNEL and not RECONSTRUCT)
+    SCALED: gl.constexpr = scaled_extraction(CFG[5], K_BITS, HD)
+    k_op = _k_operand(words, magic, HS, K_BITS, HD, K_CHANNEL and not RECONSTRUCT, SCALED)
     if RECONSTRUCT:  # token-wise: the rows of K; channel-wise: its columns
         k_op = _reconstruct(k_op, ks, kz, not K_CHANNEL, HS)
     return k_op
@@ -464,7 +536,7 @@ def _page_vt_operand(words, vs, vz, magic, HS: gl.constexpr, CFG: gl.constexpr):
     V_BITS: gl.constexpr = CFG[3]
     V_CHANNEL: gl.constexpr = CFG[4]
     HD: gl.constexpr = CFG[7]
-    vt_op = _vt_operand(words, magic, HS, V_BITS, HD)
+    vt_op = _vt_operand(words, magic, HS, V_BITS, HD, scaled_extraction(CFG[5], V_BITS, HD))
     if (CFG[5] & 128) != 0:  # channel-wise: the rows of V^T; token-wise: its columns
         vt_op = _reconstruct(vt_op, vs, vz, V_CHANNEL, HS)
     return vt_op
@@ -482,14 +554,19 @@ def _value_ratio(vs, vz, V_CHANNEL: gl.constexpr, FAST_RCP: gl.constexpr):
 
 
 @gluon.jit
-def _key_logits(s_acc, ks, kz, zq, qsum, qk_scale, CFG: gl.constexpr):
+def _key_logits(s_acc, ks, kz, zq, qsums, qk_scale, CFG: gl.constexpr):
     """Logits (log2 domain) of a [64, HS] QK product: the acc-fold of token-wise K, S = c (s'_K
     (Q . y_K) + z'_K sum(Q)) (c folded into ks and qsum), or of channel-wise K, S = c (Q' . q +
-    zq), Q' and zq built for the group; the reconstruct ablation's product is the logit."""
+    zq), Q' and zq built for the group; the reconstruct ablation's product is the logit.
+    qsums = (c sum(Q), dq): with the scaled extraction the product is Q~ . y~ (Q~_c = Q_c 4^-a,
+    y~ = 128 + 4^a q), which is Q . y - dq, dq = 128 (sum(Q) - sum(Q~))."""
+    qsum, dq = qsums
     if (CFG[5] & 128) != 0:
         return s_acc * qk_scale
     elif CFG[6]:
         return (s_acc + zq[None, :]) * qk_scale
+    elif scaled_extraction(CFG[5], CFG[2], CFG[7]):
+        return (s_acc + dq[None, :]) * (ks * qk_scale)[:, None] + kz[:, None] * qsum[None, :]
     else:
         return s_acc * (ks * qk_scale)[:, None] + kz[:, None] * qsum[None, :]
 
@@ -508,8 +585,15 @@ def _mask_rows(sc, vs, ratio, row0, n_q, HS: gl.constexpr, V_CHANNEL: gl.constex
 
 
 @gluon.jit
-def _channel_value_fold(acc, alpha, o_t, p_sum, vs, vz, HS: gl.constexpr):
-    """acc-fold of channel-wise V: O = alpha O + s'_c (V_y^T P')[c, h] + z'_c sum_n P'[n, h]."""
+def _channel_value_fold(acc, alpha, o_t, p_sum, vs, vz, HS: gl.constexpr, SCALED: gl.constexpr):
+    """acc-fold of channel-wise V: O = alpha O + s'_c (V_y^T P')[c, h] + z'_c sum_n P'[n, h].
+    Scaled extraction: the product holds y~ = 128 + 4^a q, i.e. 4^a V_y^T P' - 128 (4^a - 1)
+    sum P', so s'_c becomes s'_c 4^-a and z'_c becomes z'_c + 128 s'_c (1 - 4^-a)."""
+    if SCALED:
+        c = gl.arange(0, 128, layout=gl.SliceLayout(1, acc_layout(HS)))
+        inv = _pow4(_scaled_exponent_v(c), True)
+        vz = vz + 128.0 * vs * (1.0 - inv)
+        vs = vs * inv
     return acc * alpha[None, :] + vs[:, None] * o_t + vz[:, None] * _rows_to_128(p_sum, HS)
 
 
@@ -522,7 +606,7 @@ def _tile(
     ring,
     qt_smem,
     p_bufs,
-    qsum,
+    qsums,
     kfold,
     qk_scale,
     magic,
@@ -543,16 +627,17 @@ def _tile(
     FAST_RCP: gl.constexpr = (OPT & 4) != 0
     ZQ_REG: gl.constexpr = (OPT & 256) != 0
     RECONSTRUCT: gl.constexpr = (OPT & 128) != 0
+    SCALED_V: gl.constexpr = scaled_extraction(OPT, V_BITS, HD)
     acc_l: gl.constexpr = acc_layout(HS)
     kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty = ring
-    m_i, l_i, z_i, acc, o_tok, alpha_prev, vt_prev = st
+    m_i, l_i, z_i, acc, o_tok, alpha_prev, vt_prev, zp_i = st
     p_smem = p_bufs.index(C)
     s = C * SPC + i % SPC
     mbarrier.wait(ready.index(s), (i // SPC) & 1)
     MEMORY_ONLY: gl.constexpr = (OPT & 32) != 0
     if MEMORY_ONLY:  # timing ablation: stream the ring, no math (the output is garbage)
         mbarrier.arrive(empty.index(s))
-        return m_i, l_i, z_i, acc, o_tok, alpha_prev, vt_prev
+        return m_i, l_i, z_i, acc, o_tok, alpha_prev, vt_prev, zp_i
     kw = _load_k_words(kw_bufs.index(s), CFG[2], HD)
     vw = _load_v_words(vw_bufs.index(s), V_BITS, HD)
     ks, kz, zq = 0, 0, 0
@@ -562,7 +647,14 @@ def _tile(
     elif K_CHANNEL:
         q_smem, zq_smem = kfold
         zq = _channel_key_fold(
-            ks_bufs.index(2 * s), ks_bufs.index(2 * s + 1), qt_smem, q_smem, zq_smem, HS, ZQ_REG
+            ks_bufs.index(2 * s),
+            ks_bufs.index(2 * s + 1),
+            qt_smem,
+            q_smem,
+            zq_smem,
+            HS,
+            ZQ_REG,
+            scaled_extraction(OPT, CFG[2], HD),
         )
         b_qk = q_smem.permute((1, 0))
     else:
@@ -599,7 +691,7 @@ def _tile(
     else:
         s_acc, k_op = warpgroup_mma_wait(0, deps=[s_tok, k_op])
 
-    sc = _key_logits(s_acc, ks, kz, zq, qsum, qk_scale, CFG)
+    sc = _key_logits(s_acc, ks, kz, zq, qsums, qk_scale, CFG)
     if MASKED:
         sc, vs, ratio = _mask_rows(sc, vs, ratio, t * 64, n_q, HS, V_CHANNEL)
     m_new = gl.maximum(m_i, _col_max(sc, HS, FAST_MAX))
@@ -612,6 +704,8 @@ def _tile(
         # operand-fold of token-wise V into P, offset term from the rounded P'
         pv = (p * vs[:, None]).to(gl.bfloat16)
         z_i = z_i * alpha[None, :] + pv.to(gl.float32) * ratio[:, None]
+        if SCALED_V:  # sum of P' for the output's 128 (1 - 4^-a) sum(P') (see _consume)
+            zp_i = zp_i * alpha[None, :] + pv.to(gl.float32)
     p_smem.store(gl.permute(pv, [1, 0]))  # P'^T [HS, 64]: K-major B operand
     fence_async_shared()
     o_tok = warpgroup_mma(
@@ -633,14 +727,14 @@ def _tile(
             is_async=True,
         )
         o_t, vt_op, p_sum, ones = warpgroup_mma_wait(0, deps=[o_tok, vt_op, sum_tok, ones])
-        acc = _channel_value_fold(acc, alpha, o_t, p_sum, vs, vz, HS)
+        acc = _channel_value_fold(acc, alpha, o_t, p_sum, vs, vz, HS, SCALED_V)
     elif PIPE:
         alpha_prev = alpha
         vt_prev = vt_op
     else:
         o_t, vt_op = warpgroup_mma_wait(0, deps=[o_tok, vt_op])
         acc = acc * alpha[None, :] + o_t  # fresh accumulator per tile, added in fp32
-    return m_new, l_i, z_i, acc, o_tok, alpha_prev, vt_prev
+    return m_new, l_i, z_i, acc, o_tok, alpha_prev, vt_prev, zp_i
 
 
 @gluon.jit
@@ -652,7 +746,7 @@ def _tile_pair(
     ring,
     qt_smem,
     p_bufs,
-    qsum,
+    qsums,
     kfold,
     qk_scale,
     magic,
@@ -678,17 +772,18 @@ def _tile_pair(
     FAST_RCP: gl.constexpr = (OPT & 4) != 0
     ZQ_REG: gl.constexpr = (OPT & 256) != 0
     RECONSTRUCT: gl.constexpr = (OPT & 128) != 0
+    SCALED_V: gl.constexpr = scaled_extraction(OPT, V_BITS, HD)
     gl.static_assert((OPT & (2 | 8)) == 0, "deferred PV wait and late arrive: one-page tiles")
     acc_l: gl.constexpr = acc_layout(HS)
     kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty = ring
-    m_i, l_i, z_i, acc, o_tok, alpha_prev, vt_prev = st
+    m_i, l_i, z_i, acc, o_tok, alpha_prev, vt_prev, zp_i = st
     pa_smem = p_bufs.index(2 * C)
     pb_smem = p_bufs.index(2 * C + 1)
     s = C * SPC + i % SPC
     mbarrier.wait(ready.index(s), (i // SPC) & 1)
     if (OPT & 32) != 0:  # memory-only timing ablation
         mbarrier.arrive(empty.index(s))
-        return m_i, l_i, z_i, acc, o_tok, alpha_prev, vt_prev
+        return m_i, l_i, z_i, acc, o_tok, alpha_prev, vt_prev, zp_i
     # scales: page a's chunk at 2s, page b's at 2s + 1 (a channel-wise group's two chunks),
     # read after the QK products where the folds allow (registers: 112 per consumer thread)
     ks_a, kz_a, ks_b, kz_b, zq = 0, 0, 0, 0, 0
@@ -700,7 +795,14 @@ def _tile_pair(
     elif K_CHANNEL:
         q_smem, zq_smem = kfold
         zq = _channel_key_fold(
-            ks_bufs.index(2 * s), ks_bufs.index(2 * s + 1), qt_smem, q_smem, zq_smem, HS, ZQ_REG
+            ks_bufs.index(2 * s),
+            ks_bufs.index(2 * s + 1),
+            qt_smem,
+            q_smem,
+            zq_smem,
+            HS,
+            ZQ_REG,
+            scaled_extraction(OPT, CFG[2], HD),
         )
         b_qk = q_smem.permute((1, 0))
     else:
@@ -731,8 +833,8 @@ def _tile_pair(
     ratio_a = _value_ratio(vs_a, vz_a, V_CHANNEL, FAST_RCP)
     ratio_b = _value_ratio(vs_b, vz_b, V_CHANNEL, FAST_RCP)
 
-    sc_a = _key_logits(sa_acc, ks_a, kz_a, zq, qsum, qk_scale, CFG)
-    sc_b = _key_logits(sb_acc, ks_b, kz_b, zq, qsum, qk_scale, CFG)
+    sc_a = _key_logits(sa_acc, ks_a, kz_a, zq, qsums, qk_scale, CFG)
+    sc_b = _key_logits(sb_acc, ks_b, kz_b, zq, qsums, qk_scale, CFG)
     if MASKED:
         sc_a, vs_a, ratio_a = _mask_rows(sc_a, vs_a, ratio_a, t * 128, n_q, HS, V_CHANNEL)
         sc_b, vs_b, ratio_b = _mask_rows(sc_b, vs_b, ratio_b, t * 128 + 64, n_q, HS, V_CHANNEL)
@@ -750,6 +852,8 @@ def _tile_pair(
         z_i = z_i * alpha[None, :] + (
             pv_a.to(gl.float32) * ratio_a[:, None] + pv_b.to(gl.float32) * ratio_b[:, None]
         )
+        if SCALED_V:
+            zp_i = zp_i * alpha[None, :] + (pv_a.to(gl.float32) + pv_b.to(gl.float32))
     pa_smem.store(gl.permute(pv_a, [1, 0]))  # P'^T [HS, 64] per page: K-major B operands
     pb_smem.store(gl.permute(pv_b, [1, 0]))
     fence_async_shared()
@@ -772,11 +876,11 @@ def _tile_pair(
         o_t, vt_a, vt_b, p_sum, ones = warpgroup_mma_wait(
             0, deps=[o_tok, vt_a, vt_b, sum_tok, ones]
         )
-        acc = _channel_value_fold(acc, alpha, o_t, p_sum, vs_a, vz_a, HS)
+        acc = _channel_value_fold(acc, alpha, o_t, p_sum, vs_a, vz_a, HS, SCALED_V)
     else:
         o_t, vt_a, vt_b = warpgroup_mma_wait(0, deps=[o_tok, vt_a, vt_b])
         acc = acc * alpha[None, :] + o_t  # fresh accumulator per tile, added in fp32
-    return m_new, l_i, z_i, acc, o_tok, alpha_prev, vt_prev
+    return m_new, l_i, z_i, acc, o_tok, alpha_prev, vt_prev, zp_i
 
 
 @gluon.jit
@@ -794,8 +898,18 @@ def _consume(C: gl.constexpr, ring, qt_smem, op_bufs, split, qk_scale, magic, CF
     PIPE: gl.constexpr = (OPT & 2) != 0
     acc_l: gl.constexpr = acc_layout(HS)
     p_bufs, kq_bufs, zq_bufs = op_bufs
-    qf = qt_smem.load(gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])).to(gl.float32)
-    qsum = gl.convert_layout(gl.sum(qf, axis=1), gl.SliceLayout(0, acc_l)) * qk_scale
+    SCALED_K: gl.constexpr = scaled_extraction(OPT, CFG[2], HD) and not K_CHANNEL
+    SCALED_V: gl.constexpr = scaled_extraction(OPT, CFG[3], HD) and not CFG[4]
+    ql: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
+    qf = qt_smem.load(ql).to(gl.float32)  # Q, or Q~ = Q 4^-a with the scaled extraction
+    if SCALED_K:
+        c = gl.arange(0, HD, layout=gl.SliceLayout(0, ql))
+        q_sum = gl.sum(qf * _pow4(_scaled_exponent_k(c), False)[None, :], axis=1)
+        dq = gl.convert_layout(128.0 * (q_sum - gl.sum(qf, axis=1)), gl.SliceLayout(0, acc_l))
+    else:
+        q_sum = gl.sum(qf, axis=1)
+        dq = 0
+    qsums = (gl.convert_layout(q_sum, gl.SliceLayout(0, acc_l)) * qk_scale, dq)
     if K_CHANNEL:  # this consumer's Q' and zq buffers
         kfold = (kq_bufs.index(C), zq_bufs.slice(C * HS, HS))
     else:
@@ -809,6 +923,7 @@ def _consume(C: gl.constexpr, ring, qt_smem, op_bufs, split, qk_scale, magic, CF
         warpgroup_mma_init(acc),
         gl.full([HS], 1.0, gl.float32, gl.SliceLayout(0, acc_l)),
         gl.zeros([HD, 64], gl.bfloat16, a_operand_layout(HS)),
+        gl.zeros([64, HS], gl.float32, acc_l),  # sum of P' (scaled token-wise V only)
     )
     n_all = gl.maximum(t_end - t_begin - C + 1, 0) // 2
     n_full = gl.maximum(t_full - t_begin - C + 1, 0) // 2
@@ -816,11 +931,11 @@ def _consume(C: gl.constexpr, ring, qt_smem, op_bufs, split, qk_scale, magic, CF
         t = t_begin + C + 2 * i
         if TP == 2:
             st = _tile_pair(
-                i, t, n_q, st, ring, qt_smem, p_bufs, qsum, kfold, qk_scale, magic, C, CFG, False
+                i, t, n_q, st, ring, qt_smem, p_bufs, qsums, kfold, qk_scale, magic, C, CFG, False
             )
         else:
             st = _tile(
-                i, t, n_q, st, ring, qt_smem, p_bufs, qsum, kfold, qk_scale, magic, C, CFG, False
+                i, t, n_q, st, ring, qt_smem, p_bufs, qsums, kfold, qk_scale, magic, C, CFG, False
             )
     if n_full < n_all:  # the last tile, partly past the history
         t = t_begin + C + 2 * n_full
@@ -833,7 +948,7 @@ def _consume(C: gl.constexpr, ring, qt_smem, op_bufs, split, qk_scale, magic, CF
                 ring,
                 qt_smem,
                 p_bufs,
-                qsum,
+                qsums,
                 kfold,
                 qk_scale,
                 magic,
@@ -850,7 +965,7 @@ def _consume(C: gl.constexpr, ring, qt_smem, op_bufs, split, qk_scale, magic, CF
                 ring,
                 qt_smem,
                 p_bufs,
-                qsum,
+                qsums,
                 kfold,
                 qk_scale,
                 magic,
@@ -858,12 +973,18 @@ def _consume(C: gl.constexpr, ring, qt_smem, op_bufs, split, qk_scale, magic, CF
                 CFG,
                 True,
             )
-    m_i, l_i, z_i, acc, o_tok, alpha_prev, vt_prev = st
+    m_i, l_i, z_i, acc, o_tok, alpha_prev, vt_prev, zp_i = st
     if PIPE:
         o_prev, vt_prev = warpgroup_mma_wait(0, deps=[o_tok, vt_prev])
         acc = acc * alpha_prev[None, :] + o_prev
     l_tot = gl.sum(l_i, axis=0)
     num = acc + gl.sum(z_i, axis=0)[None, :]  # V offset term: one scalar per head for g = D
+    if SCALED_V:  # acc holds sum_n P' y~, y~ = 128 + 4^a q: O = acc 4^-a + 128 (1 - 4^-a) sum P'
+        c = gl.arange(0, HD, layout=gl.SliceLayout(1, acc_l))
+        inv = _pow4(_scaled_exponent_v(c), True)
+        p_tot = gl.sum(zp_i, axis=0)
+        num = acc * inv[:, None] + (128.0 * (1.0 - inv))[:, None] * p_tot[None, :]
+        num = num + gl.sum(z_i, axis=0)[None, :]
     return m_i, l_tot, num
 
 
@@ -1086,6 +1207,8 @@ def gluon_decode_split_kernel(
         mask=(h < H)[:, None],
         other=0.0,
     )
+    if scaled_extraction(OPT, K_BITS, HD) and not K_CHANNEL:  # Q~ = Q 4^-a, exact in bf16
+        qt = (qt.to(gl.float32) * _pow4(_scaled_exponent_k(d), True)[None, :]).to(gl.bfloat16)
     qt_smem = gl.allocate_shared_memory(
         gl.bfloat16, [HS, HD], gl.NVMMASharedLayout.get_default_for([HS, HD], gl.bfloat16), qt
     )
