@@ -164,6 +164,24 @@ def test_bit_reversal_changes_nothing_when_a_group_spans_the_head():
     torch.testing.assert_close(outs[0], outs[1], atol=1e-10, rtol=0)
 
 
+def test_bit_reversal_acts_when_groups_split_the_head():
+    """With two token-wise groups of 32 per 64-channel row, P_br decides which rotated
+    directions share a scale: the codes, and so the outputs, differ from U*H's."""
+    fmt = KVFormat(QuantFormat(2, "token", 32, 0.9), QuantFormat(2, "token", 32, 0.9))
+    q, k, v = tokens()
+    c = torch.einsum("thd,the->de", k, k)
+    outs = []
+    for recipe in ("full", "no-br"):
+        from foscar.oscar.rotation import RECIPES
+
+        r = rotation(c, RECIPES[recipe])
+        cache = make(fmt)
+        cache.set_transform(0, key_rotation=r, value_rotation=r)
+        sid = fill(cache, k, v)
+        outs.append(foscar.decode_attention(q, cache, cache.plan([sid])))
+    assert (outs[0] - outs[1]).abs().max() > 1e-3
+
+
 def test_layer_clip_replaces_the_formats():
     fmt = KVFormat(QuantFormat(2, "token", 64, 0.96), QuantFormat(2, "token", 64, 0.92))
     _, k, v = tokens()

@@ -171,6 +171,13 @@ def test_prepare_rows_for_foscar_eval(toy):
         "OSCAR INT2 + BF16 64/256 (fitted clips)",
     ]
     assert info["file"] == str(path)
+    # extra OSCAR-select group sizes need a calibration, and another size than the head row's
+    with pytest.raises(ValueError, match="group_sizes need a calibration in the run"):
+        prepare(model, tok, path=str(path), group_sizes=(16,))
+    with pytest.raises(ValueError, match="group size 32 is the default"):
+        prepare(model, tok, group_sizes=(32,))
+    with pytest.raises(ValueError, match="group.group_size must be one of"):
+        prepare(model, tok, group_sizes=(8,))
 
 
 def test_foscar_eval_with_oscar_rows(toy, monkeypatch):
@@ -221,3 +228,6 @@ def test_foscar_eval_with_oscar_rows(toy, monkeypatch):
     result = evaluate("--oscar-file", str(path), "--formats", "OSCAR INT2 (")
     assert [r["format"] for r in result["rows"]][2:] == ["OSCAR INT2 (fitted clips)"]
     assert result["config"]["oscar"]["file"] == str(path)
+    # --oscar-groups reaches prepare (this toy's head row is one group of 32 already)
+    with pytest.raises(ValueError, match="group size 32 is the default"):
+        evaluate("--oscar", "--oscar-groups", "32")

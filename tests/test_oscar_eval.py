@@ -167,6 +167,79 @@ def test_per_kv_head_selection_in_the_harness(setup):
         assert tr.value_clip == float(sel.clips[(2, "value")][layer])
 
 
+@pytest.fixture(scope="module")
+def setup64():
+    """A tiny Llama with SmolLM2's head_dim 64 (groups of 32 split each head row in two)."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=96,
+        hidden_size=4 * 64,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 96, (48,), generator=g) for _ in range(2)]
+    return model, seqs, calibrate(model, seqs)
+
+
+@torch.no_grad()
+def test_select_rows_with_groups_of_32(setup64):
+    """OSCAR-select at g = 32: every candidate's clips are fitted with two groups per row, the
+    rows quantize K and V in groups of 32 with those clips, and their cache holds them."""
+    from foscar.oscar.evaluate import select_candidates, select_formats
+
+    model, seqs, cal = setup64
+    kw = {"windows": (4, 8), "bits": (2,)}
+    fitted, sel, kvh = select_candidates(model, seqs[:1], cal, group_size=32, **kw)
+    assert {r.header["clip_fit"]["group_size"] for r in fitted.values()} == {32}
+    assert kvh.per_head and not sel.per_head
+    # two scales per row fit better than one: the min-max (p = 1) error of every candidate is
+    # lower at g = 32 than at g = 64 (nested groups)
+    at64, _, _ = select_candidates(model, seqs[:1], cal, **kw)
+    for name, r in fitted.items():
+        assert at64[name].header["clip_fit"]["group_size"] == 64
+        for role in ("key", "value"):
+            e32 = r.header["clip_fit"][f"int2.{role}"]["mean_relative_error"][0]
+            e64 = at64[name].header["clip_fit"][f"int2.{role}"]["mean_relative_error"][0]
+            assert e32 < e64, (name, role)
+    rows = select_formats(64, sel, kvh, windows=(4, 8), group_size=32)
+    assert [r.name for r in rows] == [
+        "OSCAR-select INT2 g32 (fitted clips)",
+        "OSCAR-select INT2 g32 + BF16 4/8 (fitted clips)",
+        "OSCAR-select per-KV-head INT2 g32 (fitted clips)",
+        "OSCAR-select per-KV-head INT2 g32 + BF16 4/8 (fitted clips)",
+    ]
+    for r in rows:
+        assert (r.fmt.key.group_size, r.fmt.value.group_size, r.clip_bits) == (32, 32, 2)
+        assert r.fmt.key.axis.value == "token" and r.fmt.key.bits == 2
+    assert rows[1].rotations is sel and rows[3].rotations is kvh and rows[3].fmt.sink_tokens == 4
+    # --formats "OSCAR-select INT2 +" keeps selecting the head-row rows only
+    assert not [r for r in rows if "OSCAR-select INT2 +" in r.name]
+    # the default group size keeps the unnamed rows, and refuses clips fitted at another size
+    _, sel64, _ = select_candidates(model, seqs[:1], cal, **kw)
+    assert select_formats(64, sel64)[1].name == "OSCAR-select INT2 + BF16 64/256 (fitted clips)"
+    with pytest.raises(ValueError, match=r"fitted at group size \[32\], the rows quantize groups "):
+        select_formats(64, sel, windows=(4, 8))
+    with pytest.raises(ValueError, match=r"fitted at group size \[64\]"):
+        select_formats(64, sel64, group_size=32)
+    with pytest.raises(ValueError, match="group.group_size must be one of"):
+        select_formats(64, sel, group_size=16)
+    # the row's cache: groups of 32, the layer's rotation and its g = 32 clip
+    use_foscar_attention(model)
+    pre = record_prefill(model, [seqs[1][:30].tolist()])
+    cache = rows[1].make_cache(model, pre, 8)
+    assert cache.kv.fmt.key.group_size == 32 and cache.kv.fmt.value.group_size == 32
+    for layer in range(2):
+        tr = cache.kv.transforms[layer]
+        torch.testing.assert_close(tr.key_rotation[0], sel.key[layer, 0])
+        assert tr.key_clip == float(sel.clips[(2, "key")][layer])
+        assert tr.value_clip == float(sel.clips[(2, "value")][layer])
+
+
 def test_report_counts_the_selection():
     from foscar.oscar.evaluate import report
 
@@ -178,7 +251,9 @@ def test_report_counts_the_selection():
         },
         "selection_errors": {"key": {"full": 0.2, "ktk-kvh": 0.1}},
     }
+    info["groups"] = {"32": {"selection": {"key": ["no-u", "no-u", "full"]}}}
     lines = report(info).splitlines()
+    assert "- groups of 32: OSCAR-select key, of 3 layers: U*H*P_br in 1, H*P_br in 2" in lines
     assert "- OSCAR-select key, of 3 layers: H*P_br in 1, K^TK/V^TV in 2" in lines
     assert "- OSCAR-select value, of 3 layers: U*H*P_br in 2, K^TK/V^TV in 1" in lines
     assert (

@@ -142,6 +142,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar=("SINK", "RECENT"),
         help="BF16 sink and recent tokens of OSCAR's windowed rows (64 256)",
     )
+    p.add_argument(
+        "--oscar-groups",
+        type=int,
+        nargs="+",
+        default=[],
+        metavar="G",
+        help="with --oscar, also the OSCAR-select INT2 rows with token-wise groups of G "
+        "channels (e.g. 32: clips fitted and rotations chosen at that group size; rows "
+        "named 'OSCAR-select INT2 g32 ...')",
+    )
 
 
 def _sizes(args) -> None:
@@ -259,6 +269,7 @@ def evaluate(args, out=sys.stdout, extra_formats=()) -> dict:
             tok,
             tokens=args.oscar_tokens,
             windows=tuple(args.oscar_windows),
+            group_sizes=tuple(args.oscar_groups),
             path=args.oscar_file,
             held_out=held_out,
             log=lambda s: print(f"OSCAR {s}", file=out, flush=True),

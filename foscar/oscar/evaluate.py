@@ -1,9 +1,10 @@
 """OSCAR's rows for ``foscar eval``: rotated formats, their ablations, and the cache that runs them.
 
 Every row is token-wise with one group per head row (``g = min(head_dim, 128)``, like the
-harness's other formats); "clips 0.96/0.92" is the released recipe's fixed per-token clipping,
-"fitted clips" the per-layer ratios of :func:`foscar.oscar.fit_clips`; windows are BF16 sink and
-recent tokens (64/256 by default). From one :class:`~foscar.oscar.Calibration`:
+harness's other formats) unless its name says ``gG`` (groups of ``G`` channels); "clips
+0.96/0.92" is the released recipe's fixed per-token clipping, "fitted clips" the per-layer
+ratios of :func:`foscar.oscar.fit_clips`; windows are BF16 sink and recent tokens (64/256 by
+default). From one :class:`~foscar.oscar.Calibration`:
 
 =====================================  =========================================================
 row                                    rotation / clipping / windows
@@ -20,6 +21,10 @@ OSCAR-select INT2 (+ BF16 s/r)         per layer and K/V: U*H*P_br, H*P_br or U*
 OSCAR-select per-KV-head INT2 (+ s/r)  the same candidates and U*H*P_br per KV head of both
                                        targets (H*P_br has no per-head variant: it reads no
                                        target); fitted; none (s/r)
+OSCAR-select [per-KV-head] INT2 gG ...  the two rows above with token-wise groups of G channels
+                                       (``group_sizes``: e.g. 32, two groups per 64-channel
+                                       row); clips fitted and rotations chosen at that group
+                                       size; fitted; none (s/r)
 OSCAR INT4 (+ BF16 s/r)                U*H*P_br; fitted for INT4; none (s/r)
 =====================================  =========================================================
 
@@ -29,6 +34,7 @@ rows with and without windows, fitted clips when the file has them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..formats import KVFormat, QuantFormat
@@ -40,6 +46,7 @@ from .calibrate import (
     fit_candidates,
     fit_clips,
 )
+from .capture import model_shapes
 from .policy import OscarRotations, oscar_cache
 
 __all__ = [
@@ -52,6 +59,8 @@ __all__ = [
     "RELEASED_CLIPS",
     "ERROR_VARIANTS",
     "SELECT_CANDIDATES",
+    "select_candidates",
+    "select_formats",
 ]
 
 #: the released recipe's fixed clip ratios (oscar.md Sec. 3)
@@ -157,12 +166,7 @@ def oscar_formats(
         )
     )
     rows += oscar_rows(rotations, 2)
-    for label, sel in (("OSCAR-select", selected), ("OSCAR-select per-KV-head", selected_per_head)):
-        if sel is not None:
-            rows += [
-                OscarEvalFormat(f"{label} INT2{x} (fitted clips)", f, 2, sel, 2)
-                for x, f in (("", _fmt(2, g)), (w, _fmt(2, g, None, s, r)))
-            ]
+    rows += select_formats(head_dim, selected, selected_per_head, windows=windows)
     rows.append(OscarEvalFormat(f"OSCAR INT2{w} (clips 0.96/0.92)", fixed, 2, rotations))
     for recipe, label in (
         ("no-br", "w/o P_br"),
@@ -179,6 +183,81 @@ def oscar_formats(
     rows.append(OscarEvalFormat(f"OSCAR INT2{w} K^TK/V^TV (clips 0.96/0.92)", fixed, 2, plain))
     rows += oscar_rows(rotations, 4)
     return rows
+
+
+def _fitted_group_sizes(rot: OscarRotations) -> set[int]:
+    """The token-wise group sizes ``rot``'s clips were fitted at (one :func:`fit_clips`
+    header, or every candidate's of a :func:`choose_rotations` header); empty if unknown."""
+    fit = rot.header.get("clip_fit") or {}
+    if "group_size" in fit:
+        return {fit["group_size"]}
+    return {f["group_size"] for f in fit.values() if isinstance(f, dict) and "group_size" in f}
+
+
+def select_formats(
+    head_dim: int,
+    selected: OscarRotations | None = None,
+    selected_per_head: OscarRotations | None = None,
+    *,
+    windows: tuple[int, int] = (64, 256),
+    group_size: int | None = None,
+) -> list[OscarEvalFormat]:
+    """The OSCAR-select rows (INT2, fitted clips, without and with ``windows``) of ``selected``
+    (per layer) and ``selected_per_head`` (either may be None).
+
+    group_size : token-wise group of the rows (default ``min(head_dim, 128)``, one group per
+        head row); another size is named in the row ("OSCAR-select INT2 g32 + ..."). The
+        rotations' clips must have been fitted at that group size (``ValueError`` otherwise:
+        clips fitted for one scale per row are not the clips of two scales per row).
+    """
+    default = min(head_dim, 128)
+    g = group_size or default
+    QuantFormat(2, "token", g).check_head_dim(head_dim, name="group")
+    tag = "" if g == default else f" g{g}"
+    s, r = windows
+    rows = []
+    for label, sel in (("OSCAR-select", selected), ("OSCAR-select per-KV-head", selected_per_head)):
+        if sel is None:
+            continue
+        fitted_at = _fitted_group_sizes(sel)
+        if fitted_at and fitted_at != {g}:
+            raise ValueError(
+                f"{label}: the clips were fitted at group size {sorted(fitted_at)}, the rows "
+                f"quantize groups of {g}"
+            )
+        rows += [
+            OscarEvalFormat(f"{label} INT2{tag}{x} (fitted clips)", f, 2, sel, 2)
+            for x, f in (("", _fmt(2, g)), (f" + BF16 {s}/{r}", _fmt(2, g, None, s, r)))
+        ]
+    return rows
+
+
+def select_candidates(
+    model,
+    sequences,
+    calibration: Calibration,
+    *,
+    windows: tuple[int, int] = (64, 256),
+    group_size: int | None = None,
+    bits: Sequence[int] = (2, 4),
+    log=None,
+) -> tuple[dict[str, OscarRotations], OscarRotations, OscarRotations]:
+    """Fit the clips of every :data:`SELECT_CANDIDATES` rotation at token-wise groups of
+    ``group_size`` (default one per head row) on ``sequences``, with ``windows`` left exact,
+    and choose among them; returns ``(fitted, selected, selected_per_head)``: OSCAR-select
+    (among the per-layer candidates) and OSCAR-select per-KV-head (among all)."""
+    candidates = {n: calibration.rotations(r, **kw) for n, (_, r, kw) in SELECT_CANDIDATES.items()}
+    fitted = fit_candidates(
+        model,
+        sequences,
+        candidates,
+        bits=bits,
+        group_size=group_size,
+        windows=windows,
+        log=log,
+    )
+    per_layer = {n: r for n, r in fitted.items() if not SELECT_CANDIDATES[n][2].get("per_head")}
+    return fitted, choose_rotations(per_layer), choose_rotations(fitted)
 
 
 def make_oscar_cache(model, row: OscarEvalFormat, prefill, extra_tokens: int):
@@ -265,6 +344,7 @@ def prepare(
     tokens: int = 8192,
     seq_len: int = 2048,
     windows: tuple[int, int] = (64, 256),
+    group_sizes: Sequence[int] = (),
     path: str | None = None,
     held_out: list | None = None,
     log=None,
@@ -275,7 +355,10 @@ def prepare(
     harness fits its own clipping on; never scored), in sequences of ``seq_len``. Clips are
     fitted (INT2 and INT4, with ``windows`` left exact) on the first sequence for every
     candidate of :data:`SELECT_CANDIDATES` (once each); OSCAR-select chooses among the
-    per-layer ones, OSCAR-select per-KV-head among all. With ``path`` (a
+    per-layer ones, OSCAR-select per-KV-head among all. ``group_sizes``: for each (e.g. 32,
+    smaller than the head row's group), the candidates' INT2 clips are fitted again at
+    token-wise groups of that size and both OSCAR-select rows are added at it
+    (:func:`select_formats`; the rows come last). With ``path`` (a
     ``foscar calibrate`` file) only that artifact's rows are returned. ``held_out``: token-id
     sequences of the evaluation text for the attention-error table (skipped when None).
     ``info`` goes into the result's config.
@@ -284,6 +367,15 @@ def prepare(
 
     from ..eval.texts import python_reference
 
+    group_sizes = [int(g) for g in group_sizes]
+    if group_sizes:
+        if path is not None:
+            raise ValueError("group_sizes need a calibration in the run, not a file's rotations")
+        d = model_shapes(model)["head_dim"]
+        for g in group_sizes:
+            QuantFormat(2, "token", g).check_head_dim(d, name="group")
+            if g == min(d, 128):
+                raise ValueError(f"group size {g} is the default (one group per head row)")
     if path is not None:
         rot = OscarRotations.load(path)
         return oscar_formats(rot.head_dim, rotations=rot, windows=windows), {
@@ -299,18 +391,14 @@ def prepare(
     t0 = time.perf_counter()
     cal = calibrate(model, seqs, header=header, log=log)
     t1 = time.perf_counter()
-    fitted = fit_candidates(
-        model,
-        seqs[:1],
-        {n: cal.rotations(recipe, **kw) for n, (_, recipe, kw) in SELECT_CANDIDATES.items()},
-        windows=windows,
-        log=log,
-    )
+    fitted, sel, sel_kvh = select_candidates(model, seqs[:1], cal, windows=windows, log=log)
     full = fitted["full"]  # the full recipe with fitted clips: the "OSCAR INT2/INT4" rows
-    sel = choose_rotations(
-        {n: r for n, r in fitted.items() if not SELECT_CANDIDATES[n][2].get("per_head")}
-    )
-    sel_kvh = choose_rotations(fitted)
+    grouped = {
+        g: select_candidates(
+            model, seqs[:1], cal, windows=windows, group_size=g, bits=(2,), log=log
+        )[1:]
+        for g in group_sizes
+    }
     t2 = time.perf_counter()
     errors = attention_errors(model, cal, held_out, windows=windows) if held_out else None
     t3 = time.perf_counter()
@@ -322,6 +410,8 @@ def prepare(
         selected_per_head=sel_kvh,
         windows=windows,
     )
+    for g, (sel_g, kvh_g) in grouped.items():
+        rows += select_formats(cal.head_dim, sel_g, kvh_g, windows=windows, group_size=g)
     fit = full.header["clip_fit"]
     info = {
         "calibration": {
@@ -340,20 +430,27 @@ def prepare(
             for k, v in fit.items()
             if k.startswith("int")
         },
-        "selection": {r: sel.header["selection"][r] for r in ("key", "value")},
-        "selected_clips_int2": {r: sel.clips[(2, r)].tolist() for r in ("key", "value")},
-        "selection_per_kv_head": {r: sel_kvh.header["selection"][r] for r in ("key", "value")},
-        "selected_per_kv_head_clips_int2": {
-            r: sel_kvh.clips[(2, r)].tolist() for r in ("key", "value")
-        },
-        "selection_errors": {
-            role: sel_kvh.header["selection"][f"{role}_error_per_candidate"]
-            for role in ("key", "value")
-        },
+        **_selection_info(sel, sel_kvh),
     }
+    if grouped:
+        info["groups"] = {str(g): _selection_info(*sels) for g, sels in grouped.items()}
     if errors is not None:
         info["attention_errors_heldout"] = {"bits": 2, "windows": list(windows), "errors": errors}
     return rows, info
+
+
+def _selection_info(sel: OscarRotations, sel_kvh: OscarRotations) -> dict:
+    """What both OSCAR-select rows chose, their INT2 clips and every candidate's error."""
+    roles = ("key", "value")
+    return {
+        "selection": {r: sel.header["selection"][r] for r in roles},
+        "selected_clips_int2": {r: sel.clips[(2, r)].tolist() for r in roles},
+        "selection_per_kv_head": {r: sel_kvh.header["selection"][r] for r in roles},
+        "selected_per_kv_head_clips_int2": {r: sel_kvh.clips[(2, r)].tolist() for r in roles},
+        "selection_errors": {
+            r: sel_kvh.header["selection"][f"{r}_error_per_candidate"] for r in roles
+        },
+    }
 
 
 def _label(name: str) -> str:
@@ -364,6 +461,21 @@ def _ordered(names) -> list[str]:
     """``names`` in :data:`SELECT_CANDIDATES`' order (unknown names last, sorted)."""
     order = list(SELECT_CANDIDATES)
     return sorted(names, key=lambda n: (order.index(n) if n in order else len(order), n))
+
+
+def _selection_lines(info: dict, prefix: str = "") -> list[str]:
+    """:func:`report`'s lines of one :func:`_selection_info`."""
+    lines = []
+    for key, row in (("selection", "OSCAR-select"), ("selection_per_kv_head", "per-KV-head")):
+        for role, chosen in info.get(key, {}).items():
+            counts = ", ".join(f"{_label(n)} in {chosen.count(n)}" for n in _ordered(set(chosen)))
+            lines.append(f"- {prefix}{row} {role}, of {len(chosen)} layers: {counts}")
+    for role, per in info.get("selection_errors", {}).items():
+        lines.append(
+            f"- {prefix}fitted INT2 {role} error per candidate (calibration text, mean over "
+            "layers): " + ", ".join(f"{_label(n)} {per[n]:.3f}" for n in _ordered(per))
+        )
+    return lines
 
 
 def report(info: dict) -> str:
@@ -383,15 +495,9 @@ def report(info: dict) -> str:
             f"- fitted {key} clip ratios: mean {sum(clips) / len(clips):.3f}, "
             f"range {min(clips):g}-{max(clips):g}"
         )
-    for key, row in (("selection", "OSCAR-select"), ("selection_per_kv_head", "per-KV-head")):
-        for role, chosen in info.get(key, {}).items():
-            counts = ", ".join(f"{_label(n)} in {chosen.count(n)}" for n in _ordered(set(chosen)))
-            lines.append(f"- {row} {role}, of {len(chosen)} layers: {counts}")
-    for role, per in info.get("selection_errors", {}).items():
-        lines.append(
-            f"- fitted INT2 {role} error per candidate (calibration text, mean over layers): "
-            + ", ".join(f"{_label(n)} {per[n]:.3f}" for n in _ordered(per))
-        )
+    lines += _selection_lines(info)
+    for g, sub in info.get("groups", {}).items():
+        lines += _selection_lines(sub, f"groups of {g}: ")
     errors = info.get("attention_errors_heldout", {}).get("errors")
     if errors:
         ratios = [r for r in next(iter(errors.values()))["key"] if r != "per-layer best"]
