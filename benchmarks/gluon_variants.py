@@ -1,13 +1,14 @@
 """Gluon kernel launch variants beside FlashInfer BF16, in one process (H200).
 
-Times ``foscar.backends.gluon.decode`` with explicit configs (and, as variant ``triton``, the
-Triton kernel) (``configs.GluonDecodeConfig``) at
-the main grid's 13 points (token-wise K and V, INT2 and INT4) and, with ``--axes``, the axes
-grid's 4 points for the other K/V axis pairs; FlashInfer BF16 once per point. Writes JSON rows
-(one per variant, format and point) and a markdown table of microseconds and speedups.
+Times ``foscar.backends.gluon.decode`` with explicit configs (``configs.GluonDecodeConfig``; the
+names in ``VARIANTS``, and ``triton`` for the Triton kernel) at the main grid's 13 points
+(token-wise K and V, INT2 and INT4), with ``--points axes`` at the axes grid's 4 points for the
+other K/V axis pairs, with ``--points large`` at B in {1, 8, 64}, L = 128K; FlashInfer BF16 once
+per point. Writes JSON rows (one per variant, format and point) and a markdown table of
+microseconds and speedups.
 
-    python benchmarks/gluon_variants.py --out DIR [--axes] [--points main|axes|both]
-        [--variants tp1 tp2 ...] [--repeat-check [VARIANT ...]]
+    python benchmarks/gluon_variants.py --out DIR [--points main|axes|both|large]
+        [--bits 2 4] [--variants tp1 tp2 ...] [--repeat-check [VARIANT ...]]
 
 ``--repeat-check`` decodes INT2 K channel-wise, V token-wise at the 32K paper shape 6 times per
 variant and reports the worst error against fp64 and the spread between calls (the 2-CTA race
@@ -42,15 +43,19 @@ from foscar.configs import gluon_decode_config  # noqa: E402
 from foscar.formats import KVFormat, QuantFormat  # noqa: E402
 
 VARIANTS = {
-    "tp1": lambda axis, bits: gluon_decode_config(axis),
+    "tp1": lambda axis, bits: gluon_decode_config(axis, tile_pages=1),
     "tp2": lambda axis, bits: gluon_decode_config(axis, tile_pages=2),
     # INT2 pages are 5 KiB: 4 stages of 2 pages per consumer fit 2 CTAs per SM
     "tp2s4": lambda axis, bits: dataclasses.replace(
         gluon_decode_config(axis, tile_pages=2), stages_per_consumer=4 if bits == 2 else 2
     ),
-    # the scaled extraction of INT2 operands (kernel OPT 512) on the default config
+    # the scaled extraction of INT2 operands (kernel OPT 512, in the default since session 6)
+    # on and off, on the default config
     "scaled": lambda axis, bits: dataclasses.replace(
         gluon_decode_config(axis), opt=gluon_decode_config(axis).opt | 512
+    ),
+    "unscaled": lambda axis, bits: dataclasses.replace(
+        gluon_decode_config(axis), opt=gluon_decode_config(axis).opt & ~512
     ),
     # channel-wise K at 2 CTAs/SM (its one-page kernel raced there, NOTES 15)
     "tp2-2cta": lambda axis, bits: gluon_decode_config("token", tile_pages=2),

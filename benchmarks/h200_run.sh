@@ -185,12 +185,13 @@ case "$mode" in
     ;;
   s6-scaled)
     # session 6: the scaled extraction (kernel OPT 512): its GPU cases, then INT2 timings at
-    # L=128K beside the default config and FlashInfer BF16
+    # L=128K with and without it, beside FlashInfer BF16 (the committed run, made while the
+    # default was still unscaled, named the unscaled column "tp1")
     timeout 120 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gluon_kernel.py \
       -k "scaled_extraction" > "$OUT/gpu_tests_gluon_scaled.log" 2>&1
     tail -3 "$OUT/gpu_tests_gluon_scaled.log"; grep -E "^_+ test_|Error: error|^E  " "$OUT/gpu_tests_gluon_scaled.log" | head -12
     timeout 150 python3 benchmarks/gluon_variants.py --out "$OUT" --points large --bits 2 \
-      --variants tp1 scaled --name gluon_scaled_large 2>&1 | tail -12
+      --variants unscaled scaled --name gluon_scaled_large 2>&1 | tail -12
     ;;
   s5-variants)
     python3 benchmarks/diagnose_channel_k_variants.py 2>&1 | tee "$OUT/diagnose_channel_k_variants.log"

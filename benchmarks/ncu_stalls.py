@@ -49,14 +49,15 @@ def load(path):
 
 
 def loops(ins):
-    """(first, last) instruction indices of backward branches spanning > 20 instructions."""
+    """(first, last) instruction indices of backward branches spanning > 20 instructions; a
+    branch back from an out-of-line block placed after an EXIT (mbarrier retries) is no loop."""
     index = {x["addr"]: i for i, x in enumerate(ins)}
     found = []
     for i, x in enumerate(ins):
         m = re.search(r"BRA (0x[0-9a-f]+)", x["src"])
         if m and int(m.group(1), 16) in index:
             j = index[int(m.group(1), 16)]
-            if j < i - 20:
+            if j < i - 20 and not any("EXIT" in y["src"] for y in ins[j:i]):
                 found.append((j, i))
     return found
 

@@ -8,9 +8,10 @@ CTAs per SM, whose outputs changed from call to call: benchmarks/NOTES.md 15).
 
 import argparse
 import dataclasses
+import os
 import sys
 
-sys.path.insert(0, "tests")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from kernel_cases import build_cache, queries, rel_l2  # noqa: E402
 
 from foscar import KVFormat, QuantFormat  # noqa: E402
@@ -29,14 +30,10 @@ ap.add_argument("--calls", type=int, default=1)
 args = ap.parse_args()
 
 cfg = gluon_decode_config(args.k_axis, args.tile_pages)
-if args.ctas == 2 and cfg.ctas_per_sm == 1:  # the token-wise (2-CTA) registers and limits
-    two = gluon_decode_config("token", args.tile_pages)
-    cfg = dataclasses.replace(
-        cfg,
-        **{
-            f: getattr(two, f) for f in ("maxnreg", "ctas_per_sm", "consumer_regs", "producer_regs")
-        },
-    )
+if args.ctas != cfg.ctas_per_sm:  # the registers and limits of the other axis's config
+    other = gluon_decode_config("token" if args.ctas == 2 else "channel", args.tile_pages)
+    limits = ("maxnreg", "ctas_per_sm", "consumer_regs", "producer_regs")
+    cfg = dataclasses.replace(cfg, **{f: getattr(other, f) for f in limits})
 fmt = KVFormat(QuantFormat(args.bits, args.k_axis, 128), QuantFormat(args.bits, args.v_axis, 128))
 cache, batch = build_cache(fmt, (args.tokens,), num_kv_heads=8, device="cuda", seed=2)
 q = queries(batch, 32, 128, "cuda")
