@@ -147,39 +147,35 @@ def test_out_argument_and_bf16_queries():
         foscar.decode_attention(q.bfloat16(), cache, batch, out=out[:, :3])
 
 
-def test_bit_reversal_changes_nothing_when_a_group_spans_the_head():
-    """P_br permutes channels inside the one group of a token: codes permute, outputs agree."""
-    fmt = KVFormat(QuantFormat(2, "token", D, 0.9), QuantFormat(2, "token", D, 0.9))
+def _full_and_no_br_outputs(group_size):
+    """Decode outputs of a cache rotated by U*H*P_br and by U*H (same targets), INT2 token-wise
+    groups of ``group_size`` with a per-token clip."""
+    from foscar.oscar.rotation import RECIPES
+
+    fmt = KVFormat(*[QuantFormat(2, "token", group_size, 0.9)] * 2)
     q, k, v = tokens()
     c = torch.einsum("thd,the->de", k, k)
     outs = []
     for recipe in ("full", "no-br"):
-        from foscar.oscar.rotation import RECIPES
-
         r = rotation(c, RECIPES[recipe])
         cache = make(fmt)
         cache.set_transform(0, key_rotation=r, value_rotation=r)
         sid = fill(cache, k, v)
         outs.append(foscar.decode_attention(q, cache, cache.plan([sid])))
-    torch.testing.assert_close(outs[0], outs[1], atol=1e-10, rtol=0)
+    return outs
+
+
+def test_bit_reversal_changes_nothing_when_a_group_spans_the_head():
+    """P_br permutes channels inside the one group of a token: codes permute, outputs agree."""
+    full, no_br = _full_and_no_br_outputs(D)
+    torch.testing.assert_close(full, no_br, atol=1e-10, rtol=0)
 
 
 def test_bit_reversal_acts_when_groups_split_the_head():
     """With two token-wise groups of 32 per 64-channel row, P_br decides which rotated
     directions share a scale: the codes, and so the outputs, differ from U*H's."""
-    fmt = KVFormat(QuantFormat(2, "token", 32, 0.9), QuantFormat(2, "token", 32, 0.9))
-    q, k, v = tokens()
-    c = torch.einsum("thd,the->de", k, k)
-    outs = []
-    for recipe in ("full", "no-br"):
-        from foscar.oscar.rotation import RECIPES
-
-        r = rotation(c, RECIPES[recipe])
-        cache = make(fmt)
-        cache.set_transform(0, key_rotation=r, value_rotation=r)
-        sid = fill(cache, k, v)
-        outs.append(foscar.decode_attention(q, cache, cache.plan([sid])))
-    assert (outs[0] - outs[1]).abs().max() > 1e-3
+    full, no_br = _full_and_no_br_outputs(32)
+    assert (full - no_br).abs().max() > 1e-3
 
 
 def test_layer_clip_replaces_the_formats():

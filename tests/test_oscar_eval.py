@@ -18,12 +18,13 @@ from foscar.oscar.rotation import hadamard  # noqa: E402
 D = 32
 
 
-@pytest.fixture(scope="module")
-def setup():
+def _tiny_llama(head_dim):
+    """A 2-layer Llama (4 query heads over 2 KV heads of ``head_dim``) and two 48-token
+    calibration sequences."""
     torch.manual_seed(0)
     cfg = LlamaConfig(
         vocab_size=96,
-        hidden_size=4 * D,
+        hidden_size=4 * head_dim,
         intermediate_size=256,
         num_hidden_layers=2,
         num_attention_heads=4,
@@ -32,7 +33,12 @@ def setup():
     )
     model = LlamaForCausalLM(cfg).eval()
     g = torch.Generator().manual_seed(0)
-    seqs = [torch.randint(0, 96, (48,), generator=g) for _ in range(2)]
+    return model, [torch.randint(0, 96, (48,), generator=g) for _ in range(2)]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model, seqs = _tiny_llama(D)
     cal = calibrate(model, seqs)
     rot = fit_clips(model, seqs[:1], cal.rotations(), num_queries=8)
     return model, cal, rot
@@ -170,19 +176,7 @@ def test_per_kv_head_selection_in_the_harness(setup):
 @pytest.fixture(scope="module")
 def setup64():
     """A tiny Llama with SmolLM2's head_dim 64 (groups of 32 split each head row in two)."""
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=96,
-        hidden_size=4 * 64,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    model = LlamaForCausalLM(cfg).eval()
-    g = torch.Generator().manual_seed(0)
-    seqs = [torch.randint(0, 96, (48,), generator=g) for _ in range(2)]
+    model, seqs = _tiny_llama(64)
     return model, seqs, calibrate(model, seqs)
 
 

@@ -420,6 +420,25 @@ def _channel_key_fold(
 
 
 @gluon.jit
+def _channel_key_operand(ks_bufs, s, qt_smem, kfold, CFG: gl.constexpr):
+    """Channel-wise K at ring stage s (its group's two scale chunks at 2s, 2s + 1): the fold of
+    _channel_key_fold into this consumer's buffers kfold = (Q', zq); returns (zq, the QK
+    product's B operand Q'^T)."""
+    q_smem, zq_smem = kfold
+    zq = _channel_key_fold(
+        ks_bufs.index(2 * s),
+        ks_bufs.index(2 * s + 1),
+        qt_smem,
+        q_smem,
+        zq_smem,
+        CFG[1],
+        (CFG[5] & 256) != 0,
+        scaled_extraction(CFG[5], CFG[2], CFG[7]),
+    )
+    return zq, q_smem.permute((1, 0))
+
+
+@gluon.jit
 def _rows_to_128(x, HS: gl.constexpr):
     """[64, HS] accumulator whose rows are equal -> [128, HS] accumulator (both m-tiles), a
     register relabeling."""
@@ -625,7 +644,6 @@ def _tile(
     FAST_MAX: gl.constexpr = (OPT & 1) != 0
     PIPE: gl.constexpr = (OPT & 2) != 0
     FAST_RCP: gl.constexpr = (OPT & 4) != 0
-    ZQ_REG: gl.constexpr = (OPT & 256) != 0
     RECONSTRUCT: gl.constexpr = (OPT & 128) != 0
     SCALED_V: gl.constexpr = scaled_extraction(OPT, V_BITS, HD)
     acc_l: gl.constexpr = acc_layout(HS)
@@ -645,18 +663,7 @@ def _tile(
         ks, kz = _channel_scale_pairs(ks_bufs.index(2 * s), ks_bufs.index(2 * s + 1), HS)
         b_qk = qt_smem.permute((1, 0))
     elif K_CHANNEL:
-        q_smem, zq_smem = kfold
-        zq = _channel_key_fold(
-            ks_bufs.index(2 * s),
-            ks_bufs.index(2 * s + 1),
-            qt_smem,
-            q_smem,
-            zq_smem,
-            HS,
-            ZQ_REG,
-            scaled_extraction(OPT, CFG[2], HD),
-        )
-        b_qk = q_smem.permute((1, 0))
+        zq, b_qk = _channel_key_operand(ks_bufs, s, qt_smem, kfold, CFG)
     else:
         ks, kz = _scale_pairs(ks_bufs.index(s), HS)
         b_qk = qt_smem.permute((1, 0))
@@ -770,7 +777,6 @@ def _tile_pair(
     HD: gl.constexpr = CFG[7]
     FAST_MAX: gl.constexpr = (OPT & 1) != 0
     FAST_RCP: gl.constexpr = (OPT & 4) != 0
-    ZQ_REG: gl.constexpr = (OPT & 256) != 0
     RECONSTRUCT: gl.constexpr = (OPT & 128) != 0
     SCALED_V: gl.constexpr = scaled_extraction(OPT, V_BITS, HD)
     gl.static_assert((OPT & (2 | 8)) == 0, "deferred PV wait and late arrive: one-page tiles")
@@ -793,18 +799,7 @@ def _tile_pair(
         kz_b = kz_a
         b_qk = qt_smem.permute((1, 0))
     elif K_CHANNEL:
-        q_smem, zq_smem = kfold
-        zq = _channel_key_fold(
-            ks_bufs.index(2 * s),
-            ks_bufs.index(2 * s + 1),
-            qt_smem,
-            q_smem,
-            zq_smem,
-            HS,
-            ZQ_REG,
-            scaled_extraction(OPT, CFG[2], HD),
-        )
-        b_qk = q_smem.permute((1, 0))
+        zq, b_qk = _channel_key_operand(ks_bufs, s, qt_smem, kfold, CFG)
     else:
         if RECONSTRUCT:
             ks_a, kz_a = _scale_pairs(ks_bufs.index(2 * s), HS)
@@ -884,6 +879,22 @@ def _tile_pair(
 
 
 @gluon.jit
+def _step(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: gl.constexpr):
+    """Tile t, consumer C's i-th, of one page or two (CFG's TP); ops = (ring, qt_smem, p_bufs,
+    qsums, kfold, qk_scale, magic)."""
+    ring, qt_smem, p_bufs, qsums, kfold, qk_scale, magic = ops
+    if CFG[8] == 2:
+        st = _tile_pair(
+            i, t, n_q, st, ring, qt_smem, p_bufs, qsums, kfold, qk_scale, magic, C, CFG, MASKED
+        )
+    else:
+        st = _tile(
+            i, t, n_q, st, ring, qt_smem, p_bufs, qsums, kfold, qk_scale, magic, C, CFG, MASKED
+        )
+    return st
+
+
+@gluon.jit
 def _consume(C: gl.constexpr, ring, qt_smem, op_bufs, split, qk_scale, magic, CFG: gl.constexpr):
     """Consumer C's loop over tiles t_begin + C + 2i; returns (m, l, unnormalised O^T [D, HS]).
     split: (seq_ptrs, num_splits) for _split_span; op_bufs: (P'^T per page, channel-wise K's Q'
@@ -927,52 +938,11 @@ def _consume(C: gl.constexpr, ring, qt_smem, op_bufs, split, qk_scale, magic, CF
     )
     n_all = gl.maximum(t_end - t_begin - C + 1, 0) // 2
     n_full = gl.maximum(t_full - t_begin - C + 1, 0) // 2
+    ops = (ring, qt_smem, p_bufs, qsums, kfold, qk_scale, magic)
     for i in range(n_full):
-        t = t_begin + C + 2 * i
-        if TP == 2:
-            st = _tile_pair(
-                i, t, n_q, st, ring, qt_smem, p_bufs, qsums, kfold, qk_scale, magic, C, CFG, False
-            )
-        else:
-            st = _tile(
-                i, t, n_q, st, ring, qt_smem, p_bufs, qsums, kfold, qk_scale, magic, C, CFG, False
-            )
+        st = _step(i, t_begin + C + 2 * i, n_q, st, ops, C, CFG, False)
     if n_full < n_all:  # the last tile, partly past the history
-        t = t_begin + C + 2 * n_full
-        if TP == 2:
-            st = _tile_pair(
-                n_full,
-                t,
-                n_q,
-                st,
-                ring,
-                qt_smem,
-                p_bufs,
-                qsums,
-                kfold,
-                qk_scale,
-                magic,
-                C,
-                CFG,
-                True,
-            )
-        else:
-            st = _tile(
-                n_full,
-                t,
-                n_q,
-                st,
-                ring,
-                qt_smem,
-                p_bufs,
-                qsums,
-                kfold,
-                qk_scale,
-                magic,
-                C,
-                CFG,
-                True,
-            )
+        st = _step(n_full, t_begin + C + 2 * n_full, n_q, st, ops, C, CFG, True)
     m_i, l_i, z_i, acc, o_tok, alpha_prev, vt_prev, zp_i = st
     if PIPE:
         o_prev, vt_prev = warpgroup_mma_wait(0, deps=[o_tok, vt_prev])
