@@ -446,19 +446,21 @@ def test_auto_picks_gluon_on_hopper():
 
 
 @sm90_only
+@pytest.mark.parametrize("scaled", [True, False])
 @pytest.mark.parametrize(
     "k_axis,v_axis,k_bits,v_bits",
     [(*axes, 2, 2) for axes in AXIS_PAIRS]
     + [("token", "token", 2, 4), ("channel", "channel", 4, 2)],
 )
-def test_scaled_extraction(k_axis, v_axis, k_bits, v_bits):
+def test_scaled_extraction(k_axis, v_axis, k_bits, v_bits, scaled):
     """OPT 512 (INT2 operands from 2 shifts per 8 K pairs and 1 per 4 V pairs, powers of 4
-    folded back into Q, the offsets and the output): the same bar over odd lengths and 32K."""
+    folded back into Q, the offsets and the output) on and off (the default has it on): the
+    same bar over odd lengths and 32K."""
     fmt = KVFormat(QuantFormat(k_bits, k_axis, 128), QuantFormat(v_bits, v_axis, 128))
     cache, batch = build_cache(fmt, LENGTHS + (32768,), num_kv_heads=8, device="cuda", seed=k_bits)
     q = queries(batch, 32, 128, "cuda")
     cfg = gluon_backend.gluon_decode_config(k_axis)
-    cfg = dataclasses.replace(cfg, opt=cfg.opt | 512)
+    cfg = dataclasses.replace(cfg, opt=cfg.opt | 512 if scaled else cfg.opt & ~512)
     out = torch.full_like(q, math.nan)
     lse = torch.full(q.shape[:2], math.nan, dtype=torch.float32, device="cuda")
     o, lse = gluon_backend.decode(
