@@ -763,11 +763,13 @@ def _tile_pair(
 ):
     """Two pages (128 tokens) of consumer C: tile t, its i-th, pages a and b of one ring stage.
     Per 128 tokens one stage wait and release, one cross-warp max exchange and one P' barrier
-    (a page per tile passes each once per 64 tokens: the barrier chain that bounds INT2,
-    benchmarks/NOTES.md 12); a channel-wise group is one tile, so K's fold runs once per group.
-    The two QK products go to two [64, HS] accumulators; the two PV products of the tile chain
-    on the tensor core (128 tokens, within Note [tensor-core accumulation]'s fresh-per-tile
-    rule), added to the running O in fp32."""
+    (a page per tile passes each once per 64 tokens), and a channel-wise group is one tile, so
+    K's fold runs once per group: 24-27% faster for channel-wise K, no faster for token-wise K
+    (whose consumers are bound by ALU work and wgmma latency, not by the barriers;
+    benchmarks/NOTES.md 16). The two QK products go to two [64, HS] accumulators; the two PV
+    products of the tile chain on the tensor core (128 tokens, within Note [tensor-core
+    accumulation]'s fresh-per-tile rule), added to the running O in fp32. Page b's operands
+    are built after page a's products complete (consumer 0 has 104 registers)."""
     SPC: gl.constexpr = CFG[0]
     HS: gl.constexpr = CFG[1]
     V_BITS: gl.constexpr = CFG[3]
@@ -791,7 +793,7 @@ def _tile_pair(
         mbarrier.arrive(empty.index(s))
         return m_i, l_i, z_i, acc, o_tok, alpha_prev, vt_prev, zp_i
     # scales: page a's chunk at 2s, page b's at 2s + 1 (a channel-wise group's two chunks),
-    # read after the QK products where the folds allow (registers: 112 per consumer thread)
+    # read after the QK products where the folds allow (registers: 104-112 per consumer thread)
     ks_a, kz_a, ks_b, kz_b, zq = 0, 0, 0, 0, 0
     if K_CHANNEL and RECONSTRUCT:
         ks_a, kz_a = _channel_scale_pairs(ks_bufs.index(2 * s), ks_bufs.index(2 * s + 1), HS)
