@@ -38,6 +38,7 @@ from foscar.bench.grid import (  # noqa: E402
     foscar_kv_bytes,
     random_cache,
 )
+from foscar.bench.grid import plot as grid_plot  # noqa: E402
 from foscar.bench.timing import L2Flusher, bench_stats  # noqa: E402
 from foscar.configs import gluon_decode_config  # noqa: E402
 from foscar.formats import KVFormat, QuantFormat  # noqa: E402
@@ -115,13 +116,20 @@ def repeat_check(variants):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out")
     ap.add_argument("--points", choices=["main", "axes", "both", "large"], default="main")
     ap.add_argument("--variants", nargs="+", default=["tp1", "tp2"])
     ap.add_argument("--bits", nargs="+", type=int, default=[2, 4])
     ap.add_argument("--repeat-check", nargs="*", default=None, metavar="VARIANT")
     ap.add_argument("--name", default="gluon_variants")
+    ap.add_argument("--replot", metavar="JSON", help="only redraw the plot of a results file")
     args = ap.parse_args()
+    if args.replot:
+        with open(args.replot) as f:
+            plot(json.load(f), os.path.splitext(args.replot)[0] + ".png")
+        return
+    if not args.out:
+        ap.error("--out is required (except with --replot)")
     os.makedirs(args.out, exist_ok=True)
     if args.repeat_check is not None:
         lines = repeat_check(args.repeat_check or ["tp1", "tp2", "tp2-2cta"])
@@ -180,7 +188,29 @@ def main():
         json.dump(rows, f, indent=1)
     with open(os.path.join(args.out, args.name + ".md"), "w") as f:
         f.write(markdown(rows, args.variants))
+    plot(rows, os.path.join(args.out, args.name + ".png"))
     print(markdown(rows, args.variants))
+
+
+def plot(rows, path):
+    """The speedups over FlashInfer BF16 against context length, a panel per batch, a line per
+    variant and format (foscar bench's plot: ``foscar.bench.grid.plot``)."""
+    grid_rows = [
+        dict(
+            method="foscar-gluon " + r["variant"] if r["variant"] != "triton" else "foscar-triton",
+            bits=r["bits"],
+            k_axis=r["k_axis"],
+            v_axis=r["v_axis"],
+            batch=r["batch"],
+            kv_len=r["kv_len"],
+            speedup_vs_flashinfer_bf16=r["flashinfer_bf16_us"] / r["us"],
+        )
+        for r in rows
+    ]
+    try:
+        grid_plot(grid_rows, path)
+    except ImportError:
+        print("matplotlib not importable: no plot", file=sys.stderr)
 
 
 def markdown(rows, variants):
