@@ -26,8 +26,8 @@ REFERENCE_BLOCK_N = 1024
 def default_backend(cache: QuantizedKVCache, q: torch.Tensor) -> str:
     """The backend ``"auto"`` picks: on a Hopper GPU the Gluon kernel where it covers the format
     and was measured faster (``configs.gluon_min_ctas`` of the K/V axes, read off the measured
-    ``configs.GLUON_OVER_TRITON_US``: token-wise K always, channel-wise K rarely), else the
-    Triton kernel on a GPU when it covers the format, else the reference."""
+    ``configs.GLUON_OVER_TRITON_US``: token-wise K always, channel-wise K from 64 sequences x
+    KV heads), else the Triton kernel on a GPU when it covers the format, else the reference."""
     if (
         q.is_cuda
         and q.dtype == torch.bfloat16
@@ -78,15 +78,19 @@ def decode_attention(
         CUDA-graph replays allocates nothing.
     sm_scale : float, optional
         Logit scale (default ``1 / sqrt(head_dim)``).
-    backend : ``"auto"``, ``"gluon"``, ``"triton"``, ``"reference"`` or ``"triton-reconstruct"``
-        ``"gluon"`` is the warp-specialized Hopper kernel (sm_90; token-wise INT2 K and V with
-        g=128, head_dim 128, page size 64, up to 8 query heads per KV head; windows included).
-        ``"auto"`` takes it where it applies, else the Triton kernel for bf16 queries on a GPU
+    backend : ``"auto"``, ``"gluon"``, ``"triton"``, ``"reference"``, ``"triton-reconstruct"``
+        or ``"gluon-reconstruct"``
+        ``"gluon"`` is the warp-specialized Hopper kernel (sm_90; INT2/INT4 K and V, each
+        token-wise with g = head_dim (128 or 64) or, at head_dim 128, channel-wise in groups of
+        128 tokens; page size 64, up to 8 query heads per KV head; windows included).
+        ``"auto"`` takes it where it applies and the H200 measured it faster
+        (:func:`default_backend`), else the Triton kernel for bf16 queries on a GPU
         when it covers the format (bf16 mapping, head_dim 64 or 128, at most 16 query heads
         per KV head), else the
         reference, the folded torch computation (:func:`foscar.reference.attend_folded`) in
         fp32 (fp64 for fp64 queries). ``"triton-reconstruct"`` dequantizes every value before
-        the products (the baseline folding is measured against).
+        the products (the baseline folding is measured against); ``"gluon-reconstruct"`` is the
+        same ablation in the Gluon kernel's pipeline.
     return_lse : bool
         Also return ``lse: [batch, num_q_heads]`` float32, the natural log of each head's
         softmax denominator over the scaled logits.
