@@ -91,27 +91,11 @@ def time_point(fmt, batch, kv_len, variants, flusher):
 
 
 def repeat_check(variants):
-    from kernel_cases import build_cache, queries, rel_l2
+    """diagnose_channel_k_variants.repeat_check over the named variants' channel-wise K configs."""
+    from diagnose_channel_k_variants import repeat_check as repeat_calls
 
-    from foscar.reference import attend_dequantized
-
-    fmt = KVFormat(QuantFormat(2, "channel", 128), QuantFormat(2, "token", 128))
-    cache, batch = build_cache(fmt, (32768, 4099), num_kv_heads=8, device="cuda", seed=2)
-    q = queries(batch, 32, 128, "cuda")
-    sm = 128**-0.5
-    ref, _ = attend_dequantized(q.double(), cache, batch, sm)
-    lines = []
-    for name in variants:
-        cfg = VARIANTS[name]("channel", 2)
-        outs = [gluon_backend.decode(q, cache, batch, sm, config=cfg).clone() for _ in range(6)]
-        worst = [max(rel_l2(o[i], ref[i]) for o in outs) for i in (0, 1)]
-        spread = max(float((o - outs[0]).abs().max()) for o in outs)
-        lines.append(
-            f"KcVt INT2 32K {name} ({cfg.ctas_per_sm} CTA/SM): worst per seq "
-            f"{[f'{e:.2e}' for e in worst]}, max diff between calls {spread:.2e}"
-        )
-        print(lines[-1], flush=True)
-    return lines
+    configs = {name: VARIANTS[name]("channel", 2) for name in variants}
+    return repeat_calls(configs, label="KcVt INT2 32K ")
 
 
 def main():
