@@ -617,23 +617,8 @@ def _channel_value_fold(acc, alpha, o_t, p_sum, vs, vz, HS: gl.constexpr, SCALED
 
 
 @gluon.jit
-def _tile(
-    i,
-    t,
-    n_q,
-    st,
-    ring,
-    qt_smem,
-    p_bufs,
-    qsums,
-    kfold,
-    qk_scale,
-    magic,
-    C: gl.constexpr,
-    CFG: gl.constexpr,
-    MASKED: gl.constexpr,
-):
-    """One page (64 tokens) of consumer C: tile t, its i-th."""
+def _tile(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: gl.constexpr):
+    """One page (64 tokens) of consumer C: tile t, its i-th (ops: see _step)."""
     SPC: gl.constexpr = CFG[0]
     HS: gl.constexpr = CFG[1]
     V_BITS: gl.constexpr = CFG[3]
@@ -647,6 +632,7 @@ def _tile(
     RECONSTRUCT: gl.constexpr = (OPT & 128) != 0
     SCALED_V: gl.constexpr = scaled_extraction(OPT, V_BITS, HD)
     acc_l: gl.constexpr = acc_layout(HS)
+    ring, qt_smem, p_bufs, qsums, kfold, qk_scale, magic = ops
     kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty = ring
     m_i, l_i, z_i, acc, o_tok, alpha_prev, vt_prev, zp_i = st
     p_smem = p_bufs.index(C)
@@ -745,22 +731,7 @@ def _tile(
 
 
 @gluon.jit
-def _tile_pair(
-    i,
-    t,
-    n_q,
-    st,
-    ring,
-    qt_smem,
-    p_bufs,
-    qsums,
-    kfold,
-    qk_scale,
-    magic,
-    C: gl.constexpr,
-    CFG: gl.constexpr,
-    MASKED: gl.constexpr,
-):
+def _tile_pair(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: gl.constexpr):
     """Two pages (128 tokens) of consumer C: tile t, its i-th, pages a and b of one ring stage.
     Per 128 tokens one stage wait and release, one cross-warp max exchange and one P' barrier
     (a page per tile passes each once per 64 tokens), and a channel-wise group is one tile, so
@@ -783,6 +754,7 @@ def _tile_pair(
     SCALED_V: gl.constexpr = scaled_extraction(OPT, V_BITS, HD)
     gl.static_assert((OPT & (2 | 8)) == 0, "deferred PV wait and late arrive: one-page tiles")
     acc_l: gl.constexpr = acc_layout(HS)
+    ring, qt_smem, p_bufs, qsums, kfold, qk_scale, magic = ops
     kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty = ring
     m_i, l_i, z_i, acc, o_tok, alpha_prev, vt_prev, zp_i = st
     pa_smem = p_bufs.index(2 * C)
@@ -884,15 +856,10 @@ def _tile_pair(
 def _step(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: gl.constexpr):
     """Tile t, consumer C's i-th, of one page or two (CFG's TP); ops = (ring, qt_smem, p_bufs,
     qsums, kfold, qk_scale, magic)."""
-    ring, qt_smem, p_bufs, qsums, kfold, qk_scale, magic = ops
     if CFG[8] == 2:
-        st = _tile_pair(
-            i, t, n_q, st, ring, qt_smem, p_bufs, qsums, kfold, qk_scale, magic, C, CFG, MASKED
-        )
+        st = _tile_pair(i, t, n_q, st, ops, C, CFG, MASKED)
     else:
-        st = _tile(
-            i, t, n_q, st, ring, qt_smem, p_bufs, qsums, kfold, qk_scale, magic, C, CFG, MASKED
-        )
+        st = _tile(i, t, n_q, st, ops, C, CFG, MASKED)
     return st
 
 
