@@ -21,6 +21,7 @@
 #   bash benchmarks/h200_run.sh s6-axes  # session 6: channel-K 2-CTA racecheck; axes grid, 1 vs 2 pages per tile
 #   bash benchmarks/h200_run.sh s6-final # session 6: Gluon GPU suite at the shipped configs, the axes grid
 #   bash benchmarks/h200_run.sh s6-scaled # session 6: the scaled extraction (OPT 512): GPU cases, INT2 at 128K
+#   bash benchmarks/h200_run.sh s7-e4m3 # session 7: E4M3 operands: GPU cases, accuracy, main grid beside bf16
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -192,6 +193,17 @@ case "$mode" in
     tail -3 "$OUT/gpu_tests_gluon_scaled.log"; grep -E "^_+ test_|Error: error|^E  " "$OUT/gpu_tests_gluon_scaled.log" | head -12
     timeout 150 python3 benchmarks/gluon_variants.py --out "$OUT" --points large --bits 2 \
       --variants unscaled scaled --name gluon_scaled_large 2>&1 | tail -12
+    ;;
+  s7-e4m3)
+    # session 7: the E4M3 operand path (kernel OPT 1024, backend "gluon-e4m3"): its GPU cases,
+    # its accuracy beside the bf16 path, then the 13-point grid of both beside FlashInfer BF16
+    # (also the first full grid at the scaled-extraction default)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gluon_kernel.py \
+      -k "e4m3" > "$OUT/gpu_tests_gluon_e4m3.log" 2>&1
+    tail -3 "$OUT/gpu_tests_gluon_e4m3.log"; grep -E "^_+ test_|Error|^E  " "$OUT/gpu_tests_gluon_e4m3.log" | head -16
+    timeout 120 python3 benchmarks/e4m3_accuracy.py 2>&1 | tee "$OUT/e4m3_accuracy.md"
+    timeout 270 python3 -m foscar bench --grid main --methods foscar-gluon foscar-gluon-e4m3 flashinfer-bf16 \
+      --name decode_grid_e4m3 --out "$OUT" 2>&1 | tee "$OUT/grid_e4m3.log" | grep -v "^\[" | tail -34
     ;;
   s5-variants)
     python3 benchmarks/diagnose_channel_k_variants.py 2>&1 | tee "$OUT/diagnose_channel_k_variants.log"

@@ -15,8 +15,17 @@ from .cache import DecodeBatch, QuantizedKVCache, rotate_rows
 __all__ = ["decode_attention", "default_backend", "BACKENDS"]
 
 #: ``"triton-reconstruct"`` and ``"gluon-reconstruct"`` are the per-value reconstruction
-#: baselines of the two kernels (benchmarks only).
-BACKENDS = ("auto", "gluon", "triton", "reference", "triton-reconstruct", "gluon-reconstruct")
+#: baselines of the two kernels (benchmarks only); ``"gluon-e4m3"`` is the Gluon kernel with FP8
+#: (E4M3) operands, faster and less accurate (never picked by ``"auto"``).
+BACKENDS = (
+    "auto",
+    "gluon",
+    "triton",
+    "reference",
+    "triton-reconstruct",
+    "gluon-reconstruct",
+    "gluon-e4m3",
+)
 #: Tokens per tile of the CPU reference backend. Per-tile Python work dominates on a CPU: at
 #: 8K tokens (3 KV heads, D=64) one call takes 67 ms with 256-token tiles and 31 ms with 1024
 #: (2 cores); the result changes only by fp32 rounding.
@@ -90,7 +99,11 @@ def decode_attention(
         reference, the folded torch computation (:func:`foscar.reference.attend_folded`) in
         fp32 (fp64 for fp64 queries). ``"triton-reconstruct"`` dequantizes every value before
         the products (the baseline folding is measured against); ``"gluon-reconstruct"`` is the
-        same ablation in the Gluon kernel's pipeline.
+        same ablation in the Gluon kernel's pipeline. ``"gluon-e4m3"`` is the Gluon kernel with
+        FP8 wgmma operands built from the same cache (the paper's Blackwell mapping, codes as
+        E4M3 ``q 2^-9``; token-wise K and V at head_dim 128): Q and the probabilities go to the
+        tensor cores as per-head scaled E4M3, so its error is E4M3's (about 10x bf16's,
+        ``benchmarks/NOTES.md`` 17); ``"auto"`` never picks it.
     return_lse : bool
         Also return ``lse: [batch, num_q_heads]`` float32, the natural log of each head's
         softmax denominator over the scaled logits.
@@ -155,7 +168,7 @@ _KERNELS = {
 
 def _decode(q, cache, batch, sm_scale, backend, return_lse, out, lse):
     """The backend call of :func:`decode_attention` (validated arguments, stored coordinates)."""
-    kernel = backend.removesuffix("-reconstruct")
+    kernel = backend.removesuffix("-reconstruct").removesuffix("-e4m3")
     if kernel in _KERNELS:
         module, needs = _KERNELS[kernel]
         if not module.available(q.device):
@@ -163,8 +176,13 @@ def _decode(q, cache, batch, sm_scale, backend, return_lse, out, lse):
         reason = module.supports(cache, q.shape[1])
         if reason:
             raise ValueError(f"backend {backend!r} does not cover this cache: {reason}")
+        if backend == "gluon-e4m3":
+            reason = module.supports_e4m3(cache)
+            if reason:
+                raise ValueError(f"backend {backend!r} does not cover this cache: {reason}")
         if q.dtype != torch.bfloat16:
             raise TypeError(f"backend {backend!r} needs bfloat16 queries, got {q.dtype}")
+        extra = {"operands": "e4m3"} if backend == "gluon-e4m3" else {}
         with on_device(q.device):  # a cache on cuda:1 while cuda:0 is current
             return module.decode(
                 q,
@@ -175,6 +193,7 @@ def _decode(q, cache, batch, sm_scale, backend, return_lse, out, lse):
                 lse=lse,
                 return_lse=return_lse,
                 reconstruct=backend.endswith("-reconstruct"),
+                **extra,
             )
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     o, lse_ref = reference.attend_folded(

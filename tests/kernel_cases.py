@@ -77,6 +77,49 @@ def bf16_torch_attention(q, cache, batch, sm_scale):
     return torch.stack(outs)
 
 
+def _e4m3_round_rows(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """x rounded to E4M3 after a power-of-two scale per slice along ``dim`` that puts the
+    slice's largest magnitude in [128, 256) (the Gluon kernel's Q and, up to the power of two,
+    its P'), returned in x's scale and dtype."""
+    amax = x.abs().amax(dim=dim, keepdim=True)
+    scale = torch.exp2(7 - torch.floor(torch.log2(amax.clamp_min(1e-30))))
+    return (x * scale).to(torch.float8_e4m3fn).to(x.dtype) / scale
+
+
+def e4m3_torch_attention(q, cache, batch, sm_scale):
+    """The error bar of the E4M3 operand path (Gluon OPT 1024): attention over the same
+    dequantized cache in fp64 with only Q (per head) and the probabilities (per head, relative
+    to their largest) rounded to E4M3, as the kernel's per-head scaled copies are."""
+    outs = []
+    h = cache.num_kv_heads
+    for i in range(batch.batch_size):
+        k, v = dequantize_sequence(cache, batch, i, torch.float64)
+        ratio = q.shape[1] // h
+        qq = _e4m3_round_rows(q[i].double().reshape(h, ratio, -1), -1)
+        s = torch.einsum("hqd,hld->hql", qq, k) * sm_scale
+        p = torch.softmax(s, dim=-1)
+        o = torch.einsum("hql,hld->hqd", _e4m3_round_rows(p, -1), v) / p.sum(-1, keepdim=True)
+        outs.append(o.reshape(h * ratio, -1))
+    return torch.stack(outs)
+
+
+def check_e4m3_against_reference(o, lse, q, cache, batch, *, sm_scale=None):
+    """The E4M3 operand path's error against fp64 over the dequantized cache is at E4M3 level:
+    within 2x that of an fp64 attention with Q and P rounded to E4M3 (e4m3_torch_attention);
+    bf16's 5e-3 bar does not apply (3 mantissa bits: benchmarks/NOTES.md 15 and 17)."""
+    sm_scale = 1 / math.sqrt(cache.head_dim) if sm_scale is None else sm_scale
+    assert torch.isfinite(o).all(), "unwritten or non-finite output"
+    ref, ref_lse = attend_dequantized(q.double(), cache, batch, sm_scale)
+    bar = rel_l2(e4m3_torch_attention(q, cache, batch, sm_scale), ref)
+    err = rel_l2(o, ref)
+    assert err <= max(2 * bar, 5e-3), f"error {err:.2e} > 2 x E4M3 torch attention {bar:.2e}"
+    if lse is not None:
+        assert torch.isfinite(lse).all()
+        # the logits carry Q's E4M3 rounding (2^-4 relative per element)
+        assert float((lse.double() - ref_lse).abs().max()) <= 0.25
+    return err, bar
+
+
 def rel_l2(a, b) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm())

@@ -17,7 +17,13 @@ import subprocess
 
 import pytest
 import torch
-from kernel_cases import build_cache, check_against_reference, queries, rel_l2
+from kernel_cases import (
+    build_cache,
+    check_against_reference,
+    check_e4m3_against_reference,
+    queries,
+    rel_l2,
+)
 
 from foscar import KVFormat, QuantFormat, decode_attention
 from foscar.configs import GluonDecodeConfig, gluon_decode_config
@@ -70,7 +76,8 @@ print(json.dumps(dict(warps=ck.metadata.num_warps, info=info, sass=sass,
 
 
 def tile_loops(sass):
-    """The consumers' tile loops in a SASS dump: innermost backward branches around HGMMAs, as
+    """The consumers' tile loops in a SASS dump: innermost backward branches around HGMMAs (QGMMA
+    for E4M3 operands), as
     lists of instruction texts. Branches back from the out-of-line mbarrier retry blocks (placed
     after the kernel's EXIT) are not loops of the code they return into."""
     ins = re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)
@@ -81,7 +88,7 @@ def tile_loops(sass):
         if m and int(m.group(1), 16) < addr[i]:
             lo = addr.index(int(m.group(1), 16))
             body = [t for _, t in ins[lo:i]]
-            if any("HGMMA" in t for t in body) and not any("EXIT" in t for t in body):
+            if any(re.search(r"[HQ]GMMA", t) for t in body) and not any("EXIT" in t for t in body):
                 spans.append((lo, i))
     inner = [(a, b) for a, b in spans if not any(a < c and d < b for c, d in spans)]
     return [[t for _, t in ins[a : b + 1]] for a, b in inner]
@@ -93,12 +100,56 @@ def tile_loops(sass):
 @pytest.mark.parametrize("k_bits,v_bits", BIT_PAIRS)
 @pytest.mark.parametrize("tile_pages", [1, 2])
 def test_compiles_for_sm90_without_spills(tile_pages, k_bits, v_bits, head_dim, k_axis, v_axis):
-    """Compiled in a fresh process: the interpreter (TRITON_INTERPRET=1, set for the CPU suite)
-    replaces triton's own jit functions, which the Gluon compiler cannot reference."""
+    cfg = gluon_decode_config(k_axis, tile_pages=tile_pages)
+    res = compile_in_subprocess(cfg, k_bits, v_bits, head_dim, k_axis, v_axis)
+    assert res["warps"] == 12  # 2 consumer warpgroups + the producer's warpgroup
+    # token-wise K at 2 CTAs/SM spills up to 20 bytes in consumer 0 (104 registers) at head_dim
+    # 128, outside its tile loop; channel-wise K (1 CTA/SM) and head_dim 64 do not spill
+    spilled = int(re.search(r"(\d+) bytes spill stores", res["info"]).group(1))
+    assert spilled <= (20 if (k_axis, head_dim) == ("token", 128) else 0), res["info"]
+    loops = tile_loops(res["sass"])
+    assert len(loops) >= 2  # one per consumer
+    for body in loops:  # no local memory traffic where the time goes
+        assert not [t for t in body if re.search(r"\b(LDL|STL)\b", t)]
+    if cfg.maxnreg:  # 2 CTAs/SM of 12 warps
+        assert f"Used {cfg.maxnreg} registers" in res["info"], res["info"]
+    else:  # channel-wise K must stay at 1 CTA/SM (configs.gluon_decode_config): 384 threads
+        used = int(re.search(r"Used (\d+) registers", res["info"]).group(1))
+        assert used * 384 > 65536 // 2, res["info"]
+    assert res["wgmma"] >= 16  # QK and PV on the tensor cores
+
+
+@pytest.mark.parametrize("scaled", [True, False])
+@pytest.mark.parametrize("k_bits,v_bits", BIT_PAIRS)
+def test_e4m3_operands_compile_without_spills(k_bits, v_bits, scaled):
+    """The E4M3 operand path (OPT 1024, FP8 wgmma m64n8k32) at the token-wise config: 2 CTAs
+    per SM without spills, and its tile loops carry no more instructions than the bf16 path's
+    (the point of it: one shift and one mask per four values, half the wgmma count; at session
+    7 INT2 226 against 255 per tile, INT4 240 against 278)."""
+    base = gluon_decode_config("token")
+    opt = base.opt if scaled else base.opt & ~512
+    bf16 = compile_in_subprocess(dataclasses.replace(base, opt=opt), k_bits, v_bits)
+    e4m3 = compile_in_subprocess(dataclasses.replace(base, opt=opt | 1024), k_bits, v_bits)
+    assert "0 bytes spill stores" in e4m3["info"], e4m3["info"]
+    assert f"Used {base.maxnreg} registers" in e4m3["info"], e4m3["info"]
+    assert e4m3["wgmma"] == bf16["wgmma"] // 2  # k32 instead of k16
+    loops, bf16_loops = tile_loops(e4m3["sass"]), tile_loops(bf16["sass"])
+    assert len(loops) >= 2 and all(any("QGMMA" in t for t in body) for body in loops)
+    for body in loops:
+        assert not [t for t in body if re.search(r"\b(LDL|STL)\b", t)]
+    assert max(map(len, loops)) < min(map(len, bf16_loops)), (
+        [len(b) for b in loops],
+        [len(b) for b in bf16_loops],
+    )
+
+
+def compile_in_subprocess(cfg, k_bits, v_bits, head_dim=128, k_axis="token", v_axis="token"):
+    """compile_sm90 + ptxas -v + the SASS, in a fresh process: the interpreter
+    (TRITON_INTERPRET=1, set for the CPU suite) replaces triton's own jit functions, which the
+    Gluon compiler cannot reference."""
     import json
     import sys
 
-    cfg = gluon_decode_config(k_axis, tile_pages=tile_pages)
     env = dict(os.environ, TRITON_INTERPRET="0")
     done = subprocess.run(
         [
@@ -119,22 +170,7 @@ def test_compiles_for_sm90_without_spills(tile_pages, k_bits, v_bits, head_dim, 
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    res = json.loads(done.stdout.strip().splitlines()[-1])
-    assert res["warps"] == 12  # 2 consumer warpgroups + the producer's warpgroup
-    # token-wise K at 2 CTAs/SM spills up to 20 bytes in consumer 0 (104 registers) at head_dim
-    # 128, outside its tile loop; channel-wise K (1 CTA/SM) and head_dim 64 do not spill
-    spilled = int(re.search(r"(\d+) bytes spill stores", res["info"]).group(1))
-    assert spilled <= (20 if (k_axis, head_dim) == ("token", 128) else 0), res["info"]
-    loops = tile_loops(res["sass"])
-    assert len(loops) >= 2  # one per consumer
-    for body in loops:  # no local memory traffic where the time goes
-        assert not [t for t in body if re.search(r"\b(LDL|STL)\b", t)]
-    if cfg.maxnreg:  # 2 CTAs/SM of 12 warps
-        assert f"Used {cfg.maxnreg} registers" in res["info"], res["info"]
-    else:  # channel-wise K must stay at 1 CTA/SM (configs.gluon_decode_config): 384 threads
-        used = int(re.search(r"Used (\d+) registers", res["info"]).group(1))
-        assert used * 384 > 65536 // 2, res["info"]
-    assert res["wgmma"] >= 16  # QK and PV on the tensor cores
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize(
@@ -185,12 +221,26 @@ def test_supports_head_dim_and_page_size():
 def test_cpu_call_is_refused_and_auto_does_not_pick_it():
     cache, batch = build_cache(FMT, (70, 3))
     q = queries(batch, 8, 128, "cpu")
-    for backend in ("gluon", "gluon-reconstruct"):
+    for backend in ("gluon", "gluon-reconstruct", "gluon-e4m3"):
         with pytest.raises(ValueError, match=f"backend '{backend}' needs .* Hopper"):
             decode_attention(q, cache, batch, backend=backend)
     from foscar.decode import default_backend
 
     assert default_backend(cache, q) != "gluon"
+
+
+@pytest.mark.parametrize(
+    "fmt,head_dim,reason",
+    [
+        (KVFormat(INT2, QuantFormat(2, "channel", 128)), 128, "token-wise K and V"),
+        (KVFormat(QuantFormat(4, "channel", 128), INT4), 128, "token-wise K and V"),
+        (KVFormat(QuantFormat(2, "token", 64), QuantFormat(2, "token", 64)), 64, "head_dim 128"),
+    ],
+)
+def test_e4m3_operands_name_what_they_do_not_cover(fmt, head_dim, reason):
+    cache, _ = build_cache(fmt, (70,), head_dim=head_dim)
+    assert reason in gluon_backend.supports_e4m3(cache)
+    assert gluon_backend.supports_e4m3(build_cache(FMT, (70,))[0]) is None
 
 
 def test_tma_descriptors_cover_the_pools_and_are_cached():
@@ -281,6 +331,84 @@ def test_scaled_extraction_exponents_match_the_cache_layout():
             _, bit = kernel_bit_location(role, c, 128, 2)
             p = bit % width
             assert 2 * exponent(c) == p - 6 * (p // 6), (role, c, bit)
+
+
+def _prmt(a: int, b: int, sel: int) -> int:
+    """PTX prmt.b32 (default mode, no sign replication): byte i is byte sel[4i:4i+3] of {b, a}."""
+    both = (b << 32) | a
+    return sum(((both >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+
+
+def _e4m3_fields(x: int, f: int, bits: int, scaled: bool) -> int:
+    """gluon_decode._fields_e4m3 on one 32-bit word."""
+    if scaled:
+        return (x >> (4 * (f // 2))) & (0x03030303 << (2 * (f % 2)))
+    return (x >> (bits * f)) & (((1 << bits) - 1) * 0x01010101)
+
+
+@pytest.mark.parametrize("bits,scaled", [(2, False), (2, True), (4, False)])
+def test_e4m3_operand_programs_read_the_cache_layout(bits, scaled):
+    """The E4M3 operand programs (OPT 1024) replayed per thread on words packed by the cache's
+    own packer: every byte of every A-fragment register (wgmma m64nNk32 e4m3: thread (w, l) holds
+    rows l//4 + 8i + 16w (+ 64 for V^T's second m-tile), columns 4 (l%4) + j + 16 i' + 32 kb)
+    is the code its row and column stand for: K's column k is channel _e4m3_key_channel(k) (Q is
+    stored in that order), V^T's column is the token itself; scaled INT2 fields carry 4^a with
+    a = (k // 16) % 2 for K (the kernel folds 4^-a into Q) and a = (c // 8) % 2 for V (into the
+    output). This pins the bit programs to foscar.formats; the compile test pins the layouts."""
+    from foscar.formats import Role, channel_order, pack_codes
+    from foscar.kernels import gluon_decode as kern
+
+    hd, tokens = 128, 64
+    gen = torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 1 << bits, (tokens, hd), generator=gen)
+    words = {}
+    for role in ("key", "value"):
+        w = pack_codes(codes, bits, "bf16", channel_order(Role(role), bits, hd))
+        words[role] = [[int(v) & 0xFFFFFFFF for v in row] for row in w.tolist()]
+    key_channel = kern._e4m3_key_channel.fn
+    nf, e_words = 8 // bits, hd * bits // 128
+    piece_bits = bits * hd // 32
+    pw, pby = 32 // piece_bits, piece_bits // 8
+    for warp in range(4):
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            # K [64 tokens, 128 columns]: register (i, i', kb) of the thread's rows
+            for i in range(2):
+                row = g + 8 * i + 16 * warp
+                for col16 in range(hd // 16):  # 16 i' + 32 kb = 16 (f + NF e)
+                    f, e = col16 % nf, col16 // nf
+                    x = _e4m3_fields(words["key"][row][e_words * t + e], f, bits, scaled)
+                    for j in range(4):
+                        k = 16 * col16 + 4 * t + j
+                        shift = 2 * ((k // 16) % 2) if scaled else 0
+                        want = int(codes[row, key_channel(k, bits)]) << shift
+                        assert (x >> (8 * j)) & 0xFF == want, ("key", warp, lane, row, k)
+            # V^T [128 channels, 64 tokens]: piece 8w + g of 4 tokens per register
+            piece = 8 * warp + g
+            wi, xi = piece // pw, piece % pw
+            lo = xi * pby
+            sel = (
+                lo | ((lo + 1) << 4) | ((lo + 4) << 8) | ((lo + 5) << 12)
+                if pby == 2
+                else lo | ((lo + 4) << 4) | (lo << 8) | ((lo + 4) << 12)
+            )
+            for quad in range(4):  # (kb, i'): tokens 16 quad + 4 t + j
+                tok = [16 * quad + 4 * t + j for j in range(4)]
+                a = _prmt(words["value"][tok[0]][wi], words["value"][tok[1]][wi], sel)
+                b = _prmt(words["value"][tok[2]][wi], words["value"][tok[3]][wi], sel)
+                for hb in range(pby):
+                    sel2 = hb | ((pby + hb) << 4) | ((4 + hb) << 8) | ((4 + pby + hb) << 12)
+                    gathered = _prmt(a, b, sel2)
+                    for fb in range(8 // bits):
+                        fld = hb * (8 // bits) + fb  # 2 b + a
+                        c = g + 8 * (fld % 2) + 16 * warp + 64 * (fld // 2)
+                        x = _e4m3_fields(gathered, fb, bits, scaled)
+                        shift = 2 * ((c // 8) % 2) if scaled else 0
+                        for j in range(4):
+                            want = int(codes[tok[j], c]) << shift
+                            assert (x >> (8 * j)) & 0xFF == want, ("value", warp, lane, c, tok[j])
+    # every channel once: the K columns are a permutation of the channels
+    assert sorted(key_channel(k, bits) for k in range(hd)) == list(range(hd))
 
 
 @pytest.fixture(autouse=True)
@@ -467,6 +595,72 @@ def test_scaled_extraction(k_axis, v_axis, k_bits, v_bits, scaled):
         q, cache, batch, 128**-0.5, out=out, lse=lse, return_lse=True, config=cfg
     )
     check_against_reference(o, lse, q, cache, batch)
+
+
+@sm90_only
+@pytest.mark.parametrize("k_bits,v_bits", BIT_PAIRS)
+@pytest.mark.parametrize("ratio", [1, 3, 4, 8])
+def test_e4m3_operands_odd_lengths(ratio, k_bits, v_bits):
+    """backend "gluon-e4m3" (FP8 wgmma operands): odd lengths, GQA ratios, every bit pair,
+    against fp64 at E4M3's bar (kernel_cases.check_e4m3_against_reference)."""
+    fmt = KVFormat(QuantFormat(k_bits, "token", 128), QuantFormat(v_bits, "token", 128))
+    cache, batch = build_cache(fmt, LENGTHS, num_kv_heads=2, device="cuda", seed=ratio)
+    q = queries(batch, 2 * ratio, 128, "cuda")
+    check_e4m3_against_reference(*run(q, cache, batch, backend="gluon-e4m3"), q, cache, batch)
+
+
+@sm90_only
+@pytest.mark.parametrize("scaled", [True, False])
+@pytest.mark.parametrize("bits", [2, 4])
+def test_e4m3_operands_paper_shape_and_windows(bits, scaled):
+    """E4M3 operands at the paper shape (32K tokens, 32/8 heads) with BF16 windows, the scaled
+    INT2 extraction on and off, and a repeat call that must give the same bits."""
+    fmt = KVFormat(
+        QuantFormat(bits, "token", 128),
+        QuantFormat(bits, "token", 128),
+        sink_tokens=64,
+        recent_tokens=256,
+    )
+    cache, batch = build_cache(fmt, (32768, 4099, 1), num_kv_heads=8, device="cuda", seed=bits)
+    q = queries(batch, 32, 128, "cuda")
+    cfg = gluon_backend.gluon_decode_config("token")
+    cfg = dataclasses.replace(cfg, opt=cfg.opt | 512 if scaled else cfg.opt & ~512)
+    outs = []
+    for _ in range(2):
+        out = torch.full_like(q, math.nan)
+        lse = torch.full(q.shape[:2], math.nan, dtype=torch.float32, device="cuda")
+        o, lse = gluon_backend.decode(
+            q,
+            cache,
+            batch,
+            128**-0.5,
+            out=out,
+            lse=lse,
+            return_lse=True,
+            config=cfg,
+            operands="e4m3",
+        )
+        check_e4m3_against_reference(o, lse, q, cache, batch)
+        outs.append(o.clone())
+    assert torch.equal(outs[0], outs[1])
+
+
+@sm90_only
+def test_e4m3_operands_cuda_graph_replay():
+    cache, batch = build_cache(FMT, (3000, 17, 9000), num_kv_heads=8, device="cuda")
+    q = queries(batch, 32, 128, "cuda")
+    out = torch.empty_like(q)
+    kw = dict(backend="gluon-e4m3", out=out)
+    decode_attention(q, cache, batch, **kw)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_attention(q, cache, batch, **kw)
+    for seed in range(2):
+        q.copy_(queries(batch, 32, 128, "cuda", seed=20 + seed))
+        out.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        check_e4m3_against_reference(out, None, q, cache, batch)
 
 
 @sm90_only

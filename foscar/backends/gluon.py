@@ -22,7 +22,7 @@ from ..configs import GluonDecodeConfig, gluon_decode_config
 from ..formats import GroupAxis, OperandMapping
 from . import triton as triton_backend
 
-__all__ = ["available", "supports", "decode", "num_splits"]
+__all__ = ["available", "supports", "supports_e4m3", "decode", "num_splits", "OPERANDS"]
 
 HEAD_DIMS = (128, 64)  # 64: token-wise K and V only
 PAGE_SIZE = 64
@@ -90,6 +90,25 @@ def supports(cache: QuantizedKVCache, num_q_heads: int) -> str | None:
     if ratio > MAX_HEADS_PER_KV:
         return f"at most {MAX_HEADS_PER_KV} query heads per KV head, got {ratio}"
     return triton_backend.supports(cache, num_q_heads)  # the window program and the merge
+
+
+#: operand mappings the kernel builds from the same (bf16-layout) cache: "bf16" (mantissa
+#: injection, the default) or "e4m3" (FP8 wgmma, kernel OPT 1024; token-wise K and V at head_dim
+#: 128; Q and P' rounded to per-head scaled E4M3, so about 10x bf16's error: benchmarks/NOTES.md 17)
+OPERANDS = ("bf16", "e4m3")
+
+
+def supports_e4m3(cache: QuantizedKVCache) -> str | None:
+    """``None`` if the E4M3 operand path covers this cache's format, else the reason."""
+    k, v = cache.fmt.key, cache.fmt.value
+    if k.axis is GroupAxis.CHANNEL or v.axis is GroupAxis.CHANNEL:
+        return (
+            f"E4M3 operands cover token-wise K and V; the format is key {k.short()}, "
+            f"value {v.short()}"
+        )
+    if cache.head_dim != 128:
+        return f"E4M3 operands cover head_dim 128, got {cache.head_dim}"
+    return None
 
 
 def num_splits(batch: int, num_kv_heads: int, max_tokens: int, cfg: GluonDecodeConfig, sms: int):
@@ -174,11 +193,26 @@ def decode(
     config: GluonDecodeConfig | None = None,
     splits: int | None = None,
     reconstruct: bool = False,
+    operands: str = "bf16",
 ):
-    """Gluon history splits (+ the Triton window program) + the merge; returns ``out`` (and lse)."""
+    """Gluon history splits (+ the Triton window program) + the merge; returns ``out`` (and lse).
+    ``operands``: "bf16" or "e4m3" (:data:`OPERANDS`; the latter needs :func:`supports_e4m3`
+    and one-page tiles)."""
     kern = _gluon()
     bsz, num_q_heads, d = q.shape
+    if operands not in OPERANDS:
+        raise ValueError(f"operands must be one of {OPERANDS}, got {operands!r}")
     cfg = config or gluon_decode_config(cache.fmt.key.axis.value)
+    if operands == "e4m3":
+        reason = supports_e4m3(cache)
+        if reason:
+            raise ValueError(reason)
+        if reconstruct or cfg.tile_pages != 1:
+            raise ValueError(
+                "operands='e4m3' runs one-page tiles and the folds (got tile_pages="
+                f"{cfg.tile_pages}, reconstruct={reconstruct})"
+            )
+        cfg = dataclasses.replace(cfg, opt=cfg.opt | 1024)
     if cache.fmt.key.axis is GroupAxis.CHANNEL and cfg.ctas_per_sm > 1:
         warnings.warn(
             f"channel-wise K with a config of {cfg.ctas_per_sm} CTAs per SM: on the H200 its "

@@ -93,6 +93,7 @@ FOSCAR_BACKENDS = {
     "foscar-triton": "triton",
     "foscar-reconstruct": "triton-reconstruct",
     "foscar-gluon-reconstruct": "gluon-reconstruct",
+    "foscar-gluon-e4m3": "gluon-e4m3",
 }
 FOSCAR_METHODS_BY_BACKEND = {b: m for m, b in FOSCAR_BACKENDS.items()}
 
@@ -412,6 +413,7 @@ def add_arguments(parser) -> None:
         nargs="+",
         default=[
             "foscar-gluon",
+            "foscar-gluon-e4m3",
             "foscar-triton",
             "foscar-reconstruct",
             "foscar-gluon-reconstruct",

@@ -75,15 +75,18 @@ PAGE = 64
 
 # ------------------------------------------------------------------------------------------ layouts
 @gluon.constexpr_function
-def acc_layout(HS):
-    """wgmma accumulator (and, sliced, per-token / per-head vectors): one warpgroup, n = HS."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HS, 16])
+def acc_layout(HS, K=16):
+    """wgmma accumulator (and, sliced, per-token / per-head vectors): one warpgroup, n = HS; the
+    instruction's k (16 for bf16, 32 for E4M3) does not change where the values lie."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HS, K])
 
 
 @gluon.constexpr_function
-def a_operand_layout(HS):
-    """wgmma A operand in registers, bf16 (k_width 2: a bf16 pair per 32-bit register)."""
-    return gl.DotOperandLayout(operand_index=0, parent=acc_layout(HS), k_width=2)
+def a_operand_layout(HS, k_width=2):
+    """wgmma A operand in registers: bf16 (k_width 2: a bf16 pair per 32-bit register) or E4M3
+    (k_width 4: four bytes of consecutive k per register; thread (w, l) holds rows l//4 + 8i +
+    16w and columns 4 (l%4) + j + 16 i' + 32 kb)."""
+    return gl.DotOperandLayout(operand_index=0, parent=acc_layout(HS, 8 * k_width), k_width=k_width)
 
 
 def words_per_row(bits, head_dim=D):
@@ -97,20 +100,22 @@ def _log2(x):
 
 
 @gluon.constexpr_function
-def k_words3_layout(BITS=2, HD=D):
-    """[64 tokens, W words, F fields] (W = HD * BITS / 32, F = 16 / BITS): words as the m64n8
-    accumulator's rows (thread (w, l) owns rows l//4 + 8i + 16w and words E*(l%4) + e, E = W / 4,
-    foscar.formats.kernel_bit_location role "key"), the extraction fields in registers."""
+def k_words3_layout(BITS=2, HD=D, E4M3=False):
+    """[64 tokens, W words, F fields] (W = HD * BITS / 32, F = 16 / BITS, or 8 / BITS extractions
+    of four bytes for E4M3): words as the m64n8 accumulator's rows (thread (w, l) owns rows l//4 +
+    8i + 16w and words E*(l%4) + e, E = W / 4, foscar.formats.kernel_bit_location role "key"), the
+    extraction fields in registers (for E4M3 ordered row, fields, words: the E4M3 A fragment's
+    register order once the bytes are split off, see _k_operand_e4m3)."""
     E = HD * BITS // 128
-    eb, fb = _log2(E), _log2(16 // BITS)
+    F = (8 if E4M3 else 16) // BITS
+    words = [[0, 1 << i, 0] for i in range(_log2(E))]
+    fields = [[0, 0, 1 << i] for i in range(_log2(F))]
     return gl.DistributedLinearLayout(
-        reg_bases=[[0, 1 << i, 0] for i in range(eb)]
-        + [[8, 0, 0]]
-        + [[0, 0, 1 << i] for i in range(fb)],
+        reg_bases=([[8, 0, 0]] + fields + words) if E4M3 else (words + [[8, 0, 0]] + fields),
         lane_bases=[[0, E, 0], [0, 2 * E, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
         warp_bases=[[16, 0, 0], [32, 0, 0]],
         block_bases=[],
-        shape=[64, 4 * E, 16 // BITS],
+        shape=[64, 4 * E, F],
     )
 
 
@@ -146,6 +151,44 @@ def v_words_load_layout(BITS=2, HD=D):
         warp_bases=[[0, 1 << (3 - pb)], [0, 1 << (4 - pb)]],
         block_bases=[],
         shape=[64, HD * BITS // 32],
+    )
+
+
+@gluon.constexpr_function
+def v_words_e4m3_load_layout(BITS=2, HD=D):
+    """[64 tokens, W words] as the E4M3 V path reads them: thread (w, l) takes the word of its
+    piece 8w + l//4 (as v_words_load_layout) for the 16 tokens 4 (l%4) + j + 16 i' + 32 kb of
+    its E4M3 A fragment columns, the four tokens j of a register in consecutive registers."""
+    pb = _log2(32 // (BITS * HD // 32))
+    return gl.DistributedLinearLayout(
+        reg_bases=[[1, 0], [2, 0], [16, 0], [32, 0]],
+        lane_bases=[[4, 0], [8, 0]] + [[0, 0]] * pb + [[0, 1 << i] for i in range(3 - pb)],
+        warp_bases=[[0, 1 << (3 - pb)], [0, 1 << (4 - pb)]],
+        block_bases=[],
+        shape=[64, HD * BITS // 32],
+    )
+
+
+@gluon.constexpr_function
+def v_e4m3_layout(BITS=2, HD=D):
+    """[16 token quads, W words, PW pieces X, PBY bytes of a piece, NFB fields of a byte] of the
+    E4M3 V path: quad 8 kb + 4 i' + T (T = lane % 4, i' and kb in registers), piece 8w + l//4 as
+    in v_words4_layout; the registers ordered field bit 0 (channel bit 3), i', kb, then the
+    piece's byte or the field's bit 1 (channel bit 6): the E4M3 A fragment's order once the
+    token bytes are split off (see _vt_operand_e4m3)."""
+    PB = BITS * HD // 32
+    pb = _log2(32 // PB)
+    PBY = PB // 8
+    NFB = 8 // BITS
+    last = [[0, 0, 0, 1, 0]] if PBY == 2 else [[0, 0, 0, 0, 2]]
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 0, 0, 1], [4, 0, 0, 0, 0], [8, 0, 0, 0, 0]] + last,
+        lane_bases=[[1, 0, 0, 0, 0], [2, 0, 0, 0, 0]]
+        + [[0, 0, 1 << i, 0, 0] for i in range(pb)]
+        + [[0, 1 << i, 0, 0, 0] for i in range(3 - pb)],
+        warp_bases=[[0, 1 << (3 - pb), 0, 0, 0], [0, 1 << (4 - pb), 0, 0, 0]],
+        block_bases=[],
+        shape=[16, HD * BITS // 32, 32 // PB, PBY, NFB],
     )
 
 
@@ -344,6 +387,145 @@ def _vt_operand(
     return gl.convert_layout(y.reshape([HD, 64]), a_operand_layout(HS), assert_trivial=True)
 
 
+# ----------------------------------------------------------------------- E4M3 operands (OPT 1024)
+# The paper's Blackwell mapping on Hopper's FP8 wgmma (m64nNk32, e4m3 x e4m3 -> fp32): a code q in
+# the low bits of a byte is the E4M3 value q 2^-9 (subnormal up to 7, exact up to 15), so one
+# shift and one mask make four operands. The kernel reads the bf16-layout cache as it is: its
+# K words hold a thread's channels in another order than the E4M3 fragment's columns, and the
+# reduction over channels does not care, so Q is stored in the operand's column order
+# (_e4m3_key_channel); V^T's columns are tokens in natural order, so P' needs no permutation.
+# Q and P' are per-head scaled E4M3 copies (Q: a power of two per head, P': 256 P' with P' <= 1).
+@gluon.constexpr_function
+def e4m3_operands(opt):
+    """Whether the kernel builds E4M3 operands (OPT 1024) instead of bf16 mantissa injection."""
+    return (opt & 1024) != 0
+
+
+@gluon.constexpr_function
+def _append(shape, n):
+    return [int(getattr(d, "value", d)) for d in shape] + [n]
+
+
+@gluon.jit
+def _bytes4(x):
+    """int32 [...] -> float8e4nv [..., 4]: its four bytes, lowest first (register views)."""
+    b0 = x.to(gl.int8).to(gl.float8e4nv, bitcast=True)
+    b1 = (x >> 8).to(gl.int8).to(gl.float8e4nv, bitcast=True)
+    b2 = (x >> 16).to(gl.int8).to(gl.float8e4nv, bitcast=True)
+    b3 = (x >> 24).to(gl.int8).to(gl.float8e4nv, bitcast=True)
+    y = gl.join(gl.join(b0, b2), gl.join(b1, b3))  # [..., hi, lo]: byte 2 hi + lo
+    return y.reshape(_append(x.shape, 4))
+
+
+@gluon.jit
+def _fields_e4m3(x, f, BITS: gl.constexpr, SCALED: gl.constexpr):
+    """Extraction f of four bytes' codes at once, each in the low nibble of its byte (E4M3 q 2^-9
+    or, scaled (INT2), 4 q 2^-9 for odd f: a mask in place of every other shift)."""
+    if SCALED:
+        gl.static_assert(BITS == 2)
+        shift = 4 * (f // 2)
+        mask = (f * 0 + 0x03030303) << (2 * (f % 2))
+    else:
+        shift = BITS * f
+        mask = f * 0 + ((1 << BITS) - 1) * 0x01010101
+    # opaque to LLVM: seen through, its known-bits rewrites split the word into per-byte
+    # shifts and PRMTs (INT4: ~50 more instructions per tile) where _bytes4 should be free
+    return gl.inline_asm_elementwise(
+        "{ .reg .b32 t; shr.u32 t, $1, $2; and.b32 $0, t, $3; }",
+        "=r,r,r,r",
+        [x, shift, mask],
+        dtype=gl.int32,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@gluon.jit
+def _e4m3_key_channel(k, BITS: gl.constexpr):
+    """The key channel in column k of the E4M3 K operand (and of Q's E4M3 copy): column k = b + 4T
+    + 16 (f + NF e) is byte b of extraction f (NF = 8 / BITS per word) of the thread's word e,
+    i.e. field NF (b % 2) + f of half b // 2 of word E T + e (foscar.formats role "key")."""
+    NF: gl.constexpr = 8 // BITS
+    b = k % 4
+    idx = k // 16
+    return 16 * NF * (idx // NF) + 8 * NF * (b % 2) + 8 * (idx % NF) + 2 * ((k // 4) % 4) + b // 2
+
+
+@gluon.jit
+def _e4m3_wait(tok, a_op):
+    """Wait for the wgmma of tok, whose A operand a_op is E4M3 in registers. triton 3.6's
+    WGMMAWaitGroupOp lowering rejects 8-bit deps ("Unexpected bitwidth"), so a_op is not
+    passed; ptxas keeps the operand registers of an in-flight wgmma.mma_async from reuse (it
+    orders them itself, the C7512 diagnostics), and every use of a_op is before the wait."""
+    return warpgroup_mma_wait(0, deps=[tok])
+
+
+@gluon.jit
+def _k_operand_e4m3(
+    words, HS: gl.constexpr, BITS: gl.constexpr, HD: gl.constexpr, SCALED: gl.constexpr
+):
+    """K operand [64 tokens, HD columns] E4M3 in the wgmma A layout (k_width 4), columns in
+    _e4m3_key_channel's order, from words [64, W] in SliceLayout(2, k_words3_layout(BITS, HD)):
+    NF = 8 / BITS extractions per word (INT2 scaled: 1 shift and 4 masks per 16 codes)."""
+    L3: gl.constexpr = k_words3_layout(BITS, HD, True)
+    E: gl.constexpr = HD * BITS // 128
+    NF: gl.constexpr = 8 // BITS
+    words = gl.convert_layout(words, gl.SliceLayout(2, L3), assert_trivial=True)
+    f = gl.arange(0, NF, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    x = _fields_e4m3(gl.expand_dims(words, 2), f[None, None, :], BITS, SCALED)
+    y = _bytes4(x).reshape([64, 4, E, NF, 4])  # n, T, e, f, b
+    y = gl.permute(y, [0, 2, 3, 1, 4])  # n, e, f, T, b: column b + 4T + 16 (f + NF e)
+    return gl.convert_layout(y.reshape([64, HD]), a_operand_layout(HS, 4), assert_trivial=True)
+
+
+@gluon.jit
+def _vt_operand_e4m3(
+    words, HS: gl.constexpr, BITS: gl.constexpr, HD: gl.constexpr, SCALED: gl.constexpr
+):
+    """V^T operand [HD channels, 64 tokens] E4M3 in the wgmma A layout (k_width 4), from words
+    [64, W] in v_words_e4m3_load_layout: a register holds one channel of four consecutive tokens,
+    so three PRMT gather a piece's byte of the four tokens (four PRMT both bytes of an INT4
+    piece), then one shift and one mask per extraction (INT2 scaled: 1 shift, 4 masks)."""
+    L5: gl.constexpr = v_e4m3_layout(BITS, HD)
+    W: gl.constexpr = HD * BITS // 32
+    PB: gl.constexpr = BITS * HD // 32
+    PW: gl.constexpr = 32 // PB
+    PBY: gl.constexpr = PB // 8
+    NFB: gl.constexpr = 8 // BITS
+    L4: gl.constexpr = gl.SliceLayout(4, L5)
+    L3: gl.constexpr = gl.SliceLayout(3, L4)
+    L2: gl.constexpr = gl.SliceLayout(2, L3)
+    q = gl.permute(words.reshape([16, 4, W]), [0, 2, 1]).reshape([16, W, 2, 2])  # quad, word, j
+    even, odd = gl.split(q)  # tokens j = 0, 2 and j = 1, 3 of each quad
+    t0, t2 = gl.split(even)
+    t1, t3 = gl.split(odd)
+    t0 = gl.convert_layout(t0, L2, assert_trivial=True)
+    t1 = gl.convert_layout(t1, L2, assert_trivial=True)
+    t2 = gl.convert_layout(t2, L2, assert_trivial=True)
+    t3 = gl.convert_layout(t3, L2, assert_trivial=True)
+    X = gl.arange(0, PW, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    lo = X * PBY  # the piece's first byte in its word
+    if PBY == 2:  # both bytes of the piece of two tokens: [a lo, a lo+1, b lo, b lo+1]
+        sel = lo | ((lo + 1) << 4) | ((lo + 4) << 8) | ((lo + 5) << 12)
+    else:  # [a lo, b lo, -, -]
+        sel = lo | ((lo + 4) << 4) | (lo << 8) | ((lo + 4) << 12)
+    a = _prmt(gl.expand_dims(t0, 2), gl.expand_dims(t1, 2), sel[None, None, :])
+    b = _prmt(gl.expand_dims(t2, 2), gl.expand_dims(t3, 2), sel[None, None, :])
+    hb = gl.arange(0, PBY, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4))))
+    sel2 = hb | ((PBY + hb) << 4) | ((4 + hb) << 8) | ((4 + PBY + hb) << 12)
+    g = _prmt(gl.expand_dims(a, 3), gl.expand_dims(b, 3), sel2[None, None, None, :])
+    fb = gl.arange(
+        0,
+        NFB,
+        layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L5)))),
+    )
+    x = _fields_e4m3(gl.expand_dims(g, 4), fb[None, None, None, None, :], BITS, SCALED)
+    # quad 8 kb + 4 i' + T, piece 8w + g = word PW + X, field 2b + a = hb NFB + fb, token byte j
+    y = _bytes4(x).reshape([2, 2, 4, 4, 8, 2, 2, 4])  # kb, i', T, w, g, b, a, j
+    y = gl.permute(y, [5, 3, 6, 4, 0, 1, 2, 7])  # b, w, a, g | kb, i', T, j
+    return gl.convert_layout(y.reshape([HD, 64]), a_operand_layout(HS, 4), assert_trivial=True)
+
+
 @gluon.jit
 def _scale_pairs(buf, HS: gl.constexpr):
     """(s', z') of the 64 tokens of a tile, each [64] in the accumulator's row layout."""
@@ -454,6 +636,14 @@ def _rcp(x):
 
 
 @gluon.jit
+def _lg2(x):
+    """log2 by MUFU.LG2 (gl.log2 is a ~20-instruction accurate polynomial)."""
+    return gl.inline_asm_elementwise(
+        "lg2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True, pack=1
+    )
+
+
+@gluon.jit
 def _col_max(sc, HS: gl.constexpr, FAST_MAX: gl.constexpr):
     """max over the 64 token rows of sc [64, HS] (acc layout) -> [HS] in SliceLayout(0, acc)."""
     if FAST_MAX:
@@ -515,9 +705,13 @@ def _load_k_words(buf, BITS: gl.constexpr, HD: gl.constexpr):
 
 
 @gluon.jit
-def _load_v_words(buf, BITS: gl.constexpr, HD: gl.constexpr):
-    """One page's packed V words [64, W] as _vt_operand takes them."""
-    return buf.reshape([64, HD * BITS // 32]).load(v_words_load_layout(BITS, HD))
+def _load_v_words(buf, BITS: gl.constexpr, HD: gl.constexpr, E4M3: gl.constexpr = False):
+    """One page's packed V words [64, W] as _vt_operand (or _vt_operand_e4m3) takes them."""
+    if E4M3:
+        layout: gl.constexpr = v_words_e4m3_load_layout(BITS, HD)
+    else:
+        layout: gl.constexpr = v_words_load_layout(BITS, HD)
+    return buf.reshape([64, HD * BITS // 32]).load(layout)
 
 
 @gluon.jit
@@ -543,9 +737,12 @@ def _page_k_operand(words, ks, kz, magic, HS: gl.constexpr, CFG: gl.constexpr):
     HD: gl.constexpr = CFG[7]
     RECONSTRUCT: gl.constexpr = (CFG[5] & 128) != 0
     SCALED: gl.constexpr = scaled_extraction(CFG[5], K_BITS, HD)
-    k_op = _k_operand(words, magic, HS, K_BITS, HD, K_CHANNEL and not RECONSTRUCT, SCALED)
-    if RECONSTRUCT:  # token-wise: the rows of K; channel-wise: its columns
-        k_op = _reconstruct(k_op, ks, kz, not K_CHANNEL, HS)
+    if e4m3_operands(CFG[5]):
+        k_op = _k_operand_e4m3(words, HS, K_BITS, HD, SCALED)
+    else:
+        k_op = _k_operand(words, magic, HS, K_BITS, HD, K_CHANNEL and not RECONSTRUCT, SCALED)
+        if RECONSTRUCT:  # token-wise: the rows of K; channel-wise: its columns
+            k_op = _reconstruct(k_op, ks, kz, not K_CHANNEL, HS)
     return k_op
 
 
@@ -555,9 +752,13 @@ def _page_vt_operand(words, vs, vz, magic, HS: gl.constexpr, CFG: gl.constexpr):
     V_BITS: gl.constexpr = CFG[3]
     V_CHANNEL: gl.constexpr = CFG[4]
     HD: gl.constexpr = CFG[7]
-    vt_op = _vt_operand(words, magic, HS, V_BITS, HD, scaled_extraction(CFG[5], V_BITS, HD))
-    if (CFG[5] & 128) != 0:  # channel-wise: the rows of V^T; token-wise: its columns
-        vt_op = _reconstruct(vt_op, vs, vz, V_CHANNEL, HS)
+    SCALED: gl.constexpr = scaled_extraction(CFG[5], V_BITS, HD)
+    if e4m3_operands(CFG[5]):
+        vt_op = _vt_operand_e4m3(words, HS, V_BITS, HD, SCALED)
+    else:
+        vt_op = _vt_operand(words, magic, HS, V_BITS, HD, SCALED)
+        if (CFG[5] & 128) != 0:  # channel-wise: the rows of V^T; token-wise: its columns
+            vt_op = _reconstruct(vt_op, vs, vz, V_CHANNEL, HS)
     return vt_op
 
 
@@ -578,10 +779,17 @@ def _key_logits(s_acc, ks, kz, zq, qsums, qk_scale, CFG: gl.constexpr):
     (Q . y_K) + z'_K sum(Q)) (c folded into ks and qsum), or of channel-wise K, S = c (Q' . q +
     zq), Q' and zq built for the group; the reconstruct ablation's product is the logit.
     qsums = (c sum(Q), dq): with the scaled extraction the product is Q~ . y~ (Q~_c = Q_c 4^-a,
-    y~ = 128 + 4^a q), which is Q . y - dq, dq = 128 (sum(Q) - sum(Q~))."""
+    y~ = 128 + 4^a q), which is Q . y - dq, dq = 128 (sum(Q) - sum(Q~)). E4M3 operands: qsums =
+    (c sum(Q^), hf) with Q^ the per-head scaled E4M3 Q as the product saw it, hf = 2^(9 - sigma)
+    its scale back, and the product Q^ . q 2^(sigma - 9): S = c (s'_K hf acc + (z'_K + 128
+    s'_K) sum(Q^)) (the cache's bf16 constants, x = s' (q + 128) + z')."""
     qsum, dq = qsums
     if (CFG[5] & 128) != 0:
         return s_acc * qk_scale
+    elif e4m3_operands(CFG[5]):
+        return (s_acc * dq[None, :]) * (ks * qk_scale)[:, None] + (kz + 128.0 * ks)[:, None] * qsum[
+            None, :
+        ]
     elif CFG[6]:
         return (s_acc + zq[None, :]) * qk_scale
     elif scaled_extraction(CFG[5], CFG[2], CFG[7]):
@@ -631,6 +839,11 @@ def _tile(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: gl.con
     FAST_RCP: gl.constexpr = (OPT & 4) != 0
     RECONSTRUCT: gl.constexpr = (OPT & 128) != 0
     SCALED_V: gl.constexpr = scaled_extraction(OPT, V_BITS, HD)
+    E4M3: gl.constexpr = e4m3_operands(OPT)
+    gl.static_assert(
+        not (E4M3 and (V_CHANNEL or K_CHANNEL or RECONSTRUCT or PIPE or HD != 128)),
+        "E4M3 operands: token-wise K and V at head_dim 128",
+    )
     acc_l: gl.constexpr = acc_layout(HS)
     ring, qt_smem, p_bufs, qsums, kfold, qk_scale, magic = ops
     kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty = ring
@@ -643,7 +856,7 @@ def _tile(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: gl.con
         mbarrier.arrive(empty.index(s))
         return m_i, l_i, z_i, acc, o_tok, alpha_prev, vt_prev, zp_i
     kw = _load_k_words(kw_bufs.index(s), CFG[2], HD)
-    vw = _load_v_words(vw_bufs.index(s), V_BITS, HD)
+    vw = _load_v_words(vw_bufs.index(s), V_BITS, HD, E4M3)
     ks, kz, zq = 0, 0, 0
     if K_CHANNEL and RECONSTRUCT:  # per channel, read before the stage is released
         ks, kz = _channel_scale_pairs(ks_bufs.index(2 * s), ks_bufs.index(2 * s + 1), HS)
@@ -665,10 +878,11 @@ def _tile(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: gl.con
         )  # stage s may be refilled (Gluon puts a partition bar.sync first)
     k_op = _page_k_operand(kw, ks, kz, magic, HS, CFG)
 
+    mma_l: gl.constexpr = acc_layout(HS, 32 if E4M3 else 16)  # acc_l, for the instruction's k
     s_tok = warpgroup_mma(
         k_op,
         b_qk,
-        gl.zeros([64, HS], gl.float32, acc_l),
+        gl.zeros([64, HS], gl.float32, mma_l),
         use_acc=False,
         is_async=True,
     )
@@ -681,17 +895,32 @@ def _tile(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: gl.con
         # waits for QK(i) and for PV(i-1), issued at the end of the previous tile
         s_acc, k_op, o_prev, vt_prev = warpgroup_mma_wait(0, deps=[s_tok, k_op, o_tok, vt_prev])
         acc = acc * alpha_prev[None, :] + o_prev
+    elif E4M3:  # triton 3.6 cannot hold 8-bit registers in a wait's deps (see _e4m3_wait)
+        s_acc = gl.convert_layout(_e4m3_wait(s_tok, k_op), acc_l, assert_trivial=True)
     else:
         s_acc, k_op = warpgroup_mma_wait(0, deps=[s_tok, k_op])
 
     sc = _key_logits(s_acc, ks, kz, zq, qsums, qk_scale, CFG)
     if MASKED:
         sc, vs, ratio = _mask_rows(sc, vs, ratio, t * 64, n_q, HS, V_CHANNEL)
-    m_new = gl.maximum(m_i, _col_max(sc, HS, FAST_MAX))
+    if E4M3:
+        # the running max of S + log2 s'_V instead of S (any max keeps the softmax exact): then
+        # P' = P s'_V <= 1 and 256 P' is in E4M3's range with its 3 bits where they count; P
+        # itself may exceed 1 (by 1 / s'_V at most, floored at 2^64), harmless in fp32
+        lg = gl.maximum(_lg2(vs), -64.0)
+        m_new = gl.maximum(m_i, _col_max(sc + lg[:, None], HS, FAST_MAX))
+    else:
+        m_new = gl.maximum(m_i, _col_max(sc, HS, FAST_MAX))
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(sc - m_new[None, :])
     l_i = l_i * alpha[None, :] + p  # row sums reduced once after the loop
-    if V_CHANNEL or RECONSTRUCT:
+    if E4M3:
+        # P'^ = e4m3(256 P s'_V); the product takes it against y = q 2^-9, i.e. sum P'^ q / 2;
+        # the offset term from the same rounded P'^: (128 + z'/s') P'^ / 256 (the cache's bf16
+        # constants, x = s' (q + 128) + z')
+        pv = (p * (vs * 256.0)[:, None]).to(gl.float8e4nv)
+        z_i = z_i * alpha[None, :] + pv.to(gl.float32) * (0.5 + ratio * 0.00390625)[:, None]
+    elif V_CHANNEL or RECONSTRUCT:
         pv = p.to(gl.bfloat16)  # channel-wise V folds into the accumulator, after the product
     else:
         # operand-fold of token-wise V into P, offset term from the rounded P'
@@ -701,13 +930,22 @@ def _tile(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: gl.con
             zp_i = zp_i * alpha[None, :] + pv.to(gl.float32)
     p_smem.store(gl.permute(pv, [1, 0]))  # P'^T [HS, 64]: K-major B operand
     fence_async_shared()
-    o_tok = warpgroup_mma(
-        vt_op,
-        p_smem.permute((1, 0)),
-        gl.zeros([HD, HS], gl.float32, acc_l),
-        use_acc=False,
-        is_async=True,
-    )
+    if E4M3:  # its own wait below (the accumulator's layout names k = 32)
+        pv_tok = warpgroup_mma(
+            vt_op,
+            p_smem.permute((1, 0)),
+            gl.zeros([HD, HS], gl.float32, mma_l),
+            use_acc=False,
+            is_async=True,
+        )
+    else:
+        o_tok = warpgroup_mma(
+            vt_op,
+            p_smem.permute((1, 0)),
+            gl.zeros([HD, HS], gl.float32, acc_l),
+            use_acc=False,
+            is_async=True,
+        )
     if V_CHANNEL and not RECONSTRUCT:
         # sum_n P'[n, h] from the same rounded P' (Note [offset cancellation]), by the tensor
         # core: ones [64, 64] @ P' gives it in every row, in the accumulator's columns
@@ -725,7 +963,10 @@ def _tile(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: gl.con
         alpha_prev = alpha
         vt_prev = vt_op
     else:
-        o_t, vt_op = warpgroup_mma_wait(0, deps=[o_tok, vt_op])
+        if E4M3:
+            o_t = gl.convert_layout(_e4m3_wait(pv_tok, vt_op), acc_l, assert_trivial=True)
+        else:
+            o_t, vt_op = warpgroup_mma_wait(0, deps=[o_tok, vt_op])
         acc = acc * alpha[None, :] + o_t  # fresh accumulator per tile, added in fp32
     return m_new, l_i, z_i, acc, o_tok, alpha_prev, vt_prev, zp_i
 
@@ -753,6 +994,7 @@ def _tile_pair(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: g
     RECONSTRUCT: gl.constexpr = (OPT & 128) != 0
     SCALED_V: gl.constexpr = scaled_extraction(OPT, V_BITS, HD)
     gl.static_assert((OPT & (2 | 8)) == 0, "deferred PV wait and late arrive: one-page tiles")
+    gl.static_assert(not e4m3_operands(OPT), "E4M3 operands: one-page tiles")
     acc_l: gl.constexpr = acc_layout(HS)
     ring, qt_smem, p_bufs, qsums, kfold, qk_scale, magic = ops
     kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty = ring
@@ -877,19 +1119,30 @@ def _consume(C: gl.constexpr, ring, qt_smem, op_bufs, split, qk_scale, magic, CF
     HD: gl.constexpr = CFG[7]
     PIPE: gl.constexpr = (OPT & 2) != 0
     acc_l: gl.constexpr = acc_layout(HS)
-    p_bufs, kq_bufs, zq_bufs = op_bufs
+    p_bufs, kq_bufs, zq_bufs, hf_smem = op_bufs
+    E4M3: gl.constexpr = e4m3_operands(OPT)
     SCALED_K: gl.constexpr = scaled_extraction(OPT, CFG[2], HD) and not K_CHANNEL
     SCALED_V: gl.constexpr = scaled_extraction(OPT, CFG[3], HD) and not CFG[4]
     ql: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
     qf = qt_smem.load(ql).to(gl.float32)  # Q, or Q~ = Q 4^-a with the scaled extraction
-    if SCALED_K:
+    if E4M3:  # qf = Q^ 2^sigma 4^-a per column (see the kernel): sum(Q^) and hf = 2^(9 - sigma)
+        k = gl.arange(0, HD, layout=gl.SliceLayout(0, ql))
+        if SCALED_K:
+            qf = qf * _pow4((k // 16) % 2, False)[None, :]
+        hf = hf_smem.load(gl.SliceLayout(0, acc_l))
+        q_sum = gl.convert_layout(gl.sum(qf, axis=1), gl.SliceLayout(0, acc_l)) * hf * (1 / 512)
+        dq = hf
+    elif SCALED_K:
         c = gl.arange(0, HD, layout=gl.SliceLayout(0, ql))
         q_sum = gl.sum(qf * _pow4(_scaled_exponent_k(c), False)[None, :], axis=1)
         dq = gl.convert_layout(128.0 * (q_sum - gl.sum(qf, axis=1)), gl.SliceLayout(0, acc_l))
     else:
         q_sum = gl.sum(qf, axis=1)
         dq = 0
-    qsums = (gl.convert_layout(q_sum, gl.SliceLayout(0, acc_l)) * qk_scale, dq)
+    qsums = (
+        gl.convert_layout(q_sum, gl.SliceLayout(0, acc_l)) * qk_scale,
+        dq,
+    )  # (E4M3: see _key_logits)
     if K_CHANNEL:  # this consumer's Q' and zq buffers
         kfold = (kq_bufs.index(C), zq_bufs.slice(C * HS, HS))
     else:
@@ -918,7 +1171,14 @@ def _consume(C: gl.constexpr, ring, qt_smem, op_bufs, split, qk_scale, magic, CF
         acc = acc * alpha_prev[None, :] + o_prev
     l_tot = gl.sum(l_i, axis=0)
     num = acc + gl.sum(z_i, axis=0)[None, :]  # V offset term: one scalar per head for g = D
-    if SCALED_V:  # acc holds sum_n P' y~, y~ = 128 + 4^a q: O = acc 4^-a + 128 (1 - 4^-a) sum P'
+    if E4M3:  # acc = sum P'^ q 4^a / 2 (E4M3 y = q 4^a 2^-9 against 256 P'^)
+        c = gl.arange(0, HD, layout=gl.SliceLayout(1, acc_l))
+        if SCALED_V:
+            vfac = 2.0 * _pow4((c // 8) % 2, True)
+        else:
+            vfac = gl.full([HD], 2.0, gl.float32, gl.SliceLayout(1, acc_l))
+        num = acc * vfac[:, None] + gl.sum(z_i, axis=0)[None, :]
+    elif SCALED_V:  # acc holds sum_n P' y~, y~ = 128 + 4^a q: O = acc 4^-a + 128 (1 - 4^-a) sum P'
         c = gl.arange(0, HD, layout=gl.SliceLayout(1, acc_l))
         inv = _pow4(_scaled_exponent_v(c), True)
         p_tot = gl.sum(zp_i, axis=0)
@@ -1141,18 +1401,40 @@ def gluon_decode_split_kernel(
     ql: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     h = gl.arange(0, HS, layout=gl.SliceLayout(1, ql))
     d = gl.arange(0, HD, layout=gl.SliceLayout(0, ql))
+    E4M3: gl.constexpr = e4m3_operands(OPT)
+    # E4M3: column d holds channel _e4m3_key_channel(d) (the K operand's column order)
+    q_cols = _e4m3_key_channel(d, K_BITS) if E4M3 else d
     qt = gl.load(
-        q_ptr + b * stride_q_b + (kvh * H + h)[:, None] * stride_q_h + d[None, :],
+        q_ptr + b * stride_q_b + (kvh * H + h)[:, None] * stride_q_h + q_cols[None, :],
         mask=(h < H)[:, None],
         other=0.0,
     )
-    if scaled_extraction(OPT, K_BITS, HD) and not K_CHANNEL:  # Q~ = Q 4^-a, exact in bf16
-        qt = (qt.to(gl.float32) * _pow4(_scaled_exponent_k(d), True)[None, :]).to(gl.bfloat16)
+    if E4M3:
+        # Q^ = e4m3(Q 4^-a 2^sigma) per head: sigma = 134 - (biased exponent of max |Q|), so the
+        # head's largest value lands in [128, 256) of E4M3's 448; hf = 2^(9 - sigma) scales the
+        # product back (_key_logits). Heads past H (zero) keep sigma = 127
+        qf = qt.to(gl.float32)
+        if scaled_extraction(OPT, K_BITS, HD):
+            qf = qf * _pow4((d // 16) % 2, True)[None, :]
+        amax = gl.max(gl.abs(qf), axis=1)
+        ebits = gl.minimum(
+            gl.maximum(261 - ((amax.to(gl.int32, bitcast=True) >> 23) & 0xFF), 1), 254
+        )
+        q_op = (qf * (ebits << 23).to(gl.float32, bitcast=True)[:, None]).to(gl.float8e4nv)
+        hf = ((263 - ebits) << 23).to(gl.float32, bitcast=True)
+        op_dtype: gl.constexpr = gl.float8e4nv
+    else:
+        if scaled_extraction(OPT, K_BITS, HD) and not K_CHANNEL:  # Q~ = Q 4^-a, exact in bf16
+            qt = (qt.to(gl.float32) * _pow4(_scaled_exponent_k(d), True)[None, :]).to(gl.bfloat16)
+        q_op = qt
+        hf = gl.full([HS], 1.0, gl.float32, gl.SliceLayout(1, ql))
+        op_dtype: gl.constexpr = gl.bfloat16
     qt_smem = gl.allocate_shared_memory(
-        gl.bfloat16, [HS, HD], gl.NVMMASharedLayout.get_default_for([HS, HD], gl.bfloat16), qt
+        op_dtype, [HS, HD], gl.NVMMASharedLayout.get_default_for([HS, HD], op_dtype), q_op
     )
+    hf_smem = gl.allocate_shared_memory(gl.float32, [HS], plain_shared_layout(1), hf)
     p_bufs = gl.allocate_shared_memory(  # P'^T of each consumer's pages
-        gl.bfloat16, [2 * TP, HS, 64], gl.NVMMASharedLayout.get_default_for([HS, 64], gl.bfloat16)
+        op_dtype, [2 * TP, HS, 64], gl.NVMMASharedLayout.get_default_for([HS, 64], op_dtype)
     )
     # channel-wise K: each consumer's Q' [HS, 128] (the QK product's B operand, built per tile)
     # and its offsets zq [HS]
@@ -1174,7 +1456,7 @@ def gluon_decode_split_kernel(
     split_args = ((kv_indptr_ptr, num_quantized_ptr), num_splits)  # _split_span in each partition
     gl.static_assert(HD == 128 or not (K_CHANNEL or V_CHANNEL))
     CFG: gl.constexpr = (SPC, HS, K_BITS, V_BITS, V_CHANNEL, OPT, K_CHANNEL, HD, TP)
-    op_bufs = (p_bufs, kq_bufs, zq_bufs)
+    op_bufs = (p_bufs, kq_bufs, zq_bufs, hf_smem)
     m0, l0, num0 = gl.warp_specialize(
         [
             (_consumer0, (ring, qt_smem, op_bufs, split_args, qk_scale, magic, CFG)),
