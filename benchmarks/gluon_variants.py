@@ -58,6 +58,22 @@ VARIANTS = {
     "unscaled": lambda axis, bits: dataclasses.replace(
         gluon_decode_config(axis), opt=gluon_decode_config(axis).opt & ~512
     ),
+    # E4M3 operands (kernel OPT 1024, backend "gluon-e4m3") at the bf16 path's launch config,
+    # and at 3 CTAs per SM (56 registers at launch, consumers 72, producer 24; INT4 with 3 stages
+    # per consumer so that three CTAs' rings fit in shared memory): the E4M3 operands need half
+    # the registers, and the tile loops keep their 226-229 instructions without local memory
+    "e4m3": lambda axis, bits: dataclasses.replace(
+        gluon_decode_config(axis), opt=gluon_decode_config(axis).opt | 1024
+    ),
+    "e4m3-3cta": lambda axis, bits: dataclasses.replace(
+        gluon_decode_config(axis),
+        opt=gluon_decode_config(axis).opt | 1024,
+        maxnreg=56,
+        consumer_regs=72,
+        producer_regs=24,
+        ctas_per_sm=3,
+        stages_per_consumer=4 if bits == 2 else 3,
+    ),
     # channel-wise K at 2 CTAs/SM (its one-page kernel raced there, NOTES 15)
     "tp2-2cta": lambda axis, bits: gluon_decode_config("token", tile_pages=2),
 }

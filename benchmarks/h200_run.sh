@@ -22,6 +22,8 @@
 #   bash benchmarks/h200_run.sh s6-final # session 6: Gluon GPU suite at the shipped configs, the axes grid
 #   bash benchmarks/h200_run.sh s6-scaled # session 6: the scaled extraction (OPT 512): GPU cases, INT2 at 128K
 #   bash benchmarks/h200_run.sh s7-e4m3 # session 7: E4M3 operands: GPU cases, accuracy, main grid beside bf16
+#   bash benchmarks/h200_run.sh s7-ctas  # session 7: E4M3 at 2 vs 3 CTAs/SM; Gluon GPU suite at the default
+#   bash benchmarks/h200_run.sh s7-sanitize # session 7: sanitizers over E4M3 cases; rest of the Gluon suite
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -204,6 +206,30 @@ case "$mode" in
     timeout 120 python3 benchmarks/e4m3_accuracy.py 2>&1 | tee "$OUT/e4m3_accuracy.md"
     timeout 270 python3 -m foscar bench --grid main --methods foscar-gluon foscar-gluon-e4m3 flashinfer-bf16 \
       --name decode_grid_e4m3 --out "$OUT" 2>&1 | tee "$OUT/grid_e4m3.log" | grep -v "^\[" | tail -34
+    ;;
+  s7-ctas)
+    # session 7: E4M3 operands at 2 and 3 CTAs per SM beside the bf16 default (13 points), then
+    # the Gluon GPU suite at the scaled-extraction default (not run whole since it became default)
+    timeout 330 python3 benchmarks/gluon_variants.py --out "$OUT" --points main \
+      --variants tp1 e4m3 e4m3-3cta --name gluon_e4m3_ctas 2>&1 | tail -14
+    timeout 230 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gluon_kernel.py \
+      -k "not compiles and not e4m3" > "$OUT/gpu_tests_gluon_s7.log" 2>&1
+    tail -3 "$OUT/gpu_tests_gluon_s7.log"; grep -E "^_+ test_|AssertionError|^E  " "$OUT/gpu_tests_gluon_s7.log" | head -12
+    ;;
+  s7-sanitize)
+    # session 7: memcheck and racecheck over E4M3 operand cases, then the rest of the Gluon GPU
+    # suite that s7-ctas's time limit left (from the channel-wise K cases at ratio 8 on)
+    sel="test_e4m3_operands_odd_lengths[4-2-2] or test_e4m3_operands_odd_lengths[3-4-4]"
+    for tool in memcheck racecheck; do
+      timeout 100 compute-sanitizer --tool $tool --print-limit 10 python3 -m pytest -q -x -p no:cacheprovider \
+        tests/test_gluon_kernel.py -k "$sel" 2>&1 | grep -v "Host Frame" | tail -12 | tee "$OUT/gluon_e4m3_$tool.log"
+    done
+    done_ids=""
+    for r in 1 2 3 5; do for v in token channel; do
+      done_ids="$done_ids --deselect tests/test_gluon_kernel.py::test_channel_wise_keys[$r-2-2-$v]"; done; done
+    timeout 330 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gluon_kernel.py $done_ids \
+      -k "not compiles and not e4m3 and not odd_lengths" > "$OUT/gpu_tests_gluon_s7b.log" 2>&1
+    tail -3 "$OUT/gpu_tests_gluon_s7b.log"; grep -E "^_+ test_|AssertionError|^E  " "$OUT/gpu_tests_gluon_s7b.log" | head -12
     ;;
   s5-variants)
     python3 benchmarks/diagnose_channel_k_variants.py 2>&1 | tee "$OUT/diagnose_channel_k_variants.log"

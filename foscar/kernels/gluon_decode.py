@@ -5,7 +5,9 @@ Launched by :mod:`foscar.backends.gluon`; the merge of the splits is the Triton
 (groups of 128 tokens = 2 pages) at head_dim D = 128, token-wise at D = 64; page size 64, a tile
 of TP = 1 or 2 pages (``_tile`` / ``_tile_pair``; 2 makes a channel-wise group one tile), up to 8
 query heads per KV head (padded to HS = 8, the wgmma N), the quantized history
-only (a format's BF16 sink/recent windows are read by the Triton window program).
+only (a format's BF16 sink/recent windows are read by the Triton window program). OPT 1024 builds
+E4M3 operands for FP8 wgmma instead of bf16 ones (token-wise K and V at D = 128; the E4M3
+section below; backend "gluon-e4m3").
 
 Partitions (``gl.warp_specialize``, triton 3.6.0):
     default  (4 warps): consumer 0, tiles t_begin + 0, 2, 4, ...
@@ -690,7 +692,8 @@ def _split_span(seq_ptrs, num_splits, TP: gl.constexpr):
 # channel-wise K's offsets zq to the accumulator's columns by the compiler's layout conversion
 # instead of an explicit shared buffer; 512 = scaled extraction of INT2 operands at head_dim 128
 # (_fields: 2 shifts per 8 K pairs instead of 7, 1 per 4 V pairs instead of 3; Q, the offsets
-# and the output fold the powers of 4 back, exactly). Default 5.
+# and the output fold the powers of 4 back, exactly); 1024 = E4M3 operands for FP8 wgmma (token-wise
+# K and V at head_dim 128, one-page tiles; see the E4M3 section). Default 5.
 @gluon.constexpr_function
 def scaled_extraction(opt, bits, head_dim):
     """Whether a role of ``bits`` takes the scaled extraction (OPT 512): INT2 at head_dim 128,
