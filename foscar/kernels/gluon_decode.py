@@ -107,7 +107,7 @@ def k_words3_layout(BITS=2, HD=D, E4M3=False):
     of four bytes for E4M3): words as the m64n8 accumulator's rows (thread (w, l) owns rows l//4 +
     8i + 16w and words E*(l%4) + e, E = W / 4, foscar.formats.kernel_bit_location role "key"), the
     extraction fields in registers (for E4M3 ordered row, fields, words: the E4M3 A fragment's
-    register order once the bytes are split off, see _k_operand_e4m3)."""
+    register order once the bytes are split off, see _k_operand_from_fields)."""
     E = HD * BITS // 128
     F = (8 if E4M3 else 16) // BITS
     words = [[0, 1 << i, 0] for i in range(_log2(E))]
@@ -177,7 +177,7 @@ def v_e4m3_layout(BITS=2, HD=D):
     E4M3 V path: quad 8 kb + 4 i' + T (T = lane % 4, i' and kb in registers), piece 8w + l//4 as
     in v_words4_layout; the registers ordered field bit 0 (channel bit 3), i', kb, then the
     piece's byte or the field's bit 1 (channel bit 6): the E4M3 A fragment's order once the
-    token bytes are split off (see _vt_operand_e4m3)."""
+    token bytes are split off (see _vt_operand_from_fields)."""
     PB = BITS * HD // 32
     pb = _log2(32 // PB)
     PBY = PB // 8
@@ -454,40 +454,36 @@ def _e4m3_key_channel(k, BITS: gl.constexpr):
 
 
 @gluon.jit
-def _e4m3_wait(tok, a_op):
-    """Wait for the wgmma of tok, whose A operand a_op is E4M3 in registers. triton 3.6's
-    WGMMAWaitGroupOp lowering rejects 8-bit deps ("Unexpected bitwidth"), so a_op is not
-    passed; ptxas keeps the operand registers of an in-flight wgmma.mma_async from reuse (it
-    orders them itself, the C7512 diagnostics), and every use of a_op is before the wait."""
-    return warpgroup_mma_wait(0, deps=[tok])
+def _k_fields_e4m3(words, BITS: gl.constexpr, HD: gl.constexpr, SCALED: gl.constexpr):
+    """The int32 registers of the E4M3 K operand: [64 tokens, W words, NF extractions] from
+    words [64, W] in SliceLayout(2, k_words3_layout(BITS, HD)), NF = 8 / BITS per word (INT2
+    scaled: 1 shift and 4 masks per 16 codes). _k_operand_from_fields views them as E4M3; the
+    QK wait takes these int32 registers as its deps (triton 3.6's WGMMAWaitGroupOp rejects
+    8-bit deps, "Unexpected bitwidth"), which keeps the operand alive until the product is done."""
+    L3: gl.constexpr = k_words3_layout(BITS, HD, True)
+    words = gl.convert_layout(words, gl.SliceLayout(2, L3), assert_trivial=True)
+    f = gl.arange(0, 8 // BITS, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    return _fields_e4m3(gl.expand_dims(words, 2), f[None, None, :], BITS, SCALED)
 
 
 @gluon.jit
-def _k_operand_e4m3(
-    words, HS: gl.constexpr, BITS: gl.constexpr, HD: gl.constexpr, SCALED: gl.constexpr
-):
+def _k_operand_from_fields(x, HS: gl.constexpr, BITS: gl.constexpr, HD: gl.constexpr):
     """K operand [64 tokens, HD columns] E4M3 in the wgmma A layout (k_width 4), columns in
-    _e4m3_key_channel's order, from words [64, W] in SliceLayout(2, k_words3_layout(BITS, HD)):
-    NF = 8 / BITS extractions per word (INT2 scaled: 1 shift and 4 masks per 16 codes)."""
-    L3: gl.constexpr = k_words3_layout(BITS, HD, True)
+    _e4m3_key_channel's order: the bytes of _k_fields_e4m3's registers (no instructions)."""
     E: gl.constexpr = HD * BITS // 128
     NF: gl.constexpr = 8 // BITS
-    words = gl.convert_layout(words, gl.SliceLayout(2, L3), assert_trivial=True)
-    f = gl.arange(0, NF, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
-    x = _fields_e4m3(gl.expand_dims(words, 2), f[None, None, :], BITS, SCALED)
     y = _bytes4(x).reshape([64, 4, E, NF, 4])  # n, T, e, f, b
     y = gl.permute(y, [0, 2, 3, 1, 4])  # n, e, f, T, b: column b + 4T + 16 (f + NF e)
     return gl.convert_layout(y.reshape([64, HD]), a_operand_layout(HS, 4), assert_trivial=True)
 
 
 @gluon.jit
-def _vt_operand_e4m3(
-    words, HS: gl.constexpr, BITS: gl.constexpr, HD: gl.constexpr, SCALED: gl.constexpr
-):
-    """V^T operand [HD channels, 64 tokens] E4M3 in the wgmma A layout (k_width 4), from words
-    [64, W] in v_words_e4m3_load_layout: a register holds one channel of four consecutive tokens,
-    so three PRMT gather a piece's byte of the four tokens (four PRMT both bytes of an INT4
-    piece), then one shift and one mask per extraction (INT2 scaled: 1 shift, 4 masks)."""
+def _vt_fields_e4m3(words, BITS: gl.constexpr, HD: gl.constexpr, SCALED: gl.constexpr):
+    """The int32 registers of the E4M3 V^T operand: [16 token quads, W, PW, PBY, NFB] (layout
+    v_e4m3_layout) from words [64, W] in v_words_e4m3_load_layout. A register holds one channel
+    of four consecutive tokens, so three PRMT gather a piece's byte of the four tokens (four PRMT
+    both bytes of an INT4 piece), then one shift and one mask per extraction (INT2 scaled: 1
+    shift, 4 masks). Built while the QK product runs: the QK wait takes them as deps."""
     L5: gl.constexpr = v_e4m3_layout(BITS, HD)
     W: gl.constexpr = HD * BITS // 32
     PB: gl.constexpr = BITS * HD // 32
@@ -521,7 +517,13 @@ def _vt_operand_e4m3(
         NFB,
         layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L5)))),
     )
-    x = _fields_e4m3(gl.expand_dims(g, 4), fb[None, None, None, None, :], BITS, SCALED)
+    return _fields_e4m3(gl.expand_dims(g, 4), fb[None, None, None, None, :], BITS, SCALED)
+
+
+@gluon.jit
+def _vt_operand_from_fields(x, HS: gl.constexpr, HD: gl.constexpr):
+    """V^T operand [HD channels, 64 tokens] E4M3 in the wgmma A layout (k_width 4): the bytes of
+    _vt_fields_e4m3's registers (no instructions)."""
     # quad 8 kb + 4 i' + T, piece 8w + g = word PW + X, field 2b + a = hb NFB + fb, token byte j
     y = _bytes4(x).reshape([2, 2, 4, 4, 8, 2, 2, 4])  # kb, i', T, w, g, b, a, j
     y = gl.permute(y, [5, 3, 6, 4, 0, 1, 2, 7])  # b, w, a, g | kb, i', T, j
@@ -709,7 +711,7 @@ def _load_k_words(buf, BITS: gl.constexpr, HD: gl.constexpr):
 
 @gluon.jit
 def _load_v_words(buf, BITS: gl.constexpr, HD: gl.constexpr, E4M3: gl.constexpr = False):
-    """One page's packed V words [64, W] as _vt_operand (or _vt_operand_e4m3) takes them."""
+    """One page's packed V words [64, W] as _vt_operand (or _vt_fields_e4m3) takes them."""
     if E4M3:
         layout: gl.constexpr = v_words_e4m3_load_layout(BITS, HD)
     else:
@@ -740,12 +742,9 @@ def _page_k_operand(words, ks, kz, magic, HS: gl.constexpr, CFG: gl.constexpr):
     HD: gl.constexpr = CFG[7]
     RECONSTRUCT: gl.constexpr = (CFG[5] & 128) != 0
     SCALED: gl.constexpr = scaled_extraction(CFG[5], K_BITS, HD)
-    if e4m3_operands(CFG[5]):
-        k_op = _k_operand_e4m3(words, HS, K_BITS, HD, SCALED)
-    else:
-        k_op = _k_operand(words, magic, HS, K_BITS, HD, K_CHANNEL and not RECONSTRUCT, SCALED)
-        if RECONSTRUCT:  # token-wise: the rows of K; channel-wise: its columns
-            k_op = _reconstruct(k_op, ks, kz, not K_CHANNEL, HS)
+    k_op = _k_operand(words, magic, HS, K_BITS, HD, K_CHANNEL and not RECONSTRUCT, SCALED)
+    if RECONSTRUCT:  # token-wise: the rows of K; channel-wise: its columns
+        k_op = _reconstruct(k_op, ks, kz, not K_CHANNEL, HS)
     return k_op
 
 
@@ -755,13 +754,9 @@ def _page_vt_operand(words, vs, vz, magic, HS: gl.constexpr, CFG: gl.constexpr):
     V_BITS: gl.constexpr = CFG[3]
     V_CHANNEL: gl.constexpr = CFG[4]
     HD: gl.constexpr = CFG[7]
-    SCALED: gl.constexpr = scaled_extraction(CFG[5], V_BITS, HD)
-    if e4m3_operands(CFG[5]):
-        vt_op = _vt_operand_e4m3(words, HS, V_BITS, HD, SCALED)
-    else:
-        vt_op = _vt_operand(words, magic, HS, V_BITS, HD, SCALED)
-        if (CFG[5] & 128) != 0:  # channel-wise: the rows of V^T; token-wise: its columns
-            vt_op = _reconstruct(vt_op, vs, vz, V_CHANNEL, HS)
+    vt_op = _vt_operand(words, magic, HS, V_BITS, HD, scaled_extraction(CFG[5], V_BITS, HD))
+    if (CFG[5] & 128) != 0:  # channel-wise: the rows of V^T; token-wise: its columns
+        vt_op = _reconstruct(vt_op, vs, vz, V_CHANNEL, HS)
     return vt_op
 
 
@@ -879,7 +874,11 @@ def _tile(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: gl.con
         mbarrier.arrive(
             empty.index(s)
         )  # stage s may be refilled (Gluon puts a partition bar.sync first)
-    k_op = _page_k_operand(kw, ks, kz, magic, HS, CFG)
+    if E4M3:  # the int32 fields stay the wait's deps; the E4M3 operand is their bytes
+        kx = _k_fields_e4m3(kw, CFG[2], HD, scaled_extraction(OPT, CFG[2], HD))
+        k_op = _k_operand_from_fields(kx, HS, CFG[2], HD)
+    else:
+        k_op = _page_k_operand(kw, ks, kz, magic, HS, CFG)
 
     mma_l: gl.constexpr = acc_layout(HS, 32 if E4M3 else 16)  # acc_l, for the instruction's k
     s_tok = warpgroup_mma(
@@ -891,15 +890,20 @@ def _tile(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: gl.con
     )
     if LATE_ARRIVE:
         mbarrier.arrive(empty.index(s))  # after the QK wgmma is issued
-    vt_op = _page_vt_operand(vw, vs, vz, magic, HS, CFG)  # meant to overlap the QK wgmma
+    if E4M3:  # V's fields as the QK wait's deps: built while the QK product runs
+        vx = _vt_fields_e4m3(vw, V_BITS, HD, SCALED_V)
+    else:
+        vt_op = _page_vt_operand(vw, vs, vz, magic, HS, CFG)  # meant to overlap the QK wgmma
     ratio = _value_ratio(vs, vz, V_CHANNEL, FAST_RCP)
     gl.static_assert(not (PIPE and (V_CHANNEL or RECONSTRUCT)))
     if PIPE:
         # waits for QK(i) and for PV(i-1), issued at the end of the previous tile
         s_acc, k_op, o_prev, vt_prev = warpgroup_mma_wait(0, deps=[s_tok, k_op, o_tok, vt_prev])
         acc = acc * alpha_prev[None, :] + o_prev
-    elif E4M3:  # triton 3.6 cannot hold 8-bit registers in a wait's deps (see _e4m3_wait)
-        s_acc = gl.convert_layout(_e4m3_wait(s_tok, k_op), acc_l, assert_trivial=True)
+    elif E4M3:  # int32 deps: triton 3.6 rejects 8-bit ones (see _k_fields_e4m3)
+        s_acc, kx, vx = warpgroup_mma_wait(0, deps=[s_tok, kx, vx])
+        s_acc = gl.convert_layout(s_acc, acc_l, assert_trivial=True)
+        vt_op = _vt_operand_from_fields(vx, HS, HD)
     else:
         s_acc, k_op = warpgroup_mma_wait(0, deps=[s_tok, k_op])
 
@@ -967,7 +971,8 @@ def _tile(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: gl.con
         vt_prev = vt_op
     else:
         if E4M3:
-            o_t = gl.convert_layout(_e4m3_wait(pv_tok, vt_op), acc_l, assert_trivial=True)
+            o_t, vx = warpgroup_mma_wait(0, deps=[pv_tok, vx])
+            o_t = gl.convert_layout(o_t, acc_l, assert_trivial=True)
         else:
             o_t, vt_op = warpgroup_mma_wait(0, deps=[o_tok, vt_op])
         acc = acc * alpha[None, :] + o_t  # fresh accumulator per tile, added in fp32
