@@ -24,6 +24,7 @@
 #   bash benchmarks/h200_run.sh s7-e4m3 # session 7: E4M3 operands: GPU cases, accuracy, main grid beside bf16
 #   bash benchmarks/h200_run.sh s7-ctas  # session 7: E4M3 at 2 vs 3 CTAs/SM; Gluon GPU suite at the default
 #   bash benchmarks/h200_run.sh s7-sanitize # session 7: sanitizers over E4M3 cases; rest of the Gluon suite
+#   bash benchmarks/h200_run.sh s7-merge # session 7: E4M3 cases after the deps change; the merge launch's cost
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -230,6 +231,14 @@ case "$mode" in
     timeout 330 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gluon_kernel.py $done_ids \
       -k "not compiles and not e4m3 and not odd_lengths" > "$OUT/gpu_tests_gluon_s7b.log" 2>&1
     tail -3 "$OUT/gpu_tests_gluon_s7b.log"; grep -E "^_+ test_|AssertionError|^E  " "$OUT/gpu_tests_gluon_s7b.log" | head -12
+    ;;
+  s7-merge)
+    # session 7: the E4M3 cases again after the waits took the operands' int32 fields as deps,
+    # and what the separate merge launch costs at small batch
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gluon_kernel.py \
+      -k "e4m3" > "$OUT/gpu_tests_gluon_e4m3_deps.log" 2>&1
+    tail -3 "$OUT/gpu_tests_gluon_e4m3_deps.log"; grep -E "^_+ test_|Error|^E  " "$OUT/gpu_tests_gluon_e4m3_deps.log" | head -16
+    for ops in e4m3 bf16; do timeout 60 python3 benchmarks/merge_cost.py --operands $ops 2>&1 | tee -a "$OUT/merge_cost.md"; done
     ;;
   s5-variants)
     python3 benchmarks/diagnose_channel_k_variants.py 2>&1 | tee "$OUT/diagnose_channel_k_variants.log"

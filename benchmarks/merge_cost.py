@@ -29,44 +29,49 @@ def main():
     shape = Shape()
     fmt = KVFormat(QuantFormat(2, "token", 128), QuantFormat(2, "token", 128))
     flusher = L2Flusher(device="cuda")
-    sm = shape.head_dim**-0.5
     print(f"operands {args.operands}; microseconds, median of 30, L2 flushed")
     print("| B | L | splits | whole call | split kernel alone | merge alone |")
     print("|---|---|---|---|---|---|")
-    merge = triton_backend.merge_partials
     for batch, kv_len in [(1, 8192), (1, 32768), (1, 131072), (8, 8192), (8, 32768)]:
-        cache, plan = random_cache(fmt, batch, kv_len, shape, "cuda")
-        q = torch.randn(batch, shape.num_q_heads, shape.head_dim, device="cuda").bfloat16()
-        out = torch.empty_like(q)
-
-        def whole():
-            return gluon_backend.decode(q, cache, plan, sm, out=out, operands=args.operands)
-
-        def split_only():
-            triton_backend.merge_partials = lambda *a, **k: None
-            try:
-                return gluon_backend.decode(q, cache, plan, sm, out=out, operands=args.operands)
-            finally:
-                triton_backend.merge_partials = merge
-
-        whole()
-        (ws,) = plan.__dict__["_workspaces"].values()
-
-        def merge_only():
-            return merge(ws[0], ws[1], out)
-
-        us = []
-        for fn in (whole, split_only, merge_only):
-            fn()
-            torch.cuda.synchronize()
-            us.append(1e3 * bench_stats(fn, iters=30, warmup=5, flusher=flusher)["median_ms"])
+        splits, us = time_point(fmt, batch, kv_len, shape, args.operands, flusher)
         print(
-            f"| {batch} | {kv_len // 1024}K | {ws[0].shape[2]} | "
+            f"| {batch} | {kv_len // 1024}K | {splits} | "
             + " | ".join(f"{u:.1f}" for u in us)
             + " |"
         )
-        del cache, plan, q, out
         torch.cuda.empty_cache()
+
+
+def time_point(fmt, batch, kv_len, shape, operands, flusher):
+    """(splits, [whole call, split kernel alone, merge alone] in microseconds)."""
+    merge = triton_backend.merge_partials
+    cache, plan = random_cache(fmt, batch, kv_len, shape, "cuda")
+    q = torch.randn(batch, shape.num_q_heads, shape.head_dim, device="cuda").bfloat16()
+    out = torch.empty_like(q)
+    sm = shape.head_dim**-0.5
+
+    def whole():
+        return gluon_backend.decode(q, cache, plan, sm, out=out, operands=operands)
+
+    def split_only():
+        triton_backend.merge_partials = lambda *a, **k: None
+        try:
+            return gluon_backend.decode(q, cache, plan, sm, out=out, operands=operands)
+        finally:
+            triton_backend.merge_partials = merge
+
+    whole()
+    (ws,) = plan.__dict__["_workspaces"].values()
+
+    def merge_only():
+        return merge(ws[0], ws[1], out)
+
+    us = []
+    for fn in (whole, split_only, merge_only):
+        fn()
+        torch.cuda.synchronize()
+        us.append(1e3 * bench_stats(fn, iters=30, warmup=5, flusher=flusher)["median_ms"])
+    return ws[0].shape[2], us
 
 
 if __name__ == "__main__":
