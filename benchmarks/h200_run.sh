@@ -25,6 +25,7 @@
 #   bash benchmarks/h200_run.sh s7-ctas  # session 7: E4M3 at 2 vs 3 CTAs/SM; Gluon GPU suite at the default
 #   bash benchmarks/h200_run.sh s7-sanitize # session 7: sanitizers over E4M3 cases; rest of the Gluon suite
 #   bash benchmarks/h200_run.sh s7-merge # session 7: E4M3 cases after the deps change; the merge launch's cost
+#   bash benchmarks/h200_run.sh s7-final # session 7: the merge as a dependent launch: Gluon cases, grid
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -239,6 +240,18 @@ case "$mode" in
       -k "e4m3" > "$OUT/gpu_tests_gluon_e4m3_deps.log" 2>&1
     tail -3 "$OUT/gpu_tests_gluon_e4m3_deps.log"; grep -E "^_+ test_|Error|^E  " "$OUT/gpu_tests_gluon_e4m3_deps.log" | head -16
     for ops in e4m3 bf16; do timeout 60 python3 benchmarks/merge_cost.py --operands $ops 2>&1 | tee -a "$OUT/merge_cost.md"; done
+    ;;
+  s7-final)
+    # session 7: the merge as a programmatic dependent launch of the Gluon split kernel: the Gluon
+    # cases that exercise splits, the merge and graphs (both operand mappings), the merge's cost
+    # again, then the 13-point grid of both mappings beside FlashInfer BF16
+    timeout 170 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gluon_kernel.py -k \
+      "split_counts or graph_replay or ragged or one_token or bf16_windows or agrees or e4m3_operands_odd_lengths[4- or odd_lengths_every_gqa_ratio[4-" \
+      > "$OUT/gpu_tests_gluon_pdl.log" 2>&1
+    tail -3 "$OUT/gpu_tests_gluon_pdl.log"; grep -E "^_+ test_|Error|^E  " "$OUT/gpu_tests_gluon_pdl.log" | head -16
+    timeout 40 python3 benchmarks/merge_cost.py --operands e4m3 2>&1 | tee "$OUT/merge_cost_pdl.md"
+    timeout 200 python3 -m foscar bench --grid main --methods foscar-gluon foscar-gluon-e4m3 flashinfer-bf16 \
+      --name decode_grid_e4m3_pdl --out "$OUT" 2>&1 | tee "$OUT/grid_e4m3_pdl.log" | grep -v "^\[" | tail -12
     ;;
   s5-variants)
     python3 benchmarks/diagnose_channel_k_variants.py 2>&1 | tee "$OUT/diagnose_channel_k_variants.log"
