@@ -242,9 +242,10 @@ case "$mode" in
     for ops in e4m3 bf16; do timeout 60 python3 benchmarks/merge_cost.py --operands $ops 2>&1 | tee -a "$OUT/merge_cost.md"; done
     ;;
   s7-final)
-    # session 7: the merge as a programmatic dependent launch of the Gluon split kernel: the Gluon
-    # cases that exercise splits, the merge and graphs (both operand mappings), the merge's cost
-    # again, then the 13-point grid of both mappings beside FlashInfer BF16
+    # session 7: the merge as a programmatic dependent launch of the Gluon split kernel (commit
+    # 51cd85f; slower, reverted: benchmarks/NOTES.md 17): the Gluon cases that exercise splits,
+    # the merge and graphs (both operand mappings), the merge's cost again, then the 13-point
+    # grid of both mappings beside FlashInfer BF16
     timeout 170 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gluon_kernel.py -k \
       "split_counts or graph_replay or ragged or one_token or bf16_windows or agrees or e4m3_operands_odd_lengths[4- or odd_lengths_every_gqa_ratio[4-" \
       > "$OUT/gpu_tests_gluon_pdl.log" 2>&1

@@ -273,11 +273,7 @@ def decode(
         triton_backend.window_partial(
             q, cache, batch, sm_scale, o_part[:, :, splits:], lse_part[:, :, splits:]
         )
-    # the merge's launch overlaps the split kernel's tail (programmatic dependent launch; the
-    # split kernel signals at its start): about 3 us of a 10-20 us call at B=1, NOTES 17
-    triton_backend.merge_partials(
-        o_part, lse_part, out, lse if return_lse else None, pdl=not has_windows
-    )
+    triton_backend.merge_partials(o_part, lse_part, out, lse if return_lse else None)
     return (out, lse) if return_lse else out
 
 

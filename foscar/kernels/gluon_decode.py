@@ -1378,11 +1378,6 @@ def gluon_decode_split_kernel(
     b = gl.program_id(0)
     kvh = gl.program_id(1)
     split = gl.program_id(2)
-    # the merge kernel, launched as a programmatic dependent, may launch now (it waits for this
-    # grid's writes with griddepcontrol.wait before it reads them); a no-op without PDL
-    gl.inline_asm_elementwise(
-        "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
-    )
 
     # ---- shared memory: the ring, Q^T, P' per consumer, merge buffers, barriers
     NS: gl.constexpr = 2 * SPC
