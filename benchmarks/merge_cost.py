@@ -3,7 +3,8 @@
 Times, at the main grid's small points (INT2, token-wise K and V, the paper shape), the whole
 ``gluon.decode`` call (split kernel + Triton merge), the split kernel alone (the merge replaced
 by nothing), and the merge alone on the same workspace, each the median of 30 with L2 flushed
-(foscar.bench.timing). The difference bounds what fusing the merge into the split kernel (the
+(foscar.bench.timing, a 300 us spin ahead of each call as the grids use, so that a call is not
+host-bound). The difference bounds what fusing the merge into the split kernel (the
 last CTA of a row merges) could save.
 
     python benchmarks/merge_cost.py [--operands e4m3|bf16]
@@ -70,7 +71,9 @@ def time_point(fmt, batch, kv_len, shape, operands, flusher):
     for fn in (whole, split_only, merge_only):
         fn()
         torch.cuda.synchronize()
-        us.append(1e3 * bench_stats(fn, iters=30, warmup=5, flusher=flusher)["median_ms"])
+        us.append(
+            1e3 * bench_stats(fn, iters=30, warmup=5, flusher=flusher, spin_us=300)["median_ms"]
+        )
     return ws[0].shape[2], us
 
 
