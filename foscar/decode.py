@@ -87,8 +87,8 @@ def decode_attention(
         CUDA-graph replays allocates nothing.
     sm_scale : float, optional
         Logit scale (default ``1 / sqrt(head_dim)``).
-    backend : ``"auto"``, ``"gluon"``, ``"triton"``, ``"reference"``, ``"triton-reconstruct"``
-        or ``"gluon-reconstruct"``
+    backend : ``"auto"``, ``"gluon"``, ``"triton"``, ``"reference"``, ``"triton-reconstruct"``,
+        ``"gluon-reconstruct"`` or ``"gluon-e4m3"``
         ``"gluon"`` is the warp-specialized Hopper kernel (sm_90; INT2/INT4 K and V, each
         token-wise with g = head_dim (128 or 64) or, at head_dim 128, channel-wise in groups of
         128 tokens; page size 64, up to 8 query heads per KV head; windows included).
@@ -102,7 +102,7 @@ def decode_attention(
         same ablation in the Gluon kernel's pipeline. ``"gluon-e4m3"`` is the Gluon kernel with
         FP8 wgmma operands built from the same cache (the paper's Blackwell mapping, codes as
         E4M3 ``q 2^-9``; token-wise K and V at head_dim 128): Q and the probabilities go to the
-        tensor cores as per-head scaled E4M3, so its error is E4M3's (about 10x bf16's,
+        tensor cores as per-head scaled E4M3, so its error is E4M3's (about 20x bf16's,
         ``benchmarks/NOTES.md`` 17); ``"auto"`` never picks it.
     return_lse : bool
         Also return ``lse: [batch, num_q_heads]`` float32, the natural log of each head's
@@ -173,13 +173,11 @@ def _decode(q, cache, batch, sm_scale, backend, return_lse, out, lse):
         module, needs = _KERNELS[kernel]
         if not module.available(q.device):
             raise ValueError(f"backend {backend!r} needs {needs}; q is on {q.device}")
-        reason = module.supports(cache, q.shape[1])
+        reason = (backend == "gluon-e4m3" and module.supports_e4m3(cache)) or module.supports(
+            cache, q.shape[1]
+        )
         if reason:
             raise ValueError(f"backend {backend!r} does not cover this cache: {reason}")
-        if backend == "gluon-e4m3":
-            reason = module.supports_e4m3(cache)
-            if reason:
-                raise ValueError(f"backend {backend!r} does not cover this cache: {reason}")
         if q.dtype != torch.bfloat16:
             raise TypeError(f"backend {backend!r} needs bfloat16 queries, got {q.dtype}")
         extra = {"operands": "e4m3"} if backend == "gluon-e4m3" else {}

@@ -21,6 +21,7 @@ def build_cache(
     seed=0,
     decode_steps=2,
     shuffle_pages=True,
+    v_offset=0.0,
 ):
     """A cache of ragged sequences (prefill + a few decode steps) with zero-mean K and V.
 
@@ -46,7 +47,7 @@ def build_cache(
     total = sum(lengths)
     spread = torch.linspace(0.3, 2.0, head_dim)
     k = torch.randn(total, num_kv_heads, head_dim, generator=g) * spread
-    v = torch.randn(total, num_kv_heads, head_dim, generator=g) * spread.flip(0)
+    v = torch.randn(total, num_kv_heads, head_dim, generator=g) * spread.flip(0) + v_offset
     cache.append(ids, k.to(device), v.to(device), list(lengths))
     for _ in range(decode_steps):
         k = torch.randn(len(ids), num_kv_heads, head_dim, generator=g)
@@ -87,20 +88,26 @@ def _e4m3_round_rows(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def e4m3_torch_attention(q, cache, batch, sm_scale):
-    """The error bar of the E4M3 operand path (Gluon OPT 1024): attention over the same
-    dequantized cache in fp64 with only Q (per head) and the probabilities (per head, relative
-    to their largest) rounded to E4M3, as the kernel's per-head scaled copies are."""
-    outs = []
+    """The error bar of the E4M3 operand path (Gluon OPT 1024), as the kernel rounds: attention
+    over the same dequantized cache in fp64 with Q rounded to E4M3 per head, and the
+    probabilities rounded (per head, relative to their largest) where they meet the centred
+    codes only: ``sum_t P^_t (x_t - m_t) + P_t m_t`` with m_t the middle of the row's range
+    (z + s c, c the middle code: token-wise min-max groups of head_dim, the only V the path
+    reads). Returns (o, lse) like attend_dequantized."""
+    outs, lses = [], []
     h = cache.num_kv_heads
     for i in range(batch.batch_size):
         k, v = dequantize_sequence(cache, batch, i, torch.float64)
         ratio = q.shape[1] // h
         qq = _e4m3_round_rows(q[i].double().reshape(h, ratio, -1), -1)
         s = torch.einsum("hqd,hld->hql", qq, k) * sm_scale
+        lses.append(torch.logsumexp(s, dim=-1).reshape(h * ratio))
         p = torch.softmax(s, dim=-1)
-        o = torch.einsum("hql,hld->hqd", _e4m3_round_rows(p, -1), v) / p.sum(-1, keepdim=True)
+        mid = (v.amin(-1, keepdim=True) + v.amax(-1, keepdim=True)) / 2  # [h, l, 1]
+        o = torch.einsum("hql,hld->hqd", _e4m3_round_rows(p, -1), v - mid)
+        o = o + torch.einsum("hql,hld->hqd", p, mid)
         outs.append(o.reshape(h * ratio, -1))
-    return torch.stack(outs)
+    return torch.stack(outs), torch.stack(lses)
 
 
 def check_e4m3_against_reference(o, lse, q, cache, batch, *, sm_scale=None):
@@ -109,14 +116,16 @@ def check_e4m3_against_reference(o, lse, q, cache, batch, *, sm_scale=None):
     bf16's 5e-3 bar does not apply (3 mantissa bits: benchmarks/NOTES.md 15 and 17)."""
     sm_scale = 1 / math.sqrt(cache.head_dim) if sm_scale is None else sm_scale
     assert torch.isfinite(o).all(), "unwritten or non-finite output"
-    ref, ref_lse = attend_dequantized(q.double(), cache, batch, sm_scale)
-    bar = rel_l2(e4m3_torch_attention(q, cache, batch, sm_scale), ref)
+    ref, _ = attend_dequantized(q.double(), cache, batch, sm_scale)
+    o_e4m3, lse_e4m3 = e4m3_torch_attention(q, cache, batch, sm_scale)
+    bar = rel_l2(o_e4m3, ref)
     err = rel_l2(o, ref)
     assert err <= max(2 * bar, 5e-3), f"error {err:.2e} > 2 x E4M3 torch attention {bar:.2e}"
     if lse is not None:
         assert torch.isfinite(lse).all()
-        # the logits carry Q's E4M3 rounding (2^-4 relative per element)
-        assert float((lse.double() - ref_lse).abs().max()) <= 0.25
+        # the logits carry Q's E4M3 rounding, which the emulation's LSE has too (P's rounding
+        # does not reach the LSE)
+        assert float((lse.double() - lse_e4m3).abs().max()) <= 2e-2
     return err, bar
 
 

@@ -94,20 +94,26 @@ def supports(cache: QuantizedKVCache, num_q_heads: int) -> str | None:
 
 #: operand mappings the kernel builds from the same (bf16-layout) cache: "bf16" (mantissa
 #: injection, the default) or "e4m3" (FP8 wgmma, kernel OPT 1024; token-wise K and V at head_dim
-#: 128; Q and P' rounded to per-head scaled E4M3, so about 10x bf16's error: benchmarks/NOTES.md 17)
+#: 128; Q and P' rounded to per-head scaled E4M3, so about 20x bf16's error: benchmarks/NOTES.md 17)
 OPERANDS = ("bf16", "e4m3")
 
 
 def supports_e4m3(cache: QuantizedKVCache) -> str | None:
-    """``None`` if the E4M3 operand path covers this cache's format, else the reason."""
+    """``None`` if the E4M3 operand path covers this cache's format, else the reason (on top
+    of :func:`supports`; the path reads the bf16-mapping cache with another extraction)."""
+    if cache.fmt.mapping is not OperandMapping.BF16:
+        return (
+            "operands='e4m3' reads caches of mapping 'bf16' (the Gluon kernel's layout); "
+            f"mapping is {cache.fmt.mapping.value!r}"
+        )
     k, v = cache.fmt.key, cache.fmt.value
     if k.axis is GroupAxis.CHANNEL or v.axis is GroupAxis.CHANNEL:
         return (
-            f"E4M3 operands cover token-wise K and V; the format is key {k.short()}, "
+            f"operands='e4m3' covers token-wise K and V; the format is key {k.short()}, "
             f"value {v.short()}"
         )
     if cache.head_dim != 128:
-        return f"E4M3 operands cover head_dim 128, got {cache.head_dim}"
+        return f"operands='e4m3' covers head_dim 128, got {cache.head_dim}"
     return None
 
 
@@ -207,10 +213,11 @@ def decode(
         reason = supports_e4m3(cache)
         if reason:
             raise ValueError(reason)
-        if reconstruct or cfg.tile_pages != 1:
+        if reconstruct or cfg.tile_pages != 1 or cfg.opt & (2 | 128):
             raise ValueError(
-                "operands='e4m3' runs one-page tiles and the folds (got tile_pages="
-                f"{cfg.tile_pages}, reconstruct={reconstruct})"
+                "operands='e4m3' runs one-page tiles and the folds without the deferred PV "
+                f"wait (config opt bits 2 and 128 clear); got tile_pages={cfg.tile_pages}, "
+                f"reconstruct={reconstruct}, opt={cfg.opt}"
             )
         cfg = dataclasses.replace(cfg, opt=cfg.opt | 1024)
     if cache.fmt.key.axis is GroupAxis.CHANNEL and cfg.ctas_per_sm > 1:

@@ -913,7 +913,7 @@ def _tile(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: gl.con
     if E4M3:
         # the running max of S + log2 s'_V instead of S (any max keeps the softmax exact): then
         # P' = P s'_V <= 1 and 256 P' is in E4M3's range with its 3 bits where they count; P
-        # itself may exceed 1 (by 1 / s'_V at most, floored at 2^64), harmless in fp32
+        # itself may exceed 1 (by 1 / s'_V at most, capped at 2^64), harmless in fp32
         lg = gl.maximum(_lg2(vs), -64.0)
         m_new = gl.maximum(m_i, _col_max(sc + lg[:, None], HS, FAST_MAX))
     else:
@@ -922,11 +922,20 @@ def _tile(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: gl.con
     p = gl.exp2(sc - m_new[None, :])
     l_i = l_i * alpha[None, :] + p  # row sums reduced once after the loop
     if E4M3:
-        # P'^ = e4m3(256 P s'_V); the product takes it against y = q 2^-9, i.e. sum P'^ q / 2;
-        # the offset term from the same rounded P'^: (128 + z'/s') P'^ / 256 (the cache's bf16
-        # constants, x = s' (q + 128) + z')
-        pv = (p * (vs * 256.0)[:, None]).to(gl.float8e4nv)
-        z_i = z_i * alpha[None, :] + pv.to(gl.float32) * (0.5 + ratio * 0.00390625)[:, None]
+        # P'^ = e4m3(256 P s'_V); the product takes it against y = q 2^-9, i.e. sum P'^ q / 2.
+        # With x = s (q - c) + (z + s c), c = (2^bits - 1) / 2 the middle code, the output is
+        # sum P'^ q - c sum P'^ + sum P' (z/s + c): the offset term takes the unrounded fp32 P'
+        # (E4M3 has no +128 in the product to cancel, design.md Note [offset cancellation]),
+        # and P's rounding meets the centred codes q - c only, whatever the row's offset. With
+        # the rounded P'^ in the offset term, a row with a large offset and a small range lost
+        # its whole P z (review of session 7: 0.35 against bf16's 2.3e-3); with the fp32 P'
+        # alone (no -c sum P'^), the uncentred q doubled the error on zero-mean rows.
+        # z/s = 128 + z'/s' (the cache's bf16 constants, x = s' (q + 128) + z').
+        C_MID: gl.constexpr = ((1 << V_BITS) - 1) / 2
+        pv32 = p * (vs * 256.0)[:, None]
+        pv = pv32.to(gl.float8e4nv)
+        z_i = z_i * alpha[None, :] + pv32 * (0.5 + (ratio + C_MID) * 0.00390625)[:, None]
+        zp_i = zp_i * alpha[None, :] + pv.to(gl.float32)  # 256 sum P'^, for the -c sum P'^
     elif V_CHANNEL or RECONSTRUCT:
         pv = p.to(gl.bfloat16)  # channel-wise V folds into the accumulator, after the product
     else:
@@ -1179,13 +1188,15 @@ def _consume(C: gl.constexpr, ring, qt_smem, op_bufs, split, qk_scale, magic, CF
         acc = acc * alpha_prev[None, :] + o_prev
     l_tot = gl.sum(l_i, axis=0)
     num = acc + gl.sum(z_i, axis=0)[None, :]  # V offset term: one scalar per head for g = D
-    if E4M3:  # acc = sum P'^ q 4^a / 2 (E4M3 y = q 4^a 2^-9 against 256 P'^)
+    if E4M3:  # acc = sum P'^ q 4^a / 2 (E4M3 y = q 4^a 2^-9 against 256 P'^); see _tile
         c = gl.arange(0, HD, layout=gl.SliceLayout(1, acc_l))
         if SCALED_V:
             vfac = 2.0 * _pow4((c // 8) % 2, True)
         else:
             vfac = gl.full([HD], 2.0, gl.float32, gl.SliceLayout(1, acc_l))
-        num = acc * vfac[:, None] + gl.sum(z_i, axis=0)[None, :]
+        C_MID: gl.constexpr = ((1 << CFG[3]) - 1) / 2
+        offset = gl.sum(z_i, axis=0) - (C_MID / 256) * gl.sum(zp_i, axis=0)
+        num = acc * vfac[:, None] + offset[None, :]
     elif SCALED_V:  # acc holds sum_n P' y~, y~ = 128 + 4^a q: O = acc 4^-a + 128 (1 - 4^-a) sum P'
         c = gl.arange(0, HD, layout=gl.SliceLayout(1, acc_l))
         inv = _pow4(_scaled_exponent_v(c), True)
