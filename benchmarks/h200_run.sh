@@ -27,6 +27,7 @@
 #   bash benchmarks/h200_run.sh s7-merge # session 7: E4M3 cases after the deps change; the merge launch's cost
 #   bash benchmarks/h200_run.sh s7-final # session 7: the merge as a dependent launch: Gluon cases, grid
 #   bash benchmarks/h200_run.sh s7-centred # session 7: E4M3 offset term after review: accuracy, cases, grid
+#   bash benchmarks/h200_run.sh s7-lse   # session 7: the E4M3 LSE check, windows cases
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -265,6 +266,13 @@ case "$mode" in
     tail -3 "$OUT/gpu_tests_gluon_e4m3_centred.log"; grep -E "^_+ test_|Error|^E  " "$OUT/gpu_tests_gluon_e4m3_centred.log" | head -12
     timeout 90 python3 -m foscar bench --grid main --methods foscar-gluon-e4m3 flashinfer-bf16 \
       --name decode_grid_e4m3_centred --out "$OUT" 2>&1 | grep -v "^\[" | tail -5
+    ;;
+  s7-lse)
+    # session 7: the E4M3 LSE check against the fp64 LSE (s7-centred's windows cases failed the
+    # first form of it)
+    timeout 90 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gluon_kernel.py -k \
+      "e4m3_operands_paper_shape_and_windows[2-True] or e4m3_operands_paper_shape_and_windows[4-False] or e4m3_operands_odd_lengths[4-2-2]" \
+      2>&1 | tee "$OUT/gpu_tests_gluon_e4m3_lse.log" | tail -4
     ;;
   s5-variants)
     python3 benchmarks/diagnose_channel_k_variants.py 2>&1 | tee "$OUT/diagnose_channel_k_variants.log"

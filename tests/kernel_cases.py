@@ -116,16 +116,18 @@ def check_e4m3_against_reference(o, lse, q, cache, batch, *, sm_scale=None):
     bf16's 5e-3 bar does not apply (3 mantissa bits: benchmarks/NOTES.md 15 and 17)."""
     sm_scale = 1 / math.sqrt(cache.head_dim) if sm_scale is None else sm_scale
     assert torch.isfinite(o).all(), "unwritten or non-finite output"
-    ref, _ = attend_dequantized(q.double(), cache, batch, sm_scale)
+    ref, ref_lse = attend_dequantized(q.double(), cache, batch, sm_scale)
     o_e4m3, lse_e4m3 = e4m3_torch_attention(q, cache, batch, sm_scale)
     bar = rel_l2(o_e4m3, ref)
     err = rel_l2(o, ref)
     assert err <= max(2 * bar, 5e-3), f"error {err:.2e} > 2 x E4M3 torch attention {bar:.2e}"
     if lse is not None:
         assert torch.isfinite(lse).all()
-        # the logits carry Q's E4M3 rounding, which the emulation's LSE has too (P's rounding
-        # does not reach the LSE)
-        assert float((lse.double() - lse_e4m3).abs().max()) <= 2e-2
+        # the logits carry Q's E4M3 rounding (P's does not reach the LSE): within 2e-2 of the
+        # deviation of the emulation's LSE, which rounds Q for every token (the kernel's BF16
+        # windows take the bf16 Q: the H200 measured such a case past 2e-2 of the emulation)
+        dev = float((lse.double() - ref_lse).abs().max())
+        assert dev <= float((lse_e4m3 - ref_lse).abs().max()) + 2e-2, f"LSE off by {dev:.2e}"
     return err, bar
 
 
