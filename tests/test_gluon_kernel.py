@@ -356,7 +356,11 @@ def test_e4m3_operand_programs_read_the_cache_layout(bits, scaled):
     is the code its row and column stand for: K's column k is channel _e4m3_key_channel(k) (Q is
     stored in that order), V^T's column is the token itself; scaled INT2 fields carry 4^a with
     a = (k // 16) % 2 for K (the kernel folds 4^-a into Q) and a = (c // 8) % 2 for V (into the
-    output). This pins the bit programs to foscar.formats; the compile test pins the layouts."""
+    output). This pins the bit programs, as written out here (the selectors and masks are
+    restated, not called: they are Gluon code), to foscar.formats. The compile test's
+    assert_trivial conversions pin which thread holds which value, not the order of values
+    within a thread (a swap of two register dimensions compiles); the device tests, against
+    fp64, pin the rest."""
     from foscar.formats import Role, channel_order, pack_codes
     from foscar.kernels import gluon_decode as kern
 

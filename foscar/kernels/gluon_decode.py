@@ -459,7 +459,10 @@ def _k_fields_e4m3(words, BITS: gl.constexpr, HD: gl.constexpr, SCALED: gl.const
     words [64, W] in SliceLayout(2, k_words3_layout(BITS, HD)), NF = 8 / BITS per word (INT2
     scaled: 1 shift and 4 masks per 16 codes). _k_operand_from_fields views them as E4M3; the
     QK wait takes these int32 registers as its deps (triton 3.6's WGMMAWaitGroupOp rejects
-    8-bit deps, "Unexpected bitwidth"), which keeps the operand alive until the product is done."""
+    8-bit deps, "Unexpected bitwidth"), which keeps the operand alive until the product is done.
+    That holds because the byte views are free, i.e. the wgmma reads these very registers (the
+    SASS shows it; were LLVM to rebuild the operand in other registers, the tile loop would grow
+    by the PRMTs, which test_e4m3_operands_compile_without_spills bounds)."""
     L3: gl.constexpr = k_words3_layout(BITS, HD, True)
     words = gl.convert_layout(words, gl.SliceLayout(2, L3), assert_trivial=True)
     f = gl.arange(0, 8 // BITS, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
