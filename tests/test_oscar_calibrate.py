@@ -399,10 +399,15 @@ def test_windowed_attention_reads_exact_keys_inside_the_windows():
 def test_clip_fit_with_windows(tiny):
     seqs = sequences()
     cal = calibrate(tiny, seqs)
-    # windows holding every token: nothing is quantized, every candidate has zero error
-    r = fit_clips(tiny, seqs[:1], cal.rotations(), bits=(2,), num_queries=4, windows=(64, 0))
-    assert r.header["clip_fit"]["windows"] == [64, 0]
-    assert max(r.header["clip_fit"]["int2.key"]["mean_relative_error"]) == 0
+    # windows holding every token: nothing is quantized, every candidate would score zero and
+    # the tie would pass min-max off as fitted clips: refused, naming the length needed
+    for windows in ((64, 0), (0, 40), (20, 20)):
+        with pytest.raises(ValueError, match=f"longer than sink \\+ recent = {sum(windows)}"):
+            fit_clips(tiny, seqs[:1], cal.rotations(), bits=(2,), num_queries=4, windows=windows)
+    # one key past the windows is enough to fit
+    r = fit_clips(tiny, seqs[:1], cal.rotations(), bits=(2,), num_queries=4, windows=(20, 19))
+    assert r.header["clip_fit"]["windows"] == [20, 19]
+    assert max(r.header["clip_fit"]["int2.key"]["mean_relative_error"]) > 0
     r = fit_clips(tiny, seqs[:1], cal.rotations(), bits=(2,), num_queries=4, windows=(4, 8))
     assert min(r.header["clip_fit"]["int2.value"]["mean_relative_error"]) > 0
     with pytest.raises(ValueError, match="windows must be"):

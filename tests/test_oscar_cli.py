@@ -63,7 +63,7 @@ def test_calibrate_writes_a_loadable_file(toy):
     args = parse(
         ["--model", str(toy / "model"), "--text", str(toy / "text.txt"), "--tokens", "300",
          "--seq-len", "128", "--clip-tokens", "128", "--clip-queries", "8", "--per-head",
-         "--out", str(out)]
+         "--fit-windows", "8", "32", "--out", str(out)]
     )  # fmt: skip
     lines = []
     assert oscar_cli.run(args, log=lines.append) == 0
@@ -76,8 +76,12 @@ def test_calibrate_writes_a_loadable_file(toy):
     )
     assert set(r.clips) == {(2, "key"), (2, "value"), (4, "key"), (4, "value")}
     assert h["clip_fit"]["tokens"] == 128 and h["timing_seconds"]["targets"] >= 0
-    assert h["clip_fit"]["windows"] == [64, 256]
+    assert h["clip_fit"]["windows"] == [8, 32]
     assert any("wrote" in line for line in lines)
+    # the default 64/256 windows hold all of a 128-token sequence: no clip can be fitted there
+    args.fit_windows = [64, 256]
+    with pytest.raises(ValueError, match="longer than sink \\+ recent = 320"):
+        oscar_cli.run(args, log=lines.append)
 
 
 def test_calibrate_rejects_bad_arguments(toy):
@@ -116,7 +120,7 @@ def test_calibrate_select(toy):
     args = parse(
         ["--model", str(toy / "model"), "--text", str(toy / "text.txt"), "--tokens", "256",
          "--seq-len", "128", "--clip-tokens", "128", "--clip-queries", "8", "--clip-bits", "2",
-         "--select", "--out", str(out)]
+         "--fit-windows", "8", "32", "--select", "--out", str(out)]
     )  # fmt: skip
     lines = []
     assert oscar_cli.run(args, log=lines.append) == 0
@@ -130,7 +134,8 @@ def test_calibrate_select(toy):
     args = parse(
         ["--model", str(toy / "model"), "--text", str(toy / "text.txt"), "--tokens", "256",
          "--seq-len", "128", "--clip-tokens", "128", "--clip-queries", "8", "--clip-bits", "2",
-         "--select", "--select-kv-heads", "--key-target", "plain", "--out", str(out)]
+         "--fit-windows", "8", "32", "--select", "--select-kv-heads", "--key-target", "plain",
+         "--out", str(out)]
     )  # fmt: skip
     lines = []
     assert oscar_cli.run(args, log=lines.append) == 0
@@ -222,7 +227,8 @@ def test_foscar_eval_with_oscar_rows(toy, monkeypatch):
     path = toy / "eval.safetensors"
     oscar_cli.run(
         parse(["--model", str(toy / "model"), "--text", str(toy / "text.txt"), "--tokens", "128",
-               "--seq-len", "128", "--clip-bits", "2", "--clip-queries", "4", "--out", str(path)]),
+               "--seq-len", "128", "--clip-bits", "2", "--clip-queries", "4",
+               "--fit-windows", "8", "16", "--out", str(path)]),
         log=lambda s: None,
     )  # fmt: skip
     result = evaluate("--oscar-file", str(path), "--formats", "OSCAR INT2 (")

@@ -280,6 +280,16 @@ def fit_clips(
         isinstance(w, bool) or not isinstance(w, int) or w < 0 for w in windows
     ):
         raise ValueError(f"windows must be (sink, recent) non-negative ints, got {windows!r}")
+    # a query at position p reads quantized keys only if p >= sink + recent; the queries sit at
+    # t//2 .. t-1, so a sequence of t <= sink + recent tokens gives every candidate zero error
+    # and the "fitted" clips would be min-max by the tie (session 7: 64/2048 on 2,048-token
+    # sequences fitted every clip to 1.0 and chose candidate "full" everywhere, EVAL_NOTES 10)
+    if (windows[0] or windows[1]) and all(s.numel() <= sum(windows) for s in seqs):
+        raise ValueError(
+            f"windows={tuple(windows)} keep every key of the calibration sequences (at most "
+            f"{max(s.numel() for s in seqs)} tokens) in BF16, so no clip ratio can be fitted; "
+            f"calibrate on sequences longer than sink + recent = {sum(windows)} tokens"
+        )
     cands = [float(p) for p in candidates]
     for p in cands:
         QuantFormat(2, "token", g, p)  # validates every ratio
