@@ -206,7 +206,7 @@ def test_foscar_eval_with_oscar_rows(toy, monkeypatch):
         return eval_run.evaluate(args, out=io.StringIO())
 
     result = evaluate(
-        "--oscar", "--oscar-tokens", "256", "--oscar-windows", "8", "16",
+        "--oscar", "--oscar-tokens", "256", "--oscar-seq-len", "128", "--oscar-windows", "8", "16",
         "--formats", "OSCAR INT2 + BF16 8/16 (fitted", "w/o H",
     )  # fmt: skip
     names = [r["format"] for r in result["rows"]]
@@ -220,6 +220,7 @@ def test_foscar_eval_with_oscar_rows(toy, monkeypatch):
     assert all("128" in r["ppl"] and r["needle"]["256"]["trials"] == 1 for r in rows.values())
     oscar = result["config"]["oscar"]
     assert oscar["calibration"]["calibration_tokens"] == 256 and oscar["windows"] == [8, 16]
+    assert oscar["calibration"]["calibration_sequences"] == [128, 128]  # --oscar-seq-len
     assert "foscar-paper.txt" in oscar["attention_errors_heldout"]["text"]
     paths = write_results(result, toy / "out", "oscar")
     assert "### OSCAR calibration" in paths["md"].read_text()

@@ -135,6 +135,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--oscar-file", default=None, help="add the rows of a foscar calibrate file")
     p.add_argument("--oscar-tokens", type=int, default=8192, help="OSCAR calibration tokens")
     p.add_argument(
+        "--oscar-seq-len",
+        type=int,
+        default=2048,
+        help="OSCAR calibration sequence length (2048); the clip fit needs sequences longer "
+        "than the windows' sink + recent",
+    )
+    p.add_argument(
         "--oscar-windows",
         type=int,
         nargs=2,
@@ -268,6 +275,7 @@ def evaluate(args, out=sys.stdout, extra_formats=()) -> dict:
             model,
             tok,
             tokens=args.oscar_tokens,
+            seq_len=args.oscar_seq_len,
             windows=tuple(args.oscar_windows),
             group_sizes=tuple(args.oscar_groups),
             path=args.oscar_file,
