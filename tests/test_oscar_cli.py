@@ -168,6 +168,9 @@ def test_prepare_rows_for_foscar_eval(toy):
     md = report(info)
     assert "256 tokens" in md and "| w/o H | " in md and "OSCAR-select key" in md
     assert "per-KV-head value, of 2 layers" in md
+    # held-out text inside the windows has nothing to measure: the table is left out
+    _, info = prepare(model, tok, tokens=256, seq_len=128, windows=(8, 60), held_out=held)
+    assert "attention_errors_heldout" not in info
     path = toy / "p.safetensors"
     rows[1].rotations.save(path)
     rows, info = prepare(model, tok, path=str(path))
