@@ -28,6 +28,7 @@
 #   bash benchmarks/h200_run.sh s7-final # session 7: the merge as a dependent launch: Gluon cases, grid
 #   bash benchmarks/h200_run.sh s7-centred # session 7: E4M3 offset term after review: accuracy, cases, grid
 #   bash benchmarks/h200_run.sh s7-lse   # session 7: the E4M3 LSE check, windows cases
+#   bash benchmarks/h200_run.sh s8-launch # session 8: Q staged in the consumers, the fused merge: GPU cases, variants
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -266,6 +267,17 @@ case "$mode" in
     tail -3 "$OUT/gpu_tests_gluon_e4m3_centred.log"; grep -E "^_+ test_|Error|^E  " "$OUT/gpu_tests_gluon_e4m3_centred.log" | head -12
     timeout 90 python3 -m foscar bench --grid main --methods foscar-gluon-e4m3 flashinfer-bf16 \
       --name decode_grid_e4m3_centred --out "$OUT" 2>&1 | grep -v "^\[" | tail -5
+    ;;
+  s8-launch)
+    # session 8: each consumer stages Q (OPT 2048) and the split merge runs in the kernel (OPT
+    # 4096), both in the default config now: the Gluon cases over splits, windows, graphs and the
+    # merge (both operand mappings), then the launch-sequence variants on the 13 points
+    timeout 170 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gluon_kernel.py -k \
+      "fused_merge or split_counts or graph_replay or ragged or one_token or bf16_windows or agrees or e4m3_operands_odd_lengths[4- or odd_lengths_every_gqa_ratio[4- or paper_shape" \
+      > "$OUT/gpu_tests_gluon_s8.log" 2>&1
+    tail -3 "$OUT/gpu_tests_gluon_s8.log"; grep -E "^_+ test_|Error|^E  " "$OUT/gpu_tests_gluon_s8.log" | head -16
+    timeout 400 python3 benchmarks/gluon_variants.py --out "$OUT" --points main \
+      --variants base qc fused qc-fused e4m3-base e4m3-qc-fused --name gluon_launch_s8 2>&1 | tail -16
     ;;
   s7-lse)
     # session 7: the E4M3 LSE check against the fp64 LSE (s7-centred's windows cases failed the

@@ -92,6 +92,11 @@ def supports(cache: QuantizedKVCache, num_q_heads: int) -> str | None:
     return triton_backend.supports(cache, num_q_heads)  # the window program and the merge
 
 
+#: kernel OPT bits of the launch sequence (foscar.kernels.gluon_decode, consumer section): Q staged
+#: by each consumer, and the split merge fused into the kernel (no Triton merge launch)
+Q_IN_CONSUMERS = 2048
+FUSED_MERGE = 4096
+
 #: operand mappings the kernel builds from the same (bf16-layout) cache: "bf16" (mantissa
 #: injection, the default) or "e4m3" (FP8 wgmma, kernel OPT 1024; token-wise K and V at head_dim
 #: 128; Q and P' rounded to per-head scaled E4M3, so about 20x bf16's error: benchmarks/NOTES.md 17)
@@ -241,6 +246,12 @@ def decode(
         out = torch.empty_like(q)
     if return_lse and lse is None:
         lse = torch.empty(bsz, num_q_heads, dtype=torch.float32, device=q.device)
+    fused = bool(cfg.opt & FUSED_MERGE)
+    if has_windows and fused:  # the window partial first: the kernel's last split merges it
+        triton_backend.window_partial(
+            q, cache, batch, sm_scale, o_part[:, :, splits:], lse_part[:, :, splits:]
+        )
+    lse_out = lse if return_lse else lse_part
     kw, ks, vw, vs = _descriptors(cache, batch.layer)
     consts = _constexprs(
         cfg,
@@ -272,16 +283,37 @@ def decode(
         o_part.stride(2),
         lse_part.stride(0),
         lse_part.stride(1),
+        out,
+        lse_out,
+        _row_counters(batch, cache.num_kv_heads, q.device),
+        parts,
+        int(return_lse),
+        out.stride(0),
+        out.stride(1),
+        lse_out.stride(0),
+        lse_out.stride(1),
         **consts,
         num_warps=4,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )
-    if has_windows:
-        triton_backend.window_partial(
-            q, cache, batch, sm_scale, o_part[:, :, splits:], lse_part[:, :, splits:]
-        )
-    triton_backend.merge_partials(o_part, lse_part, out, lse if return_lse else None)
+    if not fused:
+        if has_windows:
+            triton_backend.window_partial(
+                q, cache, batch, sm_scale, o_part[:, :, splits:], lse_part[:, :, splits:]
+            )
+        triton_backend.merge_partials(o_part, lse_part, out, lse if return_lse else None)
     return (out, lse) if return_lse else out
+
+
+def _row_counters(batch: DecodeBatch, num_kv_heads: int, device) -> torch.Tensor:
+    """The fused merge's finished-split counters ``[B, Hkv]`` int32, zeroed once per batch plan:
+    the kernel's last split of a row resets its counter, so they are zero between calls (and
+    across CUDA-graph replays)."""
+    memo = batch.__dict__.setdefault("_gluon_row_counters", {})
+    key = (num_kv_heads, device)
+    if key not in memo:
+        memo[key] = torch.zeros(batch.batch_size, num_kv_heads, dtype=torch.int32, device=device)
+    return memo[key]
 
 
 def compile_sm90(
@@ -324,6 +356,9 @@ def compile_sm90(
         "lse_part_ptr": "*fp32",
         "qk_scale": "fp32",
         "magic": "i32",
+        "out_ptr": "*bf16",
+        "lse_out_ptr": "*fp32",
+        "counter_ptr": "*i32",
     }
     consts = _constexprs(cfg, heads_per_kv, k_bits, v_bits, v_channel, k_channel, head_dim)
     fn = kern.gluon_decode_split_kernel

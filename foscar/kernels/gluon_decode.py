@@ -698,7 +698,11 @@ def _split_span(seq_ptrs, num_splits, TP: gl.constexpr):
 # instead of an explicit shared buffer; 512 = scaled extraction of INT2 operands at head_dim 128
 # (_fields: 2 shifts per 8 K pairs instead of 7, 1 per 4 V pairs instead of 3; Q, the offsets
 # and the output fold the powers of 4 back, exactly); 1024 = E4M3 operands for FP8 wgmma (token-wise
-# K and V at head_dim 128, one-page tiles; see the E4M3 section). Default 5.
+# K and V at head_dim 128, one-page tiles; see the E4M3 section); 2048 = Q staged by each consumer
+# (its own Q^T buffer, after the partitions start) instead of by the prologue, so the producer's
+# first TMA copies do not wait for Q's load; 4096 = the split merge fused into the kernel (the
+# last CTA of a (sequence, KV head) merges every part into the output; one split writes it
+# directly; see _finish). Default 5.
 @gluon.constexpr_function
 def scaled_extraction(opt, bits, head_dim):
     """Whether a role of ``bits`` takes the scaled extraction (OPT 512): INT2 at head_dim 128,
@@ -1126,20 +1130,29 @@ def _step(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: gl.con
 
 
 @gluon.jit
-def _consume(C: gl.constexpr, ring, qt_smem, op_bufs, split, qk_scale, magic, CFG: gl.constexpr):
+def _consume(C: gl.constexpr, ring, q_args, op_bufs, split, qk_scale, magic, CFG: gl.constexpr):
     """Consumer C's loop over tiles t_begin + C + 2i; returns (m, l, unnormalised O^T [D, HS]).
-    split: (seq_ptrs, num_splits) for _split_span; op_bufs: (P'^T per page, channel-wise K's Q'
-    and zq) buffers of both consumers; CFG: (SPC, HS, K_BITS, V_BITS, V_CHANNEL, OPT, K_CHANNEL,
-    HD, TP)."""
+    q_args: (q_ptr, stride_q_b, stride_q_h) for _stage_q (OPT 2048); split: (seq_ptrs,
+    num_splits) for _split_span; op_bufs: (P'^T per page, channel-wise K's Q' and zq, Q^T and
+    its per-head factor) buffers of both consumers; CFG: (SPC, HS, K_BITS, V_BITS, V_CHANNEL,
+    OPT, K_CHANNEL, HD, TP, H)."""
     TP: gl.constexpr = CFG[8]
-    t_begin, t_full, t_end, n_q, _ = _split_span(*split, TP)
     HS: gl.constexpr = CFG[1]
     OPT: gl.constexpr = CFG[5]
     K_CHANNEL: gl.constexpr = CFG[6]
     HD: gl.constexpr = CFG[7]
     PIPE: gl.constexpr = (OPT & 2) != 0
     acc_l: gl.constexpr = acc_layout(HS)
-    p_bufs, kq_bufs, zq_bufs, hf_smem = op_bufs
+    p_bufs, kq_bufs, zq_bufs, qt_bufs, hf_bufs = op_bufs
+    QC: gl.constexpr = q_in_consumers(OPT)
+    QI: gl.constexpr = C if QC else 0  # this consumer's Q^T buffer (the prologue fills 0)
+    qt_smem = qt_bufs.index(QI)
+    hf_smem = hf_bufs.slice(QI * HS, HS)
+    if QC:  # Q's load overlaps the producer's first copies; the 4 warps then see all of Q^T
+        _stage_q(*q_args, qt_smem, hf_smem, CFG)
+        fence_async_shared()
+        gl.thread_barrier()
+    t_begin, t_full, t_end, n_q, _ = _split_span(*split, TP)
     E4M3: gl.constexpr = e4m3_operands(OPT)
     SCALED_K: gl.constexpr = scaled_extraction(OPT, CFG[2], HD) and not K_CHANNEL
     SCALED_V: gl.constexpr = scaled_extraction(OPT, CFG[3], HD) and not CFG[4]
@@ -1210,38 +1223,176 @@ def _consume(C: gl.constexpr, ring, qt_smem, op_bufs, split, qk_scale, magic, CF
 
 
 @gluon.jit
-def _consumer1(ring, qt_smem, op_bufs, merge_bufs, split, qk_scale, magic, CFG: gl.constexpr):
+def _consumer1(ring, q_args, op_bufs, merge_bufs, split, qk_scale, magic, CFG: gl.constexpr):
     """Consumer 1 leaves its state in shared memory; the kernel merges it after the partitions
     join (the join is a CTA barrier, so no mbarrier hand-off is needed)."""
     m_smem, l_smem, o_smem = merge_bufs
-    m1, l1, num1 = _consume(1, ring, qt_smem, op_bufs, split, qk_scale, magic, CFG)
+    m1, l1, num1 = _consume(1, ring, q_args, op_bufs, split, qk_scale, magic, CFG)
     m_smem.store(m1)
     l_smem.store(l1)
     o_smem.store(num1)
 
 
 @gluon.jit
-def _consumer0(ring, qt_smem, op_bufs, split, qk_scale, magic, CFG: gl.constexpr):
-    return _consume(0, ring, qt_smem, op_bufs, split, qk_scale, magic, CFG)
+def _consumer0(ring, q_args, op_bufs, split, qk_scale, magic, CFG: gl.constexpr):
+    return _consume(0, ring, q_args, op_bufs, split, qk_scale, magic, CFG)
+
+
+@gluon.constexpr_function
+def q_in_consumers(opt):
+    """Whether each consumer stages Q itself (OPT 2048) instead of the prologue."""
+    return (opt & 2048) != 0
+
+
+@gluon.constexpr_function
+def fused_merge(opt):
+    """Whether the kernel merges the splits itself (OPT 4096) instead of the Triton merge."""
+    return (opt & 4096) != 0
 
 
 @gluon.jit
-def _merge_and_store(
-    m0,
-    l0,
-    num0,
-    m_smem,
-    l_smem,
-    o_smem,
-    o_base,
-    lse_base,
+def _stage_q(q_ptr, stride_q_b, stride_q_h, qt_smem, hf_smem, CFG: gl.constexpr):
+    """Q [HS, D] of this CTA's KV head into ``qt_smem`` as the QK product's operand, K-major (its
+    transposed view is the B operand; heads past H are zero), and the per-head factor into
+    ``hf_smem`` (E4M3: 2^(9 - sigma); bf16: 1). The caller fences and synchronizes.
+    B operands are stored K-major (MN-major B with 16-byte rows read out of bounds on the H200:
+    compute-sanitizer, session 3)."""
+    HS: gl.constexpr = CFG[1]
+    K_BITS: gl.constexpr = CFG[2]
+    OPT: gl.constexpr = CFG[5]
+    K_CHANNEL: gl.constexpr = CFG[6]
+    HD: gl.constexpr = CFG[7]
+    H: gl.constexpr = CFG[9]
+    b = gl.program_id(0)
+    kvh = gl.program_id(1)
+    ql: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    h = gl.arange(0, HS, layout=gl.SliceLayout(1, ql))
+    d = gl.arange(0, HD, layout=gl.SliceLayout(0, ql))
+    E4M3: gl.constexpr = e4m3_operands(OPT)
+    # E4M3: column d holds channel _e4m3_key_channel(d) (the K operand's column order)
+    q_cols = _e4m3_key_channel(d, K_BITS) if E4M3 else d
+    qt = gl.load(
+        q_ptr + b * stride_q_b + (kvh * H + h)[:, None] * stride_q_h + q_cols[None, :],
+        mask=(h < H)[:, None],
+        other=0.0,
+    )
+    if E4M3:
+        # Q^ = e4m3(Q 4^-a 2^sigma) per head: sigma = 134 - (biased exponent of max |Q|), so the
+        # head's largest value lands in [128, 256) of E4M3's 448; hf = 2^(9 - sigma) scales the
+        # product back (_key_logits). Heads past H (zero) keep sigma = 127
+        qf = qt.to(gl.float32)
+        if scaled_extraction(OPT, K_BITS, HD):
+            qf = qf * _pow4((d // 16) % 2, True)[None, :]
+        amax = gl.max(gl.abs(qf), axis=1)
+        ebits = gl.minimum(
+            gl.maximum(261 - ((amax.to(gl.int32, bitcast=True) >> 23) & 0xFF), 1), 254
+        )
+        qt_smem.store((qf * (ebits << 23).to(gl.float32, bitcast=True)[:, None]).to(gl.float8e4nv))
+        hf_smem.store(((263 - ebits) << 23).to(gl.float32, bitcast=True))
+    else:
+        if scaled_extraction(OPT, K_BITS, HD) and not K_CHANNEL:  # Q~ = Q 4^-a, exact in bf16
+            qt = (qt.to(gl.float32) * _pow4(_scaled_exponent_k(d), True)[None, :]).to(gl.bfloat16)
+        qt_smem.store(qt)
+        hf_smem.store(gl.full([HS], 1.0, gl.float32, gl.SliceLayout(1, ql)))
+
+
+@gluon.jit
+def _fence_gpu(x):
+    """fence.acq_rel.gpu in every thread (``x``: any small tensor; returns it)."""
+    return gl.inline_asm_elementwise(
+        "fence.acq_rel.gpu; mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1
+    )
+
+
+@gluon.constexpr_function
+def merge_layout(HP, PB, HD):
+    """[HP heads, PB parts, HD channels] for the fused merge: a thread owns 4 consecutive
+    channels (one 16-byte load) of every head; the 4 warps split the parts."""
+    return gl.BlockedLayout([1, 1, 4], [1, 1, 32], [1, 4, 1], [2, 1, 0])
+
+
+@gluon.constexpr_function
+def _next_pow2(n):
+    n = int(getattr(n, "value", n))
+    return 1 << (n - 1).bit_length()
+
+
+@gluon.jit
+def _merge_parts(
+    o_row,
+    lse_row,
+    num_parts,
+    out_row,
+    lse_out_row,
+    write_lse,
     stride_op_h,
+    stride_op_split,
     stride_lp_h,
+    stride_o_h,
+    stride_lo_h,
     H: gl.constexpr,
-    HS: gl.constexpr,
     HD: gl.constexpr,
 ):
-    """Merge consumer 1's state (shared memory) into consumer 0's and write this split's partial."""
+    """LSE merge of ``num_parts`` normalised partials of H query heads into the output (the
+    Triton ``merge_splits_kernel``'s formula), by the 4 default warps: chunks of PB parts, an
+    online max across chunks. o_row / lse_row: the partials of head 0 of this KV head's heads;
+    out_row / lse_out_row likewise (lse in natural log, written when ``write_lse``)."""
+    HP: gl.constexpr = _next_pow2(H)
+    PB: gl.constexpr = 8
+    L3: gl.constexpr = merge_layout(HP, PB, HD)
+    LHP: gl.constexpr = gl.SliceLayout(2, L3)  # [HP, PB]
+    LHD: gl.constexpr = gl.SliceLayout(1, L3)  # [HP, HD]
+    h2 = gl.arange(0, HP, layout=gl.SliceLayout(1, LHP))
+    p2 = gl.arange(0, PB, layout=gl.SliceLayout(0, LHP))
+    h3 = gl.expand_dims(gl.expand_dims(gl.arange(0, HP, layout=gl.SliceLayout(1, LHD)), 1), 1)
+    d1 = gl.arange(0, HD, layout=gl.SliceLayout(0, LHD))
+    d3 = gl.expand_dims(gl.expand_dims(d1, 0), 1)
+    p3 = gl.expand_dims(gl.expand_dims(p2, 0), 2)
+    m_run = gl.full([HP], -float("inf"), gl.float32, gl.SliceLayout(1, LHP))
+    l_run = gl.zeros([HP], gl.float32, gl.SliceLayout(1, LHP))
+    acc = gl.zeros([HP, HD], gl.float32, LHD)
+    for p0 in range(0, num_parts, PB):
+        pm = (h2 < H)[:, None] & (p0 + p2 < num_parts)[None, :]
+        lse = gl.load(
+            lse_row + h2[:, None] * stride_lp_h + (p0 + p2)[None, :],
+            mask=pm,
+            other=-float("inf"),
+            cache_modifier=".cg",
+        )
+        o = gl.load(
+            o_row + h3 * stride_op_h + (p0 + p3) * stride_op_split + d3,
+            mask=(h3 < H) & (p0 + p3 < num_parts),
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        m_new = gl.maximum(m_run, gl.max(lse, axis=1))
+        m_safe = gl.where(m_new == -float("inf"), 0.0, m_new)
+        alpha = gl.exp2(m_run - m_safe)
+        w = gl.exp2(lse - m_safe[:, None])
+        l_run = l_run * alpha + gl.sum(w, axis=1)
+        a3 = gl.convert_layout(alpha, gl.SliceLayout(1, LHD))
+        acc = acc * a3[:, None] + gl.sum(gl.expand_dims(w, 2) * o, axis=1)
+        m_run = m_new
+    l_ok = l_run > 0
+    inv = gl.convert_layout(
+        gl.where(l_ok, 1.0 / gl.where(l_ok, l_run, 1.0), 0.0), gl.SliceLayout(1, LHD)
+    )
+    hh = gl.arange(0, HP, layout=gl.SliceLayout(1, LHD))
+    gl.store(
+        out_row + hh[:, None] * stride_o_h + d1[None, :],
+        (acc * inv[:, None]).to(out_row.dtype.element_ty),
+        mask=(hh < H)[:, None] & (d1 < HD)[None, :],
+    )
+    lse_out = gl.where(
+        l_ok, (m_run + gl.log2(gl.where(l_ok, l_run, 1.0))) * 0.6931471805599453, -float("inf")
+    )
+    gl.store(lse_out_row + h2 * stride_lo_h, lse_out, mask=(h2 < H) & (write_lse != 0))
+
+
+@gluon.jit
+def _merge_consumers(m0, l0, num0, m_smem, l_smem, o_smem, HS: gl.constexpr):
+    """Merge consumer 1's state (shared memory) into consumer 0's: (o [D, HS] normalised,
+    lse [HS] in the log2 domain, -inf when empty)."""
     acc_l: gl.constexpr = acc_layout(HS)
     m1 = m_smem.load(gl.SliceLayout(0, acc_l))
     l1 = l_smem.load(gl.SliceLayout(0, acc_l))
@@ -1254,10 +1405,21 @@ def _merge_and_store(
     num = num0 * a0[None, :] + num1 * a1[None, :]
     o = num / gl.where(l_tot > 0, l_tot, 1.0)[None, :]
     lse = gl.where(l_tot > 0, m + gl.log2(gl.where(l_tot > 0, l_tot, 1.0)), -float("inf"))
-    d = gl.arange(0, HD, layout=gl.SliceLayout(1, acc_l))
+    return o, lse
+
+
+@gluon.jit
+def _store_heads(o, o_base, stride_o_h, H: gl.constexpr, HS: gl.constexpr):
+    """o [D, HS] (acc layout) to ``o_base + h * stride_o_h + d`` for the H real heads, converted
+    to the pointer's element type."""
+    acc_l: gl.constexpr = acc_layout(HS)
+    d = gl.arange(0, o.shape[0], layout=gl.SliceLayout(1, acc_l))
     h = gl.arange(0, HS, layout=gl.SliceLayout(0, acc_l))
-    gl.store(o_base + h[None, :] * stride_op_h + d[:, None], o, mask=(h < H)[None, :])
-    gl.store(lse_base + h * stride_lp_h, lse, mask=h < H)
+    gl.store(
+        o_base + h[None, :] * stride_o_h + d[:, None],
+        o.to(o_base.dtype.element_ty),
+        mask=(h < H)[None, :],
+    )
 
 
 # ------------------------------------------------------------------------------------- producer
@@ -1375,6 +1537,15 @@ def gluon_decode_split_kernel(
     stride_op_split,
     stride_lp_b,
     stride_lp_h,
+    out_ptr,  # [B, Hq, D] (q's dtype): the output, written here under OPT 4096
+    lse_out_ptr,  # [B, Hq] fp32, natural log (OPT 4096, when write_lse)
+    counter_ptr,  # [B, Hkv] int32, zero between calls (OPT 4096: finished splits of a row)
+    num_parts,  # num_splits + the window partial (written before this kernel), if any
+    write_lse,
+    stride_o_b,
+    stride_o_h,
+    stride_lo_b,
+    stride_lo_h,
     H: gl.constexpr,  # query heads per KV head
     HS: gl.constexpr,  # padded: the wgmma N (8 or 16)
     K_BITS: gl.constexpr,  # 2 or 4
@@ -1417,44 +1588,17 @@ def gluon_decode_split_kernel(
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
 
-    # Q [HS, D] bf16, K-major: its transposed view is the B operand of the QK product (heads past
-    # H are zero). B operands are stored K-major (MN-major B with 16-byte rows read out of bounds
-    # on the H200: compute-sanitizer, session 3)
-    ql: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-    h = gl.arange(0, HS, layout=gl.SliceLayout(1, ql))
-    d = gl.arange(0, HD, layout=gl.SliceLayout(0, ql))
-    E4M3: gl.constexpr = e4m3_operands(OPT)
-    # E4M3: column d holds channel _e4m3_key_channel(d) (the K operand's column order)
-    q_cols = _e4m3_key_channel(d, K_BITS) if E4M3 else d
-    qt = gl.load(
-        q_ptr + b * stride_q_b + (kvh * H + h)[:, None] * stride_q_h + q_cols[None, :],
-        mask=(h < H)[:, None],
-        other=0.0,
+    # Q^T [HS, D] per consumer (the prologue's, in buffer 0, unless each consumer stages its own:
+    # OPT 2048) and its per-head factor
+    op_dtype: gl.constexpr = gl.float8e4nv if e4m3_operands(OPT) else gl.bfloat16
+    qt_bufs = gl.allocate_shared_memory(
+        op_dtype, [2, HS, HD], gl.NVMMASharedLayout.get_default_for([HS, HD], op_dtype)
     )
-    if E4M3:
-        # Q^ = e4m3(Q 4^-a 2^sigma) per head: sigma = 134 - (biased exponent of max |Q|), so the
-        # head's largest value lands in [128, 256) of E4M3's 448; hf = 2^(9 - sigma) scales the
-        # product back (_key_logits). Heads past H (zero) keep sigma = 127
-        qf = qt.to(gl.float32)
-        if scaled_extraction(OPT, K_BITS, HD):
-            qf = qf * _pow4((d // 16) % 2, True)[None, :]
-        amax = gl.max(gl.abs(qf), axis=1)
-        ebits = gl.minimum(
-            gl.maximum(261 - ((amax.to(gl.int32, bitcast=True) >> 23) & 0xFF), 1), 254
-        )
-        q_op = (qf * (ebits << 23).to(gl.float32, bitcast=True)[:, None]).to(gl.float8e4nv)
-        hf = ((263 - ebits) << 23).to(gl.float32, bitcast=True)
-        op_dtype: gl.constexpr = gl.float8e4nv
-    else:
-        if scaled_extraction(OPT, K_BITS, HD) and not K_CHANNEL:  # Q~ = Q 4^-a, exact in bf16
-            qt = (qt.to(gl.float32) * _pow4(_scaled_exponent_k(d), True)[None, :]).to(gl.bfloat16)
-        q_op = qt
-        hf = gl.full([HS], 1.0, gl.float32, gl.SliceLayout(1, ql))
-        op_dtype: gl.constexpr = gl.bfloat16
-    qt_smem = gl.allocate_shared_memory(
-        op_dtype, [HS, HD], gl.NVMMASharedLayout.get_default_for([HS, HD], op_dtype), q_op
-    )
-    hf_smem = gl.allocate_shared_memory(gl.float32, [HS], plain_shared_layout(1), hf)
+    hf_bufs = gl.allocate_shared_memory(gl.float32, [2 * HS], plain_shared_layout(1))
+    CFG: gl.constexpr = (SPC, HS, K_BITS, V_BITS, V_CHANNEL, OPT, K_CHANNEL, HD, TP, H)
+    q_args = (q_ptr, stride_q_b, stride_q_h)
+    if not q_in_consumers(OPT):
+        _stage_q(*q_args, qt_bufs.index(0), hf_bufs.slice(0, HS), CFG)
     p_bufs = gl.allocate_shared_memory(  # P'^T of each consumer's pages
         op_dtype, [2 * TP, HS, 64], gl.NVMMASharedLayout.get_default_for([HS, 64], op_dtype)
     )
@@ -1477,16 +1621,15 @@ def gluon_decode_split_kernel(
     descs = (kw_desc, ks_desc, vw_desc, vs_desc)
     split_args = ((kv_indptr_ptr, num_quantized_ptr), num_splits)  # _split_span in each partition
     gl.static_assert(HD == 128 or not (K_CHANNEL or V_CHANNEL))
-    CFG: gl.constexpr = (SPC, HS, K_BITS, V_BITS, V_CHANNEL, OPT, K_CHANNEL, HD, TP)
-    op_bufs = (p_bufs, kq_bufs, zq_bufs, hf_smem)
+    op_bufs = (p_bufs, kq_bufs, zq_bufs, qt_bufs, hf_bufs)
     m0, l0, num0 = gl.warp_specialize(
         [
-            (_consumer0, (ring, qt_smem, op_bufs, split_args, qk_scale, magic, CFG)),
+            (_consumer0, (ring, q_args, op_bufs, split_args, qk_scale, magic, CFG)),
             (
                 _consumer1,
                 (
                     ring,
-                    qt_smem,
+                    q_args,
                     op_bufs,
                     (m_smem, l_smem, o_smem),
                     split_args,
@@ -1503,9 +1646,48 @@ def gluon_decode_split_kernel(
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],
     )
-    _merge_and_store(
-        m0, l0, num0, m_smem, l_smem, o_smem, o_base, lse_base, stride_op_h, stride_lp_h, H, HS, HD
-    )
+    o, lse = _merge_consumers(m0, l0, num0, m_smem, l_smem, o_smem, HS)
+    hh = gl.arange(0, HS, layout=gl.SliceLayout(0, acc_layout(HS)))
+    if fused_merge(OPT):
+        out_row = out_ptr + b * stride_o_b + (kvh * H) * stride_o_h
+        lse_out_row = lse_out_ptr + b * stride_lo_b + (kvh * H) * stride_lo_h
+        if num_parts == 1:  # one split and no window partial: this split is the output
+            _store_heads(o, out_row, stride_o_h, H, HS)
+            gl.store(
+                lse_out_row + hh * stride_lo_h,
+                lse * 0.6931471805599453,
+                mask=(hh < H) & (write_lse != 0),
+            )
+        else:
+            _store_heads(o, o_base, stride_op_h, H, HS)
+            gl.store(lse_base + hh * stride_lp_h, lse, mask=hh < H)
+            # release the partial (every thread's stores, then the CTA), count this split; the
+            # CTA that counts last has every other split's partial visible (acquire) and merges
+            _fence_gpu(lse.to(gl.int32, bitcast=True))
+            gl.thread_barrier()
+            row_count = counter_ptr + b * gl.num_programs(1) + kvh
+            done = gl.atomic_add(row_count, 1, sem="acq_rel", scope="gpu")
+            if done == num_splits - 1:
+                gl.store(row_count, 0)  # ready for the next call (stream order)
+                _fence_gpu(lse.to(gl.int32, bitcast=True))
+                _merge_parts(
+                    o_part_ptr + b * stride_op_b + (kvh * H) * stride_op_h,
+                    lse_part_ptr + b * stride_lp_b + (kvh * H) * stride_lp_h,
+                    num_parts,
+                    out_row,
+                    lse_out_row,
+                    write_lse,
+                    stride_op_h,
+                    stride_op_split,
+                    stride_lp_h,
+                    stride_o_h,
+                    stride_lo_h,
+                    H,
+                    HD,
+                )
+    else:
+        _store_heads(o, o_base, stride_op_h, H, HS)
+        gl.store(lse_base + hh * stride_lp_h, lse, mask=hh < H)
 
 
 def descriptor_layouts(k_bits=2, v_bits=2, head_dim=D):
