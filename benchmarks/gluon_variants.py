@@ -74,20 +74,27 @@ VARIANTS = {
         ctas_per_sm=3,
         stages_per_consumer=4 if bits == 2 else 3,
     ),
-    # the launch sequence (session 8, NOTES 18): "base" is session 7's (Q staged by the prologue,
-    # the Triton merge launched after the kernel); "qc" stages Q in each consumer (OPT 2048),
-    # "fused" merges the splits in the kernel (OPT 4096); the default has both. With e4m3-: the
-    # same on E4M3 operands
+    # the launch sequence (session 8, NOTES 18): "base" stages Q in the prologue (session 7's),
+    # "qc" in each consumer (OPT 2048, the default since); with e4m3-: on E4M3 operands. (At
+    # commit 7369d93 OPT 4096 merged the splits in the kernel, "fused" here; slower at B = 1
+    # and removed. Its single-split direct write stays, for every variant.)
     **{
         f"{prefix}{name}": (
             lambda axis, bits, add=add, e4=e4: dataclasses.replace(
-                gluon_decode_config(axis),
-                opt=(gluon_decode_config(axis).opt & ~(2048 | 4096)) | add | e4,
+                gluon_decode_config(axis), opt=(gluon_decode_config(axis).opt & ~2048) | add | e4
             )
         )
         for prefix, e4 in (("", 0), ("e4m3-", 1024))
-        for name, add in (("base", 0), ("qc", 2048), ("fused", 4096), ("qc-fused", 6144))
+        for name, add in (("base", 0), ("qc", 2048))
     },
+    # half the split count of the default rule (gluon.num_splits reads ctas_per_sm; the launch
+    # still fits 2 CTAs per SM): fewer, longer splits and fewer partials to merge at small batch
+    "qc-half-splits": lambda axis, bits: dataclasses.replace(
+        gluon_decode_config(axis), ctas_per_sm=1
+    ),
+    "e4m3-qc-half-splits": lambda axis, bits: dataclasses.replace(
+        gluon_decode_config(axis), opt=gluon_decode_config(axis).opt | 1024, ctas_per_sm=1
+    ),
     # channel-wise K at 2 CTAs/SM (its one-page kernel raced there, NOTES 15)
     "tp2-2cta": lambda axis, bits: gluon_decode_config("token", tile_pages=2),
 }

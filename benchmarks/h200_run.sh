@@ -29,6 +29,7 @@
 #   bash benchmarks/h200_run.sh s7-centred # session 7: E4M3 offset term after review: accuracy, cases, grid
 #   bash benchmarks/h200_run.sh s7-lse   # session 7: the E4M3 LSE check, windows cases
 #   bash benchmarks/h200_run.sh s8-launch # session 8: Q staged in the consumers, the fused merge: GPU cases, variants
+#   bash benchmarks/h200_run.sh s8-direct # session 8: E4M3 windows diagnosis, GPU cases, split-count variants
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -278,6 +279,18 @@ case "$mode" in
     tail -3 "$OUT/gpu_tests_gluon_s8.log"; grep -E "^_+ test_|Error|^E  " "$OUT/gpu_tests_gluon_s8.log" | head -16
     timeout 400 python3 benchmarks/gluon_variants.py --out "$OUT" --points main \
       --variants base qc fused qc-fused e4m3-base e4m3-qc-fused --name gluon_launch_s8 2>&1 | tail -16
+    ;;
+  s8-direct)
+    # session 8, after the in-kernel merge was taken out (one split still writes the output
+    # itself): the E4M3 windows cases that failed in s8-launch, diagnosed per variant; the Gluon
+    # cases over splits, windows, graphs; Q staging and half the split count, 13 points
+    timeout 100 python3 benchmarks/diagnose_e4m3_windows.py 2>&1 | tee "$OUT/diagnose_e4m3_windows.md" | tail -14
+    timeout 230 python3 -m pytest -q -p no:cacheprovider -rfs --tb=line tests/test_gluon_kernel.py -k \
+      "one_split or e4m3_operands_paper_shape_and_windows or split_counts or graph_replay or ragged or one_token or bf16_windows or agrees or e4m3_operands_odd_lengths[4- or odd_lengths_every_gqa_ratio[4- or paper_shape" \
+      > "$OUT/gpu_tests_gluon_s8b.log" 2>&1
+    tail -3 "$OUT/gpu_tests_gluon_s8b.log"; grep -E "^(FAILED|ERROR)|Error" "$OUT/gpu_tests_gluon_s8b.log" | head -16
+    timeout 200 python3 benchmarks/gluon_variants.py --out "$OUT" --points main \
+      --variants base qc qc-half-splits e4m3-qc e4m3-qc-half-splits --name gluon_splits_s8 2>&1 | tail -5
     ;;
   s7-lse)
     # session 7: the E4M3 LSE check against the fp64 LSE (s7-centred's windows cases failed the

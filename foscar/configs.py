@@ -134,11 +134,10 @@ class GluonDecodeConfig:
     (232 registers) at every point, INT2 B=64 L=128K 2686 -> 2233 us, B=1 L=128K 87 -> 49-55 us;
     4 stages per consumer equal 2 except B=1 L=128K (48.5 vs 54.7 us). ``opt`` 517 = 5 | 512:
     the scaled extraction of INT2 operands (session 6, `h200_run.sh s6-scaled`: INT2 KtVt at
-    L=128K 7% faster at B=8 and B=64, 3% at B=1; benchmarks/NOTES.md 16). ``opt`` 6661 = 517 |
-    2048 | 4096 (session 8, benchmarks/NOTES.md 18): each consumer stages Q itself, so the
-    producer's first copies no longer wait for Q's load in the prologue, and the split merge runs
-    in the kernel (the last CTA of a row merges; one split writes the output) instead of a
-    second launch.
+    L=128K 7% faster at B=8 and B=64, 3% at B=1; benchmarks/NOTES.md 16). ``opt`` 2565 = 517 |
+    2048 (session 8, `h200_run.sh s8-launch`, benchmarks/NOTES.md 18): each consumer stages Q
+    itself, so the producer's first copies no longer wait for Q's load in the prologue (B=1:
+    0.3-0.6 us of 15-47 us; neutral at B >= 8).
     """
 
     stages_per_consumer: int = 4
@@ -146,7 +145,7 @@ class GluonDecodeConfig:
     producer_regs: int = 24
     maxnreg: int | None = 80
     ctas_per_sm: int = 2
-    opt: int = 6661  # kernel variant bits (foscar.kernels.gluon_decode, consumer section)
+    opt: int = 2565  # kernel variant bits (foscar.kernels.gluon_decode, consumer section)
     tile_pages: int = 1  # pages per tile and ring stage: 1, or 2 (a channel-wise group)
 
 

@@ -144,31 +144,17 @@ def test_e4m3_operands_compile_without_spills(k_bits, v_bits, scaled):
     )
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_fused_merge_releases_partials_before_counting_them(fused):
-    """The fused merge's protocol in the PTX (OPT 4096, in the default config): every thread
-    fences (release) after storing its partial, one atomic add per CTA counts the split, the CTA
-    that counts last fences again (acquire) and reads the other splits' partials around L1
-    (``ld.global.cg``: L1 is not coherent across SMs). Without the bit: no atomic."""
+@pytest.mark.parametrize("in_consumers", [True, False])
+def test_q_is_staged_after_the_partitions_start(in_consumers):
+    """OPT 2048 (the default): the consumers load Q, so the prologue issues no global load
+    before the partitions start (``barrier.sync 1``, triton's warp-specialize dispatch) and the
+    producer's first copies do not wait for one. With the prologue staging Q it loads Q there."""
     base = gluon_decode_config("token")
-    assert base.opt & gluon_backend.FUSED_MERGE and base.opt & gluon_backend.Q_IN_CONSUMERS
-    opt = base.opt if fused else base.opt & ~gluon_backend.FUSED_MERGE
+    assert base.opt & gluon_backend.Q_IN_CONSUMERS
+    opt = base.opt if in_consumers else base.opt & ~gluon_backend.Q_IN_CONSUMERS
     ptx = compile_in_subprocess(dataclasses.replace(base, opt=opt), 2, 2)["ptx"]
-    atoms = [m.start() for m in re.finditer(r"atom\.global\.gpu\.acq_rel\.add", ptx)]
-    if not fused:
-        assert not atoms and "fence.acq_rel.gpu" not in ptx
-        return
-    assert len(atoms) == 1
-    fences = [m.start() for m in re.finditer(r"fence\.acq_rel\.gpu", ptx)]
-    stores = [m.start() for m in re.finditer(r"st\.global", ptx)]
-    merge_loads = [m.start() for m in re.finditer(r"ld\.global\.cg", ptx)]
-    partial_stores = [a for a in stores if a < atoms[0]]
-    assert partial_stores and merge_loads
-    assert any(max(partial_stores) < f < atoms[0] for f in fences)  # release
-    assert any(atoms[0] < f < min(merge_loads) for f in fences)  # acquire
-    # after the count, only the merge reads global memory (none through L1)
-    after = re.findall(r"ld\.global[.\w]*", ptx[atoms[0] :])
-    assert after and all(".cg." in m for m in after), after[:4]
+    prologue = ptx[: ptx.index("barrier.sync \t1;")]
+    assert ("ld.global" in prologue) != in_consumers
 
 
 def compile_in_subprocess(cfg, k_bits, v_bits, head_dim=128, k_axis="token", v_axis="token"):
@@ -554,19 +540,19 @@ def test_split_counts_and_poisoned_workspace(splits):
 
 
 @sm90_only
-@pytest.mark.parametrize("windows", [False, True])
-@pytest.mark.parametrize("splits", [1, 3, 33])
-def test_fused_merge_agrees_with_the_triton_merge(splits, windows):
-    """The in-kernel merge (OPT 4096: the last CTA of a row merges; one split without windows
-    writes the output directly) against the Triton merge kernel over the same splits, and both
-    against the reference; its row counters are back at zero after every call."""
-    fmt = KVFormat(INT2, INT4, sink_tokens=16 * windows, recent_tokens=100 * windows)
-    cache, batch = build_cache(fmt, (1, 700, 4097, 9000), num_kv_heads=8, device="cuda")
-    q = queries(batch, 24, 128, "cuda")
-    fused_cfg = gluon_decode_config("token")
-    launched = dataclasses.replace(fused_cfg, opt=fused_cfg.opt & ~gluon_backend.FUSED_MERGE)
-    results = []
-    for cfg in (fused_cfg, launched, fused_cfg):
+@pytest.mark.parametrize("return_lse", [True, False])
+def test_one_split_writes_the_output(return_lse):
+    """A launch of one split without windows writes the output itself (no partial, no merge
+    launch): it must not read the (NaN-poisoned) workspace, and it agrees with two splits
+    merged by the Triton merge and with the reference."""
+    cache, batch = build_cache(KVFormat(INT2, INT4), (1, 700, 4097), device="cuda")
+    q = queries(batch, 8, 128, "cuda")
+    res = {}
+    for splits in (2, 1):
+        gluon_backend.decode(q, cache, batch, 1 / math.sqrt(128), splits=splits)  # workspace
+        for o_part, lse_part in batch._workspaces.values():
+            o_part.fill_(math.nan)
+            lse_part.fill_(math.nan)
         out = torch.full_like(q, math.nan)
         lse = torch.full(q.shape[:2], math.nan, dtype=torch.float32, device="cuda")
         gluon_backend.decode(
@@ -574,20 +560,16 @@ def test_fused_merge_agrees_with_the_triton_merge(splits, windows):
             cache,
             batch,
             1 / math.sqrt(128),
+            splits=splits,
             out=out,
             lse=lse,
-            return_lse=True,
-            config=cfg,
-            splits=splits,
+            return_lse=return_lse,
         )
-        check_against_reference(out, lse, q, cache, batch)
-        results.append((out, lse))
-    (o_f, l_f), (o_t, l_t), (o_f2, l_f2) = results
-    assert rel_l2(o_f, o_t) < 1e-3  # fp32 merges in another order, then rounded to bf16
-    assert float((l_f - l_t).abs().max()) < 1e-4
-    assert torch.equal(o_f, o_f2) and torch.equal(l_f, l_f2)  # repeatable
-    counters = batch._gluon_row_counters
-    assert counters and all(int(c.abs().sum()) == 0 for c in counters.values())
+        check_against_reference(out, lse if return_lse else None, q, cache, batch)
+        if not return_lse:
+            assert bool(lse.isnan().all())  # not asked for, not written
+        res[splits] = out
+    assert rel_l2(res[1], res[2]) < 5e-3
 
 
 @sm90_only

@@ -92,10 +92,8 @@ def supports(cache: QuantizedKVCache, num_q_heads: int) -> str | None:
     return triton_backend.supports(cache, num_q_heads)  # the window program and the merge
 
 
-#: kernel OPT bits of the launch sequence (foscar.kernels.gluon_decode, consumer section): Q staged
-#: by each consumer, and the split merge fused into the kernel (no Triton merge launch)
+#: kernel OPT bit (foscar.kernels.gluon_decode, consumer section): Q staged by each consumer
 Q_IN_CONSUMERS = 2048
-FUSED_MERGE = 4096
 
 #: operand mappings the kernel builds from the same (bf16-layout) cache: "bf16" (mantissa
 #: injection, the default) or "e4m3" (FP8 wgmma, kernel OPT 1024; token-wise K and V at head_dim
@@ -246,12 +244,7 @@ def decode(
         out = torch.empty_like(q)
     if return_lse and lse is None:
         lse = torch.empty(bsz, num_q_heads, dtype=torch.float32, device=q.device)
-    fused = bool(cfg.opt & FUSED_MERGE)
-    if has_windows and fused:  # the window partial first: the kernel's last split merges it
-        triton_backend.window_partial(
-            q, cache, batch, sm_scale, o_part[:, :, splits:], lse_part[:, :, splits:]
-        )
-    lse_out = lse if return_lse else lse_part
+    lse_out = lse if return_lse else lse_part  # (parts == 1: the kernel writes out and lse)
     kw, ks, vw, vs = _descriptors(cache, batch.layer)
     consts = _constexprs(
         cfg,
@@ -285,7 +278,6 @@ def decode(
         lse_part.stride(1),
         out,
         lse_out,
-        _row_counters(batch, cache.num_kv_heads, q.device),
         parts,
         int(return_lse),
         out.stride(0),
@@ -296,24 +288,13 @@ def decode(
         num_warps=4,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )
-    if not fused:
+    if parts > 1:
         if has_windows:
             triton_backend.window_partial(
                 q, cache, batch, sm_scale, o_part[:, :, splits:], lse_part[:, :, splits:]
             )
         triton_backend.merge_partials(o_part, lse_part, out, lse if return_lse else None)
     return (out, lse) if return_lse else out
-
-
-def _row_counters(batch: DecodeBatch, num_kv_heads: int, device) -> torch.Tensor:
-    """The fused merge's finished-split counters ``[B, Hkv]`` int32, zeroed once per batch plan:
-    the kernel's last split of a row resets its counter, so they are zero between calls (and
-    across CUDA-graph replays)."""
-    memo = batch.__dict__.setdefault("_gluon_row_counters", {})
-    key = (num_kv_heads, device)
-    if key not in memo:
-        memo[key] = torch.zeros(batch.batch_size, num_kv_heads, dtype=torch.int32, device=device)
-    return memo[key]
 
 
 def compile_sm90(
@@ -358,7 +339,6 @@ def compile_sm90(
         "magic": "i32",
         "out_ptr": "*bf16",
         "lse_out_ptr": "*fp32",
-        "counter_ptr": "*i32",
     }
     consts = _constexprs(cfg, heads_per_kv, k_bits, v_bits, v_channel, k_channel, head_dim)
     fn = kern.gluon_decode_split_kernel

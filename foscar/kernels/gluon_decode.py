@@ -700,9 +700,8 @@ def _split_span(seq_ptrs, num_splits, TP: gl.constexpr):
 # and the output fold the powers of 4 back, exactly); 1024 = E4M3 operands for FP8 wgmma (token-wise
 # K and V at head_dim 128, one-page tiles; see the E4M3 section); 2048 = Q staged by each consumer
 # (its own Q^T buffer, after the partitions start) instead of by the prologue, so the producer's
-# first TMA copies do not wait for Q's load; 4096 = the split merge fused into the kernel (the
-# last CTA of a (sequence, KV head) merges every part into the output; one split writes it
-# directly; see _finish). Default 5.
+# first TMA copies do not wait for Q's load. Default 5. (Whatever the bits, a launch of one split
+# without a window partial, num_parts == 1, writes the output itself: no merge launch.)
 @gluon.constexpr_function
 def scaled_extraction(opt, bits, head_dim):
     """Whether a role of ``bits`` takes the scaled extraction (OPT 512): INT2 at head_dim 128,
@@ -1244,12 +1243,6 @@ def q_in_consumers(opt):
     return (opt & 2048) != 0
 
 
-@gluon.constexpr_function
-def fused_merge(opt):
-    """Whether the kernel merges the splits itself (OPT 4096) instead of the Triton merge."""
-    return (opt & 4096) != 0
-
-
 @gluon.jit
 def _stage_q(q_ptr, stride_q_b, stride_q_h, qt_smem, hf_smem, CFG: gl.constexpr):
     """Q [HS, D] of this CTA's KV head into ``qt_smem`` as the QK product's operand, K-major (its
@@ -1294,99 +1287,6 @@ def _stage_q(q_ptr, stride_q_b, stride_q_h, qt_smem, hf_smem, CFG: gl.constexpr)
             qt = (qt.to(gl.float32) * _pow4(_scaled_exponent_k(d), True)[None, :]).to(gl.bfloat16)
         qt_smem.store(qt)
         hf_smem.store(gl.full([HS], 1.0, gl.float32, gl.SliceLayout(1, ql)))
-
-
-@gluon.jit
-def _fence_gpu(x):
-    """fence.acq_rel.gpu in every thread (``x``: any small tensor; returns it)."""
-    return gl.inline_asm_elementwise(
-        "fence.acq_rel.gpu; mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1
-    )
-
-
-@gluon.constexpr_function
-def merge_layout(HP, PB, HD):
-    """[HP heads, PB parts, HD channels] for the fused merge: a thread owns 4 consecutive
-    channels (one 16-byte load) of every head; the 4 warps split the parts."""
-    return gl.BlockedLayout([1, 1, 4], [1, 1, 32], [1, 4, 1], [2, 1, 0])
-
-
-@gluon.constexpr_function
-def _next_pow2(n):
-    n = int(getattr(n, "value", n))
-    return 1 << (n - 1).bit_length()
-
-
-@gluon.jit
-def _merge_parts(
-    o_row,
-    lse_row,
-    num_parts,
-    out_row,
-    lse_out_row,
-    write_lse,
-    stride_op_h,
-    stride_op_split,
-    stride_lp_h,
-    stride_o_h,
-    stride_lo_h,
-    H: gl.constexpr,
-    HD: gl.constexpr,
-):
-    """LSE merge of ``num_parts`` normalised partials of H query heads into the output (the
-    Triton ``merge_splits_kernel``'s formula), by the 4 default warps: chunks of PB parts, an
-    online max across chunks. o_row / lse_row: the partials of head 0 of this KV head's heads;
-    out_row / lse_out_row likewise (lse in natural log, written when ``write_lse``)."""
-    HP: gl.constexpr = _next_pow2(H)
-    PB: gl.constexpr = 8
-    L3: gl.constexpr = merge_layout(HP, PB, HD)
-    LHP: gl.constexpr = gl.SliceLayout(2, L3)  # [HP, PB]
-    LHD: gl.constexpr = gl.SliceLayout(1, L3)  # [HP, HD]
-    h2 = gl.arange(0, HP, layout=gl.SliceLayout(1, LHP))
-    p2 = gl.arange(0, PB, layout=gl.SliceLayout(0, LHP))
-    h3 = gl.expand_dims(gl.expand_dims(gl.arange(0, HP, layout=gl.SliceLayout(1, LHD)), 1), 1)
-    d1 = gl.arange(0, HD, layout=gl.SliceLayout(0, LHD))
-    d3 = gl.expand_dims(gl.expand_dims(d1, 0), 1)
-    p3 = gl.expand_dims(gl.expand_dims(p2, 0), 2)
-    m_run = gl.full([HP], -float("inf"), gl.float32, gl.SliceLayout(1, LHP))
-    l_run = gl.zeros([HP], gl.float32, gl.SliceLayout(1, LHP))
-    acc = gl.zeros([HP, HD], gl.float32, LHD)
-    for p0 in range(0, num_parts, PB):
-        pm = (h2 < H)[:, None] & (p0 + p2 < num_parts)[None, :]
-        lse = gl.load(
-            lse_row + h2[:, None] * stride_lp_h + (p0 + p2)[None, :],
-            mask=pm,
-            other=-float("inf"),
-            cache_modifier=".cg",
-        )
-        o = gl.load(
-            o_row + h3 * stride_op_h + (p0 + p3) * stride_op_split + d3,
-            mask=(h3 < H) & (p0 + p3 < num_parts),
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        m_new = gl.maximum(m_run, gl.max(lse, axis=1))
-        m_safe = gl.where(m_new == -float("inf"), 0.0, m_new)
-        alpha = gl.exp2(m_run - m_safe)
-        w = gl.exp2(lse - m_safe[:, None])
-        l_run = l_run * alpha + gl.sum(w, axis=1)
-        a3 = gl.convert_layout(alpha, gl.SliceLayout(1, LHD))
-        acc = acc * a3[:, None] + gl.sum(gl.expand_dims(w, 2) * o, axis=1)
-        m_run = m_new
-    l_ok = l_run > 0
-    inv = gl.convert_layout(
-        gl.where(l_ok, 1.0 / gl.where(l_ok, l_run, 1.0), 0.0), gl.SliceLayout(1, LHD)
-    )
-    hh = gl.arange(0, HP, layout=gl.SliceLayout(1, LHD))
-    gl.store(
-        out_row + hh[:, None] * stride_o_h + d1[None, :],
-        (acc * inv[:, None]).to(out_row.dtype.element_ty),
-        mask=(hh < H)[:, None] & (d1 < HD)[None, :],
-    )
-    lse_out = gl.where(
-        l_ok, (m_run + gl.log2(gl.where(l_ok, l_run, 1.0))) * 0.6931471805599453, -float("inf")
-    )
-    gl.store(lse_out_row + h2 * stride_lo_h, lse_out, mask=(h2 < H) & (write_lse != 0))
 
 
 @gluon.jit
@@ -1537,10 +1437,9 @@ def gluon_decode_split_kernel(
     stride_op_split,
     stride_lp_b,
     stride_lp_h,
-    out_ptr,  # [B, Hq, D] (q's dtype): the output, written here under OPT 4096
-    lse_out_ptr,  # [B, Hq] fp32, natural log (OPT 4096, when write_lse)
-    counter_ptr,  # [B, Hkv] int32, zero between calls (OPT 4096: finished splits of a row)
-    num_parts,  # num_splits + the window partial (written before this kernel), if any
+    out_ptr,  # [B, Hq, D] (q's dtype): the output, written here when num_parts == 1
+    lse_out_ptr,  # [B, Hq] fp32, natural log (when num_parts == 1 and write_lse)
+    num_parts,  # num_splits + the window partial, if any
     write_lse,
     stride_o_b,
     stride_o_h,
@@ -1648,44 +1547,14 @@ def gluon_decode_split_kernel(
     )
     o, lse = _merge_consumers(m0, l0, num0, m_smem, l_smem, o_smem, HS)
     hh = gl.arange(0, HS, layout=gl.SliceLayout(0, acc_layout(HS)))
-    if fused_merge(OPT):
-        out_row = out_ptr + b * stride_o_b + (kvh * H) * stride_o_h
-        lse_out_row = lse_out_ptr + b * stride_lo_b + (kvh * H) * stride_lo_h
-        if num_parts == 1:  # one split and no window partial: this split is the output
-            _store_heads(o, out_row, stride_o_h, H, HS)
-            gl.store(
-                lse_out_row + hh * stride_lo_h,
-                lse * 0.6931471805599453,
-                mask=(hh < H) & (write_lse != 0),
-            )
-        else:
-            _store_heads(o, o_base, stride_op_h, H, HS)
-            gl.store(lse_base + hh * stride_lp_h, lse, mask=hh < H)
-            # release the partial (every thread's stores, then the CTA), count this split; the
-            # CTA that counts last has every other split's partial visible (acquire) and merges
-            _fence_gpu(lse.to(gl.int32, bitcast=True))
-            gl.thread_barrier()
-            row_count = counter_ptr + b * gl.num_programs(1) + kvh
-            done = gl.atomic_add(row_count, 1, sem="acq_rel", scope="gpu")
-            if done == num_splits - 1:
-                gl.store(row_count, 0)  # ready for the next call (stream order)
-                _fence_gpu(lse.to(gl.int32, bitcast=True))
-                _merge_parts(
-                    o_part_ptr + b * stride_op_b + (kvh * H) * stride_op_h,
-                    lse_part_ptr + b * stride_lp_b + (kvh * H) * stride_lp_h,
-                    num_parts,
-                    out_row,
-                    lse_out_row,
-                    write_lse,
-                    stride_op_h,
-                    stride_op_split,
-                    stride_lp_h,
-                    stride_o_h,
-                    stride_lo_h,
-                    H,
-                    HD,
-                )
-    else:
+    if num_parts == 1:  # one split and no window partial: this split is the output
+        _store_heads(o, out_ptr + b * stride_o_b + (kvh * H) * stride_o_h, stride_o_h, H, HS)
+        gl.store(
+            lse_out_ptr + b * stride_lo_b + (kvh * H + hh) * stride_lo_h,
+            lse * 0.6931471805599453,
+            mask=(hh < H) & (write_lse != 0),
+        )
+    else:  # a partial for the merge
         _store_heads(o, o_base, stride_op_h, H, HS)
         gl.store(lse_base + hh * stride_lp_h, lse, mask=hh < H)
 
