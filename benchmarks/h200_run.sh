@@ -30,6 +30,7 @@
 #   bash benchmarks/h200_run.sh s7-lse   # session 7: the E4M3 LSE check, windows cases
 #   bash benchmarks/h200_run.sh s8-launch # session 8: Q staged in the consumers, the fused merge: GPU cases, variants
 #   bash benchmarks/h200_run.sh s8-direct # session 8: E4M3 windows diagnosis, GPU cases, split-count variants
+#   bash benchmarks/h200_run.sh s8-final # session 8: 3-CTA E4M3 INT2 cases, rest of the Gluon suite, the full main grid
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -291,6 +292,18 @@ case "$mode" in
     tail -3 "$OUT/gpu_tests_gluon_s8b.log"; grep -E "^(FAILED|ERROR)|Error" "$OUT/gpu_tests_gluon_s8b.log" | head -16
     timeout 200 python3 benchmarks/gluon_variants.py --out "$OUT" --points main \
       --variants base qc qc-half-splits e4m3-qc e4m3-qc-half-splits --name gluon_splits_s8 2>&1 | tail -5
+    ;;
+  s8-final)
+    # session 8: the E4M3 3-CTA rule (configs.gluon_e4m3_config) and the one-split direct write
+    # on the device, the Gluon cases s8-direct did not run at the new default (Q staged in the
+    # consumers), then the 13-point grid of every method but SDPA (results/h200/decode_grid.*)
+    timeout 170 python3 -m pytest -q -p no:cacheprovider -rfs --tb=line tests/test_gluon_kernel.py -k \
+      "three_ctas or one_split or channel_wise_keys or head_dim_64 or reconstruct or value_rows" \
+      > "$OUT/gpu_tests_gluon_s8c.log" 2>&1
+    tail -3 "$OUT/gpu_tests_gluon_s8c.log"; grep -E "^(FAILED|ERROR)|Error" "$OUT/gpu_tests_gluon_s8c.log" | head -16
+    timeout 360 python3 -m foscar bench --grid main --methods foscar-gluon foscar-gluon-e4m3 foscar-triton \
+      foscar-reconstruct foscar-gluon-reconstruct flashinfer-bf16 flashinfer-fp8 trtllm-xqa-fp8 \
+      --out "$OUT" 2>&1 | tee "$OUT/decode_grid.log" | grep -v "^\[" | tail -24
     ;;
   s7-lse)
     # session 7: the E4M3 LSE check against the fp64 LSE (s7-centred's windows cases failed the

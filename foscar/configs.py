@@ -181,6 +181,30 @@ def gluon_decode_config(
     return cfg
 
 
+#: E4M3 operands (backend "gluon-e4m3") need half the operand registers, so INT2 K and V fit 3
+#: CTAs per SM (56 registers at launch, consumers 72, the producer 24; the tile loops keep their
+#: instructions without local memory). Measured on the H200 (`h200_run.sh s7-ctas`,
+#: results/h200/session7/gluon_e4m3_ctas.md, benchmarks/NOTES.md 17), 3 against 2 CTAs per SM:
+#: faster from 32K tiles per launch (KV heads x 64-token pages) on (B=8 L=32K 72.2 -> 70.6 us,
+#: B=8 L=512K 947 -> 900 us, B=64 L=128K 1868 -> 1814 us, B=1 L=512K 133 -> 128 us), even at
+#: 16K (B=1 L=128K 42.1 / 42.2 us), slower below (B=1 L=8K 13.6 -> 14.8 us, B=8 L=8K 27.1 ->
+#: 28.3 us). INT4 stays at 2: three rings of 3 stages starve it (73% against 89% of peak).
+E4M3_THREE_CTAS_MIN_TILES = 32768
+
+
+def gluon_e4m3_config(k_bits: int, v_bits: int, tiles: int) -> GluonDecodeConfig:
+    """The E4M3 operand path's launch config (token-wise K and V) for a launch of ``tiles``
+    64-token pages over all sequences and KV heads: 3 CTAs per SM for INT2 K and V from
+    :data:`E4M3_THREE_CTAS_MIN_TILES` on, else the bf16 path's config. The caller adds the
+    E4M3 bit (kernel OPT 1024)."""
+    cfg = gluon_decode_config("token")
+    if k_bits == v_bits == 2 and tiles >= E4M3_THREE_CTAS_MIN_TILES:
+        return dataclasses.replace(
+            cfg, maxnreg=56, consumer_regs=72, producer_regs=24, ctas_per_sm=3
+        )
+    return cfg
+
+
 #: Where ``backend="auto"`` takes the Gluon kernel over the Triton one, from the H200 grids
 #: (`bash benchmarks/h200_run.sh grid` in session 3, `s5-bench` / `s5-final` in session 5,
 #: `s6-axes` in session 6; results/h200/decode_grid.*, decode_axes.*, decode_grid_d64.*,

@@ -14,6 +14,7 @@ import math
 import os
 import re
 import subprocess
+import types
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ from kernel_cases import (
     rel_l2,
 )
 
-from foscar import KVFormat, QuantFormat, decode_attention
+from foscar import KVFormat, QuantFormat, QuantizedKVCache, configs, decode_attention
 from foscar.configs import GluonDecodeConfig, gluon_decode_config
 
 pytest.importorskip("triton")
@@ -71,6 +72,7 @@ with tempfile.TemporaryDirectory() as tmp:
     sass = subprocess.run([os.path.join(os.path.dirname(ptxas), "cuobjdump"), "-sass",
                            path + ".cubin"], capture_output=True, text=True, check=True).stdout
 print(json.dumps(dict(warps=ck.metadata.num_warps, info=info, sass=sass, ptx=ck.asm["ptx"],
+                      shared=ck.metadata.shared,
                       wgmma=ck.asm["ptx"].count("wgmma.mma_async"))))
 """
 
@@ -290,6 +292,47 @@ def test_split_rule(batch, tokens, expected):
     of the two consumers per split."""
     cfg = GluonDecodeConfig()
     assert gluon_backend.num_splits(batch, 8, tokens, cfg, 132) == expected
+
+
+@pytest.mark.parametrize(
+    "k_bits, v_bits, lengths, ctas",
+    [
+        (2, 2, (32768,) * 8, 3),  # 8 x 512 pages x 8 KV heads = 32K tiles
+        (2, 2, (32768,) * 7 + (32704,), 2),  # one page fewer
+        (2, 2, (524288,), 3),
+        (2, 2, (8192,) * 8, 2),
+        (4, 4, (131072,) * 64, 2),  # INT4 stays at 2 CTAs per SM (its rings)
+        (2, 4, (131072,) * 64, 2),
+    ],
+)
+def test_e4m3_launch_config_follows_the_measurements(k_bits, v_bits, lengths, ctas):
+    """E4M3 operands launch 3 CTAs per SM for INT2 from 32K tiles on
+    (configs.E4M3_THREE_CTAS_MIN_TILES, from the H200's s7-ctas), with more splits to fill them;
+    the bf16 path keeps its config."""
+    fmt = KVFormat(QuantFormat(k_bits, "token", 128), QuantFormat(v_bits, "token", 128))
+    cache = QuantizedKVCache(fmt, num_kv_heads=8, head_dim=128, num_pages=1, max_seqs=1)
+    batch = types.SimpleNamespace(num_quantized_host=list(lengths))
+    cfg = gluon_backend.default_config(cache, batch, "e4m3")
+    assert cfg.ctas_per_sm == ctas
+    if ctas == 3:
+        assert (cfg.maxnreg, cfg.consumer_regs, cfg.producer_regs) == (56, 72, 24)
+        assert gluon_backend.num_splits(8, 8, 32768, cfg, 132) == 6  # 396 slots / 64 rows
+    assert gluon_backend.default_config(cache, batch) == gluon_decode_config("token")
+
+
+def test_e4m3_three_ctas_per_sm_compile_to_fit():
+    """The 3-CTA E4M3 config (INT2): 56 registers at launch for 12 warps, shared memory for three
+    CTAs (228 KiB per SM, 1 KiB reserved per CTA), tile loops without local memory."""
+    cfg = configs.gluon_e4m3_config(2, 2, configs.E4M3_THREE_CTAS_MIN_TILES)
+    assert cfg.ctas_per_sm == 3
+    res = compile_in_subprocess(dataclasses.replace(cfg, opt=cfg.opt | 1024), 2, 2)
+    assert "Used 56 registers" in res["info"], res["info"]
+    assert 56 * 384 * 3 <= 65536
+    assert 3 * (res["shared"] + 1024) <= 228 * 1024, res["shared"]
+    loops = tile_loops(res["sass"])
+    assert len(loops) >= 2 and all(any("QGMMA" in t for t in body) for body in loops)
+    for body in loops:
+        assert not [t for t in body if re.search(r"\b(LDL|STL)\b", t)]
 
 
 @pytest.mark.parametrize("tokens, expected", [(64, 1), (300, 1), (512, 2), (131072, 16)])
@@ -659,6 +702,38 @@ def test_e4m3_operands_odd_lengths(ratio, k_bits, v_bits):
     cache, batch = build_cache(fmt, LENGTHS, num_kv_heads=2, device="cuda", seed=ratio)
     q = queries(batch, 2 * ratio, 128, "cuda")
     check_e4m3_against_reference(*run(q, cache, batch, backend="gluon-e4m3"), q, cache, batch)
+
+
+@sm90_only
+@pytest.mark.parametrize("ratio", [4, 8])
+def test_e4m3_operands_three_ctas_per_sm(ratio):
+    """The 3-CTA INT2 config (configs.gluon_e4m3_config), forced over odd lengths, then chosen
+    by ``decode`` itself for a launch of 32K tiles (8 x 32K tokens, 8 KV heads)."""
+    cfg = configs.gluon_e4m3_config(2, 2, configs.E4M3_THREE_CTAS_MIN_TILES)
+    cache, batch = build_cache(FMT, LENGTHS, num_kv_heads=2, device="cuda", seed=ratio)
+    q = queries(batch, 2 * ratio, 128, "cuda")
+    o, lse = run(q, cache, batch, backend="gluon-e4m3")  # 2 CTAs per SM here (few tiles)
+    check_e4m3_against_reference(o, lse, q, cache, batch)
+    out = torch.full_like(q, math.nan)
+    lse3 = torch.full(q.shape[:2], math.nan, dtype=torch.float32, device="cuda")
+    gluon_backend.decode(
+        q,
+        cache,
+        batch,
+        128**-0.5,
+        out=out,
+        lse=lse3,
+        return_lse=True,
+        config=cfg,
+        operands="e4m3",
+    )
+    check_e4m3_against_reference(out, lse3, q, cache, batch)
+    assert rel_l2(out, o) < 1e-2  # the same arithmetic over other splits
+    if ratio == 4:
+        cache, batch = build_cache(FMT, (32768,) * 8, num_kv_heads=8, device="cuda", seed=5)
+        assert gluon_backend.default_config(cache, batch, "e4m3").ctas_per_sm == 3
+        q = queries(batch, 32, 128, "cuda")
+        check_e4m3_against_reference(*run(q, cache, batch, backend="gluon-e4m3"), q, cache, batch)
 
 
 @sm90_only

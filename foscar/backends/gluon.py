@@ -18,11 +18,19 @@ import warnings
 import torch
 
 from ..cache import DecodeBatch, QuantizedKVCache
-from ..configs import GluonDecodeConfig, gluon_decode_config
+from ..configs import GluonDecodeConfig, gluon_decode_config, gluon_e4m3_config
 from ..formats import GroupAxis, OperandMapping
 from . import triton as triton_backend
 
-__all__ = ["available", "supports", "supports_e4m3", "decode", "num_splits", "OPERANDS"]
+__all__ = [
+    "available",
+    "supports",
+    "supports_e4m3",
+    "decode",
+    "default_config",
+    "num_splits",
+    "OPERANDS",
+]
 
 HEAD_DIMS = (128, 64)  # 64: token-wise K and V only
 PAGE_SIZE = 64
@@ -120,6 +128,17 @@ def supports_e4m3(cache: QuantizedKVCache) -> str | None:
     return None
 
 
+def default_config(cache: QuantizedKVCache, batch: DecodeBatch, operands: str = "bf16"):
+    """The launch config ``decode`` takes without one: by the key axis (bf16 operands), or by the
+    bit widths and the launch's tiles (E4M3 operands: configs.gluon_e4m3_config)."""
+    if operands == "e4m3":
+        pages = sum(math.ceil(n / PAGE_SIZE) for n in batch.num_quantized_host)
+        return gluon_e4m3_config(
+            cache.fmt.key.bits, cache.fmt.value.bits, pages * cache.num_kv_heads
+        )
+    return gluon_decode_config(cache.fmt.key.axis.value)
+
+
 def num_splits(batch: int, num_kv_heads: int, max_tokens: int, cfg: GluonDecodeConfig, sms: int):
     """Splits per (sequence, KV head): the resident CTA slots (``cfg.ctas_per_sm`` per SM) filled
     once, rounded down, at least a tile for each of the two consumers per split. Rounded up, the
@@ -211,11 +230,12 @@ def decode(
     bsz, num_q_heads, d = q.shape
     if operands not in OPERANDS:
         raise ValueError(f"operands must be one of {OPERANDS}, got {operands!r}")
-    cfg = config or gluon_decode_config(cache.fmt.key.axis.value)
     if operands == "e4m3":
         reason = supports_e4m3(cache)
         if reason:
             raise ValueError(reason)
+    cfg = config or default_config(cache, batch, operands)
+    if operands == "e4m3":
         if reconstruct or cfg.tile_pages != 1 or cfg.opt & (2 | 128):
             raise ValueError(
                 "operands='e4m3' runs one-page tiles and the folds without the deferred PV "
