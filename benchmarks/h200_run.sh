@@ -31,6 +31,7 @@
 #   bash benchmarks/h200_run.sh s8-launch # session 8: Q staged in the consumers, the fused merge: GPU cases, variants
 #   bash benchmarks/h200_run.sh s8-direct # session 8: E4M3 windows diagnosis, GPU cases, split-count variants
 #   bash benchmarks/h200_run.sh s8-final # session 8: 3-CTA E4M3 INT2 cases, rest of the Gluon suite, the full main grid
+#   bash benchmarks/h200_run.sh s8-check # session 8: the Gluon cases s8-final's time limit left, memcheck of a 3-CTA case
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -304,6 +305,20 @@ case "$mode" in
     timeout 360 python3 -m foscar bench --grid main --methods foscar-gluon foscar-gluon-e4m3 foscar-triton \
       foscar-reconstruct foscar-gluon-reconstruct flashinfer-bf16 flashinfer-fp8 trtllm-xqa-fp8 \
       --out "$OUT" 2>&1 | tee "$OUT/decode_grid.log" | grep -v "^\[" | tail -24
+    ;;
+  s8-check)
+    # session 8: the cases s8-final's time limit cut (the 3-CTA E4M3 ones first), then the rest
+    # of the suite not yet run at the new default, and memcheck over one 3-CTA case
+    t=tests/test_gluon_kernel.py
+    ids="$t::test_e4m3_operands_three_ctas_per_sm[4] $t::test_e4m3_operands_three_ctas_per_sm[8]"
+    ids="$ids $t::test_e4m3_operands_value_rows_with_large_offsets[2] $t::test_e4m3_operands_value_rows_with_large_offsets[4]"
+    for a in token-channel channel-token channel-channel; do ids="$ids $t::test_reconstruct_ablation[$a]"; done
+    for r in 1 3 8; do for b in 2-2 4-4 2-4 4-2; do ids="$ids $t::test_e4m3_operands_odd_lengths[$r-$b]"; done; done
+    timeout 280 python3 -m pytest -v -p no:cacheprovider -rfs --tb=line $ids -k "not nothing" \
+      > "$OUT/gpu_tests_gluon_s8d.log" 2>&1
+    grep -cE "PASSED" "$OUT/gpu_tests_gluon_s8d.log"; grep -E "FAILED|ERROR|Error" "$OUT/gpu_tests_gluon_s8d.log" | head -12
+    timeout 100 compute-sanitizer --tool memcheck --print-limit 10 python3 -m pytest -q -x -p no:cacheprovider \
+      "$t::test_e4m3_operands_three_ctas_per_sm[8]" 2>&1 | grep -v "Host Frame" | tail -6 | tee "$OUT/gluon_e4m3_3cta_memcheck.log"
     ;;
   s7-lse)
     # session 7: the E4M3 LSE check against the fp64 LSE (s7-centred's windows cases failed the
