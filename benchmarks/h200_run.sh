@@ -32,6 +32,7 @@
 #   bash benchmarks/h200_run.sh s8-direct # session 8: E4M3 windows diagnosis, GPU cases, split-count variants
 #   bash benchmarks/h200_run.sh s8-final # session 8: 3-CTA E4M3 INT2 cases, rest of the Gluon suite, the full main grid
 #   bash benchmarks/h200_run.sh s8-check # session 8: the Gluon cases s8-final's time limit left, memcheck of a 3-CTA case
+#   bash benchmarks/h200_run.sh s8-rest  # session 8: the rest of the Gluon suite at the new default, racecheck
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -319,6 +320,18 @@ case "$mode" in
     grep -cE "PASSED" "$OUT/gpu_tests_gluon_s8d.log"; grep -E "FAILED|ERROR|Error" "$OUT/gpu_tests_gluon_s8d.log" | head -12
     timeout 100 compute-sanitizer --tool memcheck --print-limit 10 python3 -m pytest -q -x -p no:cacheprovider \
       "$t::test_e4m3_operands_three_ctas_per_sm[8]" 2>&1 | grep -v "Host Frame" | tail -6 | tee "$OUT/gluon_e4m3_3cta_memcheck.log"
+    ;;
+  s8-rest)
+    # session 8: the Gluon device cases not yet run at session 8's default (scaled extraction,
+    # odd lengths at GQA ratios other than 4, auto, the E4M3 graph replay), then racecheck over
+    # one case now that the prologue no longer stages Q
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -rfs --tb=line tests/test_gluon_kernel.py -k \
+      "(scaled_extraction and not exponents) or (odd_lengths_every_gqa_ratio and not odd_lengths_every_gqa_ratio[4-) or auto_picks or e4m3_operands_cuda_graph" \
+      > "$OUT/gpu_tests_gluon_s8e.log" 2>&1
+    tail -3 "$OUT/gpu_tests_gluon_s8e.log"; grep -E "^(FAILED|ERROR)|Error" "$OUT/gpu_tests_gluon_s8e.log" | head -12
+    timeout 120 compute-sanitizer --tool racecheck --print-limit 10 python3 -m pytest -q -x -p no:cacheprovider \
+      "tests/test_gluon_kernel.py::test_odd_lengths_every_gqa_ratio[4-2-2-token]" 2>&1 | grep -v "Host Frame" \
+      | tail -40 > "$OUT/gluon_racecheck_s8.log"; tail -8 "$OUT/gluon_racecheck_s8.log"
     ;;
   s7-lse)
     # session 7: the E4M3 LSE check against the fp64 LSE (s7-centred's windows cases failed the
