@@ -85,7 +85,7 @@ VARIANTS = {
             )
         )
         for prefix, e4 in (("", 0), ("e4m3-", 1024))
-        for name, add in (("base", 0), ("qc", 2048))
+        for name, add in (("base", 0), ("qc", 2048), ("qc-pdl", 2048 | 8192))
     },
     # half the split count of the default rule (gluon.num_splits reads ctas_per_sm; the launch
     # still fits 2 CTAs per SM): fewer, longer splits and fewer partials to merge at small batch

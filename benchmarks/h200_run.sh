@@ -33,6 +33,7 @@
 #   bash benchmarks/h200_run.sh s8-final # session 8: 3-CTA E4M3 INT2 cases, rest of the Gluon suite, the full main grid
 #   bash benchmarks/h200_run.sh s8-check # session 8: the Gluon cases s8-final's time limit left, memcheck of a 3-CTA case
 #   bash benchmarks/h200_run.sh s8-rest  # session 8: the rest of the Gluon suite at the new default, racecheck
+#   bash benchmarks/h200_run.sh s8-pdl   # session 8: the merge as a dependent launch signalled after the partials
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -332,6 +333,14 @@ case "$mode" in
     timeout 120 compute-sanitizer --tool racecheck --print-limit 10 python3 -m pytest -q -x -p no:cacheprovider \
       "tests/test_gluon_kernel.py::test_odd_lengths_every_gqa_ratio[4-2-2-token]" 2>&1 | grep -v "Host Frame" \
       | tail -40 > "$OUT/gluon_racecheck_s8.log"; tail -8 "$OUT/gluon_racecheck_s8.log"
+    ;;
+  s8-pdl)
+    # session 8: the merge as a programmatic dependent launch again, signalled after each CTA's
+    # partial instead of at its start (section 17's version): bit-identity with the default
+    # launch (eager and graph replays), then the 13 points beside the default
+    timeout 90 python3 benchmarks/check_merge_pdl.py 2>&1 | tail -10 | tee "$OUT/check_merge_pdl.txt"
+    timeout 200 python3 benchmarks/gluon_variants.py --out "$OUT" --points main \
+      --variants qc qc-pdl e4m3-qc e4m3-qc-pdl --name gluon_pdl_s8 2>&1 | tail -5
     ;;
   s7-lse)
     # session 7: the E4M3 LSE check against the fp64 LSE (s7-centred's windows cases failed the

@@ -102,6 +102,8 @@ def supports(cache: QuantizedKVCache, num_q_heads: int) -> str | None:
 
 #: kernel OPT bit (foscar.kernels.gluon_decode, consumer section): Q staged by each consumer
 Q_IN_CONSUMERS = 2048
+#: kernel OPT bit: the merge as a programmatic dependent launch, signalled after the partials
+MERGE_PDL = 8192
 
 #: operand mappings the kernel builds from the same (bf16-layout) cache: "bf16" (mantissa
 #: injection, the default) or "e4m3" (FP8 wgmma, kernel OPT 1024; token-wise K and V at head_dim
@@ -313,7 +315,16 @@ def decode(
             triton_backend.window_partial(
                 q, cache, batch, sm_scale, o_part[:, :, splits:], lse_part[:, :, splits:]
             )
-        triton_backend.merge_partials(o_part, lse_part, out, lse if return_lse else None)
+        # OPT 8192: the merge's launch overlaps the split kernel's tail (a programmatic dependent
+        # launch; the split CTAs signal after storing their partials). Not with BF16 windows:
+        # the window program runs in between
+        triton_backend.merge_partials(
+            o_part,
+            lse_part,
+            out,
+            lse if return_lse else None,
+            pdl=bool(cfg.opt & MERGE_PDL) and not has_windows,
+        )
     return (out, lse) if return_lse else out
 
 

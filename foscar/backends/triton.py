@@ -227,8 +227,10 @@ def window_partial(q, cache, batch, sm_scale, o_part, lse_part) -> None:
     _launch_split(q, cache, batch, sm_scale, o_part, lse_part, 0, 1, cfg, False)
 
 
-def merge_partials(o_part, lse_part, out, lse=None) -> None:
-    """LSE merge of the split partials ``o_part: [B, Hq, parts, D]`` into ``out`` (and ``lse``)."""
+def merge_partials(o_part, lse_part, out, lse=None, *, pdl: bool = False) -> None:
+    """LSE merge of the split partials ``o_part: [B, Hq, parts, D]`` into ``out`` (and ``lse``).
+    ``pdl``: launch it as a programmatic dependent of the previous kernel (sm_90+; that kernel
+    signals ``griddepcontrol.launch_dependents``), so its launch overlaps that kernel's tail."""
     kern = _triton()
     bsz, num_q_heads, parts, d = o_part.shape
     return_lse = lse is not None
@@ -251,7 +253,9 @@ def merge_partials(o_part, lse_part, out, lse=None) -> None:
         BLOCK_P=max(2, 1 << (parts - 1).bit_length()),
         WRITE_LSE=return_lse,
         INTERP=interpreting(),
+        PDL=pdl,
         num_warps=4,
+        **({"launch_pdl": True} if pdl else {}),
     )
 
 

@@ -700,8 +700,10 @@ def _split_span(seq_ptrs, num_splits, TP: gl.constexpr):
 # and the output fold the powers of 4 back, exactly); 1024 = E4M3 operands for FP8 wgmma (token-wise
 # K and V at head_dim 128, one-page tiles; see the E4M3 section); 2048 = Q staged by each consumer
 # (its own Q^T buffer, after the partitions start) instead of by the prologue, so the producer's
-# first TMA copies do not wait for Q's load. Default 5. (Whatever the bits, a launch of one split
-# without a window partial, num_parts == 1, writes the output itself: no merge launch.)
+# first TMA copies do not wait for Q's load; 8192 = the merge launched as a programmatic dependent
+# launch, signalled after this CTA's partial is stored (see the launcher). Default 5. (Whatever
+# the bits, a launch of one split without a window partial, num_parts == 1, writes the output
+# itself: no merge launch.)
 @gluon.constexpr_function
 def scaled_extraction(opt, bits, head_dim):
     """Whether a role of ``bits`` takes the scaled extraction (OPT 512): INT2 at head_dim 128,
@@ -1557,6 +1559,17 @@ def gluon_decode_split_kernel(
     else:  # a partial for the merge
         _store_heads(o, o_base, stride_op_h, H, HS)
         gl.store(lse_base + hh * stride_lp_h, lse, mask=hh < H)
+        if (OPT & 8192) != 0:
+            # the merge, launched as a programmatic dependent, may launch once every CTA is
+            # here (it waits for this grid's writes, griddepcontrol.wait, before reading them)
+            gl.inline_asm_elementwise(
+                "griddepcontrol.launch_dependents; // $0",
+                "=r",
+                [],
+                dtype=gl.int32,
+                is_pure=False,
+                pack=1,
+            )
 
 
 def descriptor_layouts(k_bits=2, v_bits=2, head_dim=D):

@@ -36,6 +36,7 @@ KIVI/BitDecoding/OSCAR-style kernels use, kept in the same kernel to measure wha
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 LOG2E = 1.4426950408889634  # for launchers (sm_scale * log2 e)
 _LN2 = tl.constexpr(0.6931471805599453)
@@ -1227,8 +1228,13 @@ def merge_splits_kernel(
     BLOCK_P: tl.constexpr,
     WRITE_LSE: tl.constexpr,
     INTERP: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
-    """LSE merge of the partials of one (sequence, query head); empty partials (-inf) drop out."""
+    """LSE merge of the partials of one (sequence, query head); empty partials (-inf) drop out.
+    PDL: launched as a programmatic dependent of the split kernel (sm_90+), so its launch overlaps
+    the split kernel's tail; it waits for the split kernel's writes before reading them."""
+    if PDL:
+        gdc_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_p = tl.arange(0, BLOCK_P)
