@@ -81,7 +81,8 @@ VARIANTS = {
     **{
         f"{prefix}{name}": (
             lambda axis, bits, add=add, e4=e4: dataclasses.replace(
-                gluon_decode_config(axis), opt=(gluon_decode_config(axis).opt & ~2048) | add | e4
+                gluon_decode_config(axis),
+                opt=(gluon_decode_config(axis).opt & ~(2048 | 8192)) | add | e4,
             )
         )
         for prefix, e4 in (("", 0), ("e4m3-", 1024))

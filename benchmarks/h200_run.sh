@@ -34,6 +34,7 @@
 #   bash benchmarks/h200_run.sh s8-check # session 8: the Gluon cases s8-final's time limit left, memcheck of a 3-CTA case
 #   bash benchmarks/h200_run.sh s8-rest  # session 8: the rest of the Gluon suite at the new default, racecheck
 #   bash benchmarks/h200_run.sh s8-pdl   # session 8: the merge as a dependent launch signalled after the partials
+#   bash benchmarks/h200_run.sh s8-pdl-tests # session 8: Gluon cases over the merge at the dependent-launch default
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -341,6 +342,14 @@ case "$mode" in
     timeout 90 python3 benchmarks/check_merge_pdl.py 2>&1 | tail -10 | tee "$OUT/check_merge_pdl.txt"
     timeout 200 python3 benchmarks/gluon_variants.py --out "$OUT" --points main \
       --variants qc qc-pdl e4m3-qc e4m3-qc-pdl --name gluon_pdl_s8 2>&1 | tail -5
+    ;;
+  s8-pdl-tests)
+    # session 8: the Gluon cases over splits, the merge, windows and graphs at the new default
+    # (the merge as a dependent launch, OPT 8192)
+    timeout 170 python3 -m pytest -q -p no:cacheprovider -rfs --tb=line tests/test_gluon_kernel.py -k \
+      "split_counts or one_split or one_token or agrees or graph_replay or ragged or bf16_windows or e4m3_operands_odd_lengths[4- or odd_lengths_every_gqa_ratio[4-" \
+      > "$OUT/gpu_tests_gluon_s8f.log" 2>&1
+    tail -3 "$OUT/gpu_tests_gluon_s8f.log"; grep -E "^(FAILED|ERROR)|Error" "$OUT/gpu_tests_gluon_s8f.log" | head -12
     ;;
   s7-lse)
     # session 7: the E4M3 LSE check against the fp64 LSE (s7-centred's windows cases failed the

@@ -137,7 +137,10 @@ class GluonDecodeConfig:
     L=128K 7% faster at B=8 and B=64, 3% at B=1; benchmarks/NOTES.md 16). ``opt`` 2565 = 517 |
     2048 (session 8, `h200_run.sh s8-launch`, benchmarks/NOTES.md 18): each consumer stages Q
     itself, so the producer's first copies no longer wait for Q's load in the prologue (B=1:
-    0.3-0.6 us of 15-47 us; neutral at B >= 8).
+    0.3-0.6 us of 15-47 us; neutral at B >= 8). ``opt`` 10757 = 2565 | 8192 (`h200_run.sh
+    s8-pdl`): the merge is a programmatic dependent launch that the split CTAs signal after
+    storing their partials (1.3-1.8 us less at every multi-split point; INT2 geomean 2.97x ->
+    3.05x, E4M3 3.30x -> 3.39x).
     """
 
     stages_per_consumer: int = 4
@@ -145,7 +148,7 @@ class GluonDecodeConfig:
     producer_regs: int = 24
     maxnreg: int | None = 80
     ctas_per_sm: int = 2
-    opt: int = 2565  # kernel variant bits (foscar.kernels.gluon_decode, consumer section)
+    opt: int = 10757  # kernel variant bits (foscar.kernels.gluon_decode, consumer section)
     tile_pages: int = 1  # pages per tile and ring stage: 1, or 2 (a channel-wise group)
 
 

@@ -159,6 +159,22 @@ def test_q_is_staged_after_the_partitions_start(in_consumers):
     assert ("ld.global" in prologue) != in_consumers
 
 
+def test_merge_launch_is_signalled_after_the_partials():
+    """OPT 8192 (the default): the merge is a programmatic dependent launch, and the split kernel
+    signals it (``griddepcontrol.launch_dependents``) once, after its partial stores and after
+    every TMA copy, so waiting merge CTAs never hold SM slots while tiles stream (section 17's
+    signal at the start measured slower; benchmarks/NOTES.md 18)."""
+    cfg = gluon_decode_config("token")
+    assert cfg.opt & gluon_backend.MERGE_PDL
+    ptx = compile_in_subprocess(cfg, 2, 2)["ptx"]
+    signals = [m.start() for m in re.finditer(r"griddepcontrol\.launch_dependents", ptx)]
+    assert len(signals) == 1
+    stores = [m.start() for m in re.finditer(r"st\.global", ptx)]
+    copies = [m.start() for m in re.finditer(r"cp\.async\.bulk\.tensor", ptx)]
+    assert copies and max(copies) < signals[0]
+    assert any(a < signals[0] for a in stores)
+
+
 def compile_in_subprocess(cfg, k_bits, v_bits, head_dim=128, k_axis="token", v_axis="token"):
     """compile_sm90 + ptxas -v + the SASS, in a fresh process: the interpreter
     (TRITON_INTERPRET=1, set for the CPU suite) replaces triton's own jit functions, which the
