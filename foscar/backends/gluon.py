@@ -2,10 +2,11 @@
 
 The Gluon kernel reads the quantized history (one or two 64-token pages per tile,
 ``GluonDecodeConfig.tile_pages``; TMA ring, wgmma with register operands built from the packed
-words); a format's BF16 sink/recent windows are read by
-the Triton kernel's window program into one more partial, and the Triton merge kernel combines
-the partials. Everything per call is cached (TMA descriptors on the cache, the split workspace on
-the DecodeBatch), so a CUDA-graph replay allocates nothing.
+words); a format's BF16 sink/recent windows are read by the Triton kernel's window program into
+one more partial, and the Triton merge kernel combines the partials (a programmatic dependent
+launch of the split kernel when there are no windows); a launch of one split without windows
+writes the output itself. Everything per call is cached (TMA descriptors on the cache, the split
+workspace on the DecodeBatch), so a CUDA-graph replay allocates nothing.
 """
 
 from __future__ import annotations

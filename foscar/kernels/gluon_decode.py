@@ -1,7 +1,9 @@
 """Warp-specialized FOSCAR decode split kernel for Hopper (sm_90a), in Triton's Gluon dialect.
 
 Launched by :mod:`foscar.backends.gluon`; the merge of the splits is the Triton
-``merge_splits_kernel``. Scope: INT2/INT4 K and V, each token-wise (g = D) or channel-wise
+``merge_splits_kernel``, a programmatic dependent launch that this kernel's CTAs signal after
+storing their partials (OPT 8192); a launch of one split without a window partial writes the
+output itself. Scope: INT2/INT4 K and V, each token-wise (g = D) or channel-wise
 (groups of 128 tokens = 2 pages) at head_dim D = 128, token-wise at D = 64; page size 64, a tile
 of TP = 1 or 2 pages (``_tile`` / ``_tile_pair``; 2 makes a channel-wise group one tile), up to 8
 query heads per KV head (padded to HS = 8, the wgmma N), the quantized history
@@ -1246,6 +1248,12 @@ def q_in_consumers(opt):
     return (opt & 2048) != 0
 
 
+@gluon.constexpr_function
+def merge_pdl(opt):
+    """Whether the merge is a programmatic dependent launch of this kernel (OPT 8192)."""
+    return (opt & 8192) != 0
+
+
 @gluon.jit
 def _stage_q(q_ptr, stride_q_b, stride_q_h, qt_smem, hf_smem, CFG: gl.constexpr):
     """Q [HS, D] of this CTA's KV head into ``qt_smem`` as the QK product's operand, K-major (its
@@ -1560,7 +1568,7 @@ def gluon_decode_split_kernel(
     else:  # a partial for the merge
         _store_heads(o, o_base, stride_op_h, H, HS)
         gl.store(lse_base + hh * stride_lp_h, lse, mask=hh < H)
-        if (OPT & 8192) != 0:
+        if merge_pdl(OPT):
             # the merge, launched as a programmatic dependent, may launch once every CTA is
             # here (it waits for this grid's writes, griddepcontrol.wait, before reading them)
             gl.inline_asm_elementwise(
