@@ -511,6 +511,24 @@ def run(q, cache, batch, backend="gluon", **kw):
     return o, lse
 
 
+def poison_workspace(q, cache, batch, splits):
+    """Allocate the batch's split workspace (one call) and fill it with NaN, so that a later
+    call that reads a partial it did not write fails the check."""
+    gluon_backend.decode(q, cache, batch, 128**-0.5, splits=splits)
+    for o_part, lse_part in batch._workspaces.values():
+        o_part.fill_(math.nan)
+        lse_part.fill_(math.nan)
+
+
+def run_launcher(q, cache, batch, return_lse=True, **kw):
+    """gluon_backend.decode (explicit configs, splits, operands) into NaN-poisoned outputs, at
+    sm_scale 128^-0.5: (out, lse); lse stays NaN unless ``return_lse``."""
+    out = torch.full_like(q, math.nan)
+    lse = torch.full(q.shape[:2], math.nan, dtype=torch.float32, device=q.device)
+    gluon_backend.decode(q, cache, batch, 128**-0.5, out=out, lse=lse, return_lse=return_lse, **kw)
+    return out, lse
+
+
 @sm90_only
 @pytest.mark.parametrize("v_axis", V_AXES)
 @pytest.mark.parametrize("k_bits,v_bits", BIT_PAIRS)
@@ -588,10 +606,7 @@ def test_split_counts_and_poisoned_workspace(splits):
     """More splits than pages leaves empty splits (lse -inf), which the merge must drop."""
     cache, batch = build_cache(FMT, (1, 700, 4097), device="cuda")
     q = queries(batch, 8, 128, "cuda")
-    gluon_backend.decode(q, cache, batch, 1 / math.sqrt(128), splits=splits)  # the workspace
-    for o_part, lse_part in batch._workspaces.values():
-        o_part.fill_(math.nan)
-        lse_part.fill_(math.nan)
+    poison_workspace(q, cache, batch, splits)
     o, lse = gluon_backend.decode(
         q, cache, batch, 1 / math.sqrt(128), splits=splits, return_lse=True
     )
@@ -608,22 +623,8 @@ def test_one_split_writes_the_output(return_lse):
     q = queries(batch, 8, 128, "cuda")
     res = {}
     for splits in (2, 1):
-        gluon_backend.decode(q, cache, batch, 1 / math.sqrt(128), splits=splits)  # workspace
-        for o_part, lse_part in batch._workspaces.values():
-            o_part.fill_(math.nan)
-            lse_part.fill_(math.nan)
-        out = torch.full_like(q, math.nan)
-        lse = torch.full(q.shape[:2], math.nan, dtype=torch.float32, device="cuda")
-        gluon_backend.decode(
-            q,
-            cache,
-            batch,
-            1 / math.sqrt(128),
-            splits=splits,
-            out=out,
-            lse=lse,
-            return_lse=return_lse,
-        )
+        poison_workspace(q, cache, batch, splits)
+        out, lse = run_launcher(q, cache, batch, return_lse, splits=splits)
         check_against_reference(out, lse if return_lse else None, q, cache, batch)
         if not return_lse:
             assert bool(lse.isnan().all())  # not asked for, not written
@@ -700,12 +701,7 @@ def test_scaled_extraction(k_axis, v_axis, k_bits, v_bits, scaled):
     q = queries(batch, 32, 128, "cuda")
     cfg = gluon_backend.gluon_decode_config(k_axis)
     cfg = dataclasses.replace(cfg, opt=cfg.opt | 512 if scaled else cfg.opt & ~512)
-    out = torch.full_like(q, math.nan)
-    lse = torch.full(q.shape[:2], math.nan, dtype=torch.float32, device="cuda")
-    o, lse = gluon_backend.decode(
-        q, cache, batch, 128**-0.5, out=out, lse=lse, return_lse=True, config=cfg
-    )
-    check_against_reference(o, lse, q, cache, batch)
+    check_against_reference(*run_launcher(q, cache, batch, config=cfg), q, cache, batch)
 
 
 @sm90_only
@@ -730,19 +726,7 @@ def test_e4m3_operands_three_ctas_per_sm(ratio):
     q = queries(batch, 2 * ratio, 128, "cuda")
     o, lse = run(q, cache, batch, backend="gluon-e4m3")  # 2 CTAs per SM here (few tiles)
     check_e4m3_against_reference(o, lse, q, cache, batch)
-    out = torch.full_like(q, math.nan)
-    lse3 = torch.full(q.shape[:2], math.nan, dtype=torch.float32, device="cuda")
-    gluon_backend.decode(
-        q,
-        cache,
-        batch,
-        128**-0.5,
-        out=out,
-        lse=lse3,
-        return_lse=True,
-        config=cfg,
-        operands="e4m3",
-    )
+    out, lse3 = run_launcher(q, cache, batch, config=cfg, operands="e4m3")
     check_e4m3_against_reference(out, lse3, q, cache, batch)
     assert rel_l2(out, o) < 1e-2  # the same arithmetic over other splits
     if ratio == 4:
@@ -785,19 +769,7 @@ def test_e4m3_operands_paper_shape_and_windows(bits, scaled):
     cfg = dataclasses.replace(cfg, opt=cfg.opt | 512 if scaled else cfg.opt & ~512)
     outs = []
     for _ in range(2):
-        out = torch.full_like(q, math.nan)
-        lse = torch.full(q.shape[:2], math.nan, dtype=torch.float32, device="cuda")
-        o, lse = gluon_backend.decode(
-            q,
-            cache,
-            batch,
-            128**-0.5,
-            out=out,
-            lse=lse,
-            return_lse=True,
-            config=cfg,
-            operands="e4m3",
-        )
+        o, lse = run_launcher(q, cache, batch, config=cfg, operands="e4m3")
         check_e4m3_against_reference(o, lse, q, cache, batch)
         outs.append(o.clone())
     assert torch.equal(outs[0], outs[1])
