@@ -1,5 +1,6 @@
-"""The Gluon split kernel with the merge as a programmatic dependent launch (kernel OPT 8192)
-against the default launch: bit-identical outputs and LSEs over split counts, both operand
+"""The Gluon split kernel with the merge as a programmatic dependent launch (kernel OPT 8192,
+the default since session 8) against the plain launch (the bit cleared), the split workspace
+NaN-filled before each eager call: bit-identical outputs and LSEs over split counts, both operand
 mappings, eager and in a CUDA-graph replay (H200). Prints one line per case.
 
     python benchmarks/check_merge_pdl.py
@@ -41,12 +42,17 @@ def main():
     fmt = KVFormat(QuantFormat(2, "token", 128), QuantFormat(2, "token", 128))
     cache, batch = build_cache(fmt, (1, 700, 4097, 33000), num_kv_heads=8, device="cuda")
     q = queries(batch, 32, 128, "cuda")
-    base = gluon_backend.gluon_decode_config("token")
-    pdl = dataclasses.replace(base, opt=base.opt | gluon_backend.MERGE_PDL)
+    default = gluon_backend.gluon_decode_config("token")
+    base = dataclasses.replace(default, opt=default.opt & ~gluon_backend.MERGE_PDL)
+    pdl = dataclasses.replace(default, opt=default.opt | gluon_backend.MERGE_PDL)
     for operands in ("bf16", "e4m3"):
         for splits in (2, 7, 33):
             res = []
             for cfg in (base, pdl):
+                # stale partials of the other launch must not pass for this one's
+                for o_part, lse_part in batch.__dict__.get("_workspaces", {}).values():
+                    o_part.fill_(math.nan)
+                    lse_part.fill_(math.nan)
                 out = torch.full_like(q, math.nan)
                 lse = torch.full(q.shape[:2], math.nan, dtype=torch.float32, device="cuda")
                 decode(q, cache, batch, cfg, operands, splits, out, lse)

@@ -161,18 +161,19 @@ def test_q_is_staged_after_the_partitions_start(in_consumers):
 
 def test_merge_launch_is_signalled_after_the_partials():
     """OPT 8192 (the default): the merge is a programmatic dependent launch, and the split kernel
-    signals it (``griddepcontrol.launch_dependents``) once, after its partial stores and after
-    every TMA copy, so waiting merge CTAs never hold SM slots while tiles stream (section 17's
-    signal at the start measured slower; benchmarks/NOTES.md 18)."""
+    signals it (``griddepcontrol.launch_dependents``) once, after the partitions joined and its
+    partial is stored, so waiting merge CTAs never hold SM slots while tiles stream (section
+    17's signal at the start measured slower; benchmarks/NOTES.md 18)."""
     cfg = gluon_decode_config("token")
     assert cfg.opt & gluon_backend.MERGE_PDL
     ptx = compile_in_subprocess(cfg, 2, 2)["ptx"]
     signals = [m.start() for m in re.finditer(r"griddepcontrol\.launch_dependents", ptx)]
     assert len(signals) == 1
-    stores = [m.start() for m in re.finditer(r"st\.global", ptx)]
-    copies = [m.start() for m in re.finditer(r"cp\.async\.bulk\.tensor", ptx)]
-    assert copies and max(copies) < signals[0]
-    assert any(a < signals[0] for a in stores)
+    # the partial's stores (o and lse) precede the signal in its basic block, and nothing is
+    # stored to global memory after it
+    block = ptx[ptx.rfind("\n$L__BB", 0, signals[0]) : signals[0]]
+    assert len(re.findall(r"st\.global", block)) >= 2, block[-600:]
+    assert "st.global" not in ptx[signals[0] : ptx.index("ret;", signals[0])]
 
 
 def compile_in_subprocess(cfg, k_bits, v_bits, head_dim=128, k_axis="token", v_axis="token"):
@@ -333,7 +334,8 @@ def test_e4m3_launch_config_follows_the_measurements(k_bits, v_bits, lengths, ct
     if ctas == 3:
         assert (cfg.maxnreg, cfg.consumer_regs, cfg.producer_regs) == (56, 72, 24)
         assert gluon_backend.num_splits(8, 8, 32768, cfg, 132) == 6  # 396 slots / 64 rows
-    assert gluon_backend.default_config(cache, batch) == gluon_decode_config("token")
+    # (the module's function: the tile-pages fixture may patch it)
+    assert gluon_backend.default_config(cache, batch) == gluon_backend.gluon_decode_config("token")
 
 
 def test_e4m3_three_ctas_per_sm_compile_to_fit():
@@ -343,7 +345,7 @@ def test_e4m3_three_ctas_per_sm_compile_to_fit():
     assert cfg.ctas_per_sm == 3
     res = compile_in_subprocess(dataclasses.replace(cfg, opt=cfg.opt | 1024), 2, 2)
     assert "Used 56 registers" in res["info"], res["info"]
-    assert 56 * 384 * 3 <= 65536
+    assert 56 * 32 * res["warps"] * 3 <= 65536, res["warps"]  # the register file of an SM
     assert 3 * (res["shared"] + 1024) <= 228 * 1024, res["shared"]
     loops = tile_loops(res["sass"])
     assert len(loops) >= 2 and all(any("QGMMA" in t for t in body) for body in loops)

@@ -1559,10 +1559,13 @@ def gluon_decode_split_kernel(
     o, lse = _merge_consumers(m0, l0, num0, m_smem, l_smem, o_smem, HS)
     hh = gl.arange(0, HS, layout=gl.SliceLayout(0, acc_layout(HS)))
     if num_parts == 1:  # one split and no window partial: this split is the output
+        # as the merge of one part: a sequence without tokens (lse -inf) gives NaN there
+        no_tokens = lse == -float("inf")
+        o = gl.where(no_tokens[None, :], float("nan"), o)
         _store_heads(o, out_ptr + b * stride_o_b + (kvh * H) * stride_o_h, stride_o_h, H, HS)
         gl.store(
             lse_out_ptr + b * stride_lo_b + (kvh * H + hh) * stride_lo_h,
-            lse * 0.6931471805599453,
+            gl.where(no_tokens, float("nan"), lse * 0.6931471805599453),
             mask=(hh < H) & (write_lse != 0),
         )
     else:  # a partial for the merge
