@@ -233,12 +233,11 @@ def decode(
     bsz, num_q_heads, d = q.shape
     if operands not in OPERANDS:
         raise ValueError(f"operands must be one of {OPERANDS}, got {operands!r}")
+    cfg = config or default_config(cache, batch, operands)
     if operands == "e4m3":
         reason = supports_e4m3(cache)
         if reason:
             raise ValueError(reason)
-    cfg = config or default_config(cache, batch, operands)
-    if operands == "e4m3":
         if reconstruct or cfg.tile_pages != 1 or cfg.opt & (2 | 128):
             raise ValueError(
                 "operands='e4m3' runs one-page tiles and the folds without the deferred PV "
