@@ -35,6 +35,7 @@
 #   bash benchmarks/h200_run.sh s8-rest  # session 8: the rest of the Gluon suite at the new default, racecheck
 #   bash benchmarks/h200_run.sh s8-pdl   # session 8: the merge as a dependent launch signalled after the partials
 #   bash benchmarks/h200_run.sh s8-pdl-tests # session 8: Gluon cases over the merge at the dependent-launch default
+#   bash benchmarks/h200_run.sh s9-check # session 9: session 8's untested changes on the device; the fixed cost per call
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -342,6 +343,19 @@ case "$mode" in
     timeout 90 python3 benchmarks/check_merge_pdl.py 2>&1 | tail -10 | tee "$OUT/check_merge_pdl.txt"
     timeout 200 python3 benchmarks/gluon_variants.py --out "$OUT" --points main \
       --variants qc qc-pdl e4m3-qc e4m3-qc-pdl --name gluon_pdl_s8 2>&1 | tail -5
+    ;;
+  s9-check)
+    # session 9: what session 8 changed after its last device run (the shared test helpers, the
+    # single-split NaN for a sequence without tokens, check_merge_pdl.py against the plain
+    # launch), then where the fixed cost of a small-batch call goes (fixed_cost.py, ncu)
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -rfs --tb=line tests/test_gluon_kernel.py -k \
+      "split_counts or one_split or three_ctas or value_rows_with_large" > "$OUT/gpu_tests_gluon_s9a.log" 2>&1
+    tail -3 "$OUT/gpu_tests_gluon_s9a.log"; grep -E "^(FAILED|ERROR)|Error" "$OUT/gpu_tests_gluon_s9a.log" | head -12
+    timeout 90 python3 benchmarks/check_merge_pdl.py 2>&1 | tail -10 | tee "$OUT/check_merge_pdl.txt"
+    timeout 200 python3 benchmarks/fixed_cost.py --out "$OUT" 2>&1 | tail -70
+    timeout 90 ncu --clock-control none -k regex:"gluon|merge" python3 benchmarks/fixed_cost.py --once \
+      > "$OUT/fixed_cost_ncu.log" 2>&1
+    grep -E "gluon_decode|merge|Duration|Registers|Waves|Achieved Occ" "$OUT/fixed_cost_ncu.log" | head -60
     ;;
   s8-pdl-tests)
     # session 8: the Gluon cases over splits, the merge, windows and graphs at the new default

@@ -668,7 +668,7 @@ def _col_max(sc, HS: gl.constexpr, FAST_MAX: gl.constexpr):
 
 # ---------------------------------------------------------------------------------------- split
 @gluon.jit
-def _split_span(seq_ptrs, num_splits, TP: gl.constexpr):
+def _split_span(seq_ptrs, num_splits, TP: gl.constexpr, NO_TILES: gl.constexpr = False):
     """This CTA's tiles (TP pages each), as decode_split_kernel computes them for pages: (t_begin,
     t_full, t_end, n_q, page_base). Every partition computes it from the kernel's arguments: values
     computed before ``warp_specialize`` reach the workers through a shared-memory capture buffer
@@ -684,6 +684,8 @@ def _split_span(seq_ptrs, num_splits, TP: gl.constexpr):
     per_split = gl.cdiv(n_tiles, num_splits)
     t_begin = gl.minimum(split * per_split, n_tiles)
     t_end = gl.minimum(t_begin + per_split, n_tiles)
+    if NO_TILES:  # timing ablation (OPT 16384): the launch, span, Q, epilogue and merge only
+        t_end = t_begin
     t_full = gl.maximum(gl.minimum(t_end, n_q // (64 * TP)), t_begin)
     return t_begin, t_full, t_end, n_q, page_base
 
@@ -703,7 +705,8 @@ def _split_span(seq_ptrs, num_splits, TP: gl.constexpr):
 # K and V at head_dim 128, one-page tiles; see the E4M3 section); 2048 = Q staged by each consumer
 # (its own Q^T buffer, after the partitions start) instead of by the prologue, so the producer's
 # first TMA copies do not wait for Q's load; 8192 = the merge launched as a programmatic dependent
-# launch, signalled after this CTA's partial is stored (see the launcher). Default 5 (the config's
+# launch, signalled after this CTA's partial is stored (see the launcher); 16384 = no-tiles timing
+# ablation (every split empty: the launch, span, Q staging, epilogue and merge only). Default 5 (the config's
 # default: 10757 = 5 | 512 | 2048 | 8192, configs.GluonDecodeConfig). (Whatever
 # the bits, a launch of one split without a window partial, num_parts == 1, writes the output
 # itself: no merge launch.)
@@ -1156,7 +1159,7 @@ def _consume(C: gl.constexpr, ring, q_args, op_bufs, split, qk_scale, magic, CFG
         _stage_q(*q_args, qt_smem, hf_smem, CFG)
         fence_async_shared()
         gl.thread_barrier()
-    t_begin, t_full, t_end, n_q, _ = _split_span(*split, TP)
+    t_begin, t_full, t_end, n_q, _ = _split_span(*split, TP, (OPT & 16384) != 0)
     E4M3: gl.constexpr = e4m3_operands(OPT)
     SCALED_K: gl.constexpr = scaled_extraction(OPT, CFG[2], HD) and not K_CHANNEL
     SCALED_V: gl.constexpr = scaled_extraction(OPT, CFG[3], HD) and not CFG[4]
@@ -1338,12 +1341,12 @@ def _store_heads(o, o_base, stride_o_h, H: gl.constexpr, HS: gl.constexpr):
 def _producer(descs, ring, kv_indices_ptr, split, CFG: gl.constexpr):
     kw_desc, ks_desc, vw_desc, vs_desc = descs
     TP: gl.constexpr = CFG[8]
-    t_begin, _, t_end, n_q, page_base = _split_span(*split, TP)
+    OPT: gl.constexpr = CFG[5]
+    t_begin, _, t_end, n_q, page_base = _split_span(*split, TP, (OPT & 16384) != 0)
     kvh = gl.program_id(1)
     kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty = ring
     SPC: gl.constexpr = CFG[0]
     V_CHANNEL: gl.constexpr = CFG[4]
-    OPT: gl.constexpr = CFG[5]
     K_CHANNEL: gl.constexpr = CFG[6]
     COMPUTE_ONLY: gl.constexpr = (OPT & 64) != 0
     # a stage: TP pages of words, and TP scale chunks of each role (one-page tiles of a
