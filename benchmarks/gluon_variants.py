@@ -88,14 +88,6 @@ VARIANTS = {
         for prefix, e4 in (("", 0), ("e4m3-", 1024))
         for name, add in (("base", 0), ("qc", 2048), ("qc-pdl", 2048 | 8192))
     },
-    # session 9: the producer's first pages from the plan's table (kernel OPT 32768) on the
-    # shipped default (qc-pdl's bits), bf16 and E4M3 operands (2 CTAs per SM, as e4m3-qc-pdl)
-    "first": lambda axis, bits: dataclasses.replace(
-        gluon_decode_config(axis), opt=gluon_decode_config(axis).opt | 32768
-    ),
-    "e4m3-first": lambda axis, bits: dataclasses.replace(
-        gluon_decode_config(axis), opt=gluon_decode_config(axis).opt | 1024 | 32768
-    ),
     # half the split count of the default rule (gluon.num_splits reads ctas_per_sm; the launch
     # still fits 2 CTAs per SM): fewer, longer splits and fewer partials to merge at small batch
     "qc-half-splits": lambda axis, bits: dataclasses.replace(

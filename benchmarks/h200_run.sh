@@ -36,7 +36,6 @@
 #   bash benchmarks/h200_run.sh s8-pdl   # session 8: the merge as a dependent launch signalled after the partials
 #   bash benchmarks/h200_run.sh s8-pdl-tests # session 8: Gluon cases over the merge at the dependent-launch default
 #   bash benchmarks/h200_run.sh s9-check # session 9: session 8's untested changes on the device; the fixed cost per call
-#   bash benchmarks/h200_run.sh s9-first # session 9: the first tile's pages from the plan (OPT 32768): GPU cases, variants
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -357,16 +356,6 @@ case "$mode" in
     timeout 90 ncu --clock-control none -k regex:"gluon|merge" python3 benchmarks/fixed_cost.py --once \
       > "$OUT/fixed_cost_ncu.log" 2>&1
     grep -E "gluon_decode|merge|Duration|Registers|Waves|Achieved Occ" "$OUT/fixed_cost_ncu.log" | head -60
-    ;;
-  s9-first)
-    # session 9: the producer's first pages from the plan's table instead of a dependent index
-    # load (kernel OPT 32768): bit-identity with the index loads on the device, then the 13
-    # points beside the shipped default, and the fixed-cost pieces with the bit
-    timeout 120 python3 -m pytest -q -p no:cacheprovider -rfs --tb=short tests/test_gluon_kernel.py -k \
-      "first_pages" > "$OUT/gpu_tests_gluon_s9b.log" 2>&1
-    tail -3 "$OUT/gpu_tests_gluon_s9b.log"; grep -E "^(FAILED|ERROR)|Error" "$OUT/gpu_tests_gluon_s9b.log" | head -12
-    timeout 240 python3 benchmarks/gluon_variants.py --out "$OUT" --points main \
-      --variants qc-pdl first e4m3-qc-pdl e4m3-first --name gluon_first_s9 2>&1 | tail -5
     ;;
   s8-pdl-tests)
     # session 8: the Gluon cases over splits, the merge, windows and graphs at the new default

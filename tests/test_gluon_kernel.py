@@ -311,45 +311,6 @@ def test_split_rule(batch, tokens, expected):
     assert gluon_backend.num_splits(batch, 8, tokens, cfg, 132) == expected
 
 
-@pytest.mark.parametrize("tile_pages, channel", [(1, False), (1, True), (2, False), (2, True)])
-@pytest.mark.parametrize("splits", [1, 2, 3, 7, 33])
-def test_first_pages_table_names_each_splits_first_tile(splits, tile_pages, channel):
-    """The table the producer reads instead of its first dependent index load (kernel OPT
-    32768) holds, per sequence and split, the pages of the split's first tile as the reference's
-    split rule (``reference.split_tiles``) places it: its first page, and its second page
-    (two-page tiles; past the history the first again) or the other page of its channel-wise
-    group (one-page tiles), (0, 0) for a split without tiles; on the device as [B, splits, 2]
-    int32, built once per plan and shape."""
-    from foscar.reference import split_tiles
-
-    k = QuantFormat(2, "channel" if channel else "token", 128)
-    lengths = (1, 63, 64, 65, 130, 263, 1000, 4099, 9001)
-    cache, batch = build_cache(KVFormat(k, INT2), lengths, num_kv_heads=2, seed=splits)
-    table = gluon_backend.first_pages_table(batch, splits, tile_pages, channel)
-    indptr, indices = batch.kv_indptr.tolist(), batch.kv_indices.tolist()
-    tokens = 64 * tile_pages
-    most = 0  # the most non-empty splits of one sequence
-    for b, n_q in enumerate(batch.num_quantized_host):
-        pages = indices[indptr[b] : indptr[b + 1]]
-        assert len(table[b]) == splits
-        for split, (a, e) in enumerate(split_tiles(n_q, tokens, splits)):
-            if a == e:
-                assert table[b][split] == (0, 0)
-                continue
-            first = pages[a // 64]
-            if tile_pages == 2:
-                second = pages[a // 64 + 1] if a // 64 + 1 < len(pages) else first
-            else:
-                second = pages[(a // 64) ^ 1] if channel else 0
-            assert table[b][split] == (first, second), (b, split)
-        most = max(most, sum(a < e for a, e in split_tiles(n_q, tokens, splits)))
-    assert most == 1 if splits == 1 else most > 1  # some sequence really splits
-    dev = gluon_backend._first_pages(batch, splits, tile_pages, channel, torch.device("cpu"))
-    assert dev.dtype == torch.int32 and dev.shape == (len(lengths), splits, 2)
-    assert dev.tolist() == [[list(p) for p in row] for row in table]
-    assert gluon_backend._first_pages(batch, splits, tile_pages, channel, dev.device) is dev
-
-
 @pytest.mark.parametrize(
     "k_bits, v_bits, lengths, ctas",
     [
@@ -671,29 +632,6 @@ def test_one_split_writes_the_output(return_lse):
             assert bool(lse.isnan().all())  # not asked for, not written
         res[splits] = out
     assert rel_l2(res[1], res[2]) < 5e-3
-
-
-@sm90_only
-@pytest.mark.parametrize(
-    "k_axis,v_axis,tile_pages",
-    [(k, v, 1) for k, v in AXIS_PAIRS] + [("channel", "token", 2), ("token", "token", 2)],
-)
-def test_first_pages_from_the_plan_change_nothing(k_axis, v_axis, tile_pages):
-    """The producer's first pages from the plan's table (kernel OPT 32768) give the same bits as
-    from its own index loads, over ragged lengths and split counts that leave splits empty."""
-    fmt = KVFormat(QuantFormat(2, k_axis, 128), QuantFormat(4, v_axis, 128))
-    cache, batch = build_cache(fmt, LENGTHS + (9001,), num_kv_heads=2, device="cuda", seed=3)
-    q = queries(batch, 8, 128, "cuda")
-    base = gluon_decode_config(k_axis, tile_pages=tile_pages)
-    bit = gluon_backend.FIRST_PAGES_FROM_PLAN
-    for splits in (1, 3, 33):
-        res = []
-        for opt in (base.opt & ~bit, base.opt | bit):
-            cfg = dataclasses.replace(base, opt=opt)
-            poison_workspace(q, cache, batch, splits)
-            res.append(run_launcher(q, cache, batch, config=cfg, splits=splits))
-        check_against_reference(*res[1], q, cache, batch)
-        assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1]), splits
 
 
 @sm90_only

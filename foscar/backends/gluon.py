@@ -105,8 +105,6 @@ def supports(cache: QuantizedKVCache, num_q_heads: int) -> str | None:
 Q_IN_CONSUMERS = 2048
 #: kernel OPT bit: the merge as a programmatic dependent launch, signalled after the partials
 MERGE_PDL = 8192
-#: kernel OPT bit: the first tile's pages of each split from the plan (:func:`first_pages_table`)
-FIRST_PAGES_FROM_PLAN = 32768
 
 #: operand mappings the kernel builds from the same (bf16-layout) cache: "bf16" (mantissa
 #: injection, the default) or "e4m3" (FP8 wgmma, kernel OPT 1024; token-wise K and V at head_dim
@@ -186,56 +184,6 @@ def _descriptors(cache: QuantizedKVCache, layer: int):
             )
         memo[key] = tuple(descs)  # k words, k scales, v words, v scales
     return memo[key]
-
-
-def first_pages_table(
-    batch: DecodeBatch, splits: int, tile_pages: int, channel: bool
-) -> list[list[tuple[int, int]]]:
-    """Per sequence and split, the two page indices the producer loads before its first copy
-    (kernel OPT 32768), as it would load them from ``kv_indices``: the first page of the
-    split's first tile, and the tile's second page (two-page tiles; past the history: the first
-    again) or the other page of its channel-wise group (one-page tiles, a channel-wise role),
-    else 0. A split without tiles gets (0, 0). The split's tiles as the kernel's
-    ``_split_span`` computes them."""
-    table = []
-    for b, pages in enumerate(batch.pages_host):
-        n_q = batch.num_quantized_host[b]
-        n_tiles = -(-n_q // (PAGE_SIZE * tile_pages))
-        per_split = -(-n_tiles // splits)
-        row = []
-        for split in range(splits):
-            t_begin = min(split * per_split, n_tiles)
-            if min(t_begin + per_split, n_tiles) == t_begin:
-                row.append((0, 0))
-                continue
-            first = pages[tile_pages * t_begin]
-            if tile_pages == 2:
-                i = 2 * t_begin + 1
-                second = pages[i] if i < len(pages) else first
-            elif channel:
-                i = t_begin ^ 1
-                second = pages[i] if i < len(pages) else 0
-            else:
-                second = 0
-            row.append((first, second))
-        table.append(row)
-    return table
-
-
-def _first_pages(batch: DecodeBatch, splits: int, tile_pages: int, channel: bool, device):
-    """:func:`first_pages_table` as ``[B, splits, 2]`` int32 on ``device``, built once per plan
-    and launch shape (graph-safe reuse, as the split workspace); the pinned host copy stays
-    referenced, so a copy captured in a CUDA graph keeps a live source."""
-    memo = batch.__dict__.setdefault("_first_pages", {})
-    key = (splits, tile_pages, channel, device)
-    if key not in memo:
-        host = torch.tensor(
-            first_pages_table(batch, splits, tile_pages, channel), dtype=torch.int32
-        ).reshape(len(batch.pages_host), splits, 2)
-        if device.type == "cuda":
-            host = host.pin_memory()
-        memo[key] = (host, host.to(device, non_blocking=True))
-    return memo[key][1]
 
 
 def _constexprs(
@@ -320,19 +268,13 @@ def decode(
         lse = torch.empty(bsz, num_q_heads, dtype=torch.float32, device=q.device)
     lse_out = lse if return_lse else lse_part  # (parts == 1: the kernel writes out and lse)
     kw, ks, vw, vs = _descriptors(cache, batch.layer)
-    k_channel = fmt.key.axis is GroupAxis.CHANNEL
-    v_channel = fmt.value.axis is GroupAxis.CHANNEL
-    if cfg.opt & FIRST_PAGES_FROM_PLAN:
-        first = _first_pages(batch, splits, cfg.tile_pages, k_channel or v_channel, q.device)
-    else:
-        first = batch.kv_indices  # not read
     consts = _constexprs(
         cfg,
         num_q_heads // cache.num_kv_heads,
         fmt.key.bits,
         fmt.value.bits,
-        v_channel,
-        k_channel,
+        fmt.value.axis is GroupAxis.CHANNEL,
+        fmt.key.axis is GroupAxis.CHANNEL,
         d,
     )
     kern.gluon_decode_split_kernel[(bsz, cache.num_kv_heads, splits)](
@@ -344,7 +286,6 @@ def decode(
         batch.kv_indptr,
         batch.kv_indices,
         batch.num_quantized,
-        first,
         o_part,
         lse_part,
         sm_scale * 1.4426950408889634,
@@ -423,7 +364,6 @@ def compile_sm90(
         "kv_indptr_ptr": "*i32",
         "kv_indices_ptr": "*i32",
         "num_quantized_ptr": "*i32",
-        "first_pages_ptr": "*i32",
         "o_part_ptr": "*fp32",
         "lse_part_ptr": "*fp32",
         "qk_scale": "fp32",

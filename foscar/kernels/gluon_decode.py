@@ -706,8 +706,7 @@ def _split_span(seq_ptrs, num_splits, TP: gl.constexpr, NO_TILES: gl.constexpr =
 # (its own Q^T buffer, after the partitions start) instead of by the prologue, so the producer's
 # first TMA copies do not wait for Q's load; 8192 = the merge launched as a programmatic dependent
 # launch, signalled after this CTA's partial is stored (see the launcher); 16384 = no-tiles timing
-# ablation (every split empty: the launch, span, Q staging, epilogue and merge only); 32768 = the
-# first tile's pages from the plan (first_pages_from_plan). Default 5 (the config's
+# ablation (every split empty: the launch, span, Q staging, epilogue and merge only). Default 5 (the config's
 # default: 10757 = 5 | 512 | 2048 | 8192, configs.GluonDecodeConfig). (Whatever
 # the bits, a launch of one split without a window partial, num_parts == 1, writes the output
 # itself: no merge launch.)
@@ -1258,15 +1257,6 @@ def merge_pdl(opt):
     return (opt & 8192) != 0
 
 
-@gluon.constexpr_function
-def first_pages_from_plan(opt):
-    """OPT 32768: the producer takes the pages of its first tile from a table the launcher
-    builds from the plan's host page lists ([B, num_splits, 2] int32), loaded beside the
-    split's span instead of after it, so its first TMA copies wait for one global round trip
-    instead of two."""
-    return (opt & 32768) != 0
-
-
 @gluon.jit
 def _stage_q(q_ptr, stride_q_b, stride_q_h, qt_smem, hf_smem, CFG: gl.constexpr):
     """Q [HS, D] of this CTA's KV head into ``qt_smem`` as the QK product's operand, K-major (its
@@ -1348,16 +1338,10 @@ def _store_heads(o, o_base, stride_o_h, H: gl.constexpr, HS: gl.constexpr):
 
 # ------------------------------------------------------------------------------------- producer
 @gluon.jit
-def _producer(descs, ring, page_ptrs, split, CFG: gl.constexpr):
+def _producer(descs, ring, kv_indices_ptr, split, CFG: gl.constexpr):
     kw_desc, ks_desc, vw_desc, vs_desc = descs
-    kv_indices_ptr, first_pages_ptr = page_ptrs
     TP: gl.constexpr = CFG[8]
     OPT: gl.constexpr = CFG[5]
-    FIRST_FROM_PLAN: gl.constexpr = first_pages_from_plan(OPT)
-    if FIRST_FROM_PLAN:  # issued before the span's loads: the two round trips overlap
-        first = first_pages_ptr + (gl.program_id(0) * split[1] + gl.program_id(2)) * 2
-        first_a = gl.load(first)
-        first_b = gl.load(first + 1)
     t_begin, _, t_end, n_q, page_base = _split_span(*split, TP, (OPT & 16384) != 0)
     kvh = gl.program_id(1)
     kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty = ring
@@ -1374,20 +1358,12 @@ def _producer(descs, ring, page_ptrs, split, CFG: gl.constexpr):
     )
     n = t_end - t_begin
     idx = kv_indices_ptr + page_base + TP * t_begin
-    if TP == 2:
+    page_next = gl.load(idx, mask=n > 0, other=0)
+    if TP == 2:  # page b of the last tile may lie past the history: page a again (masked rows)
         n_pages = gl.cdiv(n_q, 64)
-    if FIRST_FROM_PLAN:  # the same values, from the plan's table (launcher: _first_pages)
-        page_next = first_a
-        if TP == 2:
-            pb_next = first_b
-        elif V_CHANNEL or K_CHANNEL:
-            sib_next = first_b
-    else:
-        page_next = gl.load(idx, mask=n > 0, other=0)
-        if TP == 2:  # page b of the last tile may lie past the history: page a again (masked)
-            pb_next = gl.load(idx + 1, mask=(n > 0) & (TP * t_begin + 1 < n_pages), other=page_next)
-        elif V_CHANNEL or K_CHANNEL:  # the other page of tile t's 2-page group, t ^ 1
-            sib_next = gl.load(kv_indices_ptr + page_base + (t_begin ^ 1), mask=n > 0, other=0)
+        pb_next = gl.load(idx + 1, mask=(n > 0) & (TP * t_begin + 1 < n_pages), other=page_next)
+    elif V_CHANNEL or K_CHANNEL:  # the other page of tile t's 2-page group, t ^ 1, one tile ahead
+        sib_next = gl.load(kv_indices_ptr + page_base + (t_begin ^ 1), mask=n > 0, other=0)
     for j in range(n):
         # the page indices of tile j+1 are loaded one iteration ahead: their latency overlaps the
         # wait for a free stage instead of delaying the TMA issue
@@ -1463,7 +1439,6 @@ def gluon_decode_split_kernel(
     kv_indptr_ptr,  # [B + 1] int32
     kv_indices_ptr,  # [nnz] int32
     num_quantized_ptr,  # [B] int32
-    first_pages_ptr,  # [B, num_splits, 2] int32 (OPT 32768; see first_pages_from_plan)
     o_part_ptr,  # [B, Hq, num_splits (+1), D] fp32
     lse_part_ptr,  # [B, Hq, num_splits (+1)] fp32, log2 domain
     qk_scale,  # sm_scale * log2(e)
@@ -1578,7 +1553,7 @@ def gluon_decode_split_kernel(
             ),
             (
                 _producer,
-                (descs, ring, (kv_indices_ptr, first_pages_ptr), split_args, CFG),
+                (descs, ring, kv_indices_ptr, split_args, CFG),
             ),
         ],
         [4, 1],
