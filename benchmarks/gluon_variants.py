@@ -88,6 +88,12 @@ VARIANTS = {
         for prefix, e4 in (("", 0), ("e4m3-", 1024))
         for name, add in (("base", 0), ("qc", 2048), ("qc-pdl", 2048 | 8192))
     },
+    # session 9: 5 ring stages per consumer instead of 4 (INT4's 9 KiB stages: 103 KiB of
+    # shared memory, still 2 CTAs per SM; 6 would not fit two), bf16 and E4M3 operands
+    "s5": lambda axis, bits: dataclasses.replace(gluon_decode_config(axis), stages_per_consumer=5),
+    "e4m3-s5": lambda axis, bits: dataclasses.replace(
+        gluon_decode_config(axis), opt=gluon_decode_config(axis).opt | 1024, stages_per_consumer=5
+    ),
     # half the split count of the default rule (gluon.num_splits reads ctas_per_sm; the launch
     # still fits 2 CTAs per SM): fewer, longer splits and fewer partials to merge at small batch
     "qc-half-splits": lambda axis, bits: dataclasses.replace(

@@ -36,6 +36,8 @@
 #   bash benchmarks/h200_run.sh s8-pdl   # session 8: the merge as a dependent launch signalled after the partials
 #   bash benchmarks/h200_run.sh s8-pdl-tests # session 8: Gluon cases over the merge at the dependent-launch default
 #   bash benchmarks/h200_run.sh s9-check # session 9: session 8's untested changes on the device; the fixed cost per call
+#   (s9-first, at commit 5ba572b: the first tile's pages from a plan table, OPT 32768; reverted)
+#   bash benchmarks/h200_run.sh s9-stages # session 9: 5 ring stages per consumer (INT4's bytes in flight); repeatability check
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -356,6 +358,13 @@ case "$mode" in
     timeout 90 ncu --clock-control none -k regex:"gluon|merge" python3 benchmarks/fixed_cost.py --once \
       > "$OUT/fixed_cost_ncu.log" 2>&1
     grep -E "gluon_decode|merge|Duration|Registers|Waves|Achieved Occ" "$OUT/fixed_cost_ncu.log" | head -60
+    ;;
+  s9-stages)
+    # session 9: is s9-first's one failed bit-identity case a repeatability problem? then 5 ring
+    # stages per consumer beside the default 4 at the 13 points (INT4: 25% more bytes in flight)
+    timeout 100 python3 benchmarks/repeat_check_small.py 2>&1 | tee "$OUT/repeat_check_small.txt" | tail -12
+    timeout 240 python3 benchmarks/gluon_variants.py --out "$OUT" --points main \
+      --variants qc-pdl s5 e4m3-qc-pdl e4m3-s5 --name gluon_stages_s9 2>&1 | tail -5
     ;;
   s8-pdl-tests)
     # session 8: the Gluon cases over splits, the merge, windows and graphs at the new default
