@@ -38,6 +38,7 @@
 #   bash benchmarks/h200_run.sh s9-check # session 9: session 8's untested changes on the device; the fixed cost per call
 #   (s9-first, at commit 5ba572b: the first tile's pages from a plan table, OPT 32768; reverted)
 #   bash benchmarks/h200_run.sh s9-stages # session 9: 5 ring stages per consumer (INT4's bytes in flight); repeatability check
+#   bash benchmarks/h200_run.sh s9-final # session 9: the one-page KcVc warning; the main grid at the shipped defaults; the axes grid
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -365,6 +366,18 @@ case "$mode" in
     timeout 100 python3 benchmarks/repeat_check_small.py 2>&1 | tee "$OUT/repeat_check_small.txt" | tail -12
     timeout 240 python3 benchmarks/gluon_variants.py --out "$OUT" --points main \
       --variants qc-pdl s5 e4m3-qc-pdl e4m3-s5 --name gluon_stages_s9 2>&1 | tail -5
+    ;;
+  s9-final)
+    # session 9: the warnings for configs that raced; the 13 points at the shipped defaults (the
+    # E4M3 default as a whole: the dependent-launch merge with 3 CTAs per SM from 32K tiles,
+    # never measured together), and the four axis pairs at B in {1, 8}, L in {32K, 128K}
+    timeout 60 python3 -m pytest -q -p no:cacheprovider -rfs --tb=short tests/test_gluon_kernel.py -k \
+      "warn" > "$OUT/gpu_tests_gluon_s9c.log" 2>&1
+    tail -2 "$OUT/gpu_tests_gluon_s9c.log"
+    timeout 300 python3 -m foscar bench --grid main --methods foscar-gluon foscar-gluon-e4m3 flashinfer-bf16 \
+      --name decode_grid_s9 --out "$OUT" 2>&1 | tee "$OUT/decode_grid_s9.log" | grep -v "^\[" | tail -8
+    timeout 200 python3 -m foscar bench --grid axes --methods foscar-gluon flashinfer-bf16 \
+      --name decode_axes_s9 --out "$OUT" 2>&1 | tee "$OUT/decode_axes_s9.log" | grep -v "^\[" | tail -14
     ;;
   s8-pdl-tests)
     # session 8: the Gluon cases over splits, the merge, windows and graphs at the new default

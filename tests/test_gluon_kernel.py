@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import types
+import warnings
 
 import pytest
 import torch
@@ -388,6 +389,22 @@ def test_two_cta_config_for_channel_wise_keys_warns():
     q = queries(batch, 8, 128, "cuda")
     with pytest.warns(RuntimeWarning, match="CTAs per SM"):
         gluon_backend.decode(q, cache, batch, 128**-0.5, config=GluonDecodeConfig())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="launches the kernel: needs a GPU")
+def test_one_page_tiles_for_channel_wise_keys_and_values_warn():
+    """KcVc with one-page tiles was not repeatable on the H200 at 1 CTA per SM (s9-stages); the
+    default two-page config was, and does not warn."""
+    fmt = KVFormat(QuantFormat(2, "channel", 128), QuantFormat(2, "channel", 128))
+    cache, batch = build_cache(fmt, (300,), device="cuda")
+    q = queries(batch, 8, 128, "cuda")
+    with pytest.warns(RuntimeWarning, match="one-page tiles"):
+        gluon_backend.decode(
+            q, cache, batch, 128**-0.5, config=gluon_decode_config("channel", tile_pages=1)
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gluon_backend.decode(q, cache, batch, 128**-0.5, config=gluon_decode_config("channel"))
 
 
 # ---------------------------------------------------------------------------- sm_90 only

@@ -253,6 +253,19 @@ def decode(
             RuntimeWarning,
             stacklevel=2,
         )
+    if (
+        cache.fmt.key.axis is GroupAxis.CHANNEL
+        and cache.fmt.value.axis is GroupAxis.CHANNEL
+        and cfg.tile_pages == 1
+    ):
+        warnings.warn(
+            "channel-wise K and V with one-page tiles: on the H200 its outputs changed from "
+            "call to call even at 1 CTA per SM (5e-2 between calls at one split, "
+            "benchmarks/NOTES.md 19); configs.gluon_decode_config('channel') launches two-page "
+            "tiles",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     if reconstruct:  # the ablation: per-value s' y + z' instead of the folds (kernel OPT 128)
         cfg = dataclasses.replace(cfg, opt=cfg.opt | 128)
     if splits is None:

@@ -706,8 +706,8 @@ def _split_span(seq_ptrs, num_splits, TP: gl.constexpr, NO_TILES: gl.constexpr =
 # (its own Q^T buffer, after the partitions start) instead of by the prologue, so the producer's
 # first TMA copies do not wait for Q's load; 8192 = the merge launched as a programmatic dependent
 # launch, signalled after this CTA's partial is stored (see the launcher); 16384 = no-tiles timing
-# ablation (every split empty: the launch, span, Q staging, epilogue and merge only). Default 5 (the config's
-# default: 10757 = 5 | 512 | 2048 | 8192, configs.GluonDecodeConfig). (Whatever
+# ablation (every split empty: the launch, span, Q staging, epilogue and merge only). Default 5
+# (the config's default: 10757 = 5 | 512 | 2048 | 8192, configs.GluonDecodeConfig). (Whatever
 # the bits, a launch of one split without a window partial, num_parts == 1, writes the output
 # itself: no merge launch.)
 @gluon.constexpr_function
