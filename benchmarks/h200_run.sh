@@ -39,6 +39,7 @@
 #   (s9-first, at commit 5ba572b: the first tile's pages from a plan table, OPT 32768; reverted)
 #   bash benchmarks/h200_run.sh s9-stages # session 9: 5 ring stages per consumer (INT4's bytes in flight); repeatability check
 #   bash benchmarks/h200_run.sh s9-final # session 9: the one-page KcVc warning; the main grid at the shipped defaults; the axes grid
+#   bash benchmarks/h200_run.sh s9-axes-pdl # session 9: the axis pairs' erratic calls with and without the dependent launch
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -378,6 +379,13 @@ case "$mode" in
       --name decode_grid_s9 --out "$OUT" 2>&1 | tee "$OUT/decode_grid_s9.log" | grep -v "^\[" | tail -8
     timeout 200 python3 -m foscar bench --grid axes --methods foscar-gluon flashinfer-bf16 \
       --name decode_axes_s9 --out "$OUT" 2>&1 | tee "$OUT/decode_axes_s9.log" | grep -v "^\[" | tail -14
+    ;;
+  s9-axes-pdl)
+    # session 9: s9-final's axes grid had channel-wise formats 2-5x slower on some calls (p90);
+    # the same points with the merge as a dependent launch (qc-pdl, the default), a plain launch
+    # (qc), and Q staged in the prologue as in session 7 (base)
+    timeout 280 python3 benchmarks/gluon_variants.py --out "$OUT" --points axes \
+      --variants qc-pdl qc base --name gluon_axes_pdl_s9 2>&1 | tail -3
     ;;
   s8-pdl-tests)
     # session 8: the Gluon cases over splits, the merge, windows and graphs at the new default
