@@ -40,6 +40,7 @@
 #   bash benchmarks/h200_run.sh s9-stages # session 9: 5 ring stages per consumer (INT4's bytes in flight); repeatability check
 #   bash benchmarks/h200_run.sh s9-final # session 9: the one-page KcVc warning; the main grid at the shipped defaults; the axes grid
 #   bash benchmarks/h200_run.sh s9-axes-pdl # session 9: the axis pairs' erratic calls with and without the dependent launch
+#   bash benchmarks/h200_run.sh s9-tails # session 9: channel-wise formats' slow calls: host enqueue time, longer spin, graph replays
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -386,6 +387,10 @@ case "$mode" in
     # (qc), and Q staged in the prologue as in session 7 (base)
     timeout 280 python3 benchmarks/gluon_variants.py --out "$OUT" --points axes \
       --variants qc-pdl qc base --name gluon_axes_pdl_s9 2>&1 | tail -3
+    ;;
+  s9-tails)
+    # session 9: are the channel-wise formats' slow calls host-bound (three kernels per call)?
+    timeout 300 python3 benchmarks/tail_check.py --out "$OUT" 2>&1 | tail -20
     ;;
   s8-pdl-tests)
     # session 8: the Gluon cases over splits, the merge, windows and graphs at the new default
