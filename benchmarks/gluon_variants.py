@@ -34,6 +34,7 @@ from foscar.bench import baselines  # noqa: E402
 from foscar.bench.grid import (  # noqa: E402
     AXES_GRID,
     MAIN_GRID,
+    SPIN_US,
     Shape,
     foscar_kv_bytes,
     random_cache,
@@ -128,7 +129,8 @@ def time_point(fmt, batch, kv_len, variants, flusher):
 
         step()
         torch.cuda.synchronize()
-        res[name] = bench_stats(step, iters=30, warmup=5, flusher=flusher, spin_us=300)["median_ms"]
+        stats = bench_stats(step, iters=30, warmup=5, flusher=flusher, spin_us=SPIN_US)
+        res[name] = stats["median_ms"]
     del cache, plan, step
     baselines.free_cuda_memory()
     return res
@@ -180,10 +182,8 @@ def main():
             step, _ = baselines.BASELINES["flashinfer-bf16"](
                 batch, kv_len, shape.num_q_heads, shape.num_kv_heads, shape.head_dim, 64, "cuda"
             )
-            fi_us[batch, kv_len] = (
-                1e3
-                * bench_stats(step, iters=30, warmup=5, flusher=flusher, spin_us=300)["median_ms"]
-            )
+            stats = bench_stats(step, iters=30, warmup=5, flusher=flusher, spin_us=SPIN_US)
+            fi_us[batch, kv_len] = 1e3 * stats["median_ms"]
             step.close()
             del step
             baselines.free_cuda_memory()

@@ -41,6 +41,7 @@
 #   bash benchmarks/h200_run.sh s9-final # session 9: the one-page KcVc warning; the main grid at the shipped defaults; the axes grid
 #   bash benchmarks/h200_run.sh s9-axes-pdl # session 9: the axis pairs' erratic calls with and without the dependent launch
 #   bash benchmarks/h200_run.sh s9-tails # session 9: channel-wise formats' slow calls: host enqueue time, longer spin, graph replays
+#   bash benchmarks/h200_run.sh s9-spin # session 9: the axes grid with the grids' spin at 1000 us; host profile of a call
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -391,6 +392,13 @@ case "$mode" in
   s9-tails)
     # session 9: are the channel-wise formats' slow calls host-bound (three kernels per call)?
     timeout 300 python3 benchmarks/tail_check.py --out "$OUT" 2>&1 | tail -20
+    ;;
+  s9-spin)
+    # session 9: the axes grid again with the grids' GPU spin raised from 300 to 1000 us
+    # (grid.SPIN_US): do the channel-wise formats' slow calls go? Then where a call's host time goes
+    timeout 200 python3 -m foscar bench --grid axes --methods foscar-gluon flashinfer-bf16 \
+      --name decode_axes_s9b --out "$OUT" 2>&1 | tee "$OUT/decode_axes_s9b.log" | grep -v "^\[" | tail -12
+    timeout 120 python3 benchmarks/host_profile.py 2>&1 | tee "$OUT/host_profile.txt" | grep "==="
     ;;
   s8-pdl-tests)
     # session 8: the Gluon cases over splits, the merge, windows and graphs at the new default

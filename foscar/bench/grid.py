@@ -29,6 +29,11 @@ from . import baselines
 from .timing import L2Flusher, bench_stats
 
 PEAK_TBPS = 4.8  # H200 HBM3e, vendor datasheet
+#: GPU spin ahead of each timed call (foscar.bench.timing), so that the host's enqueue of the
+#: call's kernels is not timed. 300 us until session 9; a channel-wise format's call (three
+#: kernels) takes 230-480 us of host time to enqueue, up to 730 us (benchmarks/tail_check.py on
+#: the H200, benchmarks/NOTES.md 19), and its calls in the grids had a tail of 2-5x slow ones
+SPIN_US = 1000
 MAIN_GRID = (
     [(1, L) for L in (8192, 32768, 131072, 524288)]
     + [(8, L) for L in (8192, 32768, 131072, 524288)]
@@ -240,7 +245,7 @@ def run_grid(
             progress.step(f"{m} B={batch} L={kv_len}: unavailable ({str(exc)[:160]})")
             baselines.free_cuda_memory()
             continue
-        stats = bench_stats(step, iters=iters, warmup=warmup, flusher=flusher, spin_us=300)
+        stats = bench_stats(step, iters=iters, warmup=warmup, flusher=flusher, spin_us=SPIN_US)
         step.close()
         del step
         baselines.free_cuda_memory()
