@@ -42,6 +42,7 @@
 #   bash benchmarks/h200_run.sh s9-axes-pdl # session 9: the axis pairs' erratic calls with and without the dependent launch
 #   bash benchmarks/h200_run.sh s9-tails # session 9: channel-wise formats' slow calls: host enqueue time, longer spin, graph replays
 #   bash benchmarks/h200_run.sh s9-spin # session 9: the axes grid with the grids' spin at 1000 us; host profile of a call
+#   bash benchmarks/h200_run.sh s9-race # session 9: racecheck over the one-page KcVc case that is not repeatable
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -399,6 +400,13 @@ case "$mode" in
     timeout 200 python3 -m foscar bench --grid axes --methods foscar-gluon flashinfer-bf16 \
       --name decode_axes_s9b --out "$OUT" 2>&1 | tee "$OUT/decode_axes_s9b.log" | grep -v "^\[" | tail -12
     timeout 120 python3 benchmarks/host_profile.py 2>&1 | tee "$OUT/host_profile.txt" | grep "==="
+    ;;
+  s9-race)
+    # session 9: compute-sanitizer racecheck over the case repeat_check_small.py found not
+    # repeatable (INT2 K / INT4 V channel-wise, one-page tiles, one split, 1 CTA per SM)
+    timeout 400 compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 30 \
+      python3 benchmarks/repeat_check_small.py --racecheck 2>&1 | grep -v "Host Frame" \
+      > "$OUT/racecheck_kcvc_one_page.log"; tail -60 "$OUT/racecheck_kcvc_one_page.log" | cut -c1-220
     ;;
   s8-pdl-tests)
     # session 8: the Gluon cases over splits, the merge, windows and graphs at the new default
