@@ -404,7 +404,7 @@ case "$mode" in
   s9-race)
     # session 9: compute-sanitizer racecheck over the case repeat_check_small.py found not
     # repeatable (INT2 K / INT4 V channel-wise, one-page tiles, one split, 1 CTA per SM)
-    timeout 400 compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 30 \
+    timeout 280 compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 30 \
       python3 benchmarks/repeat_check_small.py --racecheck 2>&1 | grep -v "Host Frame" \
       > "$OUT/racecheck_kcvc_one_page.log"; tail -60 "$OUT/racecheck_kcvc_one_page.log" | cut -c1-220
     ;;
