@@ -1,10 +1,11 @@
 """Where the ~10 us of fixed cost per Gluon decode call goes at small batch (H200).
 
-At the small grid points the tiles are a fraction of the time (B=1 L=8K: about 2 us of tile work
-at the large-batch rate, 11.7 us measured; benchmarks/NOTES.md 18). This script times, per point,
-the pieces of one call, each the median of 40 (foscar.bench.timing: a 300 us spin ahead of each
-call, so host launch latency is not timed), with the L2 flushed before each call (cold, as the
-grids time) and without a flush (warm: metadata, Q, partials and pages stay in L2):
+At the small grid points the tiles are a fraction of the time (B=1 L=8K: about 2 us of tile work at
+the large-batch rate, 11.7 us measured; benchmarks/NOTES.md 18). This script times, per point, the
+pieces of one call, each the median of 40 (foscar.bench.timing: a 300 us spin ahead of each call,
+as the grids used until session 9, so host launch latency is not timed), with the L2 flushed before
+each call (cold, as the grids time) and without a flush (warm: metadata, Q, partials and pages stay
+in L2):
 
 - ``empty-1`` / ``empty-grid``: an empty Triton kernel of 1 CTA and of the split grid's CTA
   count: the event-to-event floor of one launch.

@@ -1,10 +1,10 @@
 """What the separate LSE merge launch costs the Gluon decode at small batch (H200).
 
 Times, at the main grid's small points (INT2, token-wise K and V, the paper shape), the whole
-``gluon.decode`` call (split kernel + Triton merge), the split kernel alone (the merge replaced
-by nothing), and the merge alone on the same workspace, each the median of 30 with L2 flushed
-(foscar.bench.timing, a 300 us spin ahead of each call as the grids use, so that a call is not
-host-bound). The difference bounds what fusing the merge into the split kernel (the
+``gluon.decode`` call (split kernel + Triton merge), the split kernel alone (the merge replaced by
+nothing), and the merge alone on the same workspace, each the median of 30 with L2 flushed
+(foscar.bench.timing, a 300 us spin ahead of each call as the grids used until session 9, so that a
+call is not host-bound). The difference bounds what fusing the merge into the split kernel (the
 last CTA of a row merges) could save.
 
     python benchmarks/merge_cost.py [--operands e4m3|bf16]

@@ -1,10 +1,10 @@
 """Are the channel-wise formats' slow calls (benchmarks/NOTES.md 16 and 19) the kernels' or the
-host's? Times the axes grid's B=1 points of the three channel-wise K/V pairs (INT2 and INT4,
-Gluon default config) with the grids' 300 us GPU spin ahead of each call, with a 3000 us spin,
-and as CUDA-graph replays (no host launch in the timed region at all), each the median / p10 /
-p90 of 60 calls with the L2 flushed; and the host time to enqueue one call (its kernels, not
-awaited). Channel-wise formats launch three kernels per call (the split kernel, the Triton
-window program for the BF16 tail, the merge), token-wise K and V two or one.
+host's? Times the axes grid's B=1 points of token-wise K and V and the three channel-wise pairs
+(INT2 and INT4, Gluon default config) with the grids' 300 us GPU spin ahead of each call, with a
+3000 us spin, and as CUDA-graph replays (no host launch in the timed region at all), each the
+median / p10 / p90 of 60 calls with the L2 flushed; and the host time to enqueue one call (its
+kernels, not awaited). Channel-wise formats launch three kernels per call (the split kernel, the
+Triton window program for the BF16 tail, the merge), token-wise K and V two or one.
 
     python benchmarks/tail_check.py [--out DIR]
 """

@@ -391,6 +391,28 @@ def test_two_cta_config_for_channel_wise_keys_warns():
         gluon_backend.decode(q, cache, batch, 128**-0.5, config=GluonDecodeConfig())
 
 
+@pytest.mark.parametrize("k_axis", V_AXES)
+@pytest.mark.parametrize("v_axis", V_AXES)
+@pytest.mark.parametrize("tile_pages", [1, 2])
+@pytest.mark.parametrize("ctas", [1, 2])
+def test_config_warnings_name_the_configs_that_raced(k_axis, v_axis, tile_pages, ctas):
+    """The launcher warns for exactly the configs whose outputs changed between calls on the
+    H200: channel-wise K at more than 1 CTA per SM (NOTES 15), channel-wise K and V at one-page
+    tiles (NOTES 19); the defaults of every axis pair warn for nothing."""
+    fmt = KVFormat(QuantFormat(2, k_axis, 128), QuantFormat(2, v_axis, 128))
+    cfg = dataclasses.replace(gluon_decode_config(k_axis), tile_pages=tile_pages, ctas_per_sm=ctas)
+    messages = gluon_backend.config_warnings(fmt, cfg)
+    expected = []
+    if k_axis == "channel" and ctas > 1:
+        expected.append("CTAs per SM")
+    if k_axis == v_axis == "channel" and tile_pages == 1:
+        expected.append("one-page tiles")
+    assert len(messages) == len(expected)
+    for message, phrase in zip(messages, expected):
+        assert phrase in message and "NOTES.md" in message
+    assert gluon_backend.config_warnings(fmt, gluon_decode_config(k_axis)) == []
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="launches the kernel: needs a GPU")
 def test_one_page_tiles_for_channel_wise_keys_and_values_warn():
     """KcVc with one-page tiles was not repeatable on the H200 at 1 CTA per SM (s9-stages); the

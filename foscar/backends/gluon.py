@@ -186,6 +186,27 @@ def _descriptors(cache: QuantizedKVCache, layer: int):
     return memo[key]
 
 
+def config_warnings(fmt, cfg: GluonDecodeConfig) -> list[str]:
+    """Why a launch of ``cfg`` over a cache of format ``fmt`` may not be repeatable (``decode``
+    warns with each): configs whose outputs changed from call to call on the H200."""
+    k_channel = fmt.key.axis is GroupAxis.CHANNEL
+    out = []
+    if k_channel and cfg.ctas_per_sm > 1:
+        out.append(
+            f"channel-wise K with a config of {cfg.ctas_per_sm} CTAs per SM: on the H200 its "
+            "outputs changed from call to call at 2 CTAs/SM (benchmarks/NOTES.md 15); "
+            "configs.gluon_decode_config('channel') launches 1"
+        )
+    if k_channel and fmt.value.axis is GroupAxis.CHANNEL and cfg.tile_pages == 1:
+        out.append(
+            "channel-wise K and V with one-page tiles: on the H200 its outputs changed from "
+            "call to call even at 1 CTA per SM (5e-2 between calls at one split, "
+            "benchmarks/NOTES.md 19); configs.gluon_decode_config('channel') launches two-page "
+            "tiles"
+        )
+    return out
+
+
 def _constexprs(
     cfg: GluonDecodeConfig,
     heads_per_kv: int,
@@ -245,27 +266,8 @@ def decode(
                 f"reconstruct={reconstruct}, opt={cfg.opt}"
             )
         cfg = dataclasses.replace(cfg, opt=cfg.opt | 1024)
-    if cache.fmt.key.axis is GroupAxis.CHANNEL and cfg.ctas_per_sm > 1:
-        warnings.warn(
-            f"channel-wise K with a config of {cfg.ctas_per_sm} CTAs per SM: on the H200 its "
-            "outputs changed from call to call at 2 CTAs/SM (benchmarks/NOTES.md 15); "
-            "configs.gluon_decode_config('channel') launches 1",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-    if (
-        cache.fmt.key.axis is GroupAxis.CHANNEL
-        and cache.fmt.value.axis is GroupAxis.CHANNEL
-        and cfg.tile_pages == 1
-    ):
-        warnings.warn(
-            "channel-wise K and V with one-page tiles: on the H200 its outputs changed from "
-            "call to call even at 1 CTA per SM (5e-2 between calls at one split, "
-            "benchmarks/NOTES.md 19); configs.gluon_decode_config('channel') launches two-page "
-            "tiles",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+    for message in config_warnings(cache.fmt, cfg):
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
     if reconstruct:  # the ablation: per-value s' y + z' instead of the folds (kernel OPT 128)
         cfg = dataclasses.replace(cfg, opt=cfg.opt | 128)
     if splits is None:

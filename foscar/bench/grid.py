@@ -32,7 +32,8 @@ PEAK_TBPS = 4.8  # H200 HBM3e, vendor datasheet
 #: GPU spin ahead of each timed call (foscar.bench.timing), so that the host's enqueue of the
 #: call's kernels is not timed. 300 us until session 9; a channel-wise format's call (three
 #: kernels) takes 230-480 us of host time to enqueue, up to 730 us (benchmarks/tail_check.py on
-#: the H200, benchmarks/NOTES.md 19), and its calls in the grids had a tail of 2-5x slow ones
+#: the H200, benchmarks/NOTES.md 19), and its calls in the grids had a tail of slow ones (up to
+#: 8x the median) that a 1000 us spin removed in the axes grid
 SPIN_US = 1000
 MAIN_GRID = (
     [(1, L) for L in (8192, 32768, 131072, 524288)]
