@@ -43,6 +43,7 @@
 #   bash benchmarks/h200_run.sh s9-tails # session 9: channel-wise formats' slow calls: host enqueue time, longer spin, graph replays
 #   bash benchmarks/h200_run.sh s9-spin # session 9: the axes grid with the grids' spin at 1000 us; host profile of a call
 #   bash benchmarks/h200_run.sh s9-race # session 9: racecheck over the one-page KcVc case that is not repeatable
+#   bash benchmarks/h200_run.sh s9-tests # session 9: Gluon cases after the warnings became gluon.config_warnings
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -407,6 +408,12 @@ case "$mode" in
     timeout 280 compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 30 \
       python3 benchmarks/repeat_check_small.py --racecheck 2>&1 | grep -v "Host Frame" \
       > "$OUT/racecheck_kcvc_one_page.log"; tail -60 "$OUT/racecheck_kcvc_one_page.log" | cut -c1-220
+    ;;
+  s9-tests)
+    # session 9, at 825a957: the warnings (now gluon.config_warnings), splits, the single-split
+    # write and the Triton agreement on the device (25 passed; run as this pytest line directly)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -rfs --tb=short tests/test_gluon_kernel.py -k \
+      "warn or one_split or split_counts or agrees" 2>&1 | tail -4
     ;;
   s8-pdl-tests)
     # session 8: the Gluon cases over splits, the merge, windows and graphs at the new default
