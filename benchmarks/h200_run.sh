@@ -44,6 +44,7 @@
 #   bash benchmarks/h200_run.sh s9-spin # session 9: the axes grid with the grids' spin at 1000 us; host profile of a call
 #   bash benchmarks/h200_run.sh s9-race # session 9: racecheck over the one-page KcVc case that is not repeatable
 #   bash benchmarks/h200_run.sh s9-tests # session 9: Gluon cases after the warnings became gluon.config_warnings
+#   bash benchmarks/h200_run.sh s9-ablate # session 9: the one-page KcVc race under three kernel ablations
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -414,6 +415,12 @@ case "$mode" in
     # write and the Triton agreement on the device (25 passed; run as this pytest line directly)
     timeout 200 python3 -m pytest -q -p no:cacheprovider -rfs --tb=short tests/test_gluon_kernel.py -k \
       "warn or one_split or split_counts or agrees" 2>&1 | tail -4
+    ;;
+  s9-ablate)
+    # session 9: the non-repeatable one-page KcVc case under kernel OPT ablations (the sum of P'
+    # in registers instead of the ones @ P' wgmma, the stage released last, a fence + barrier at
+    # the tile's end; a PTX review found no ordering hazard, NOTES 19)
+    timeout 280 python3 benchmarks/repeat_check_small.py --ablations 2>&1 | tee "$OUT/repeat_ablations.txt" | grep -v Warn | grep -v "gluon_backend.decode"
     ;;
   s8-pdl-tests)
     # session 8: the Gluon cases over splits, the merge, windows and graphs at the new default

@@ -706,7 +706,10 @@ def _split_span(seq_ptrs, num_splits, TP: gl.constexpr, NO_TILES: gl.constexpr =
 # (its own Q^T buffer, after the partitions start) instead of by the prologue, so the producer's
 # first TMA copies do not wait for Q's load; 8192 = the merge launched as a programmatic dependent
 # launch, signalled after this CTA's partial is stored (see the launcher); 16384 = no-tiles timing
-# ablation (every split empty: the launch, span, Q staging, epilogue and merge only). Default 5
+# ablation (every split empty: the launch, span, Q staging, epilogue and merge only); 32768,
+# 65536, 131072 = ablations for the one-page KcVc race (NOTES 19): channel-wise V's sum of P' in
+# registers instead of the ones @ P' product, the stage released at the tile's end, a fence and a
+# barrier at the tile's end. Default 5
 # (the config's default: 10757 = 5 | 512 | 2048 | 8192, configs.GluonDecodeConfig). (Whatever
 # the bits, a launch of one split without a window partial, num_parts == 1, writes the output
 # itself: no merge launch.)
@@ -824,16 +827,31 @@ def _mask_rows(sc, vs, ratio, row0, n_q, HS: gl.constexpr, V_CHANNEL: gl.constex
 
 
 @gluon.jit
-def _channel_value_fold(acc, alpha, o_t, p_sum, vs, vz, HS: gl.constexpr, SCALED: gl.constexpr):
+def _channel_value_fold(
+    acc,
+    alpha,
+    o_t,
+    p_sum,
+    vs,
+    vz,
+    HS: gl.constexpr,
+    SCALED: gl.constexpr,
+    P_COLS: gl.constexpr = False,
+):
     """acc-fold of channel-wise V: O = alpha O + s'_c (V_y^T P')[c, h] + z'_c sum_n P'[n, h].
     Scaled extraction: the product holds y~ = 128 + 4^a q, i.e. 4^a V_y^T P' - 128 (4^a - 1)
-    sum P', so s'_c becomes s'_c 4^-a and z'_c becomes z'_c + 128 s'_c (1 - 4^-a)."""
+    sum P', so s'_c becomes s'_c 4^-a and z'_c becomes z'_c + 128 s'_c (1 - 4^-a). p_sum: the
+    ones @ P' product [64, HS] (every row the sum), or with P_COLS the sums [HS] themselves."""
     if SCALED:
         c = gl.arange(0, 128, layout=gl.SliceLayout(1, acc_layout(HS)))
         inv = _pow4(_scaled_exponent_v(c), True)
         vz = vz + 128.0 * vs * (1.0 - inv)
         vs = vs * inv
-    return acc * alpha[None, :] + vs[:, None] * o_t + vz[:, None] * _rows_to_128(p_sum, HS)
+    if P_COLS:
+        offset = vz[:, None] * p_sum[None, :]
+    else:
+        offset = vz[:, None] * _rows_to_128(p_sum, HS)
+    return acc * alpha[None, :] + vs[:, None] * o_t + offset
 
 
 @gluon.jit
@@ -884,7 +902,8 @@ def _tile(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: gl.con
     else:
         vs, vz = _scale_pairs(vs_bufs.index(s), HS)
     LATE_ARRIVE: gl.constexpr = (OPT & 8) != 0
-    if not LATE_ARRIVE:
+    LAST_ARRIVE: gl.constexpr = (OPT & 65536) != 0  # race ablation: release at the tile's end
+    if not (LATE_ARRIVE or LAST_ARRIVE):
         mbarrier.arrive(
             empty.index(s)
         )  # stage s may be refilled (Gluon puts a partition bar.sync first)
@@ -976,7 +995,12 @@ def _tile(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: gl.con
             use_acc=False,
             is_async=True,
         )
-    if V_CHANNEL and not RECONSTRUCT:
+    if V_CHANNEL and not RECONSTRUCT and (OPT & 32768) != 0:
+        # race ablation: sum_n P'[n, h] in registers instead of the ones @ P' product
+        o_t, vt_op = warpgroup_mma_wait(0, deps=[o_tok, vt_op])
+        p_cols = gl.sum(pv.to(gl.float32), axis=0)
+        acc = _channel_value_fold(acc, alpha, o_t, p_cols, vs, vz, HS, SCALED_V, True)
+    elif V_CHANNEL and not RECONSTRUCT:
         # sum_n P'[n, h] from the same rounded P' (Note [offset cancellation]), by the tensor
         # core: ones [64, 64] @ P' gives it in every row, in the accumulator's columns
         ones = gl.full([64, 64], 1.0, gl.bfloat16, a_operand_layout(HS))
@@ -988,7 +1012,7 @@ def _tile(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: gl.con
             is_async=True,
         )
         o_t, vt_op, p_sum, ones = warpgroup_mma_wait(0, deps=[o_tok, vt_op, sum_tok, ones])
-        acc = _channel_value_fold(acc, alpha, o_t, p_sum, vs, vz, HS, SCALED_V)
+        acc = _channel_value_fold(acc, alpha, o_t, p_sum, vs, vz, HS, SCALED_V, False)
     elif PIPE:
         alpha_prev = alpha
         vt_prev = vt_op
@@ -999,6 +1023,11 @@ def _tile(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: gl.con
         else:
             o_t, vt_op = warpgroup_mma_wait(0, deps=[o_tok, vt_op])
         acc = acc * alpha[None, :] + o_t  # fresh accumulator per tile, added in fp32
+    if (OPT & 131072) != 0:  # race ablation: every shared access of the tile ordered here
+        fence_async_shared()
+        gl.thread_barrier()
+    if LAST_ARRIVE:
+        mbarrier.arrive(empty.index(s))
     return m_new, l_i, z_i, acc, o_tok, alpha_prev, vt_prev, zp_i
 
 
