@@ -668,7 +668,7 @@ def _col_max(sc, HS: gl.constexpr, FAST_MAX: gl.constexpr):
 
 # ---------------------------------------------------------------------------------------- split
 @gluon.jit
-def _split_span(seq_ptrs, num_splits, TP: gl.constexpr, NO_TILES: gl.constexpr = False):
+def _split_span(seq_ptrs, num_splits, TP: gl.constexpr, OPT: gl.constexpr):
     """This CTA's tiles (TP pages each), as decode_split_kernel computes them for pages: (t_begin,
     t_full, t_end, n_q, page_base). Every partition computes it from the kernel's arguments: values
     computed before ``warp_specialize`` reach the workers through a shared-memory capture buffer
@@ -684,7 +684,7 @@ def _split_span(seq_ptrs, num_splits, TP: gl.constexpr, NO_TILES: gl.constexpr =
     per_split = gl.cdiv(n_tiles, num_splits)
     t_begin = gl.minimum(split * per_split, n_tiles)
     t_end = gl.minimum(t_begin + per_split, n_tiles)
-    if NO_TILES:  # timing ablation (OPT 16384): the launch, span, Q, epilogue and merge only
+    if (OPT & 16384) != 0:  # timing ablation: the launch, span, Q, epilogue and merge only
         t_end = t_begin
     t_full = gl.maximum(gl.minimum(t_end, n_q // (64 * TP)), t_begin)
     return t_begin, t_full, t_end, n_q, page_base
@@ -1188,7 +1188,7 @@ def _consume(C: gl.constexpr, ring, q_args, op_bufs, split, qk_scale, magic, CFG
         _stage_q(*q_args, qt_smem, hf_smem, CFG)
         fence_async_shared()
         gl.thread_barrier()
-    t_begin, t_full, t_end, n_q, _ = _split_span(*split, TP, (OPT & 16384) != 0)
+    t_begin, t_full, t_end, n_q, _ = _split_span(*split, TP, OPT)
     E4M3: gl.constexpr = e4m3_operands(OPT)
     SCALED_K: gl.constexpr = scaled_extraction(OPT, CFG[2], HD) and not K_CHANNEL
     SCALED_V: gl.constexpr = scaled_extraction(OPT, CFG[3], HD) and not CFG[4]
@@ -1371,7 +1371,7 @@ def _producer(descs, ring, kv_indices_ptr, split, CFG: gl.constexpr):
     kw_desc, ks_desc, vw_desc, vs_desc = descs
     TP: gl.constexpr = CFG[8]
     OPT: gl.constexpr = CFG[5]
-    t_begin, _, t_end, n_q, page_base = _split_span(*split, TP, (OPT & 16384) != 0)
+    t_begin, _, t_end, n_q, page_base = _split_span(*split, TP, OPT)
     kvh = gl.program_id(1)
     kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty = ring
     SPC: gl.constexpr = CFG[0]
