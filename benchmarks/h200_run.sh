@@ -45,6 +45,7 @@
 #   bash benchmarks/h200_run.sh s9-race # session 9: racecheck over the one-page KcVc case that is not repeatable
 #   bash benchmarks/h200_run.sh s9-tests # session 9: Gluon cases after the warnings became gluon.config_warnings
 #   bash benchmarks/h200_run.sh s9-ablate # session 9: the one-page KcVc race under three kernel ablations
+#   bash benchmarks/h200_run.sh s10-packed # session 10: packed heads (E4M3 two-page tiles): E4M3 GPU cases, the 13 points
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -415,6 +416,14 @@ case "$mode" in
     # write and the Triton agreement on the device (25 passed; run as this pytest line directly)
     timeout 200 python3 -m pytest -q -p no:cacheprovider -rfs --tb=short tests/test_gluon_kernel.py -k \
       "warn or one_split or split_counts or agrees" 2>&1 | tail -4
+    ;;
+  s10-packed)
+    # session 10: packed heads (two pages' scores in one [64, 8] tile, E4M3): every E4M3 GPU case
+    # (the new ones included), then the 13 points beside the E4M3 configs in use
+    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_gluon_kernel.py -k "e4m3 and not compile" 2>&1 \
+      | tee "$OUT/tests_e4m3.log" | tail -4
+    timeout 330 python3 benchmarks/gluon_variants.py --out "$OUT" --points main \
+      --variants e4m3-qc-pdl e4m3-3cta e4m3-packed e4m3-packed-s3 --name gluon_packed_s10 2>&1 | tail -34
     ;;
   s9-ablate)
     # session 9: the non-repeatable one-page KcVc case under kernel OPT ablations (the sum of P'

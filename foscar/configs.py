@@ -195,6 +195,20 @@ def gluon_decode_config(
 E4M3_THREE_CTAS_MIN_TILES = 32768
 
 
+#: kernel OPT bit of packed heads (foscar.kernels.gluon_decode._tile_pair_packed): E4M3 operands
+#: over two-page tiles, two pages' scores in one [64, 8] tile when a KV head serves at most 4
+#: query heads (the wgmma's N = 8 columns are otherwise half padding)
+PACKED_HEADS = 262144
+
+
+def gluon_e4m3_packed_config(k_bits: int, v_bits: int) -> GluonDecodeConfig:
+    """The E4M3 path with packed heads: two-page tiles (2 stages of 2 pages per consumer, the
+    bytes in flight of the one-page ring), 2 CTAs per SM (at 72 registers its consumers spill;
+    at 112 none). The caller adds the E4M3 bit (kernel OPT 1024)."""
+    cfg = gluon_decode_config("token", tile_pages=2)
+    return dataclasses.replace(cfg, opt=cfg.opt | PACKED_HEADS)
+
+
 def gluon_e4m3_config(k_bits: int, v_bits: int, tiles: int) -> GluonDecodeConfig:
     """The E4M3 operand path's launch config (token-wise K and V) for a launch of ``tiles``
     64-token pages over all sequences and KV heads: 3 CTAs per SM for INT2 K and V from

@@ -147,6 +147,26 @@ def test_e4m3_operands_compile_without_spills(k_bits, v_bits, scaled):
     )
 
 
+@pytest.mark.parametrize("k_bits,v_bits", BIT_PAIRS)
+def test_packed_heads_compile_without_spills(k_bits, v_bits):
+    """E4M3 with packed heads (configs.gluon_e4m3_packed_config: two pages' scores in one [64, 8]
+    tile): no local memory in the tile loops, and per 64 tokens fewer instructions than the
+    one-page E4M3 loop (the softmax side runs once per 128 tokens; INT2 at this session's
+    compile: 175 against 232)."""
+    packed = configs.gluon_e4m3_packed_config(k_bits, v_bits)
+    res = compile_in_subprocess(dataclasses.replace(packed, opt=packed.opt | 1024), k_bits, v_bits)
+    one = gluon_decode_config("token")
+    one = compile_in_subprocess(dataclasses.replace(one, opt=one.opt | 1024), k_bits, v_bits)
+    assert f"Used {packed.maxnreg} registers" in res["info"], res["info"]
+    assert int(re.search(r"(\d+) bytes spill stores", res["info"]).group(1)) <= 20, res["info"]
+    loops = tile_loops(res["sass"])
+    assert len(loops) >= 2 and all(sum("QGMMA" in t for t in body) == 16 for body in loops)
+    for body in loops:
+        assert not [t for t in body if re.search(r"\b(LDL|STL)\b", t)]
+    per_64 = max(map(len, loops)) / 2
+    assert per_64 < 0.85 * min(map(len, tile_loops(one["sass"]))), per_64
+
+
 @pytest.mark.parametrize("in_consumers", [True, False])
 def test_q_is_staged_after_the_partitions_start(in_consumers):
     """OPT 2048 (the default): the consumers load Q, so the prologue issues no global load
@@ -775,6 +795,46 @@ def test_e4m3_operands_three_ctas_per_sm(ratio):
         assert gluon_backend.default_config(cache, batch, "e4m3").ctas_per_sm == 3
         q = queries(batch, 32, 128, "cuda")
         check_e4m3_against_reference(*run(q, cache, batch, backend="gluon-e4m3"), q, cache, batch)
+
+
+@sm90_only
+@pytest.mark.parametrize("k_bits,v_bits", BIT_PAIRS)
+@pytest.mark.parametrize("ratio", [1, 2, 3, 4])
+def test_e4m3_packed_heads(ratio, k_bits, v_bits):
+    """Packed heads (two pages' scores in one tile) over odd lengths (a last tile whose page b
+    lies past the history, or partly), every GQA ratio it covers, every bit pair: against fp64
+    at E4M3's bar, and against the one-page E4M3 kernel (the same arithmetic per value, other
+    summation order)."""
+    fmt = KVFormat(QuantFormat(k_bits, "token", 128), QuantFormat(v_bits, "token", 128))
+    cache, batch = build_cache(fmt, LENGTHS, num_kv_heads=2, device="cuda", seed=ratio)
+    q = queries(batch, 2 * ratio, 128, "cuda")
+    cfg = configs.gluon_e4m3_packed_config(k_bits, v_bits)
+    out, lse = run_launcher(q, cache, batch, config=cfg, operands="e4m3")
+    check_e4m3_against_reference(out, lse, q, cache, batch)
+    one, lse1 = run_launcher(q, cache, batch, operands="e4m3")
+    assert rel_l2(out, one) < 1e-2
+    assert torch.allclose(lse, lse1, atol=1e-2, rtol=0)
+    for splits in (1, 7):  # one split writes the output itself; 7 split the 4099 tokens oddly
+        o, _ = run_launcher(q, cache, batch, config=cfg, operands="e4m3", splits=splits)
+        check_e4m3_against_reference(o, None, q, cache, batch)
+
+
+@sm90_only
+def test_e4m3_packed_heads_paper_shape_repeats():
+    """Packed heads at the paper shape with BF16 windows: within E4M3's bar, the same bits on a
+    second call; more than 4 query heads per KV head is refused."""
+    fmt = KVFormat(INT2, INT2, sink_tokens=64, recent_tokens=256)
+    cache, batch = build_cache(fmt, (32768, 4099, 1), num_kv_heads=8, device="cuda", seed=3)
+    q = queries(batch, 32, 128, "cuda")
+    cfg = configs.gluon_e4m3_packed_config(2, 2)
+    outs = []
+    for _ in range(2):
+        o, lse = run_launcher(q, cache, batch, config=cfg, operands="e4m3")
+        check_e4m3_against_reference(o, lse, q, cache, batch)
+        outs.append(o.clone())
+    assert torch.equal(outs[0], outs[1])
+    with pytest.raises(ValueError, match="at most 4 query heads per KV head"):
+        run_launcher(queries(batch, 64, 128, "cuda"), cache, batch, config=cfg, operands="e4m3")
 
 
 @sm90_only

@@ -19,7 +19,7 @@ import warnings
 import torch
 
 from ..cache import DecodeBatch, QuantizedKVCache
-from ..configs import GluonDecodeConfig, gluon_decode_config, gluon_e4m3_config
+from ..configs import PACKED_HEADS, GluonDecodeConfig, gluon_decode_config, gluon_e4m3_config
 from ..formats import GroupAxis, OperandMapping
 from . import triton as triton_backend
 
@@ -259,11 +259,19 @@ def decode(
         reason = supports_e4m3(cache)
         if reason:
             raise ValueError(reason)
-        if reconstruct or cfg.tile_pages != 1 or cfg.opt & (2 | 128):
+        packed = bool(cfg.opt & PACKED_HEADS)
+        if reconstruct or cfg.tile_pages != (2 if packed else 1) or cfg.opt & (2 | 128):
             raise ValueError(
-                "operands='e4m3' runs one-page tiles and the folds without the deferred PV "
-                f"wait (config opt bits 2 and 128 clear); got tile_pages={cfg.tile_pages}, "
-                f"reconstruct={reconstruct}, opt={cfg.opt}"
+                "operands='e4m3' runs one-page tiles (two-page ones with packed heads, opt bit "
+                f"{PACKED_HEADS}) and the folds without the deferred PV wait (config opt bits 2 "
+                f"and 128 clear); got tile_pages={cfg.tile_pages}, reconstruct={reconstruct}, "
+                f"opt={cfg.opt}"
+            )
+        if packed and num_q_heads // cache.num_kv_heads > MAX_HEADS_PER_KV // 2:
+            raise ValueError(
+                f"packed heads (config opt bit {PACKED_HEADS}) hold at most "
+                f"{MAX_HEADS_PER_KV // 2} query heads per KV head; q has "
+                f"{num_q_heads // cache.num_kv_heads}"
             )
         cfg = dataclasses.replace(cfg, opt=cfg.opt | 1024)
     for message in config_warnings(cache.fmt, cfg):

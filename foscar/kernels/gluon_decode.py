@@ -709,7 +709,8 @@ def _split_span(seq_ptrs, num_splits, TP: gl.constexpr, OPT: gl.constexpr):
 # ablation (every split empty: the launch, span, Q staging, epilogue and merge only); 32768,
 # 65536, 131072 = ablations for the one-page KcVc race (NOTES 19): channel-wise V's sum of P' in
 # registers instead of the ones @ P' product, the stage released at the tile's end, a fence and a
-# barrier at the tile's end. Default 5
+# barrier at the tile's end; 262144 = packed heads (E4M3, two-page tiles, H <= HS / 2: both
+# pages' scores in one [64, HS] tile, _tile_pair_packed). Default 5
 # (the config's default: 10757 = 5 | 512 | 2048 | 8192, configs.GluonDecodeConfig). (Whatever
 # the bits, a launch of one split without a window partial, num_parts == 1, writes the output
 # itself: no merge launch.)
@@ -875,7 +876,7 @@ def _tile(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: gl.con
         "E4M3 operands: token-wise K and V at head_dim 128",
     )
     acc_l: gl.constexpr = acc_layout(HS)
-    ring, qt_smem, p_bufs, qsums, kfold, qk_scale, magic = ops
+    ring, qt_smem, p_bufs, qsums, kfold, qk_scale, magic, _ = ops
     kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty = ring
     m_i, l_i, z_i, acc, o_tok, alpha_prev, vt_prev, zp_i = st
     p_smem = p_bufs.index(C)
@@ -1056,7 +1057,7 @@ def _tile_pair(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: g
     gl.static_assert((OPT & (2 | 8)) == 0, "deferred PV wait and late arrive: one-page tiles")
     gl.static_assert(not e4m3_operands(OPT), "E4M3 operands: one-page tiles")
     acc_l: gl.constexpr = acc_layout(HS)
-    ring, qt_smem, p_bufs, qsums, kfold, qk_scale, magic = ops
+    ring, qt_smem, p_bufs, qsums, kfold, qk_scale, magic, _ = ops
     kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty = ring
     m_i, l_i, z_i, acc, o_tok, alpha_prev, vt_prev, zp_i = st
     pa_smem = p_bufs.index(2 * C)
@@ -1154,11 +1155,170 @@ def _tile_pair(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: g
     return m_new, l_i, z_i, acc, o_tok, alpha_prev, vt_prev, zp_i
 
 
+@gluon.constexpr_function
+def packed_heads(opt):
+    """Whether two pages share one [64, HS] score tile (OPT 262144, E4M3 two-page tiles, H <=
+    HS / 2): page a's heads in columns 0..HS/2-1, page b's in HS/2.. (see _tile_pair_packed)."""
+    return (opt & 262144) != 0
+
+
+@gluon.jit
+def _halves(a, b, HS: gl.constexpr):
+    """[64] per-token values of pages a and b -> [64, HS] in the accumulator layout: page a's in
+    the first HS / 2 columns, page b's in the rest (the packed score tile's columns)."""
+    col = gl.arange(0, HS, layout=gl.SliceLayout(0, acc_layout(HS)))
+    return gl.where((col < HS // 2)[None, :], a[:, None], b[:, None])
+
+
+@gluon.jit
+def _swap_halves(x):
+    """x's column c <-> c ^ HS/2 for an accumulator-layout tensor with HS = 8: column bit 2 is
+    lane bit 1 there, so one butterfly shuffle per register."""
+    return gl.inline_asm_elementwise(
+        "shfl.sync.bfly.b32 $0, $1, 2, 0x1f, -1;",
+        "=f,f",
+        [x],
+        dtype=gl.float32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@gluon.jit
+def _tile_pair_packed(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: gl.constexpr):
+    """Two pages (128 tokens, one ring stage) of consumer C with E4M3 operands and their scores in
+    ONE [64, HS] tile: page a's QK product against Q^ in columns 0..H-1 (qa), page b's chained
+    into the same accumulator against Q^ in columns HS/2..HS/2+H-1 (qb). With H <= HS / 2 the
+    wgmma's N = 8 columns are otherwise half padding, so the softmax side (logit folds, max,
+    exp2, P', the running sums; about half of the one-page loop) runs once per 128 tokens
+    instead of twice. Column c holds head c % (HS/2) of page c // (HS/2); the running max of a
+    head is kept equal in its two columns (pair max by one shuffle), and _consume adds the
+    two columns of each head once per split. P' goes to two buffers, page a's columns in pa
+    (the rest zero) and page b's in pb, so that the two PV products chained into one
+    accumulator leave page a's output in columns < HS/2 and page b's in the rest."""
+    SPC: gl.constexpr = CFG[0]
+    HS: gl.constexpr = CFG[1]
+    K_BITS: gl.constexpr = CFG[2]
+    V_BITS: gl.constexpr = CFG[3]
+    OPT: gl.constexpr = CFG[5]
+    HD: gl.constexpr = CFG[7]
+    FAST_MAX: gl.constexpr = (OPT & 1) != 0
+    FAST_RCP: gl.constexpr = (OPT & 4) != 0
+    gl.static_assert(e4m3_operands(OPT) and HS == 8 and CFG[9] <= HS // 2)
+    gl.static_assert(not (CFG[4] or CFG[6]), "packed heads: token-wise K and V")
+    SCALED_K: gl.constexpr = scaled_extraction(OPT, K_BITS, HD)
+    SCALED_V: gl.constexpr = scaled_extraction(OPT, V_BITS, HD)
+    acc_l: gl.constexpr = acc_layout(HS)
+    mma_l: gl.constexpr = acc_layout(HS, 32)
+    ring, qt_smem, p_bufs, qsums, kfold, qk_scale, magic, qb_smem = ops
+    kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty = ring
+    m_i, l_i, z_i, acc, o_tok, alpha_prev, vt_prev, zp_i = st
+    pa_smem = p_bufs.index(2 * C)
+    pb_smem = p_bufs.index(2 * C + 1)
+    s = C * SPC + i % SPC
+    mbarrier.wait(ready.index(s), (i // SPC) & 1)
+    if (OPT & 32) != 0:  # memory-only timing ablation
+        mbarrier.arrive(empty.index(s))
+        return m_i, l_i, z_i, acc, o_tok, alpha_prev, vt_prev, zp_i
+    kx_a = _k_fields_e4m3(_load_k_words(kw_bufs.index(2 * s), K_BITS, HD), K_BITS, HD, SCALED_K)
+    s_tok = warpgroup_mma(
+        _k_operand_from_fields(kx_a, HS, K_BITS, HD),
+        qt_smem.permute((1, 0)),
+        gl.zeros([64, HS], gl.float32, mma_l),
+        use_acc=False,
+        is_async=True,
+    )
+    if V_BITS == 4:  # page a's K operand released before page b's is built (registers)
+        s_tok, kx_a = warpgroup_mma_wait(0, deps=[s_tok, kx_a])
+    kx_b = _k_fields_e4m3(_load_k_words(kw_bufs.index(2 * s + 1), K_BITS, HD), K_BITS, HD, SCALED_K)
+    s_tok = warpgroup_mma(
+        _k_operand_from_fields(kx_b, HS, K_BITS, HD),
+        qb_smem.permute((1, 0)),
+        s_tok,
+        use_acc=True,
+        is_async=True,
+    )
+    # INT2 V words (8 registers for both pages) are read before the release; INT4's (16) after
+    # the softmax, the stage held that much longer (at 112 registers INT4 spilled 22 bytes)
+    EARLY_V: gl.constexpr = V_BITS == 2
+    if EARLY_V:
+        vw_a = _load_v_words(vw_bufs.index(2 * s), V_BITS, HD, True)
+        vw_b = _load_v_words(vw_bufs.index(2 * s + 1), V_BITS, HD, True)
+    ks_a, kz_a = _scale_pairs(ks_bufs.index(2 * s), HS)
+    ks_b, kz_b = _scale_pairs(ks_bufs.index(2 * s + 1), HS)
+    vs_a, vz_a = _scale_pairs(vs_bufs.index(2 * s), HS)
+    vs_b, vz_b = _scale_pairs(vs_bufs.index(2 * s + 1), HS)
+    if EARLY_V:
+        mbarrier.arrive(empty.index(s))  # every read of stage s is done (a bar.sync first)
+    s_acc, kx_a, kx_b = warpgroup_mma_wait(0, deps=[s_tok, kx_a, kx_b])
+    s_acc = gl.convert_layout(s_acc, acc_l, assert_trivial=True)
+    # the per-token factors, each [64, HS]: page a's in the first half of the columns
+    qsum, dq = qsums
+    ks = _halves(ks_a, ks_b, HS)
+    kz = _halves(kz_a, kz_b, HS)
+    vs = _halves(vs_a, vs_b, HS)
+    vz = _halves(vz_a, vz_b, HS)
+    sc = (s_acc * dq[None, :]) * (ks * qk_scale) + (kz + 128.0 * ks) * qsum[None, :]
+    if MASKED:
+        col = gl.arange(0, HS, layout=gl.SliceLayout(0, acc_l))
+        row = gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
+        tok = t * 128 + row[:, None] + gl.where(col < HS // 2, 0, 64)[None, :]
+        valid = tok < n_q
+        sc = gl.where(valid, sc, -float("inf"))
+        vs = gl.where(valid, vs, 1.0)
+        vz = gl.where(valid, vz, 0.0)
+    if FAST_RCP:
+        ratio = vz * _rcp(vs)
+    else:
+        ratio = gl.fdiv(vz, vs)
+    # the running max of S + log2 s'_V (see _tile), over both pages: the columns' maxima, then
+    # each head's two columns (pages a and b) by one shuffle
+    cmax = _col_max(sc + gl.maximum(_lg2(vs), -64.0), HS, FAST_MAX)
+    m_new = gl.maximum(m_i, gl.maximum(cmax, _swap_halves(cmax)))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(sc - m_new[None, :])
+    l_i = l_i * alpha[None, :] + p
+    C_MID: gl.constexpr = ((1 << V_BITS) - 1) / 2
+    pv32 = p * (vs * 256.0)
+    pv = pv32.to(gl.float8e4nv)
+    z_i = z_i * alpha[None, :] + pv32 * (0.5 + (ratio + C_MID) * 0.00390625)
+    zp_i = zp_i * alpha[None, :] + pv.to(gl.float32)
+    first = (gl.arange(0, HS, layout=gl.SliceLayout(0, acc_l)) < HS // 2)[None, :]
+    pa_smem.store(gl.permute(gl.where(first, pv32, 0.0).to(gl.float8e4nv), [1, 0]))
+    pb_smem.store(gl.permute(gl.where(first, 0.0, pv32).to(gl.float8e4nv), [1, 0]))
+    fence_async_shared()
+    if not EARLY_V:
+        vw_a = _load_v_words(vw_bufs.index(2 * s), V_BITS, HD, True)
+        vw_b = _load_v_words(vw_bufs.index(2 * s + 1), V_BITS, HD, True)
+        mbarrier.arrive(empty.index(s))
+    vx_a = _vt_fields_e4m3(vw_a, V_BITS, HD, SCALED_V)
+    pv_tok = warpgroup_mma(
+        _vt_operand_from_fields(vx_a, HS, HD),
+        pa_smem.permute((1, 0)),
+        gl.zeros([HD, HS], gl.float32, mma_l),
+        use_acc=False,
+        is_async=True,
+    )
+    vx_b = _vt_fields_e4m3(vw_b, V_BITS, HD, SCALED_V)
+    pv_tok = warpgroup_mma(
+        _vt_operand_from_fields(vx_b, HS, HD),
+        pb_smem.permute((1, 0)),
+        pv_tok,
+        use_acc=True,
+        is_async=True,
+    )
+    o_t, vx_a, vx_b = warpgroup_mma_wait(0, deps=[pv_tok, vx_a, vx_b])
+    acc = acc * alpha[None, :] + gl.convert_layout(o_t, acc_l, assert_trivial=True)
+    return m_new, l_i, z_i, acc, o_tok, alpha_prev, vt_prev, zp_i
+
+
 @gluon.jit
 def _step(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: gl.constexpr):
     """Tile t, consumer C's i-th, of one page or two (CFG's TP); ops = (ring, qt_smem, p_bufs,
     qsums, kfold, qk_scale, magic)."""
-    if CFG[8] == 2:
+    if packed_heads(CFG[5]):
+        st = _tile_pair_packed(i, t, n_q, st, ops, C, CFG, MASKED)
+    elif CFG[8] == 2:
         st = _tile_pair(i, t, n_q, st, ops, C, CFG, MASKED)
     else:
         st = _tile(i, t, n_q, st, ops, C, CFG, MASKED)
@@ -1184,8 +1344,11 @@ def _consume(C: gl.constexpr, ring, q_args, op_bufs, split, qk_scale, magic, CFG
     QI: gl.constexpr = C if QC else 0  # this consumer's Q^T buffer (the prologue fills 0)
     qt_smem = qt_bufs.index(QI)
     hf_smem = hf_bufs.slice(QI * HS, HS)
+    PACKED: gl.constexpr = packed_heads(OPT)
+    gl.static_assert(not PACKED or QC, "packed heads: each consumer stages its Q")
+    qb_smem = qt_bufs.index(2 + QI) if PACKED else qt_smem  # Q^ in columns HS/2.. (packed)
     if QC:  # Q's load overlaps the producer's first copies; the 4 warps then see all of Q^T
-        _stage_q(*q_args, qt_smem, hf_smem, CFG)
+        _stage_q(*q_args, qt_smem, hf_smem, CFG, qb_smem)
         fence_async_shared()
         gl.thread_barrier()
     t_begin, t_full, t_end, n_q, _ = _split_span(*split, TP, OPT)
@@ -1194,6 +1357,8 @@ def _consume(C: gl.constexpr, ring, q_args, op_bufs, split, qk_scale, magic, CFG
     SCALED_V: gl.constexpr = scaled_extraction(OPT, CFG[3], HD) and not CFG[4]
     ql: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
     qf = qt_smem.load(ql).to(gl.float32)  # Q, or Q~ = Q 4^-a with the scaled extraction
+    if PACKED:  # column c of the score tile: head c % (HS / 2), from qa or qb
+        qf = qf + qb_smem.load(ql).to(gl.float32)
     if E4M3:  # qf = Q^ 2^sigma 4^-a per column (see the kernel): sum(Q^) and hf = 2^(9 - sigma)
         k = gl.arange(0, HD, layout=gl.SliceLayout(0, ql))
         if SCALED_K:
@@ -1229,7 +1394,7 @@ def _consume(C: gl.constexpr, ring, q_args, op_bufs, split, qk_scale, magic, CFG
     )
     n_all = gl.maximum(t_end - t_begin - C + 1, 0) // 2
     n_full = gl.maximum(t_full - t_begin - C + 1, 0) // 2
-    ops = (ring, qt_smem, p_bufs, qsums, kfold, qk_scale, magic)
+    ops = (ring, qt_smem, p_bufs, qsums, kfold, qk_scale, magic, qb_smem)
     for i in range(n_full):
         st = _step(i, t_begin + C + 2 * i, n_q, st, ops, C, CFG, False)
     if n_full < n_all:  # the last tile, partly past the history
@@ -1249,6 +1414,9 @@ def _consume(C: gl.constexpr, ring, q_args, op_bufs, split, qk_scale, magic, CFG
         C_MID: gl.constexpr = ((1 << CFG[3]) - 1) / 2
         offset = gl.sum(z_i, axis=0) - (C_MID / 256) * gl.sum(zp_i, axis=0)
         num = acc * vfac[:, None] + offset[None, :]
+        if PACKED:  # each head's two columns (pages a and b, one running max) added
+            num = num + _swap_halves(num)
+            l_tot = l_tot + _swap_halves(l_tot)
     elif SCALED_V:  # acc holds sum_n P' y~, y~ = 128 + 4^a q: O = acc 4^-a + 128 (1 - 4^-a) sum P'
         c = gl.arange(0, HD, layout=gl.SliceLayout(1, acc_l))
         inv = _pow4(_scaled_exponent_v(c), True)
@@ -1287,12 +1455,14 @@ def merge_pdl(opt):
 
 
 @gluon.jit
-def _stage_q(q_ptr, stride_q_b, stride_q_h, qt_smem, hf_smem, CFG: gl.constexpr):
+def _stage_q(q_ptr, stride_q_b, stride_q_h, qt_smem, hf_smem, CFG: gl.constexpr, qb_smem=0):
     """Q [HS, D] of this CTA's KV head into ``qt_smem`` as the QK product's operand, K-major (its
     transposed view is the B operand; heads past H are zero), and the per-head factor into
     ``hf_smem`` (E4M3: 2^(9 - sigma); bf16: 1). The caller fences and synchronizes.
     B operands are stored K-major (MN-major B with 16-byte rows read out of bounds on the H200:
-    compute-sanitizer, session 3)."""
+    compute-sanitizer, session 3). Packed heads (OPT 262144): row c holds head c % (HS / 2), in
+    ``qt_smem`` for the first HS / 2 rows (page a's columns) and in ``qb_smem`` for the rest,
+    the other rows zero; ``hf_smem`` per row."""
     HS: gl.constexpr = CFG[1]
     K_BITS: gl.constexpr = CFG[2]
     OPT: gl.constexpr = CFG[5]
@@ -1302,9 +1472,11 @@ def _stage_q(q_ptr, stride_q_b, stride_q_h, qt_smem, hf_smem, CFG: gl.constexpr)
     b = gl.program_id(0)
     kvh = gl.program_id(1)
     ql: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-    h = gl.arange(0, HS, layout=gl.SliceLayout(1, ql))
+    h_row = gl.arange(0, HS, layout=gl.SliceLayout(1, ql))
     d = gl.arange(0, HD, layout=gl.SliceLayout(0, ql))
     E4M3: gl.constexpr = e4m3_operands(OPT)
+    PACKED: gl.constexpr = packed_heads(OPT)
+    h = h_row % (HS // 2) if PACKED else h_row
     # E4M3: column d holds channel _e4m3_key_channel(d) (the K operand's column order)
     q_cols = _e4m3_key_channel(d, K_BITS) if E4M3 else d
     qt = gl.load(
@@ -1323,7 +1495,13 @@ def _stage_q(q_ptr, stride_q_b, stride_q_h, qt_smem, hf_smem, CFG: gl.constexpr)
         ebits = gl.minimum(
             gl.maximum(261 - ((amax.to(gl.int32, bitcast=True) >> 23) & 0xFF), 1), 254
         )
-        qt_smem.store((qf * (ebits << 23).to(gl.float32, bitcast=True)[:, None]).to(gl.float8e4nv))
+        q8 = qf * (ebits << 23).to(gl.float32, bitcast=True)[:, None]
+        if PACKED:
+            first = (h_row < HS // 2)[:, None]
+            qt_smem.store(gl.where(first, q8, 0.0).to(gl.float8e4nv))
+            qb_smem.store(gl.where(first, 0.0, q8).to(gl.float8e4nv))
+        else:
+            qt_smem.store(q8.to(gl.float8e4nv))
         hf_smem.store(((263 - ebits) << 23).to(gl.float32, bitcast=True))
     else:
         if scaled_extraction(OPT, K_BITS, HD) and not K_CHANNEL:  # Q~ = Q 4^-a, exact in bf16
@@ -1533,8 +1711,10 @@ def gluon_decode_split_kernel(
     # Q^T [HS, D] per consumer (the prologue's, in buffer 0, unless each consumer stages its own:
     # OPT 2048) and its per-head factor
     op_dtype: gl.constexpr = gl.float8e4nv if e4m3_operands(OPT) else gl.bfloat16
-    qt_bufs = gl.allocate_shared_memory(
-        op_dtype, [2, HS, HD], gl.NVMMASharedLayout.get_default_for([HS, HD], op_dtype)
+    qt_bufs = gl.allocate_shared_memory(  # packed heads: each consumer's qb at 2 + C
+        op_dtype,
+        [4 if packed_heads(OPT) else 2, HS, HD],
+        gl.NVMMASharedLayout.get_default_for([HS, HD], op_dtype),
     )
     hf_bufs = gl.allocate_shared_memory(gl.float32, [2 * HS], plain_shared_layout(1))
     CFG: gl.constexpr = (SPC, HS, K_BITS, V_BITS, V_CHANNEL, OPT, K_CHANNEL, HD, TP, H)
