@@ -420,7 +420,7 @@ case "$mode" in
   s10-packed)
     # session 10: packed heads (two pages' scores in one [64, 8] tile, E4M3): every E4M3 GPU case
     # (the new ones included), then the 13 points beside the E4M3 configs in use
-    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_gluon_kernel.py -k "e4m3 and not compile" 2>&1 \
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gluon_kernel.py -k "e4m3 and not compile" 2>&1 \
       | tee "$OUT/tests_e4m3.log" | tail -4
     timeout 330 python3 benchmarks/gluon_variants.py --out "$OUT" --points main \
       --variants e4m3-qc-pdl e4m3-3cta e4m3-packed e4m3-packed-s3 --name gluon_packed_s10 2>&1 | tail -34
