@@ -1228,19 +1228,31 @@ def _tile_pair_packed(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MA
         use_acc=False,
         is_async=True,
     )
-    if V_BITS == 4:  # page a's K operand released before page b's is built (registers)
+    SERIAL: gl.constexpr = V_BITS == 4 or (OPT & 524288) != 0  # debug bit: INT4's order
+    SPLIT_QK: gl.constexpr = (OPT & 1048576) != 0  # debug bit: page b's QK in its own acc
+    if SERIAL:  # page a's K operand released before page b's is built (registers)
         s_tok, kx_a = warpgroup_mma_wait(0, deps=[s_tok, kx_a])
     kx_b = _k_fields_e4m3(_load_k_words(kw_bufs.index(2 * s + 1), K_BITS, HD), K_BITS, HD, SCALED_K)
-    s_tok = warpgroup_mma(
-        _k_operand_from_fields(kx_b, HS, K_BITS, HD),
-        qb_smem.permute((1, 0)),
-        s_tok,
-        use_acc=True,
-        is_async=True,
-    )
+    if SPLIT_QK:
+        sa_acc, kx_a = warpgroup_mma_wait(0, deps=[s_tok, kx_a])
+        s_tok = warpgroup_mma(
+            _k_operand_from_fields(kx_b, HS, K_BITS, HD),
+            qb_smem.permute((1, 0)),
+            gl.zeros([64, HS], gl.float32, mma_l),
+            use_acc=False,
+            is_async=True,
+        )
+    else:
+        s_tok = warpgroup_mma(
+            _k_operand_from_fields(kx_b, HS, K_BITS, HD),
+            qb_smem.permute((1, 0)),
+            s_tok,
+            use_acc=True,
+            is_async=True,
+        )
     # INT2 V words (8 registers for both pages) are read before the release; INT4's (16) after
     # the softmax, the stage held that much longer (at 112 registers INT4 spilled 22 bytes)
-    EARLY_V: gl.constexpr = V_BITS == 2
+    EARLY_V: gl.constexpr = V_BITS == 2 and not SERIAL
     if EARLY_V:
         vw_a = _load_v_words(vw_bufs.index(2 * s), V_BITS, HD, True)
         vw_b = _load_v_words(vw_bufs.index(2 * s + 1), V_BITS, HD, True)
@@ -1251,6 +1263,8 @@ def _tile_pair_packed(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MA
     if EARLY_V:
         mbarrier.arrive(empty.index(s))  # every read of stage s is done (a bar.sync first)
     s_acc, kx_a, kx_b = warpgroup_mma_wait(0, deps=[s_tok, kx_a, kx_b])
+    if SPLIT_QK:
+        s_acc = s_acc + sa_acc
     s_acc = gl.convert_layout(s_acc, acc_l, assert_trivial=True)
     # the per-token factors, each [64, HS]: page a's in the first half of the columns
     qsum, dq = qsums
