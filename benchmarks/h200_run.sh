@@ -47,6 +47,7 @@
 #   bash benchmarks/h200_run.sh s9-ablate # session 9: the one-page KcVc race under three kernel ablations
 #   bash benchmarks/h200_run.sh s10-packed # session 10: packed heads (E4M3 two-page tiles): E4M3 GPU cases, the 13 points
 #   bash benchmarks/h200_run.sh s10-debug # session 10: the packed-heads kernel's errors per case and head, two debug orders
+#   bash benchmarks/h200_run.sh s10-print # session 10: device_print of the packed tile's per-column values
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -429,6 +430,11 @@ case "$mode" in
   s10-debug)
     # session 10: where the packed-heads kernel goes wrong (per case and head, debug orders)
     timeout 300 python3 benchmarks/debug_packed.py 2>&1 | tee "$OUT/debug_packed.txt" | tail -150
+    ;;
+  s10-print)
+    # session 10: device_print of the packed tile's per-column values for one-token sequences
+    timeout 200 python3 benchmarks/debug_packed_print.py > "$OUT/debug_print.txt" 2>&1
+    grep "===" "$OUT/debug_print.txt"; wc -l "$OUT/debug_print.txt"; gzip "$OUT/debug_print.txt"
     ;;
   s9-ablate)
     # session 9: the non-repeatable one-page KcVc case under kernel OPT ablations (the sum of P'

@@ -1289,6 +1289,15 @@ def _tile_pair_packed(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MA
     # each head's two columns (pages a and b) by one shuffle
     cmax = _col_max(sc + gl.maximum(_lg2(vs), -64.0), HS, FAST_MAX)
     m_new = gl.maximum(m_i, gl.maximum(cmax, _swap_halves(cmax)))
+    if (OPT & 4194304) != 0:  # debug: the first tile of consumer 0 in CTA (0, 0, 0)
+        if (gl.program_id(0) + gl.program_id(1) + gl.program_id(2) == 0) & (i == 0) & (C == 0):
+            gl.device_print("dq", dq)
+            gl.device_print("qsum", qsum)
+            gl.device_print("cmax", cmax)
+            gl.device_print("swap", _swap_halves(cmax))
+            gl.device_print("m_new", m_new)
+            gl.device_print("sc", sc)
+            gl.device_print("s_acc", s_acc)
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(sc - m_new[None, :])
     l_i = l_i * alpha[None, :] + p
