@@ -24,7 +24,12 @@ for bits, ratio in ((2, 1), (4, 4)):
     cache, batch = build_cache(fmt, (1,), num_kv_heads=1, device="cuda", seed=1, decode_steps=0)
     q = queries(batch, ratio, 128, "cuda")
     print(f"=== INT{bits} H={ratio} q amax per head", q.float().abs().amax(-1).tolist(), flush=True)
-    out = torch.full_like(q, math.nan)
-    gluon_backend.decode(q, cache, batch, 128**-0.5, out=out, config=cfg, operands="e4m3", splits=1)
-    torch.cuda.synchronize()
-    print("=== out finite per head", torch.isfinite(out).all(-1).tolist(), flush=True)
+    one = configs.gluon_decode_config("token")
+    one = dataclasses.replace(one, opt=one.opt | 4194304)
+    for name, c in (("packed", cfg), ("one-page", one)):
+        out = torch.full_like(q, math.nan)
+        gluon_backend.decode(
+            q, cache, batch, 128**-0.5, out=out, config=c, operands="e4m3", splits=1
+        )
+        torch.cuda.synchronize()
+        print(f"=== {name} out finite per head", torch.isfinite(out).all(-1).tolist(), flush=True)

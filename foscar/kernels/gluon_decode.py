@@ -937,6 +937,12 @@ def _tile(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: gl.con
     elif E4M3:  # int32 deps: triton 3.6 rejects 8-bit ones (see _k_fields_e4m3)
         s_acc, kx, vx = warpgroup_mma_wait(0, deps=[s_tok, kx, vx])
         s_acc = gl.convert_layout(s_acc, acc_l, assert_trivial=True)
+        if (OPT & 4194304) != 0:  # debug: the first tile of consumer 0 in CTA (0, 0, 0)
+            if (gl.program_id(0) + gl.program_id(1) + gl.program_id(2) == 0) & (i == 0) & (C == 0):
+                qlb: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
+                rows = gl.sum(gl.abs(qt_smem.load(qlb).to(gl.float32)), axis=1)
+                gl.device_print("one_qa_rows", rows)
+                gl.device_print("one_s_acc", s_acc)
         vt_op = _vt_operand_from_fields(vx, HS, HD)
     else:
         s_acc, k_op = warpgroup_mma_wait(0, deps=[s_tok, k_op])
@@ -1291,6 +1297,9 @@ def _tile_pair_packed(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MA
     m_new = gl.maximum(m_i, gl.maximum(cmax, _swap_halves(cmax)))
     if (OPT & 4194304) != 0:  # debug: the first tile of consumer 0 in CTA (0, 0, 0)
         if (gl.program_id(0) + gl.program_id(1) + gl.program_id(2) == 0) & (i == 0) & (C == 0):
+            ql: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
+            gl.device_print("qa_rows", gl.sum(gl.abs(qt_smem.load(ql).to(gl.float32)), axis=1))
+            gl.device_print("qb_rows", gl.sum(gl.abs(qb_smem.load(ql).to(gl.float32)), axis=1))
             gl.device_print("dq", dq)
             gl.device_print("qsum", qsum)
             gl.device_print("cmax", cmax)
