@@ -48,6 +48,7 @@
 #   bash benchmarks/h200_run.sh s10-packed # session 10: packed heads (E4M3 two-page tiles): E4M3 GPU cases, the 13 points
 #   bash benchmarks/h200_run.sh s10-debug # session 10: the packed-heads kernel's errors per case and head, two debug orders
 #   bash benchmarks/h200_run.sh s10-print # session 10: device_print of the packed tile's per-column values
+#   bash benchmarks/h200_run.sh s10-fix # session 10: packed heads with Q's zero halves from a product: errors, GPU cases
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -435,6 +436,14 @@ case "$mode" in
     # session 10: device_print of the packed tile's per-column values for one-token sequences
     timeout 200 python3 benchmarks/debug_packed_print.py > "$OUT/debug_print.txt" 2>&1
     grep "===" "$OUT/debug_print.txt"; wc -l "$OUT/debug_print.txt"; gzip "$OUT/debug_print.txt"
+    ;;
+  s10-fix)
+    # session 10: packed heads with the zero halves of Q stored from a product: per-case errors,
+    # then the packed GPU cases
+    timeout 200 python3 benchmarks/debug_packed.py > "$OUT/debug_packed_fix.txt" 2>&1
+    grep -A3 "ratio 4 splits None" "$OUT/debug_packed_fix.txt" | head -40
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gluon_kernel.py -k "packed_heads and not compile" 2>&1 \
+      | tee "$OUT/tests_packed.log" | tail -4
     ;;
   s9-ablate)
     # session 9: the non-repeatable one-page KcVc case under kernel OPT ablations (the sum of P'

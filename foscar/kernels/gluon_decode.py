@@ -1529,9 +1529,12 @@ def _stage_q(q_ptr, stride_q_b, stride_q_h, qt_smem, hf_smem, CFG: gl.constexpr,
         )
         q8 = qf * (ebits << 23).to(gl.float32, bitcast=True)[:, None]
         if PACKED:
+            # the zero halves from a product, not a constant: stores of compile-time zeros did
+            # not land on the H200 (read back, those rows held nonzero bytes, s10-print)
             first = (h_row < HS // 2)[:, None]
-            qt_smem.store(gl.where(first, q8, 0.0).to(gl.float8e4nv))
-            qb_smem.store(gl.where(first, 0.0, q8).to(gl.float8e4nv))
+            zero = q8 * 0.0
+            qt_smem.store(gl.where(first, q8, zero).to(gl.float8e4nv))
+            qb_smem.store(gl.where(first, zero, q8).to(gl.float8e4nv))
         else:
             qt_smem.store(q8.to(gl.float8e4nv))
         hf_smem.store(((263 - ebits) << 23).to(gl.float32, bitcast=True))
