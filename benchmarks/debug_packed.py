@@ -1,14 +1,14 @@
-"""Where the packed-heads E4M3 kernel (kernel OPT 262144) goes wrong: per case and head, the
-error against fp64 over the dequantized cache, next to the one-page E4M3 kernel and two debug
-orders of the packed tile (OPT 524288: INT4's serial order for every width; 1048576: page b's
-QK product in its own accumulator). H200 only.
+"""The packed-heads E4M3 kernel (kernel OPT 262144) beside the one-page E4M3 kernel: per case
+and query head, the error against fp64 over the dequantized cache, non-finite outputs and the
+LSE's deviation, at one split and at the split rule's count. H200 only. (Session 10's first
+version also ran two debug orders of the packed tile, kernel bits since removed; its output,
+results/h200/session10/debug/, located the fault in Q's zero halves: benchmarks/NOTES.md 20.)
 
     python benchmarks/debug_packed.py
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import sys
@@ -29,12 +29,7 @@ def main():
     for bits in (2, 4):
         fmt = KVFormat(QuantFormat(bits, "token", 128), QuantFormat(bits, "token", 128))
         packed = configs.gluon_e4m3_packed_config(bits, bits)
-        variants = {
-            "one-page": None,
-            "packed": packed,
-            "serial": dataclasses.replace(packed, opt=packed.opt | 524288),
-            "split-qk": dataclasses.replace(packed, opt=packed.opt | 1048576),
-        }
+        variants = {"one-page": None, "packed": packed}
         for lengths in ((128,), (64,), (1,), (256,), (4099,), (1, 17, 63, 64, 65, 263, 4099)):
             for ratio in (1, 4):
                 cache, batch = build_cache(fmt, lengths, num_kv_heads=2, device="cuda", seed=1)

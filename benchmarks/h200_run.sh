@@ -47,8 +47,9 @@
 #   bash benchmarks/h200_run.sh s9-ablate # session 9: the one-page KcVc race under three kernel ablations
 #   bash benchmarks/h200_run.sh s10-packed # session 10: packed heads (E4M3 two-page tiles): E4M3 GPU cases, the 13 points
 #   bash benchmarks/h200_run.sh s10-debug # session 10: the packed-heads kernel's errors per case and head, two debug orders
-#   bash benchmarks/h200_run.sh s10-print # session 10: device_print of the packed tile's per-column values
+#   (s10-print, at commit 289af1d: device_print of the packed tile's per-column values; the script and kernel bit are removed)
 #   bash benchmarks/h200_run.sh s10-fix # session 10: packed heads with Q's zero halves from a product: errors, GPU cases
+#   bash benchmarks/h200_run.sh s10-final # session 10: E4M3 + packed-heads GPU cases; the main grid at the shipped defaults
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -432,11 +433,6 @@ case "$mode" in
     # session 10: where the packed-heads kernel goes wrong (per case and head, debug orders)
     timeout 300 python3 benchmarks/debug_packed.py 2>&1 | tee "$OUT/debug_packed.txt" | tail -150
     ;;
-  s10-print)
-    # session 10: device_print of the packed tile's per-column values for one-token sequences
-    timeout 200 python3 benchmarks/debug_packed_print.py > "$OUT/debug_print.txt" 2>&1
-    grep "===" "$OUT/debug_print.txt"; wc -l "$OUT/debug_print.txt"; gzip "$OUT/debug_print.txt"
-    ;;
   s10-fix)
     # session 10: packed heads with the zero halves of Q stored from a product: per-case errors,
     # then the packed GPU cases
@@ -444,6 +440,15 @@ case "$mode" in
     grep -A3 "ratio 4 splits None" "$OUT/debug_packed_fix.txt" | head -40
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gluon_kernel.py -k "packed_heads and not compile" 2>&1 \
       | tee "$OUT/tests_packed.log" | tail -4
+    ;;
+  s10-final)
+    # session 10: the E4M3 and packed-heads GPU cases (the launch rule included), then the 13
+    # points at the shipped defaults (E4M3: packed heads from configs.E4M3_PACKED_MIN_TILES)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -rfs --tb=short tests/test_gluon_kernel.py \
+      -k "(e4m3 or packed) and not compile" > "$OUT/gpu_tests_e4m3_s10.log" 2>&1
+    tail -3 "$OUT/gpu_tests_e4m3_s10.log"
+    timeout 330 python3 -m foscar bench --grid main --methods foscar-gluon foscar-gluon-e4m3 flashinfer-bf16 \
+      --name decode_grid_s10 --out "$OUT" 2>&1 | tee "$OUT/decode_grid_s10.log" | grep -v "^\[" | tail -8
     ;;
   s9-ablate)
     # session 9: the non-repeatable one-page KcVc case under kernel OPT ablations (the sum of P'

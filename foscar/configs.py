@@ -209,11 +209,28 @@ def gluon_e4m3_packed_config(k_bits: int, v_bits: int) -> GluonDecodeConfig:
     return dataclasses.replace(cfg, opt=cfg.opt | PACKED_HEADS)
 
 
-def gluon_e4m3_config(k_bits: int, v_bits: int, tiles: int) -> GluonDecodeConfig:
+#: From how many tiles (64-token pages x KV heads per launch) the E4M3 path takes packed heads
+#: when a KV head serves at most 4 query heads, by the wider of the K and V bit widths. Measured
+#: on the H200 beside the one-page configs (`bash benchmarks/h200_run.sh s10-packed`,
+#: results/h200/session10/packed/, benchmarks/NOTES.md 20; 8 KV heads): INT2 packed from B=1
+#: L=128K (16K tiles) on, 38.6 against 40.5 us, up to B=64 L=128K 1620 against 1867 us (3
+#: CTAs) and 1882 (2); equal at B=8 L=8K (8K tiles, 25.1 / 25.0 us), slower below (B=1 L=32K
+#: 18.5 against 18.0, B=1 L=8K 13.6 against 12.0). INT4 faster from B=1 L=32K (4K tiles,
+#: 20.1 against 20.7 us) on, slower at B=1 L=8K (13.4 against 12.5). Mixed widths take the
+#: INT4 threshold (not measured apart).
+E4M3_PACKED_MIN_TILES = {2: 8192, 4: 4096}
+
+
+def gluon_e4m3_config(
+    k_bits: int, v_bits: int, tiles: int, heads_per_kv: int = 4
+) -> GluonDecodeConfig:
     """The E4M3 operand path's launch config (token-wise K and V) for a launch of ``tiles``
-    64-token pages over all sequences and KV heads: 3 CTAs per SM for INT2 K and V from
-    :data:`E4M3_THREE_CTAS_MIN_TILES` on, else the bf16 path's config. The caller adds the
-    E4M3 bit (kernel OPT 1024)."""
+    64-token pages over all sequences and KV heads: packed heads (:func:`gluon_e4m3_packed_config`)
+    from :data:`E4M3_PACKED_MIN_TILES` on when ``heads_per_kv`` <= 4, else 3 CTAs per SM for INT2
+    K and V from :data:`E4M3_THREE_CTAS_MIN_TILES` on, else the bf16 path's config. The caller
+    adds the E4M3 bit (kernel OPT 1024)."""
+    if heads_per_kv <= 4 and tiles >= E4M3_PACKED_MIN_TILES[max(k_bits, v_bits)]:
+        return gluon_e4m3_packed_config(k_bits, v_bits)
     cfg = gluon_decode_config("token")
     if k_bits == v_bits == 2 and tiles >= E4M3_THREE_CTAS_MIN_TILES:
         return dataclasses.replace(

@@ -333,28 +333,44 @@ def test_split_rule(batch, tokens, expected):
 
 
 @pytest.mark.parametrize(
-    "k_bits, v_bits, lengths, ctas",
+    "k_bits, v_bits, lengths, heads, expected",
     [
-        (2, 2, (32768,) * 8, 3),  # 8 x 512 pages x 8 KV heads = 32K tiles
-        (2, 2, (32768,) * 7 + (32704,), 2),  # one page fewer
-        (2, 2, (524288,), 3),
-        (2, 2, (8192,) * 8, 2),
-        (4, 4, (131072,) * 64, 2),  # INT4 stays at 2 CTAs per SM (its rings)
-        (2, 4, (131072,) * 64, 2),
+        (2, 2, (8192,) * 8, 4, "packed"),  # 8 x 128 pages x 8 KV heads = 8K tiles
+        (2, 2, (8192,) * 7 + (8128,), 4, "one-page"),  # one page fewer
+        (2, 2, (131072,) * 64, 4, "packed"),
+        (2, 2, (131072,) * 64, 8, "3 CTAs"),  # 8 query heads per KV head: no packing
+        (2, 2, (32768,) * 8, 8, "3 CTAs"),  # 32K tiles
+        (2, 2, (32768,) * 7 + (32704,), 8, "one-page"),
+        (2, 2, (524288,), 8, "3 CTAs"),
+        (4, 4, (4096,) * 8, 4, "packed"),  # INT4 packs from 4K tiles
+        (4, 4, (4096,) * 7 + (4032,), 4, "one-page"),
+        (4, 4, (131072,) * 64, 8, "one-page"),  # INT4 stays at 2 CTAs per SM (its rings)
+        (2, 4, (4096,) * 8, 4, "packed"),  # mixed widths: the INT4 threshold
     ],
 )
-def test_e4m3_launch_config_follows_the_measurements(k_bits, v_bits, lengths, ctas):
-    """E4M3 operands launch 3 CTAs per SM for INT2 from 32K tiles on
-    (configs.E4M3_THREE_CTAS_MIN_TILES, from the H200's s7-ctas), with more splits to fill them;
-    the bf16 path keeps its config."""
+def test_e4m3_launch_config_follows_the_measurements(k_bits, v_bits, lengths, heads, expected):
+    """E4M3 operands take packed heads from configs.E4M3_PACKED_MIN_TILES on when a KV head
+    serves at most 4 query heads (H200, s10-packed), else 3 CTAs per SM for INT2 from 32K tiles
+    on (configs.E4M3_THREE_CTAS_MIN_TILES, s7-ctas), with more splits to fill them; the bf16
+    path keeps its config."""
     fmt = KVFormat(QuantFormat(k_bits, "token", 128), QuantFormat(v_bits, "token", 128))
     cache = QuantizedKVCache(fmt, num_kv_heads=8, head_dim=128, num_pages=1, max_seqs=1)
     batch = types.SimpleNamespace(num_quantized_host=list(lengths))
-    cfg = gluon_backend.default_config(cache, batch, "e4m3")
-    assert cfg.ctas_per_sm == ctas
-    if ctas == 3:
+    cfg = gluon_backend.default_config(cache, batch, "e4m3", heads)
+    got = (
+        "packed"
+        if cfg.opt & configs.PACKED_HEADS
+        else ("3 CTAs" if cfg.ctas_per_sm == 3 else "one-page")
+    )
+    assert got == expected
+    if expected == "packed":
+        assert cfg == configs.gluon_e4m3_packed_config(k_bits, v_bits)
+        assert (cfg.tile_pages, cfg.ctas_per_sm) == (2, 2)
+    elif expected == "3 CTAs":
         assert (cfg.maxnreg, cfg.consumer_regs, cfg.producer_regs) == (56, 72, 24)
         assert gluon_backend.num_splits(8, 8, 32768, cfg, 132) == 6  # 396 slots / 64 rows
+    else:
+        assert cfg == gluon_backend.gluon_decode_config("token")
     # (the module's function: the tile-pages fixture may patch it)
     assert gluon_backend.default_config(cache, batch) == gluon_backend.gluon_decode_config("token")
 
@@ -790,10 +806,10 @@ def test_e4m3_operands_three_ctas_per_sm(ratio):
     out, lse3 = run_launcher(q, cache, batch, config=cfg, operands="e4m3")
     check_e4m3_against_reference(out, lse3, q, cache, batch)
     assert rel_l2(out, o) < 1e-2  # the same arithmetic over other splits
-    if ratio == 4:
+    if ratio == 8:  # (4 query heads per KV head take packed heads there)
         cache, batch = build_cache(FMT, (32768,) * 8, num_kv_heads=8, device="cuda", seed=5)
-        assert gluon_backend.default_config(cache, batch, "e4m3").ctas_per_sm == 3
-        q = queries(batch, 32, 128, "cuda")
+        assert gluon_backend.default_config(cache, batch, "e4m3", 8).ctas_per_sm == 3
+        q = queries(batch, 64, 128, "cuda")
         check_e4m3_against_reference(*run(q, cache, batch, backend="gluon-e4m3"), q, cache, batch)
 
 
@@ -835,6 +851,16 @@ def test_e4m3_packed_heads_paper_shape_repeats():
     assert torch.equal(outs[0], outs[1])
     with pytest.raises(ValueError, match="at most 4 query heads per KV head"):
         run_launcher(queries(batch, 64, 128, "cuda"), cache, batch, config=cfg, operands="e4m3")
+
+
+@sm90_only
+def test_e4m3_packed_heads_chosen_by_decode():
+    """backend "gluon-e4m3" takes packed heads by itself from configs.E4M3_PACKED_MIN_TILES on
+    (2 x 32K tokens x 8 KV heads = 8K INT2 tiles) and stays within E4M3's bar."""
+    cache, batch = build_cache(FMT, (32768, 32769), num_kv_heads=8, device="cuda", seed=7)
+    assert gluon_backend.default_config(cache, batch, "e4m3", 4).opt & configs.PACKED_HEADS
+    q = queries(batch, 32, 128, "cuda")
+    check_e4m3_against_reference(*run(q, cache, batch, backend="gluon-e4m3"), q, cache, batch)
 
 
 @sm90_only

@@ -131,13 +131,16 @@ def supports_e4m3(cache: QuantizedKVCache) -> str | None:
     return None
 
 
-def default_config(cache: QuantizedKVCache, batch: DecodeBatch, operands: str = "bf16"):
+def default_config(
+    cache: QuantizedKVCache, batch: DecodeBatch, operands: str = "bf16", heads_per_kv: int = 4
+):
     """The launch config ``decode`` takes without one: by the key axis (bf16 operands), or by the
-    bit widths and the launch's tiles (E4M3 operands: configs.gluon_e4m3_config)."""
+    bit widths, the launch's tiles and the query heads per KV head (E4M3 operands:
+    configs.gluon_e4m3_config)."""
     if operands == "e4m3":
         pages = sum(math.ceil(n / PAGE_SIZE) for n in batch.num_quantized_host)
         return gluon_e4m3_config(
-            cache.fmt.key.bits, cache.fmt.value.bits, pages * cache.num_kv_heads
+            cache.fmt.key.bits, cache.fmt.value.bits, pages * cache.num_kv_heads, heads_per_kv
         )
     return gluon_decode_config(cache.fmt.key.axis.value)
 
@@ -254,7 +257,7 @@ def decode(
     bsz, num_q_heads, d = q.shape
     if operands not in OPERANDS:
         raise ValueError(f"operands must be one of {OPERANDS}, got {operands!r}")
-    cfg = config or default_config(cache, batch, operands)
+    cfg = config or default_config(cache, batch, operands, num_q_heads // cache.num_kv_heads)
     if operands == "e4m3":
         reason = supports_e4m3(cache)
         if reason:

@@ -937,12 +937,6 @@ def _tile(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: gl.con
     elif E4M3:  # int32 deps: triton 3.6 rejects 8-bit ones (see _k_fields_e4m3)
         s_acc, kx, vx = warpgroup_mma_wait(0, deps=[s_tok, kx, vx])
         s_acc = gl.convert_layout(s_acc, acc_l, assert_trivial=True)
-        if (OPT & 4194304) != 0:  # debug: the first tile of consumer 0 in CTA (0, 0, 0)
-            if (gl.program_id(0) + gl.program_id(1) + gl.program_id(2) == 0) & (i == 0) & (C == 0):
-                qlb: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
-                rows = gl.sum(gl.abs(qt_smem.load(qlb).to(gl.float32)), axis=1)
-                gl.device_print("one_qa_rows", rows)
-                gl.device_print("one_s_acc", s_acc)
         vt_op = _vt_operand_from_fields(vx, HS, HD)
     else:
         s_acc, k_op = warpgroup_mma_wait(0, deps=[s_tok, k_op])
@@ -1234,31 +1228,20 @@ def _tile_pair_packed(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MA
         use_acc=False,
         is_async=True,
     )
-    SERIAL: gl.constexpr = V_BITS == 4 or (OPT & 524288) != 0  # debug bit: INT4's order
-    SPLIT_QK: gl.constexpr = (OPT & 1048576) != 0  # debug bit: page b's QK in its own acc
-    if SERIAL:  # page a's K operand released before page b's is built (registers)
+    SERIAL: gl.constexpr = V_BITS == 4  # INT4's registers: one K operand, V words read late
+    if SERIAL:  # page a's K operand released before page b's is built
         s_tok, kx_a = warpgroup_mma_wait(0, deps=[s_tok, kx_a])
     kx_b = _k_fields_e4m3(_load_k_words(kw_bufs.index(2 * s + 1), K_BITS, HD), K_BITS, HD, SCALED_K)
-    if SPLIT_QK:
-        sa_acc, kx_a = warpgroup_mma_wait(0, deps=[s_tok, kx_a])
-        s_tok = warpgroup_mma(
-            _k_operand_from_fields(kx_b, HS, K_BITS, HD),
-            qb_smem.permute((1, 0)),
-            gl.zeros([64, HS], gl.float32, mma_l),
-            use_acc=False,
-            is_async=True,
-        )
-    else:
-        s_tok = warpgroup_mma(
-            _k_operand_from_fields(kx_b, HS, K_BITS, HD),
-            qb_smem.permute((1, 0)),
-            s_tok,
-            use_acc=True,
-            is_async=True,
-        )
+    s_tok = warpgroup_mma(
+        _k_operand_from_fields(kx_b, HS, K_BITS, HD),
+        qb_smem.permute((1, 0)),
+        s_tok,
+        use_acc=True,
+        is_async=True,
+    )
     # INT2 V words (8 registers for both pages) are read before the release; INT4's (16) after
     # the softmax, the stage held that much longer (at 112 registers INT4 spilled 22 bytes)
-    EARLY_V: gl.constexpr = V_BITS == 2 and not SERIAL
+    EARLY_V: gl.constexpr = not SERIAL
     if EARLY_V:
         vw_a = _load_v_words(vw_bufs.index(2 * s), V_BITS, HD, True)
         vw_b = _load_v_words(vw_bufs.index(2 * s + 1), V_BITS, HD, True)
@@ -1269,8 +1252,6 @@ def _tile_pair_packed(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MA
     if EARLY_V:
         mbarrier.arrive(empty.index(s))  # every read of stage s is done (a bar.sync first)
     s_acc, kx_a, kx_b = warpgroup_mma_wait(0, deps=[s_tok, kx_a, kx_b])
-    if SPLIT_QK:
-        s_acc = s_acc + sa_acc
     s_acc = gl.convert_layout(s_acc, acc_l, assert_trivial=True)
     # the per-token factors, each [64, HS]: page a's in the first half of the columns
     qsum, dq = qsums
@@ -1295,18 +1276,6 @@ def _tile_pair_packed(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MA
     # each head's two columns (pages a and b) by one shuffle
     cmax = _col_max(sc + gl.maximum(_lg2(vs), -64.0), HS, FAST_MAX)
     m_new = gl.maximum(m_i, gl.maximum(cmax, _swap_halves(cmax)))
-    if (OPT & 4194304) != 0:  # debug: the first tile of consumer 0 in CTA (0, 0, 0)
-        if (gl.program_id(0) + gl.program_id(1) + gl.program_id(2) == 0) & (i == 0) & (C == 0):
-            ql: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
-            gl.device_print("qa_rows", gl.sum(gl.abs(qt_smem.load(ql).to(gl.float32)), axis=1))
-            gl.device_print("qb_rows", gl.sum(gl.abs(qb_smem.load(ql).to(gl.float32)), axis=1))
-            gl.device_print("dq", dq)
-            gl.device_print("qsum", qsum)
-            gl.device_print("cmax", cmax)
-            gl.device_print("swap", _swap_halves(cmax))
-            gl.device_print("m_new", m_new)
-            gl.device_print("sc", sc)
-            gl.device_print("s_acc", s_acc)
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(sc - m_new[None, :])
     l_i = l_i * alpha[None, :] + p
