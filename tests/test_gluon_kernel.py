@@ -378,7 +378,7 @@ def test_e4m3_launch_config_follows_the_measurements(k_bits, v_bits, lengths, he
 def test_e4m3_three_ctas_per_sm_compile_to_fit():
     """The 3-CTA E4M3 config (INT2): 56 registers at launch for 12 warps, shared memory for three
     CTAs (228 KiB per SM, 1 KiB reserved per CTA), tile loops without local memory."""
-    cfg = configs.gluon_e4m3_config(2, 2, configs.E4M3_THREE_CTAS_MIN_TILES)
+    cfg = configs.gluon_e4m3_config(2, 2, configs.E4M3_THREE_CTAS_MIN_TILES, heads_per_kv=8)
     assert cfg.ctas_per_sm == 3
     res = compile_in_subprocess(dataclasses.replace(cfg, opt=cfg.opt | 1024), 2, 2)
     assert "Used 56 registers" in res["info"], res["info"]
@@ -797,8 +797,9 @@ def test_e4m3_operands_odd_lengths(ratio, k_bits, v_bits):
 @pytest.mark.parametrize("ratio", [4, 8])
 def test_e4m3_operands_three_ctas_per_sm(ratio):
     """The 3-CTA INT2 config (configs.gluon_e4m3_config), forced over odd lengths, then chosen
-    by ``decode`` itself for a launch of 32K tiles (8 x 32K tokens, 8 KV heads)."""
-    cfg = configs.gluon_e4m3_config(2, 2, configs.E4M3_THREE_CTAS_MIN_TILES)
+    by ``decode`` itself for a launch of 32K tiles (8 x 32K tokens, 8 KV heads) with 8 query
+    heads per KV head (with 4, packed heads take that launch)."""
+    cfg = configs.gluon_e4m3_config(2, 2, configs.E4M3_THREE_CTAS_MIN_TILES, heads_per_kv=8)
     cache, batch = build_cache(FMT, LENGTHS, num_kv_heads=2, device="cuda", seed=ratio)
     q = queries(batch, 2 * ratio, 128, "cuda")
     o, lse = run(q, cache, batch, backend="gluon-e4m3")  # 2 CTAs per SM here (few tiles)
