@@ -50,6 +50,7 @@
 #   (s10-print, at commit 289af1d: device_print of the packed tile's per-column values; the script and kernel bit are removed)
 #   bash benchmarks/h200_run.sh s10-fix # session 10: packed heads with Q's zero halves from a product: errors, GPU cases
 #   bash benchmarks/h200_run.sh s10-final # session 10: E4M3 + packed-heads GPU cases; the main grid at the shipped defaults
+#   bash benchmarks/h200_run.sh s10-sanitize # session 10: packed heads in a CUDA graph, memcheck and racecheck
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -449,6 +450,17 @@ case "$mode" in
     tail -3 "$OUT/gpu_tests_e4m3_s10.log"
     timeout 330 python3 -m foscar bench --grid main --methods foscar-gluon foscar-gluon-e4m3 flashinfer-bf16 \
       --name decode_grid_s10 --out "$OUT" 2>&1 | tee "$OUT/decode_grid_s10.log" | grep -v "^\[" | tail -8
+    ;;
+  s10-sanitize)
+    # session 10: packed heads in a CUDA graph; memcheck and racecheck over two packed cases
+    timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_gluon_kernel.py -k "packed_heads_cuda_graph" 2>&1 | tail -2
+    sel="test_e4m3_packed_heads[4-2-2] or test_e4m3_packed_heads[3-4-4]"
+    for tool in memcheck racecheck; do
+      timeout 150 compute-sanitizer --tool $tool --print-limit 10 python3 -m pytest -q -x -p no:cacheprovider \
+        tests/test_gluon_kernel.py -k "$sel" 2>&1 | grep -v "Host Frame" > "$OUT/packed_$tool.log"
+      grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$OUT/packed_$tool.log" | tail -3
+      grep -E "hazard|Invalid|Error" "$OUT/packed_$tool.log" | sort | uniq -c | head -6
+    done
     ;;
   s9-ablate)
     # session 9: the non-repeatable one-page KcVc case under kernel OPT ablations (the sum of P'
