@@ -28,7 +28,7 @@ def main():
     torch.manual_seed(0)
     for bits in (2, 4):
         fmt = KVFormat(QuantFormat(bits, "token", 128), QuantFormat(bits, "token", 128))
-        packed = configs.gluon_e4m3_packed_config(bits, bits)
+        packed = configs.gluon_packed_config(bits, bits)
         variants = {"one-page": None, "packed": packed}
         for lengths in ((128,), (64,), (1,), (256,), (4099,), (1, 17, 63, 64, 65, 263, 4099)):
             for ratio in (1, 4):

@@ -41,7 +41,7 @@ from foscar.bench.grid import (  # noqa: E402
 )
 from foscar.bench.grid import plot as grid_plot  # noqa: E402
 from foscar.bench.timing import L2Flusher, bench_stats  # noqa: E402
-from foscar.configs import gluon_decode_config, gluon_e4m3_packed_config  # noqa: E402
+from foscar.configs import gluon_decode_config, gluon_packed_config  # noqa: E402
 from foscar.formats import KVFormat, QuantFormat  # noqa: E402
 
 VARIANTS = {
@@ -106,14 +106,15 @@ VARIANTS = {
     # channel-wise K at 2 CTAs/SM (its one-page kernel raced there, NOTES 15)
     "tp2-2cta": lambda axis, bits: gluon_decode_config("token", tile_pages=2),
     # session 10: packed heads (kernel OPT 262144 | 1024: E4M3 two-page tiles, both pages' scores
-    # in one [64, 8] tile; configs.gluon_e4m3_packed_config), and with 3 stages of 2 pages per
+    # in one [64, 8] tile; configs.gluon_packed_config), and with 3 stages of 2 pages per
     # consumer for INT2 (INT4's 18 KiB stages keep 2: 3 would not fit 2 CTAs per SM)
+    "packed": lambda axis, bits: gluon_packed_config(bits, bits),  # bf16 operands
     "e4m3-packed": lambda axis, bits: dataclasses.replace(
-        gluon_e4m3_packed_config(bits, bits), opt=gluon_e4m3_packed_config(bits, bits).opt | 1024
+        gluon_packed_config(bits, bits), opt=gluon_packed_config(bits, bits).opt | 1024
     ),
     "e4m3-packed-s3": lambda axis, bits: dataclasses.replace(
-        gluon_e4m3_packed_config(bits, bits),
-        opt=gluon_e4m3_packed_config(bits, bits).opt | 1024,
+        gluon_packed_config(bits, bits),
+        opt=gluon_packed_config(bits, bits).opt | 1024,
         stages_per_consumer=3 if bits == 2 else 2,
     ),
 }

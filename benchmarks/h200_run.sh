@@ -51,6 +51,7 @@
 #   bash benchmarks/h200_run.sh s10-fix # session 10: packed heads with Q's zero halves from a product: errors, GPU cases
 #   bash benchmarks/h200_run.sh s10-final # session 10: E4M3 + packed-heads GPU cases; the main grid at the shipped defaults
 #   bash benchmarks/h200_run.sh s10-sanitize # session 10: packed heads in a CUDA graph, memcheck and racecheck
+#   bash benchmarks/h200_run.sh s10-bf16 # session 10: packed heads with bf16 operands: GPU cases, the 13 points
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -461,6 +462,15 @@ case "$mode" in
       grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$OUT/packed_$tool.log" | tail -3
       grep -E "hazard|Invalid|Error" "$OUT/packed_$tool.log" | sort | uniq -c | head -6
     done
+    ;;
+  s10-bf16)
+    # session 10: packed heads with bf16 operands: their GPU cases, then the 13 points beside the
+    # bf16 default
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -rfs --tb=short tests/test_gluon_kernel.py \
+      -k "packed_heads_bf16 and not compile" > "$OUT/gpu_tests_packed_bf16.log" 2>&1
+    tail -3 "$OUT/gpu_tests_packed_bf16.log"
+    timeout 280 python3 benchmarks/gluon_variants.py --out "$OUT" --points main \
+      --variants qc-pdl packed --name gluon_packed_bf16_s10 2>&1 | tail -32
     ;;
   s9-ablate)
     # session 9: the non-repeatable one-page KcVc case under kernel OPT ablations (the sum of P'

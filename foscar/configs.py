@@ -201,10 +201,10 @@ E4M3_THREE_CTAS_MIN_TILES = 32768
 PACKED_HEADS = 262144
 
 
-def gluon_e4m3_packed_config(k_bits: int, v_bits: int) -> GluonDecodeConfig:
-    """The E4M3 path with packed heads: two-page tiles (2 stages of 2 pages per consumer, the
-    bytes in flight of the one-page ring), 2 CTAs per SM (at 72 registers its consumers spill;
-    at 112 none). The caller adds the E4M3 bit (kernel OPT 1024)."""
+def gluon_packed_config(k_bits: int, v_bits: int) -> GluonDecodeConfig:
+    """Packed heads (token-wise K and V, bf16 or, with the E4M3 bit the caller adds, E4M3
+    operands): two-page tiles (2 stages of 2 pages per consumer, the bytes in flight of the
+    one-page ring), 2 CTAs per SM (at 72 registers the E4M3 consumers spill; at 112 none)."""
     cfg = gluon_decode_config("token", tile_pages=2)
     return dataclasses.replace(cfg, opt=cfg.opt | PACKED_HEADS)
 
@@ -225,12 +225,12 @@ def gluon_e4m3_config(
     k_bits: int, v_bits: int, tiles: int, heads_per_kv: int = 4
 ) -> GluonDecodeConfig:
     """The E4M3 operand path's launch config (token-wise K and V) for a launch of ``tiles``
-    64-token pages over all sequences and KV heads: packed heads (:func:`gluon_e4m3_packed_config`)
+    64-token pages over all sequences and KV heads: packed heads (:func:`gluon_packed_config`)
     from :data:`E4M3_PACKED_MIN_TILES` on when ``heads_per_kv`` <= 4, else 3 CTAs per SM for INT2
     K and V from :data:`E4M3_THREE_CTAS_MIN_TILES` on, else the bf16 path's config. The caller
     adds the E4M3 bit (kernel OPT 1024)."""
     if heads_per_kv <= 4 and tiles >= E4M3_PACKED_MIN_TILES[max(k_bits, v_bits)]:
-        return gluon_e4m3_packed_config(k_bits, v_bits)
+        return gluon_packed_config(k_bits, v_bits)
     cfg = gluon_decode_config("token")
     if k_bits == v_bits == 2 and tiles >= E4M3_THREE_CTAS_MIN_TILES:
         return dataclasses.replace(

@@ -149,11 +149,11 @@ def test_e4m3_operands_compile_without_spills(k_bits, v_bits, scaled):
 
 @pytest.mark.parametrize("k_bits,v_bits", BIT_PAIRS)
 def test_packed_heads_compile_without_spills(k_bits, v_bits):
-    """E4M3 with packed heads (configs.gluon_e4m3_packed_config: two pages' scores in one [64, 8]
+    """E4M3 with packed heads (configs.gluon_packed_config: two pages' scores in one [64, 8]
     tile): no local memory in the tile loops, and per 64 tokens fewer instructions than the
     one-page E4M3 loop (the softmax side runs once per 128 tokens; INT2 at this session's
     compile: 175 against 232)."""
-    packed = configs.gluon_e4m3_packed_config(k_bits, v_bits)
+    packed = configs.gluon_packed_config(k_bits, v_bits)
     res = compile_in_subprocess(dataclasses.replace(packed, opt=packed.opt | 1024), k_bits, v_bits)
     one = gluon_decode_config("token")
     one = compile_in_subprocess(dataclasses.replace(one, opt=one.opt | 1024), k_bits, v_bits)
@@ -165,6 +165,39 @@ def test_packed_heads_compile_without_spills(k_bits, v_bits):
         assert not [t for t in body if re.search(r"\b(LDL|STL)\b", t)]
     per_64 = max(map(len, loops)) / 2
     assert per_64 < 0.85 * min(map(len, tile_loops(one["sass"]))), per_64
+
+
+@pytest.mark.parametrize("k_bits,v_bits", BIT_PAIRS)
+def test_packed_heads_bf16_compile_without_spills(k_bits, v_bits):
+    """Packed heads with bf16 operands (configs.gluon_packed_config without the E4M3 bit): no
+    local memory in the tile loops, fewer instructions per 64 tokens than the one-page bf16
+    loop (INT2 at this session's compile: 218 against 255)."""
+    res = compile_in_subprocess(configs.gluon_packed_config(k_bits, v_bits), k_bits, v_bits)
+    one = compile_in_subprocess(gluon_decode_config("token"), k_bits, v_bits)
+    loops = tile_loops(res["sass"])
+    assert len(loops) >= 2
+    for body in loops:
+        assert not [t for t in body if re.search(r"\b(LDL|STL)\b", t)]
+    per_64 = max(map(len, loops)) / 2
+    assert per_64 < 0.92 * min(map(len, tile_loops(one["sass"]))), per_64
+
+
+@pytest.mark.parametrize(
+    "fmt, heads, tile_pages, match",
+    [
+        (FMT, 8, 2, "at most 4 query heads per KV head"),
+        (KVFormat(INT2, QuantFormat(2, "channel", 128)), 4, 2, "token-wise K and V"),
+        (FMT, 4, 1, "two-page tiles"),
+    ],
+)
+def test_packed_heads_refuse_what_they_do_not_cover(fmt, heads, tile_pages, match):
+    """A packed-heads config is refused before any launch (on the CPU here): more than 4 query
+    heads per KV head, a channel-wise role, one-page tiles."""
+    cache, batch = build_cache(fmt, (100,), num_kv_heads=2)
+    q = queries(batch, 2 * heads, 128, "cpu")
+    cfg = dataclasses.replace(configs.gluon_packed_config(2, 2), tile_pages=tile_pages)
+    with pytest.raises(ValueError, match=match):
+        gluon_backend.decode(q, cache, batch, 128**-0.5, config=cfg)
 
 
 @pytest.mark.parametrize("in_consumers", [True, False])
@@ -364,7 +397,7 @@ def test_e4m3_launch_config_follows_the_measurements(k_bits, v_bits, lengths, he
     )
     assert got == expected
     if expected == "packed":
-        assert cfg == configs.gluon_e4m3_packed_config(k_bits, v_bits)
+        assert cfg == configs.gluon_packed_config(k_bits, v_bits)
         assert (cfg.tile_pages, cfg.ctas_per_sm) == (2, 2)
     elif expected == "3 CTAs":
         assert (cfg.maxnreg, cfg.consumer_regs, cfg.producer_regs) == (56, 72, 24)
@@ -825,7 +858,7 @@ def test_e4m3_packed_heads(ratio, k_bits, v_bits):
     fmt = KVFormat(QuantFormat(k_bits, "token", 128), QuantFormat(v_bits, "token", 128))
     cache, batch = build_cache(fmt, LENGTHS, num_kv_heads=2, device="cuda", seed=ratio)
     q = queries(batch, 2 * ratio, 128, "cuda")
-    cfg = configs.gluon_e4m3_packed_config(k_bits, v_bits)
+    cfg = configs.gluon_packed_config(k_bits, v_bits)
     out, lse = run_launcher(q, cache, batch, config=cfg, operands="e4m3")
     check_e4m3_against_reference(out, lse, q, cache, batch)
     one, lse1 = run_launcher(q, cache, batch, operands="e4m3")
@@ -843,7 +876,7 @@ def test_e4m3_packed_heads_paper_shape_repeats():
     fmt = KVFormat(INT2, INT2, sink_tokens=64, recent_tokens=256)
     cache, batch = build_cache(fmt, (32768, 4099, 1), num_kv_heads=8, device="cuda", seed=3)
     q = queries(batch, 32, 128, "cuda")
-    cfg = configs.gluon_e4m3_packed_config(2, 2)
+    cfg = configs.gluon_packed_config(2, 2)
     outs = []
     for _ in range(2):
         o, lse = run_launcher(q, cache, batch, config=cfg, operands="e4m3")
@@ -855,13 +888,28 @@ def test_e4m3_packed_heads_paper_shape_repeats():
 
 
 @sm90_only
+@pytest.mark.parametrize("k_bits,v_bits", BIT_PAIRS)
+@pytest.mark.parametrize("ratio", [1, 2, 3, 4])
+def test_packed_heads_bf16(ratio, k_bits, v_bits):
+    """Packed heads with bf16 operands over odd lengths, every GQA ratio they cover and every
+    bit pair: at bf16's bar against fp64, at 1 split and 7 as well."""
+    fmt = KVFormat(QuantFormat(k_bits, "token", 128), QuantFormat(v_bits, "token", 128))
+    cache, batch = build_cache(fmt, LENGTHS, num_kv_heads=2, device="cuda", seed=ratio)
+    q = queries(batch, 2 * ratio, 128, "cuda")
+    cfg = configs.gluon_packed_config(k_bits, v_bits)
+    for splits in (None, 1, 7):
+        out, lse = run_launcher(q, cache, batch, config=cfg, splits=splits)
+        check_against_reference(out, lse, q, cache, batch)
+
+
+@sm90_only
 def test_e4m3_packed_heads_cuda_graph_replay():
     """Packed heads captured in a CUDA graph and replayed with new queries into a NaN-poisoned
     output (the split workspace and the descriptors are reused, nothing is allocated)."""
     cache, batch = build_cache(FMT, (3000, 17, 9000), num_kv_heads=8, device="cuda")
     q = queries(batch, 32, 128, "cuda")
     out = torch.empty_like(q)
-    kw = dict(out=out, config=configs.gluon_e4m3_packed_config(2, 2), operands="e4m3")
+    kw = dict(out=out, config=configs.gluon_packed_config(2, 2), operands="e4m3")
     gluon_backend.decode(q, cache, batch, 128**-0.5, **kw)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

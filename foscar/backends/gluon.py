@@ -270,13 +270,27 @@ def decode(
                 f"and 128 clear); got tile_pages={cfg.tile_pages}, reconstruct={reconstruct}, "
                 f"opt={cfg.opt}"
             )
-        if packed and num_q_heads // cache.num_kv_heads > MAX_HEADS_PER_KV // 2:
+
+        cfg = dataclasses.replace(cfg, opt=cfg.opt | 1024)
+    if cfg.opt & PACKED_HEADS:
+        if num_q_heads // cache.num_kv_heads > MAX_HEADS_PER_KV // 2:
             raise ValueError(
                 f"packed heads (config opt bit {PACKED_HEADS}) hold at most "
                 f"{MAX_HEADS_PER_KV // 2} query heads per KV head; q has "
                 f"{num_q_heads // cache.num_kv_heads}"
             )
-        cfg = dataclasses.replace(cfg, opt=cfg.opt | 1024)
+        if (
+            GroupAxis.CHANNEL in (cache.fmt.key.axis, cache.fmt.value.axis)
+            or reconstruct
+            or d != 128
+        ):
+            raise ValueError(
+                f"packed heads (config opt bit {PACKED_HEADS}) cover token-wise K and V at "
+                f"head_dim 128 with the folds; got {cache.fmt.key.short()} / "
+                f"{cache.fmt.value.short()}, head_dim {d}, reconstruct={reconstruct}"
+            )
+        if cfg.tile_pages != 2:
+            raise ValueError(f"packed heads take two-page tiles; got tile_pages={cfg.tile_pages}")
     for message in config_warnings(cache.fmt, cfg):
         warnings.warn(message, RuntimeWarning, stacklevel=2)
     if reconstruct:  # the ablation: per-value s' y + z' instead of the folds (kernel OPT 128)

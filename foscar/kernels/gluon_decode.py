@@ -1314,11 +1314,103 @@ def _tile_pair_packed(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MA
 
 
 @gluon.jit
+def _tile_pair_packed_bf16(
+    i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: gl.constexpr
+):
+    """_tile_pair_packed with bf16 operands (mantissa injection, token-wise K and V): two pages'
+    scores in one [64, HS] tile. Each page's K (and V) operand takes 32 registers, so page a's
+    product completes before page b's operand is built (112 registers per consumer thread)."""
+    SPC: gl.constexpr = CFG[0]
+    HS: gl.constexpr = CFG[1]
+    K_BITS: gl.constexpr = CFG[2]
+    V_BITS: gl.constexpr = CFG[3]
+    OPT: gl.constexpr = CFG[5]
+    HD: gl.constexpr = CFG[7]
+    FAST_MAX: gl.constexpr = (OPT & 1) != 0
+    FAST_RCP: gl.constexpr = (OPT & 4) != 0
+    gl.static_assert(not e4m3_operands(OPT) and HS == 8 and CFG[9] <= HS // 2)
+    gl.static_assert(not (CFG[4] or CFG[6] or (OPT & 128) != 0), "packed heads: token-wise, folds")
+    SCALED_V: gl.constexpr = scaled_extraction(OPT, V_BITS, HD)
+    acc_l: gl.constexpr = acc_layout(HS)
+    ring, qt_smem, p_bufs, qsums, kfold, qk_scale, magic, qb_smem = ops
+    kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty = ring
+    m_i, l_i, z_i, acc, o_tok, alpha_prev, vt_prev, zp_i = st
+    pa_smem = p_bufs.index(2 * C)
+    pb_smem = p_bufs.index(2 * C + 1)
+    s = C * SPC + i % SPC
+    mbarrier.wait(ready.index(s), (i // SPC) & 1)
+    if (OPT & 32) != 0:  # memory-only timing ablation
+        mbarrier.arrive(empty.index(s))
+        return m_i, l_i, z_i, acc, o_tok, alpha_prev, vt_prev, zp_i
+    zero = gl.zeros([64, HS], gl.float32, acc_l)
+    k_a = _page_k_operand(_load_k_words(kw_bufs.index(2 * s), K_BITS, HD), 0, 0, magic, HS, CFG)
+    s_tok = warpgroup_mma(k_a, qt_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
+    s_tok, k_a = warpgroup_mma_wait(0, deps=[s_tok, k_a])
+    k_b = _page_k_operand(_load_k_words(kw_bufs.index(2 * s + 1), K_BITS, HD), 0, 0, magic, HS, CFG)
+    s_tok = warpgroup_mma(k_b, qb_smem.permute((1, 0)), s_tok, use_acc=True, is_async=True)
+    ks_a, kz_a = _scale_pairs(ks_bufs.index(2 * s), HS)
+    ks_b, kz_b = _scale_pairs(ks_bufs.index(2 * s + 1), HS)
+    vs_a, vz_a = _scale_pairs(vs_bufs.index(2 * s), HS)
+    vs_b, vz_b = _scale_pairs(vs_bufs.index(2 * s + 1), HS)
+    s_acc, k_b = warpgroup_mma_wait(0, deps=[s_tok, k_b])
+    qsum, dq = qsums
+    ks = _halves(ks_a, ks_b, HS)
+    kz = _halves(kz_a, kz_b, HS)
+    vs = _halves(vs_a, vs_b, HS)
+    vz = _halves(vz_a, vz_b, HS)
+    if scaled_extraction(OPT, K_BITS, HD):
+        sc = (s_acc + dq[None, :]) * (ks * qk_scale) + kz * qsum[None, :]
+    else:
+        sc = s_acc * (ks * qk_scale) + kz * qsum[None, :]
+    if MASKED:
+        col = gl.arange(0, HS, layout=gl.SliceLayout(0, acc_l))
+        row = gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
+        tok = t * 128 + row[:, None] + gl.where(col < HS // 2, 0, 64)[None, :]
+        valid = tok < n_q
+        sc = gl.where(valid, sc, -float("inf"))
+        vs = gl.where(valid, vs, 1.0)
+        vz = gl.where(valid, vz, 0.0)
+    if FAST_RCP:
+        ratio = vz * _rcp(vs)
+    else:
+        ratio = gl.fdiv(vz, vs)
+    cmax = _col_max(sc, HS, FAST_MAX)
+    m_new = gl.maximum(m_i, gl.maximum(cmax, _swap_halves(cmax)))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(sc - m_new[None, :])
+    l_i = l_i * alpha[None, :] + p
+    pv = (p * vs).to(gl.bfloat16)  # operand-fold of token-wise V into P
+    pv32 = pv.to(gl.float32)
+    z_i = z_i * alpha[None, :] + pv32 * ratio
+    if SCALED_V:
+        zp_i = zp_i * alpha[None, :] + pv32
+    first = (gl.arange(0, HS, layout=gl.SliceLayout(0, acc_l)) < HS // 2)[None, :]
+    pa_smem.store(gl.permute(gl.where(first, pv32, 0.0).to(gl.bfloat16), [1, 0]))
+    pb_smem.store(gl.permute(gl.where(first, 0.0, pv32).to(gl.bfloat16), [1, 0]))
+    fence_async_shared()
+    zero_o = gl.zeros([HD, HS], gl.float32, acc_l)
+    vt_a = _page_vt_operand(
+        _load_v_words(vw_bufs.index(2 * s), V_BITS, HD), vs_a, vz_a, magic, HS, CFG
+    )
+    pv_tok = warpgroup_mma(vt_a, pa_smem.permute((1, 0)), zero_o, use_acc=False, is_async=True)
+    pv_tok, vt_a = warpgroup_mma_wait(0, deps=[pv_tok, vt_a])
+    vw_b = _load_v_words(vw_bufs.index(2 * s + 1), V_BITS, HD)
+    mbarrier.arrive(empty.index(s))  # every read of stage s is done (a partition bar.sync first)
+    vt_b = _page_vt_operand(vw_b, vs_b, vz_b, magic, HS, CFG)
+    pv_tok = warpgroup_mma(vt_b, pb_smem.permute((1, 0)), pv_tok, use_acc=True, is_async=True)
+    o_t, vt_b = warpgroup_mma_wait(0, deps=[pv_tok, vt_b])
+    acc = acc * alpha[None, :] + o_t
+    return m_new, l_i, z_i, acc, o_tok, alpha_prev, vt_prev, zp_i
+
+
+@gluon.jit
 def _step(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: gl.constexpr):
     """Tile t, consumer C's i-th, of one page or two (CFG's TP); ops = (ring, qt_smem, p_bufs,
     qsums, kfold, qk_scale, magic)."""
-    if packed_heads(CFG[5]):
+    if packed_heads(CFG[5]) and e4m3_operands(CFG[5]):
         st = _tile_pair_packed(i, t, n_q, st, ops, C, CFG, MASKED)
+    elif packed_heads(CFG[5]):
+        st = _tile_pair_packed_bf16(i, t, n_q, st, ops, C, CFG, MASKED)
     elif CFG[8] == 2:
         st = _tile_pair(i, t, n_q, st, ops, C, CFG, MASKED)
     else:
@@ -1415,15 +1507,15 @@ def _consume(C: gl.constexpr, ring, q_args, op_bufs, split, qk_scale, magic, CFG
         C_MID: gl.constexpr = ((1 << CFG[3]) - 1) / 2
         offset = gl.sum(z_i, axis=0) - (C_MID / 256) * gl.sum(zp_i, axis=0)
         num = acc * vfac[:, None] + offset[None, :]
-        if PACKED:  # each head's two columns (pages a and b, one running max) added
-            num = num + _swap_halves(num)
-            l_tot = l_tot + _swap_halves(l_tot)
     elif SCALED_V:  # acc holds sum_n P' y~, y~ = 128 + 4^a q: O = acc 4^-a + 128 (1 - 4^-a) sum P'
         c = gl.arange(0, HD, layout=gl.SliceLayout(1, acc_l))
         inv = _pow4(_scaled_exponent_v(c), True)
         p_tot = gl.sum(zp_i, axis=0)
         num = acc * inv[:, None] + (128.0 * (1.0 - inv))[:, None] * p_tot[None, :]
         num = num + gl.sum(z_i, axis=0)[None, :]
+    if PACKED:  # each head's two columns (pages a and b, one running max) added
+        num = num + _swap_halves(num)
+        l_tot = l_tot + _swap_halves(l_tot)
     return m_i, l_tot, num
 
 
@@ -1510,7 +1602,13 @@ def _stage_q(q_ptr, stride_q_b, stride_q_h, qt_smem, hf_smem, CFG: gl.constexpr,
     else:
         if scaled_extraction(OPT, K_BITS, HD) and not K_CHANNEL:  # Q~ = Q 4^-a, exact in bf16
             qt = (qt.to(gl.float32) * _pow4(_scaled_exponent_k(d), True)[None, :]).to(gl.bfloat16)
-        qt_smem.store(qt)
+        if PACKED:  # the zero halves from a product (see the E4M3 branch)
+            first = (h_row < HS // 2)[:, None]
+            zero = qt * 0.0
+            qt_smem.store(gl.where(first, qt, zero))
+            qb_smem.store(gl.where(first, zero, qt))
+        else:
+            qt_smem.store(qt)
         hf_smem.store(gl.full([HS], 1.0, gl.float32, gl.SliceLayout(1, ql)))
 
 
