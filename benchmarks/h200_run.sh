@@ -52,6 +52,7 @@
 #   bash benchmarks/h200_run.sh s10-final # session 10: E4M3 + packed-heads GPU cases; the main grid at the shipped defaults
 #   bash benchmarks/h200_run.sh s10-sanitize # session 10: packed heads in a CUDA graph, memcheck and racecheck
 #   bash benchmarks/h200_run.sh s10-bf16 # session 10: packed heads with bf16 operands: GPU cases, the 13 points
+#   bash benchmarks/h200_run.sh s10-last # session 10: the bf16 packed rule's GPU cases; the main grid at the shipped defaults
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -471,6 +472,16 @@ case "$mode" in
     tail -3 "$OUT/gpu_tests_packed_bf16.log"
     timeout 280 python3 benchmarks/gluon_variants.py --out "$OUT" --points main \
       --variants qc-pdl packed --name gluon_packed_bf16_s10 2>&1 | tail -32
+    ;;
+  s10-last)
+    # session 10: the bf16 packed-heads rule (configs.BF16_PACKED_MIN_TILES): its GPU case and the
+    # default-config cases it can reach; the 13 points at the shipped defaults, both operand paths
+    timeout 110 python3 -m pytest -q -p no:cacheprovider -rfs --tb=short tests/test_gluon_kernel.py -k \
+      "chosen_by_decode or random_ragged or cuda_graph or agrees_with or auto_picks" \
+      > "$OUT/gpu_tests_s10_last.log" 2>&1
+    tail -3 "$OUT/gpu_tests_s10_last.log"
+    timeout 170 python3 -m foscar bench --grid main --methods foscar-gluon foscar-gluon-e4m3 flashinfer-bf16 \
+      --iters 20 --name decode_grid_s10b --out "$OUT" 2>&1 | tee "$OUT/decode_grid_s10b.log" | grep -v "^\[" | tail -8
     ;;
   s9-ablate)
     # session 9: the non-repeatable one-page KcVc case under kernel OPT ablations (the sum of P'

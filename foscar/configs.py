@@ -221,6 +221,32 @@ def gluon_packed_config(k_bits: int, v_bits: int) -> GluonDecodeConfig:
 E4M3_PACKED_MIN_TILES = {2: 8192, 4: 4096}
 
 
+#: From how many tiles (64-token pages x KV heads per launch) the bf16 operand path takes packed
+#: heads, for INT2 K and V at head_dim 128 when a KV head serves at most 4 query heads (H200,
+#: `bash benchmarks/h200_run.sh s10-bf16`, results/h200/session10/bf16/, benchmarks/NOTES.md 20):
+#: faster from B=8 L=8K (8K tiles: 27.6 against 28.5 us) on, up to B=64 L=128K (1939 against
+#: 2082 us, 58% against 54% of peak), equal at B=1 L=32K (4K tiles), slower at B=1 L=8K (14.4
+#: against 13.5 us). INT4 was 1-3% slower packed at most points, so it keeps one page per tile.
+BF16_PACKED_MIN_TILES = 8192
+
+
+def gluon_bf16_config(
+    key_axis: str, value_axis: str, k_bits: int, v_bits: int, tiles: int, heads_per_kv: int
+) -> GluonDecodeConfig:
+    """The bf16 operand path's launch config: packed heads for INT2 token-wise K and V from
+    :data:`BF16_PACKED_MIN_TILES` on when ``heads_per_kv`` <= 4 (the caller checks head_dim
+    128), else :func:`gluon_decode_config` by the key axis."""
+    token_wise = key_axis == value_axis == "token"
+    if (
+        token_wise
+        and k_bits == v_bits == 2
+        and heads_per_kv <= 4
+        and tiles >= BF16_PACKED_MIN_TILES
+    ):
+        return gluon_packed_config(k_bits, v_bits)
+    return gluon_decode_config(key_axis)
+
+
 def gluon_e4m3_config(
     k_bits: int, v_bits: int, tiles: int, heads_per_kv: int = 4
 ) -> GluonDecodeConfig:

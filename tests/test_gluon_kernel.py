@@ -404,8 +404,40 @@ def test_e4m3_launch_config_follows_the_measurements(k_bits, v_bits, lengths, he
         assert gluon_backend.num_splits(8, 8, 32768, cfg, 132) == 6  # 396 slots / 64 rows
     else:
         assert cfg == gluon_backend.gluon_decode_config("token")
-    # (the module's function: the tile-pages fixture may patch it)
-    assert gluon_backend.default_config(cache, batch) == gluon_backend.gluon_decode_config("token")
+    bf16 = gluon_backend.default_config(cache, batch, "bf16", heads)
+    if k_bits == v_bits == 2 and heads <= 4 and expected == "packed":  # INT2 packs from 8K too
+        assert bf16 == configs.gluon_packed_config(2, 2)
+    else:  # (the module's function: the tile-pages fixture may patch it)
+        assert bf16 == gluon_backend.gluon_decode_config("token")
+
+
+@pytest.mark.parametrize(
+    "k_axis, v_axis, bits, lengths, heads, head_dim, packed",
+    [
+        ("token", "token", 2, (8192,) * 8, 4, 128, True),  # 8K tiles
+        ("token", "token", 2, (8192,) * 7 + (8128,), 4, 128, False),
+        ("token", "token", 2, (8192,) * 8, 8, 128, False),  # 8 query heads per KV head
+        ("token", "token", 4, (131072,) * 64, 4, 128, False),  # INT4 measured slower packed
+        ("token", "channel", 2, (131072,) * 64, 4, 128, False),
+        ("channel", "token", 2, (131072,) * 64, 4, 128, False),
+        ("token", "token", 2, (131072,) * 64, 4, 64, False),  # head_dim 64
+    ],
+)
+def test_bf16_launch_config_follows_the_measurements(
+    k_axis, v_axis, bits, lengths, heads, head_dim, packed
+):
+    """The bf16 operand path takes packed heads for INT2 token-wise K and V at head_dim 128 from
+    configs.BF16_PACKED_MIN_TILES on, at most 4 query heads per KV head (H200, s10-bf16); every
+    other launch keeps the key axis's config."""
+    g = 64 if head_dim == 64 else 128
+    fmt = KVFormat(QuantFormat(bits, k_axis, g), QuantFormat(bits, v_axis, g))
+    cache = QuantizedKVCache(fmt, num_kv_heads=8, head_dim=head_dim, num_pages=1, max_seqs=1)
+    batch = types.SimpleNamespace(num_quantized_host=list(lengths))
+    cfg = gluon_backend.default_config(cache, batch, "bf16", heads)
+    if packed:
+        assert cfg == configs.gluon_packed_config(bits, bits)
+    else:
+        assert cfg == gluon_backend.gluon_decode_config(k_axis)
 
 
 def test_e4m3_three_ctas_per_sm_compile_to_fit():
@@ -900,6 +932,16 @@ def test_packed_heads_bf16(ratio, k_bits, v_bits):
     for splits in (None, 1, 7):
         out, lse = run_launcher(q, cache, batch, config=cfg, splits=splits)
         check_against_reference(out, lse, q, cache, batch)
+
+
+@sm90_only
+def test_packed_heads_bf16_chosen_by_decode():
+    """backend "gluon" takes packed heads by itself for INT2 from configs.BF16_PACKED_MIN_TILES
+    on (2 x 32K tokens x 8 KV heads = 8K tiles) and stays within bf16's bar."""
+    cache, batch = build_cache(FMT, (32768, 32769), num_kv_heads=8, device="cuda", seed=8)
+    assert gluon_backend.default_config(cache, batch, "bf16", 4).opt & configs.PACKED_HEADS
+    q = queries(batch, 32, 128, "cuda")
+    check_against_reference(*run(q, cache, batch, backend="gluon"), q, cache, batch)
 
 
 @sm90_only

@@ -19,7 +19,13 @@ import warnings
 import torch
 
 from ..cache import DecodeBatch, QuantizedKVCache
-from ..configs import PACKED_HEADS, GluonDecodeConfig, gluon_decode_config, gluon_e4m3_config
+from ..configs import (
+    PACKED_HEADS,
+    GluonDecodeConfig,
+    gluon_bf16_config,
+    gluon_decode_config,
+    gluon_e4m3_config,
+)
 from ..formats import GroupAxis, OperandMapping
 from . import triton as triton_backend
 
@@ -134,15 +140,21 @@ def supports_e4m3(cache: QuantizedKVCache) -> str | None:
 def default_config(
     cache: QuantizedKVCache, batch: DecodeBatch, operands: str = "bf16", heads_per_kv: int = 4
 ):
-    """The launch config ``decode`` takes without one: by the key axis (bf16 operands), or by the
-    bit widths, the launch's tiles and the query heads per KV head (E4M3 operands:
-    configs.gluon_e4m3_config)."""
+    """The launch config ``decode`` takes without one: by the bit widths, the launch's tiles and
+    the query heads per KV head (configs.gluon_e4m3_config for E4M3 operands,
+    configs.gluon_bf16_config for bf16 ones: packed heads for large launches, else by the key
+    axis)."""
+    pages = sum(math.ceil(n / PAGE_SIZE) for n in batch.num_quantized_host)
+    k, v = cache.fmt.key, cache.fmt.value
     if operands == "e4m3":
-        pages = sum(math.ceil(n / PAGE_SIZE) for n in batch.num_quantized_host)
-        return gluon_e4m3_config(
-            cache.fmt.key.bits, cache.fmt.value.bits, pages * cache.num_kv_heads, heads_per_kv
+        return gluon_e4m3_config(k.bits, v.bits, pages * cache.num_kv_heads, heads_per_kv)
+    if cache.head_dim == 128:  # packed heads: head_dim 128 only
+        cfg = gluon_bf16_config(
+            k.axis.value, v.axis.value, k.bits, v.bits, pages * cache.num_kv_heads, heads_per_kv
         )
-    return gluon_decode_config(cache.fmt.key.axis.value)
+        if cfg.opt & PACKED_HEADS:
+            return cfg
+    return gluon_decode_config(k.axis.value)
 
 
 def num_splits(batch: int, num_kv_heads: int, max_tokens: int, cfg: GluonDecodeConfig, sms: int):
