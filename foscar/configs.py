@@ -149,7 +149,7 @@ class GluonDecodeConfig:
     maxnreg: int | None = 80
     ctas_per_sm: int = 2
     opt: int = 10757  # kernel variant bits (foscar.kernels.gluon_decode, consumer section)
-    tile_pages: int = 1  # pages per tile and ring stage: 1, or 2 (a channel-wise group)
+    tile_pages: int = 1  # pages per tile and stage: 1, or 2 (a channel-wise group; packed heads)
 
 
 def gluon_decode_config(
@@ -195,9 +195,10 @@ def gluon_decode_config(
 E4M3_THREE_CTAS_MIN_TILES = 32768
 
 
-#: kernel OPT bit of packed heads (foscar.kernels.gluon_decode._tile_pair_packed): E4M3 operands
-#: over two-page tiles, two pages' scores in one [64, 8] tile when a KV head serves at most 4
-#: query heads (the wgmma's N = 8 columns are otherwise half padding)
+#: kernel OPT bit of packed heads (foscar.kernels.gluon_decode._tile_pair_packed and its bf16
+#: sibling): two-page tiles with both pages' scores in one [64, 8] tile when a KV head serves at
+#: most 4 query heads (the wgmma's N = 8 columns are otherwise half padding); E4M3 or bf16
+#: operands, token-wise K and V at head_dim 128
 PACKED_HEADS = 262144
 
 
@@ -253,8 +254,8 @@ def gluon_e4m3_config(
     """The E4M3 operand path's launch config (token-wise K and V) for a launch of ``tiles``
     64-token pages over all sequences and KV heads: packed heads (:func:`gluon_packed_config`)
     from :data:`E4M3_PACKED_MIN_TILES` on when ``heads_per_kv`` <= 4, else 3 CTAs per SM for INT2
-    K and V from :data:`E4M3_THREE_CTAS_MIN_TILES` on, else the bf16 path's config. The caller
-    adds the E4M3 bit (kernel OPT 1024)."""
+    K and V from :data:`E4M3_THREE_CTAS_MIN_TILES` on, else ``gluon_decode_config("token")``. The
+    caller adds the E4M3 bit (kernel OPT 1024)."""
     if heads_per_kv <= 4 and tiles >= E4M3_PACKED_MIN_TILES[max(k_bits, v_bits)]:
         return gluon_packed_config(k_bits, v_bits)
     cfg = gluon_decode_config("token")

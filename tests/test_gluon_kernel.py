@@ -188,16 +188,36 @@ def test_packed_heads_bf16_compile_without_spills(k_bits, v_bits):
         (FMT, 8, 2, "at most 4 query heads per KV head"),
         (KVFormat(INT2, QuantFormat(2, "channel", 128)), 4, 2, "token-wise K and V"),
         (FMT, 4, 1, "two-page tiles"),
+        (KVFormat(QuantFormat(2, "token", 64), QuantFormat(2, "token", 64)), 4, 2, "head_dim 128"),
     ],
 )
 def test_packed_heads_refuse_what_they_do_not_cover(fmt, heads, tile_pages, match):
     """A packed-heads config is refused before any launch (on the CPU here): more than 4 query
-    heads per KV head, a channel-wise role, one-page tiles."""
-    cache, batch = build_cache(fmt, (100,), num_kv_heads=2)
-    q = queries(batch, 2 * heads, 128, "cpu")
+    heads per KV head, a channel-wise role, one-page tiles, head_dim 64, the reconstruct
+    ablation, Q staged in the prologue."""
+    d = fmt.key.group_size
+    cache, batch = build_cache(fmt, (100,), num_kv_heads=2, head_dim=d)
+    q = queries(batch, 2 * heads, d, "cpu")
     cfg = dataclasses.replace(configs.gluon_packed_config(2, 2), tile_pages=tile_pages)
     with pytest.raises(ValueError, match=match):
         gluon_backend.decode(q, cache, batch, 128**-0.5, config=cfg)
+    if (fmt, heads, tile_pages) == (FMT, 4, 1):
+        cfg = configs.gluon_packed_config(2, 2)
+        with pytest.raises(ValueError, match="with the folds"):
+            gluon_backend.decode(q, cache, batch, 128**-0.5, config=cfg, reconstruct=True)
+        with pytest.raises(ValueError, match="Q staged by each consumer"):
+            no_qc = dataclasses.replace(cfg, opt=cfg.opt & ~gluon_backend.Q_IN_CONSUMERS)
+            gluon_backend.decode(q, cache, batch, 128**-0.5, config=no_qc)
+
+
+def test_reconstruct_ablation_never_takes_packed_heads():
+    """backend "gluon-reconstruct" at a launch where the folds pack heads (8K INT2 tiles)
+    keeps one page per tile (the ablation reconstructs every value; packed heads fold)."""
+    cache = QuantizedKVCache(FMT, num_kv_heads=8, head_dim=128, num_pages=1, max_seqs=1)
+    batch = types.SimpleNamespace(num_quantized_host=[8192] * 8)
+    assert gluon_backend.default_config(cache, batch, "bf16", 4).opt & configs.PACKED_HEADS
+    cfg = gluon_backend.default_config(cache, batch, "bf16", 4, reconstruct=True)
+    assert cfg == gluon_backend.gluon_decode_config("token")
 
 
 @pytest.mark.parametrize("in_consumers", [True, False])
@@ -385,7 +405,7 @@ def test_e4m3_launch_config_follows_the_measurements(k_bits, v_bits, lengths, he
     """E4M3 operands take packed heads from configs.E4M3_PACKED_MIN_TILES on when a KV head
     serves at most 4 query heads (H200, s10-packed), else 3 CTAs per SM for INT2 from 32K tiles
     on (configs.E4M3_THREE_CTAS_MIN_TILES, s7-ctas), with more splits to fill them; the bf16
-    path keeps its config."""
+    path packs INT2 from 8K tiles and keeps its config otherwise."""
     fmt = KVFormat(QuantFormat(k_bits, "token", 128), QuantFormat(v_bits, "token", 128))
     cache = QuantizedKVCache(fmt, num_kv_heads=8, head_dim=128, num_pages=1, max_seqs=1)
     batch = types.SimpleNamespace(num_quantized_host=list(lengths))

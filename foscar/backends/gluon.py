@@ -138,17 +138,21 @@ def supports_e4m3(cache: QuantizedKVCache) -> str | None:
 
 
 def default_config(
-    cache: QuantizedKVCache, batch: DecodeBatch, operands: str = "bf16", heads_per_kv: int = 4
+    cache: QuantizedKVCache,
+    batch: DecodeBatch,
+    operands: str = "bf16",
+    heads_per_kv: int = 4,
+    reconstruct: bool = False,
 ):
     """The launch config ``decode`` takes without one: by the bit widths, the launch's tiles and
     the query heads per KV head (configs.gluon_e4m3_config for E4M3 operands,
     configs.gluon_bf16_config for bf16 ones: packed heads for large launches, else by the key
-    axis)."""
+    axis; the reconstruct ablation never packs: packed heads fold)."""
     pages = sum(math.ceil(n / PAGE_SIZE) for n in batch.num_quantized_host)
     k, v = cache.fmt.key, cache.fmt.value
     if operands == "e4m3":
         return gluon_e4m3_config(k.bits, v.bits, pages * cache.num_kv_heads, heads_per_kv)
-    if cache.head_dim == 128:  # packed heads: head_dim 128 only
+    if cache.head_dim == 128 and not reconstruct:  # packed heads: head_dim 128, the folds
         cfg = gluon_bf16_config(
             k.axis.value, v.axis.value, k.bits, v.bits, pages * cache.num_kv_heads, heads_per_kv
         )
@@ -264,12 +268,15 @@ def decode(
 ):
     """Gluon history splits (+ the Triton window program) + the merge; returns ``out`` (and lse).
     ``operands``: "bf16" or "e4m3" (:data:`OPERANDS`; the latter needs :func:`supports_e4m3`
-    and one-page tiles)."""
+    and one-page tiles, or two-page ones with packed heads). A config with packed heads
+    (configs.PACKED_HEADS) is refused, before any launch, where it does not apply."""
     kern = _gluon()
     bsz, num_q_heads, d = q.shape
     if operands not in OPERANDS:
         raise ValueError(f"operands must be one of {OPERANDS}, got {operands!r}")
-    cfg = config or default_config(cache, batch, operands, num_q_heads // cache.num_kv_heads)
+    cfg = config or default_config(
+        cache, batch, operands, num_q_heads // cache.num_kv_heads, reconstruct
+    )
     if operands == "e4m3":
         reason = supports_e4m3(cache)
         if reason:
@@ -301,8 +308,12 @@ def decode(
                 f"head_dim 128 with the folds; got {cache.fmt.key.short()} / "
                 f"{cache.fmt.value.short()}, head_dim {d}, reconstruct={reconstruct}"
             )
-        if cfg.tile_pages != 2:
-            raise ValueError(f"packed heads take two-page tiles; got tile_pages={cfg.tile_pages}")
+        if cfg.tile_pages != 2 or not cfg.opt & Q_IN_CONSUMERS or cfg.opt & (2 | 8):
+            raise ValueError(
+                "packed heads take two-page tiles with Q staged by each consumer and without the "
+                f"deferred PV wait or late release (opt bit {Q_IN_CONSUMERS} set, 2 and 8 clear); "
+                f"got tile_pages={cfg.tile_pages}, opt={cfg.opt}"
+            )
     for message in config_warnings(cache.fmt, cfg):
         warnings.warn(message, RuntimeWarning, stacklevel=2)
     if reconstruct:  # the ablation: per-value s' y + z' instead of the folds (kernel OPT 128)

@@ -702,15 +702,16 @@ def _split_span(seq_ptrs, num_splits, TP: gl.constexpr, OPT: gl.constexpr):
 # instead of an explicit shared buffer; 512 = scaled extraction of INT2 operands at head_dim 128
 # (_fields: 2 shifts per 8 K pairs instead of 7, 1 per 4 V pairs instead of 3; Q, the offsets
 # and the output fold the powers of 4 back, exactly); 1024 = E4M3 operands for FP8 wgmma (token-wise
-# K and V at head_dim 128, one-page tiles; see the E4M3 section); 2048 = Q staged by each consumer
+# K and V at head_dim 128, one-page tiles or packed heads; see the E4M3 section); 2048 = Q staged by each consumer
 # (its own Q^T buffer, after the partitions start) instead of by the prologue, so the producer's
 # first TMA copies do not wait for Q's load; 8192 = the merge launched as a programmatic dependent
 # launch, signalled after this CTA's partial is stored (see the launcher); 16384 = no-tiles timing
 # ablation (every split empty: the launch, span, Q staging, epilogue and merge only); 32768,
 # 65536, 131072 = ablations for the one-page KcVc race (NOTES 19): channel-wise V's sum of P' in
 # registers instead of the ones @ P' product, the stage released at the tile's end, a fence and a
-# barrier at the tile's end; 262144 = packed heads (E4M3, two-page tiles, H <= HS / 2: both
-# pages' scores in one [64, HS] tile, _tile_pair_packed). Default 5
+# barrier at the tile's end; 262144 = packed heads (two-page tiles, H <= HS / 2, token-wise K and V
+# at head_dim 128: both pages' scores in one [64, HS] tile; _tile_pair_packed for E4M3 operands,
+# _tile_pair_packed_bf16 for bf16 ones). Default 5
 # (the config's default: 10757 = 5 | 512 | 2048 | 8192, configs.GluonDecodeConfig). (Whatever
 # the bits, a launch of one split without a window partial, num_parts == 1, writes the output
 # itself: no merge launch.)
@@ -1157,8 +1158,8 @@ def _tile_pair(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: g
 
 @gluon.constexpr_function
 def packed_heads(opt):
-    """Whether two pages share one [64, HS] score tile (OPT 262144, E4M3 two-page tiles, H <=
-    HS / 2): page a's heads in columns 0..HS/2-1, page b's in HS/2.. (see _tile_pair_packed)."""
+    """Whether two pages share one [64, HS] score tile (OPT 262144, two-page tiles, H <= HS / 2):
+    page a's heads in columns 0..HS/2-1, page b's in HS/2.. (see _tile_pair_packed)."""
     return (opt & 262144) != 0
 
 
@@ -1405,8 +1406,8 @@ def _tile_pair_packed_bf16(
 
 @gluon.jit
 def _step(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: gl.constexpr):
-    """Tile t, consumer C's i-th, of one page or two (CFG's TP); ops = (ring, qt_smem, p_bufs,
-    qsums, kfold, qk_scale, magic)."""
+    """Tile t, consumer C's i-th, of one page or two (CFG's TP), packed heads or not; ops = (ring,
+    qt_smem, p_bufs, qsums, kfold, qk_scale, magic, qb_smem)."""
     if packed_heads(CFG[5]) and e4m3_operands(CFG[5]):
         st = _tile_pair_packed(i, t, n_q, st, ops, C, CFG, MASKED)
     elif packed_heads(CFG[5]):
