@@ -703,8 +703,8 @@ def _split_span(seq_ptrs, num_splits, TP: gl.constexpr, OPT: gl.constexpr):
 # (_fields: 2 shifts per 8 K pairs instead of 7, 1 per 4 V pairs instead of 3; Q, the offsets
 # and the output fold the powers of 4 back, exactly); 1024 = E4M3 operands for FP8 wgmma
 # (token-wise K and V at head_dim 128, one-page tiles or packed heads; see the E4M3 section);
-# 2048 = Q staged by each consumer (its own Q^T buffer, after the partitions start) instead of by the prologue, so the producer's
-# first TMA copies do not wait for Q's load; 8192 = the merge launched as a programmatic dependent
+# 2048 = Q staged by each consumer (its own Q^T buffer, after the partitions start) instead of
+# by the prologue, so the producer's first TMA copies do not wait for Q's load; 8192 = the merge launched as a programmatic dependent
 # launch, signalled after this CTA's partial is stored (see the launcher); 16384 = no-tiles timing
 # ablation (every split empty: the launch, span, Q staging, epilogue and merge only); 32768,
 # 65536, 131072 = ablations for the one-page KcVc race (NOTES 19): channel-wise V's sum of P' in
