@@ -691,30 +691,29 @@ def _split_span(seq_ptrs, num_splits, TP: gl.constexpr, OPT: gl.constexpr):
 
 
 # ------------------------------------------------------------------------------------- consumer
-# OPT bits (constexpr): 1 = one-barrier cross-warp max; 2 = deferred PV wait (the PV wgmma of tile
-# i in flight across the loop back-edge: ptxas C7512 serializes every wgmma, do not use; one-page
-# tiles only); 4 = rcp.approx for token-wise V's z'/s' (channel-wise K's z'/s' always divides);
-# 8 = arrive on `empty` after the QK wgmma issue (same barrier count); 32 = memory-only timing
-# ablation (consumers only wait/arrive); 64 = compute-only timing ablation (after the first 2*SPC
-# tiles the producer arrives without loading); 128 = per-value reconstruction (the ablation of
-# Fig. 10a: s' y + z' on every K and V operand value in registers, P unscaled, no folds); 256 =
-# channel-wise K's offsets zq to the accumulator's columns by the compiler's layout conversion
-# instead of an explicit shared buffer; 512 = scaled extraction of INT2 operands at head_dim 128
-# (_fields: 2 shifts per 8 K pairs instead of 7, 1 per 4 V pairs instead of 3; Q, the offsets
-# and the output fold the powers of 4 back, exactly); 1024 = E4M3 operands for FP8 wgmma
-# (token-wise K and V at head_dim 128, one-page tiles or packed heads; see the E4M3 section);
-# 2048 = Q staged by each consumer (its own Q^T buffer, after the partitions start) instead of
-# by the prologue, so the producer's first TMA copies do not wait for Q's load; 8192 = the merge launched as a programmatic dependent
-# launch, signalled after this CTA's partial is stored (see the launcher); 16384 = no-tiles timing
-# ablation (every split empty: the launch, span, Q staging, epilogue and merge only); 32768,
-# 65536, 131072 = ablations for the one-page KcVc race (NOTES 19): channel-wise V's sum of P' in
-# registers instead of the ones @ P' product, the stage released at the tile's end, a fence and a
-# barrier at the tile's end; 262144 = packed heads (two-page tiles, H <= HS / 2, token-wise K and V
-# at head_dim 128: both pages' scores in one [64, HS] tile; _tile_pair_packed for E4M3 operands,
-# _tile_pair_packed_bf16 for bf16 ones). Default 5
-# (the config's default: 10757 = 5 | 512 | 2048 | 8192, configs.GluonDecodeConfig). (Whatever
-# the bits, a launch of one split without a window partial, num_parts == 1, writes the output
-# itself: no merge launch.)
+# OPT bits (constexpr): 1 = one-barrier cross-warp max; 2 = deferred PV wait (the PV wgmma of tile i
+# in flight across the loop back-edge: ptxas C7512 serializes every wgmma, do not use; one-page
+# tiles only); 4 = rcp.approx for token-wise V's z'/s' (channel-wise K's z'/s' always divides); 8 =
+# arrive on `empty` after the QK wgmma issue (same barrier count); 32 = memory-only timing ablation
+# (consumers only wait/arrive); 64 = compute-only timing ablation (after the first 2*SPC tiles the
+# producer arrives without loading); 128 = per-value reconstruction (the ablation of Fig. 10a: s' y
+# + z' on every K and V operand value in registers, P unscaled, no folds); 256 = channel-wise K's
+# offsets zq to the accumulator's columns by the compiler's layout conversion instead of an explicit
+# shared buffer; 512 = scaled extraction of INT2 operands at head_dim 128 (_fields: 2 shifts per 8 K
+# pairs instead of 7, 1 per 4 V pairs instead of 3; Q, the offsets and the output fold the powers of
+# 4 back, exactly); 1024 = E4M3 operands for FP8 wgmma (token-wise K and V at head_dim 128, one-page
+# tiles or packed heads; see the E4M3 section); 2048 = Q staged by each consumer (its own Q^T
+# buffer, after the partitions start) instead of by the prologue, so the producer's first TMA copies
+# do not wait for Q's load; 8192 = the merge launched as a programmatic dependent launch, signalled
+# after this CTA's partial is stored (see the launcher); 16384 = no-tiles timing ablation (every
+# split empty: the launch, span, Q staging, epilogue and merge only); 32768, 65536, 131072 =
+# ablations for the one-page KcVc race (NOTES 19): channel-wise V's sum of P' in registers instead
+# of the ones @ P' product, the stage released at the tile's end, a fence and a barrier at the
+# tile's end; 262144 = packed heads (two-page tiles, H <= HS / 2, token-wise K and V at head_dim
+# 128: both pages' scores in one [64, HS] tile; _tile_pair_packed for E4M3 operands,
+# _tile_pair_packed_bf16 for bf16 ones). Default 5 (the config's default: 10757 = 5 | 512 | 2048 |
+# 8192, configs.GluonDecodeConfig). (Whatever the bits, a launch of one split without a window
+# partial, num_parts == 1, writes the output itself: no merge launch.)
 @gluon.constexpr_function
 def scaled_extraction(opt, bits, head_dim):
     """Whether a role of ``bits`` takes the scaled extraction (OPT 512): INT2 at head_dim 128,
