@@ -1185,6 +1185,50 @@ def _swap_halves(x):
 
 
 @gluon.jit
+def _pair_scales(ks_bufs, vs_bufs, s, HS: gl.constexpr):
+    """The per-token (s', z') of K and V of stage s's pages a and b: ((ks, kz, vs, vz) of page a,
+    the same of page b), each [64] in the accumulator's row layout (_pair_halves packs them)."""
+    ks_a, kz_a = _scale_pairs(ks_bufs.index(2 * s), HS)
+    ks_b, kz_b = _scale_pairs(ks_bufs.index(2 * s + 1), HS)
+    vs_a, vz_a = _scale_pairs(vs_bufs.index(2 * s), HS)
+    vs_b, vz_b = _scale_pairs(vs_bufs.index(2 * s + 1), HS)
+    return (ks_a, kz_a, vs_a, vz_a), (ks_b, kz_b, vs_b, vz_b)
+
+
+@gluon.jit
+def _pair_halves(rows, HS: gl.constexpr):
+    """_pair_scales' rows -> (ks, kz, vs, vz), each [64, HS] in the packed tile's columns (page
+    a's in the first half)."""
+    a, b = rows
+    return (
+        _halves(a[0], b[0], HS),
+        _halves(a[1], b[1], HS),
+        _halves(a[2], b[2], HS),
+        _halves(a[3], b[3], HS),
+    )
+
+
+@gluon.jit
+def _mask_pair_rows(sc, vs, vz, t, n_q, HS: gl.constexpr):
+    """_mask_rows for a packed tile t (128 tokens): page a's rows in the first half of the
+    columns, page b's (tokens 64 on) in the rest; (sc, vs, vz) with harmless V factors there."""
+    acc_l: gl.constexpr = acc_layout(HS)
+    col = gl.arange(0, HS, layout=gl.SliceLayout(0, acc_l))
+    row = gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
+    tok = t * 128 + row[:, None] + gl.where(col < HS // 2, 0, 64)[None, :]
+    valid = tok < n_q
+    return gl.where(valid, sc, -float("inf")), gl.where(valid, vs, 1.0), gl.where(valid, vz, 0.0)
+
+
+@gluon.jit
+def _store_pair_p(pa_smem, pb_smem, pv32, dtype: gl.constexpr, HS: gl.constexpr):
+    """P'^T of a packed tile into page a's B operand (its columns, the rest zero) and page b's."""
+    first = (gl.arange(0, HS, layout=gl.SliceLayout(0, acc_layout(HS))) < HS // 2)[None, :]
+    pa_smem.store(gl.permute(gl.where(first, pv32, 0.0).to(dtype), [1, 0]))
+    pb_smem.store(gl.permute(gl.where(first, 0.0, pv32).to(dtype), [1, 0]))
+
+
+@gluon.jit
 def _tile_pair_packed(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: gl.constexpr):
     """Two pages (128 tokens, one ring stage) of consumer C with E4M3 operands and their scores in
     ONE [64, HS] tile: page a's QK product against Q^ in columns 0..H-1 (qa), page b's chained
@@ -1245,29 +1289,16 @@ def _tile_pair_packed(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MA
     if EARLY_V:
         vw_a = _load_v_words(vw_bufs.index(2 * s), V_BITS, HD, True)
         vw_b = _load_v_words(vw_bufs.index(2 * s + 1), V_BITS, HD, True)
-    ks_a, kz_a = _scale_pairs(ks_bufs.index(2 * s), HS)
-    ks_b, kz_b = _scale_pairs(ks_bufs.index(2 * s + 1), HS)
-    vs_a, vz_a = _scale_pairs(vs_bufs.index(2 * s), HS)
-    vs_b, vz_b = _scale_pairs(vs_bufs.index(2 * s + 1), HS)
+    rows = _pair_scales(ks_bufs, vs_bufs, s, HS)
     if EARLY_V:
         mbarrier.arrive(empty.index(s))  # every read of stage s is done (a bar.sync first)
     s_acc, kx_a, kx_b = warpgroup_mma_wait(0, deps=[s_tok, kx_a, kx_b])
     s_acc = gl.convert_layout(s_acc, acc_l, assert_trivial=True)
-    # the per-token factors, each [64, HS]: page a's in the first half of the columns
     qsum, dq = qsums
-    ks = _halves(ks_a, ks_b, HS)
-    kz = _halves(kz_a, kz_b, HS)
-    vs = _halves(vs_a, vs_b, HS)
-    vz = _halves(vz_a, vz_b, HS)
+    ks, kz, vs, vz = _pair_halves(rows, HS)  # the per-token factors, page a's columns first
     sc = (s_acc * dq[None, :]) * (ks * qk_scale) + (kz + 128.0 * ks) * qsum[None, :]
     if MASKED:
-        col = gl.arange(0, HS, layout=gl.SliceLayout(0, acc_l))
-        row = gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
-        tok = t * 128 + row[:, None] + gl.where(col < HS // 2, 0, 64)[None, :]
-        valid = tok < n_q
-        sc = gl.where(valid, sc, -float("inf"))
-        vs = gl.where(valid, vs, 1.0)
-        vz = gl.where(valid, vz, 0.0)
+        sc, vs, vz = _mask_pair_rows(sc, vs, vz, t, n_q, HS)
     if FAST_RCP:
         ratio = vz * _rcp(vs)
     else:
@@ -1284,9 +1315,7 @@ def _tile_pair_packed(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MA
     pv = pv32.to(gl.float8e4nv)
     z_i = z_i * alpha[None, :] + pv32 * (0.5 + (ratio + C_MID) * 0.00390625)
     zp_i = zp_i * alpha[None, :] + pv.to(gl.float32)
-    first = (gl.arange(0, HS, layout=gl.SliceLayout(0, acc_l)) < HS // 2)[None, :]
-    pa_smem.store(gl.permute(gl.where(first, pv32, 0.0).to(gl.float8e4nv), [1, 0]))
-    pb_smem.store(gl.permute(gl.where(first, 0.0, pv32).to(gl.float8e4nv), [1, 0]))
+    _store_pair_p(pa_smem, pb_smem, pv32, gl.float8e4nv, HS)
     fence_async_shared()
     if not EARLY_V:
         vw_a = _load_v_words(vw_bufs.index(2 * s), V_BITS, HD, True)
@@ -1348,28 +1377,16 @@ def _tile_pair_packed_bf16(
     s_tok, k_a = warpgroup_mma_wait(0, deps=[s_tok, k_a])
     k_b = _page_k_operand(_load_k_words(kw_bufs.index(2 * s + 1), K_BITS, HD), 0, 0, magic, HS, CFG)
     s_tok = warpgroup_mma(k_b, qb_smem.permute((1, 0)), s_tok, use_acc=True, is_async=True)
-    ks_a, kz_a = _scale_pairs(ks_bufs.index(2 * s), HS)
-    ks_b, kz_b = _scale_pairs(ks_bufs.index(2 * s + 1), HS)
-    vs_a, vz_a = _scale_pairs(vs_bufs.index(2 * s), HS)
-    vs_b, vz_b = _scale_pairs(vs_bufs.index(2 * s + 1), HS)
+    rows = _pair_scales(ks_bufs, vs_bufs, s, HS)
     s_acc, k_b = warpgroup_mma_wait(0, deps=[s_tok, k_b])
     qsum, dq = qsums
-    ks = _halves(ks_a, ks_b, HS)
-    kz = _halves(kz_a, kz_b, HS)
-    vs = _halves(vs_a, vs_b, HS)
-    vz = _halves(vz_a, vz_b, HS)
+    ks, kz, vs, vz = _pair_halves(rows, HS)  # the per-token factors, page a's columns first
     if scaled_extraction(OPT, K_BITS, HD):
         sc = (s_acc + dq[None, :]) * (ks * qk_scale) + kz * qsum[None, :]
     else:
         sc = s_acc * (ks * qk_scale) + kz * qsum[None, :]
     if MASKED:
-        col = gl.arange(0, HS, layout=gl.SliceLayout(0, acc_l))
-        row = gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
-        tok = t * 128 + row[:, None] + gl.where(col < HS // 2, 0, 64)[None, :]
-        valid = tok < n_q
-        sc = gl.where(valid, sc, -float("inf"))
-        vs = gl.where(valid, vs, 1.0)
-        vz = gl.where(valid, vz, 0.0)
+        sc, vs, vz = _mask_pair_rows(sc, vs, vz, t, n_q, HS)
     if FAST_RCP:
         ratio = vz * _rcp(vs)
     else:
@@ -1384,19 +1401,15 @@ def _tile_pair_packed_bf16(
     z_i = z_i * alpha[None, :] + pv32 * ratio
     if SCALED_V:
         zp_i = zp_i * alpha[None, :] + pv32
-    first = (gl.arange(0, HS, layout=gl.SliceLayout(0, acc_l)) < HS // 2)[None, :]
-    pa_smem.store(gl.permute(gl.where(first, pv32, 0.0).to(gl.bfloat16), [1, 0]))
-    pb_smem.store(gl.permute(gl.where(first, 0.0, pv32).to(gl.bfloat16), [1, 0]))
+    _store_pair_p(pa_smem, pb_smem, pv32, gl.bfloat16, HS)
     fence_async_shared()
     zero_o = gl.zeros([HD, HS], gl.float32, acc_l)
-    vt_a = _page_vt_operand(
-        _load_v_words(vw_bufs.index(2 * s), V_BITS, HD), vs_a, vz_a, magic, HS, CFG
-    )
+    vt_a = _page_vt_operand(_load_v_words(vw_bufs.index(2 * s), V_BITS, HD), 0, 0, magic, HS, CFG)
     pv_tok = warpgroup_mma(vt_a, pa_smem.permute((1, 0)), zero_o, use_acc=False, is_async=True)
     pv_tok, vt_a = warpgroup_mma_wait(0, deps=[pv_tok, vt_a])
     vw_b = _load_v_words(vw_bufs.index(2 * s + 1), V_BITS, HD)
     mbarrier.arrive(empty.index(s))  # every read of stage s is done (a partition bar.sync first)
-    vt_b = _page_vt_operand(vw_b, vs_b, vz_b, magic, HS, CFG)
+    vt_b = _page_vt_operand(vw_b, 0, 0, magic, HS, CFG)  # (the folds: no per-value factors)
     pv_tok = warpgroup_mma(vt_b, pb_smem.permute((1, 0)), pv_tok, use_acc=True, is_async=True)
     o_t, vt_b = warpgroup_mma_wait(0, deps=[pv_tok, vt_b])
     acc = acc * alpha[None, :] + o_t
