@@ -47,7 +47,7 @@
 #   bash benchmarks/h200_run.sh s9-ablate # session 9: the one-page KcVc race under three kernel ablations
 #   bash benchmarks/h200_run.sh s10-packed # session 10: packed heads (E4M3 two-page tiles): E4M3 GPU cases, the 13 points
 #   bash benchmarks/h200_run.sh s10-debug # session 10: the packed-heads kernel's errors per case and head, two debug orders
-#   (s10-print, at commit 289af1d: device_print of the packed tile's per-column values; the script and kernel bit are removed)
+#   (s10-print, at commits 0283cfb and 8fd8668: device_print of the packed tile's per-column values; script and kernel bit since removed)
 #   bash benchmarks/h200_run.sh s10-fix # session 10: packed heads with Q's zero halves from a product: errors, GPU cases
 #   bash benchmarks/h200_run.sh s10-final # session 10: E4M3 + packed-heads GPU cases; the main grid at the shipped defaults
 #   bash benchmarks/h200_run.sh s10-sanitize # session 10: packed heads in a CUDA graph, memcheck and racecheck
