@@ -455,7 +455,7 @@ case "$mode" in
     ;;
   s10-sanitize)
     # session 10: packed heads in a CUDA graph; memcheck and racecheck over two packed cases
-    timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_gluon_kernel.py -k "packed_heads_cuda_graph" 2>&1 | tail -2
+    timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_gluon_kernel.py -k "e4m3_operands_cuda_graph_replay and True" 2>&1 | tail -2
     sel="test_e4m3_packed_heads[4-2-2] or test_e4m3_packed_heads[3-4-4]"
     for tool in memcheck racecheck; do
       timeout 150 compute-sanitizer --tool $tool --print-limit 10 python3 -m pytest -q -x -p no:cacheprovider \

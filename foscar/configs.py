@@ -231,21 +231,18 @@ E4M3_PACKED_MIN_TILES = {2: 8192, 4: 4096}
 BF16_PACKED_MIN_TILES = 8192
 
 
-def gluon_bf16_config(
+def bf16_packs_heads(
     key_axis: str, value_axis: str, k_bits: int, v_bits: int, tiles: int, heads_per_kv: int
-) -> GluonDecodeConfig:
-    """The bf16 operand path's launch config: packed heads for INT2 token-wise K and V from
-    :data:`BF16_PACKED_MIN_TILES` on when ``heads_per_kv`` <= 4 (the caller checks head_dim
-    128), else :func:`gluon_decode_config` by the key axis."""
-    token_wise = key_axis == value_axis == "token"
-    if (
-        token_wise
+) -> bool:
+    """Whether the bf16 operand path launches :func:`gluon_packed_config`: INT2 token-wise K and
+    V from :data:`BF16_PACKED_MIN_TILES` on when ``heads_per_kv`` <= 4 (the caller checks
+    head_dim 128 and the folds); else it takes :func:`gluon_decode_config` by the key axis."""
+    return (
+        key_axis == value_axis == "token"
         and k_bits == v_bits == 2
         and heads_per_kv <= 4
         and tiles >= BF16_PACKED_MIN_TILES
-    ):
-        return gluon_packed_config(k_bits, v_bits)
-    return gluon_decode_config(key_axis)
+    )
 
 
 def gluon_e4m3_config(

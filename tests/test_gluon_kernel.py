@@ -965,26 +965,6 @@ def test_packed_heads_bf16_chosen_by_decode():
 
 
 @sm90_only
-def test_e4m3_packed_heads_cuda_graph_replay():
-    """Packed heads captured in a CUDA graph and replayed with new queries into a NaN-poisoned
-    output (the split workspace and the descriptors are reused, nothing is allocated)."""
-    cache, batch = build_cache(FMT, (3000, 17, 9000), num_kv_heads=8, device="cuda")
-    q = queries(batch, 32, 128, "cuda")
-    out = torch.empty_like(q)
-    kw = dict(out=out, config=configs.gluon_packed_config(2, 2), operands="e4m3")
-    gluon_backend.decode(q, cache, batch, 128**-0.5, **kw)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        gluon_backend.decode(q, cache, batch, 128**-0.5, **kw)
-    for seed in range(2):
-        q.copy_(queries(batch, 32, 128, "cuda", seed=30 + seed))
-        out.fill_(math.nan)
-        graph.replay()
-        torch.cuda.synchronize()
-        check_e4m3_against_reference(out, None, q, cache, batch)
-
-
-@sm90_only
 def test_e4m3_packed_heads_chosen_by_decode():
     """backend "gluon-e4m3" takes packed heads by itself from configs.E4M3_PACKED_MIN_TILES on
     (2 x 32K tokens x 8 KV heads = 8K INT2 tiles) and stays within E4M3's bar."""
@@ -1034,15 +1014,26 @@ def test_e4m3_operands_paper_shape_and_windows(bits, scaled):
 
 
 @sm90_only
-def test_e4m3_operands_cuda_graph_replay():
+@pytest.mark.parametrize("packed", [False, True])
+def test_e4m3_operands_cuda_graph_replay(packed):
+    """backend "gluon-e4m3" (its default config, one page per tile here) and packed heads
+    (configs.gluon_packed_config) captured in a CUDA graph and replayed with new queries into a
+    NaN-poisoned output (the split workspace and the descriptors are reused)."""
     cache, batch = build_cache(FMT, (3000, 17, 9000), num_kv_heads=8, device="cuda")
     q = queries(batch, 32, 128, "cuda")
     out = torch.empty_like(q)
-    kw = dict(backend="gluon-e4m3", out=out)
-    decode_attention(q, cache, batch, **kw)
+
+    def call():
+        if packed:
+            cfg = configs.gluon_packed_config(2, 2)
+            gluon_backend.decode(q, cache, batch, 128**-0.5, out=out, config=cfg, operands="e4m3")
+        else:
+            decode_attention(q, cache, batch, backend="gluon-e4m3", out=out)
+
+    call()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        decode_attention(q, cache, batch, **kw)
+        call()
     for seed in range(2):
         q.copy_(queries(batch, 32, 128, "cuda", seed=20 + seed))
         out.fill_(math.nan)

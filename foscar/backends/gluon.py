@@ -22,9 +22,10 @@ from ..cache import DecodeBatch, QuantizedKVCache
 from ..configs import (
     PACKED_HEADS,
     GluonDecodeConfig,
-    gluon_bf16_config,
+    bf16_packs_heads,
     gluon_decode_config,
     gluon_e4m3_config,
+    gluon_packed_config,
 )
 from ..formats import GroupAxis, OperandMapping
 from . import triton as triton_backend
@@ -146,18 +147,18 @@ def default_config(
 ):
     """The launch config ``decode`` takes without one: by the bit widths, the launch's tiles and
     the query heads per KV head (configs.gluon_e4m3_config for E4M3 operands,
-    configs.gluon_bf16_config for bf16 ones: packed heads for large launches, else by the key
+    configs.bf16_packs_heads for bf16 ones: packed heads for large launches, else by the key
     axis; the reconstruct ablation never packs: packed heads fold)."""
-    pages = sum(math.ceil(n / PAGE_SIZE) for n in batch.num_quantized_host)
+    tiles = cache.num_kv_heads * sum(math.ceil(n / PAGE_SIZE) for n in batch.num_quantized_host)
     k, v = cache.fmt.key, cache.fmt.value
     if operands == "e4m3":
-        return gluon_e4m3_config(k.bits, v.bits, pages * cache.num_kv_heads, heads_per_kv)
-    if cache.head_dim == 128 and not reconstruct:  # packed heads: head_dim 128, the folds
-        cfg = gluon_bf16_config(
-            k.axis.value, v.axis.value, k.bits, v.bits, pages * cache.num_kv_heads, heads_per_kv
-        )
-        if cfg.opt & PACKED_HEADS:
-            return cfg
+        return gluon_e4m3_config(k.bits, v.bits, tiles, heads_per_kv)
+    if (
+        cache.head_dim == 128  # packed heads: head_dim 128, the folds
+        and not reconstruct
+        and bf16_packs_heads(k.axis.value, v.axis.value, k.bits, v.bits, tiles, heads_per_kv)
+    ):
+        return gluon_packed_config(k.bits, v.bits)
     return gluon_decode_config(k.axis.value)
 
 
@@ -274,9 +275,8 @@ def decode(
     bsz, num_q_heads, d = q.shape
     if operands not in OPERANDS:
         raise ValueError(f"operands must be one of {OPERANDS}, got {operands!r}")
-    cfg = config or default_config(
-        cache, batch, operands, num_q_heads // cache.num_kv_heads, reconstruct
-    )
+    heads_per_kv = num_q_heads // cache.num_kv_heads
+    cfg = config or default_config(cache, batch, operands, heads_per_kv, reconstruct)
     if operands == "e4m3":
         reason = supports_e4m3(cache)
         if reason:
@@ -289,14 +289,12 @@ def decode(
                 f"and 128 clear); got tile_pages={cfg.tile_pages}, reconstruct={reconstruct}, "
                 f"opt={cfg.opt}"
             )
-
         cfg = dataclasses.replace(cfg, opt=cfg.opt | 1024)
     if cfg.opt & PACKED_HEADS:
-        if num_q_heads // cache.num_kv_heads > MAX_HEADS_PER_KV // 2:
+        if heads_per_kv > MAX_HEADS_PER_KV // 2:
             raise ValueError(
                 f"packed heads (config opt bit {PACKED_HEADS}) hold at most "
-                f"{MAX_HEADS_PER_KV // 2} query heads per KV head; q has "
-                f"{num_q_heads // cache.num_kv_heads}"
+                f"{MAX_HEADS_PER_KV // 2} query heads per KV head; q has {heads_per_kv}"
             )
         if (
             GroupAxis.CHANNEL in (cache.fmt.key.axis, cache.fmt.value.axis)
@@ -333,7 +331,7 @@ def decode(
     kw, ks, vw, vs = _descriptors(cache, batch.layer)
     consts = _constexprs(
         cfg,
-        num_q_heads // cache.num_kv_heads,
+        heads_per_kv,
         fmt.key.bits,
         fmt.value.bits,
         fmt.value.axis is GroupAxis.CHANNEL,

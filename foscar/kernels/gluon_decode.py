@@ -790,8 +790,19 @@ def _value_ratio(vs, vz, V_CHANNEL: gl.constexpr, FAST_RCP: gl.constexpr):
 
 
 @gluon.jit
+def _tile_factor(x):
+    """A per-token factor for a [64, HS] tile: [64] as a column, [64, HS] (a packed tile's, page
+    a's in the first half of the columns) as it is."""
+    if len(x.shape) == 1:
+        return x[:, None]
+    else:
+        return x
+
+
+@gluon.jit
 def _key_logits(s_acc, ks, kz, zq, qsums, qk_scale, CFG: gl.constexpr):
-    """Logits (log2 domain) of a [64, HS] QK product: the acc-fold of token-wise K, S = c (s'_K
+    """Logits (log2 domain) of a [64, HS] QK product, with the per-token factors ks, kz as [64]
+    or, for a packed tile, [64, HS] (_tile_factor): the acc-fold of token-wise K, S = c (s'_K
     (Q . y_K) + z'_K sum(Q)) (c folded into ks and qsum), or of channel-wise K, S = c (Q' . q +
     zq), Q' and zq built for the group; the reconstruct ablation's product is the logit.
     qsums = (c sum(Q), dq): with the scaled extraction the product is Q~ . y~ (Q~_c = Q_c 4^-a,
@@ -803,15 +814,16 @@ def _key_logits(s_acc, ks, kz, zq, qsums, qk_scale, CFG: gl.constexpr):
     if (CFG[5] & 128) != 0:
         return s_acc * qk_scale
     elif e4m3_operands(CFG[5]):
-        return (s_acc * dq[None, :]) * (ks * qk_scale)[:, None] + (kz + 128.0 * ks)[:, None] * qsum[
-            None, :
-        ]
+        ks, kz = _tile_factor(ks), _tile_factor(kz)
+        return (s_acc * dq[None, :]) * (ks * qk_scale) + (kz + 128.0 * ks) * qsum[None, :]
     elif CFG[6]:
         return (s_acc + zq[None, :]) * qk_scale
     elif scaled_extraction(CFG[5], CFG[2], CFG[7]):
-        return (s_acc + dq[None, :]) * (ks * qk_scale)[:, None] + kz[:, None] * qsum[None, :]
+        ks, kz = _tile_factor(ks), _tile_factor(kz)
+        return (s_acc + dq[None, :]) * (ks * qk_scale) + kz * qsum[None, :]
     else:
-        return s_acc * (ks * qk_scale)[:, None] + kz[:, None] * qsum[None, :]
+        ks, kz = _tile_factor(ks), _tile_factor(kz)
+        return s_acc * (ks * qk_scale) + kz * qsum[None, :]
 
 
 @gluon.jit
@@ -1294,15 +1306,11 @@ def _tile_pair_packed(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MA
         mbarrier.arrive(empty.index(s))  # every read of stage s is done (a bar.sync first)
     s_acc, kx_a, kx_b = warpgroup_mma_wait(0, deps=[s_tok, kx_a, kx_b])
     s_acc = gl.convert_layout(s_acc, acc_l, assert_trivial=True)
-    qsum, dq = qsums
     ks, kz, vs, vz = _pair_halves(rows, HS)  # the per-token factors, page a's columns first
-    sc = (s_acc * dq[None, :]) * (ks * qk_scale) + (kz + 128.0 * ks) * qsum[None, :]
+    sc = _key_logits(s_acc, ks, kz, 0, qsums, qk_scale, CFG)
     if MASKED:
         sc, vs, vz = _mask_pair_rows(sc, vs, vz, t, n_q, HS)
-    if FAST_RCP:
-        ratio = vz * _rcp(vs)
-    else:
-        ratio = gl.fdiv(vz, vs)
+    ratio = _value_ratio(vs, vz, False, FAST_RCP)
     # the running max of S + log2 s'_V (see _tile), over both pages: the columns' maxima, then
     # each head's two columns (pages a and b) by one shuffle
     cmax = _col_max(sc + gl.maximum(_lg2(vs), -64.0), HS, FAST_MAX)
@@ -1379,18 +1387,11 @@ def _tile_pair_packed_bf16(
     s_tok = warpgroup_mma(k_b, qb_smem.permute((1, 0)), s_tok, use_acc=True, is_async=True)
     rows = _pair_scales(ks_bufs, vs_bufs, s, HS)
     s_acc, k_b = warpgroup_mma_wait(0, deps=[s_tok, k_b])
-    qsum, dq = qsums
     ks, kz, vs, vz = _pair_halves(rows, HS)  # the per-token factors, page a's columns first
-    if scaled_extraction(OPT, K_BITS, HD):
-        sc = (s_acc + dq[None, :]) * (ks * qk_scale) + kz * qsum[None, :]
-    else:
-        sc = s_acc * (ks * qk_scale) + kz * qsum[None, :]
+    sc = _key_logits(s_acc, ks, kz, 0, qsums, qk_scale, CFG)
     if MASKED:
         sc, vs, vz = _mask_pair_rows(sc, vs, vz, t, n_q, HS)
-    if FAST_RCP:
-        ratio = vz * _rcp(vs)
-    else:
-        ratio = gl.fdiv(vz, vs)
+    ratio = _value_ratio(vs, vz, False, FAST_RCP)
     cmax = _col_max(sc, HS, FAST_MAX)
     m_new = gl.maximum(m_i, gl.maximum(cmax, _swap_halves(cmax)))
     alpha = gl.exp2(m_i - m_new)
