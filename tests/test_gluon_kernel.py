@@ -62,7 +62,7 @@ import json, os, subprocess, sys, tempfile
 import triton
 from foscar.backends.gluon import compile_sm90
 from foscar.configs import GluonDecodeConfig
-ck = compile_sm90(GluonDecodeConfig(**{cfg}), k_bits={k_bits}, v_bits={v_bits},
+ck = compile_sm90(GluonDecodeConfig(**{cfg}), {heads_per_kv}, k_bits={k_bits}, v_bits={v_bits},
                   v_channel={v_channel}, k_channel={k_channel}, head_dim={head_dim})
 ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 with tempfile.TemporaryDirectory() as tmp:
@@ -95,6 +95,50 @@ def tile_loops(sass):
                 spans.append((lo, i))
     inner = [(a, b) for a, b in spans if not any(a < c and d < b for c, d in spans)]
     return [[t for _, t in ins[a : b + 1]] for a, b in inner]
+
+
+def unpaired_pack_merges(sass):
+    """SASS instructions ``F2FP ..._MERGE_C Rd, Ra, Rb, Rc`` whose Rc (the upper 16 bits of Rd)
+    was not last written by an F2FP, in program order: the upper half then comes from a
+    register that holds no converted pair. ptxas (triton 3.6.0's) emitted
+    ``F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C R10, R10, R10, R3`` with R3 never written when all
+    of a Q row's E4M3 pairs were one value (the constant zeros of a masked load)."""
+    last_writer, found = {}, []
+    for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?(\S+)\s+([^;]*);", sass):
+        op, regs = m.group(1), re.findall(r"\bR(?:\d+|Z)\b", m.group(2))
+        if op.startswith("F2FP") and "MERGE_C" in op:
+            if regs[3] != "RZ" and not last_writer.get(regs[3], "").startswith("F2FP"):
+                found.append(m.group(0))
+        if regs and not op.startswith(("ST", "BAR", "BRA", "ISETP", "FSETP")):
+            last_writer[regs[0]] = op
+    return found
+
+
+@pytest.mark.parametrize(
+    "heads_per_kv,packed", [(1, False), (3, False), (4, False), (8, False), (3, True), (4, True)]
+)
+def test_e4m3_q_staging_packs_only_converted_pairs(heads_per_kv, packed):
+    """Q^'s padding rows (heads past H) are zero from a product of loaded values, not from a
+    masked load's constants: with constants, ptxas packed those rows' E4M3 pairs with the upper
+    half from a register never written, and the stored rows held junk on the H200 (session 10;
+    racecheck's write-write hazard on that store, session 11)."""
+    base = configs.gluon_packed_config(2, 2) if packed else gluon_decode_config("token")
+    cfg = dataclasses.replace(base, opt=base.opt | 1024)
+    res = compile_in_subprocess(cfg, 2, 2, heads_per_kv=heads_per_kv)
+    assert unpaired_pack_merges(res["sass"]) == []
+    assert "F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C" in res["sass"]  # the pattern checked
+
+
+def test_unpaired_pack_merges_finds_the_pattern():
+    """The checker above flags the instruction ptxas emitted at session 10's Q staging."""
+    sass = """
+        /*0950*/                   F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C R11, R10, R11, RZ ;
+        /*0990*/                   F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C R20, R9, R20, R11 ;
+        /*09b0*/                   F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C R10, R10, R10, R3 ;
+        /*09c0*/                   LOP3.LUT R3, R8, UR12, RZ, 0x3c, !PT ;
+    """
+    found = unpaired_pack_merges(sass)
+    assert len(found) == 1 and "R10, R10, R10, R3" in found[0]
 
 
 @pytest.mark.parametrize(
@@ -250,7 +294,9 @@ def test_merge_launch_is_signalled_after_the_partials():
     assert "st.global" not in ptx[signals[0] : ptx.index("ret;", signals[0])]
 
 
-def compile_in_subprocess(cfg, k_bits, v_bits, head_dim=128, k_axis="token", v_axis="token"):
+def compile_in_subprocess(
+    cfg, k_bits, v_bits, head_dim=128, k_axis="token", v_axis="token", heads_per_kv=4
+):
     """compile_sm90 + ptxas -v + the SASS, in a fresh process: the interpreter
     (TRITON_INTERPRET=1, set for the CPU suite) replaces triton's own jit functions, which the
     Gluon compiler cannot reference."""
@@ -268,6 +314,7 @@ def compile_in_subprocess(cfg, k_bits, v_bits, head_dim=128, k_axis="token", v_a
                 v_channel=v_axis == "channel",
                 k_channel=k_axis == "channel",
                 head_dim=head_dim,
+                heads_per_kv=heads_per_kv,
                 cfg=dataclasses.asdict(cfg),
             ),
         ],

@@ -1586,16 +1586,20 @@ def _stage_q(q_ptr, stride_q_b, stride_q_h, qt_smem, hf_smem, CFG: gl.constexpr,
     h = h_row % (HS // 2) if PACKED else h_row
     # E4M3: column d holds channel _e4m3_key_channel(d) (the K operand's column order)
     q_cols = _e4m3_key_channel(d, K_BITS) if E4M3 else d
-    qt = gl.load(
-        q_ptr + b * stride_q_b + (kvh * H + h)[:, None] * stride_q_h + q_cols[None, :],
-        mask=(h < H)[:, None],
-        other=0.0,
-    )
     if E4M3:
+        # Rows past H load row h % H and are zeroed by a product, not by a masked load: with
+        # the load's constant zeros, all of a padding row's E4M3 pairs are one value, and ptxas
+        # (triton 3.6.0's) packs such a pair with the upper half taken from a register never
+        # written (F2FP.E4M3 ..._MERGE_C Rd, Ra, Ra, R3), so the stored row held junk (session
+        # 10's nonzero rows; racecheck's write-write hazard between the lanes that store it)
+        qt = gl.load(
+            q_ptr + b * stride_q_b + (kvh * H + h % H)[:, None] * stride_q_h + q_cols[None, :]
+        )
         # Q^ = e4m3(Q 4^-a 2^sigma) per head: sigma = 134 - (biased exponent of max |Q|), so the
         # head's largest value lands in [128, 256) of E4M3's 448; hf = 2^(9 - sigma) scales the
         # product back (_key_logits). Heads past H (zero) keep sigma = 127
         qf = qt.to(gl.float32)
+        qf = gl.where((h < H)[:, None], qf, qf * 0.0)
         if scaled_extraction(OPT, K_BITS, HD):
             qf = qf * _pow4((d // 16) % 2, True)[None, :]
         amax = gl.max(gl.abs(qf), axis=1)
@@ -1604,8 +1608,8 @@ def _stage_q(q_ptr, stride_q_b, stride_q_h, qt_smem, hf_smem, CFG: gl.constexpr,
         )
         q8 = qf * (ebits << 23).to(gl.float32, bitcast=True)[:, None]
         if PACKED:
-            # the zero halves from a product, not a constant: stores of compile-time zeros did
-            # not land on the H200 (read back, those rows held nonzero bytes, s10-print)
+            # the zero halves from a product, not a constant (the ptxas pairing above: with
+            # constant zeros these rows read back nonzero on the H200, s10-print)
             first = (h_row < HS // 2)[:, None]
             zero = q8 * 0.0
             qt_smem.store(gl.where(first, q8, zero).to(gl.float8e4nv))
@@ -1614,6 +1618,11 @@ def _stage_q(q_ptr, stride_q_b, stride_q_h, qt_smem, hf_smem, CFG: gl.constexpr,
             qt_smem.store(q8.to(gl.float8e4nv))
         hf_smem.store(((263 - ebits) << 23).to(gl.float32, bitcast=True))
     else:
+        qt = gl.load(
+            q_ptr + b * stride_q_b + (kvh * H + h)[:, None] * stride_q_h + q_cols[None, :],
+            mask=(h < H)[:, None],
+            other=0.0,
+        )
         if scaled_extraction(OPT, K_BITS, HD) and not K_CHANNEL:  # Q~ = Q 4^-a, exact in bf16
             qt = (qt.to(gl.float32) * _pow4(_scaled_exponent_k(d), True)[None, :]).to(gl.bfloat16)
         if PACKED:  # the zero halves from a product (see the E4M3 branch)
