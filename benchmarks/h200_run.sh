@@ -53,6 +53,8 @@
 #   bash benchmarks/h200_run.sh s10-sanitize # session 10: packed heads in a CUDA graph, memcheck and racecheck
 #   bash benchmarks/h200_run.sh s10-bf16 # session 10: packed heads with bf16 operands: GPU cases, the 13 points
 #   bash benchmarks/h200_run.sh s10-last # session 10: the bf16 packed rule's GPU cases; the main grid at the shipped defaults
+#   bash benchmarks/h200_run.sh s11-fix # session 11: E4M3 Q staging without ptxas's unpaired merge: GPU cases, racecheck, memcheck
+#   bash benchmarks/h200_run.sh s11-grid # session 11: the 13 points of every method at the shipped defaults (results/h200/decode_grid.*), the axes grid (session11/grid/decode_axes_s11.*)
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -472,6 +474,36 @@ case "$mode" in
     tail -3 "$OUT/gpu_tests_packed_bf16.log"
     timeout 280 python3 benchmarks/gluon_variants.py --out "$OUT" --points main \
       --variants qc-pdl packed --name gluon_packed_bf16_s10 2>&1 | tail -32
+    ;;
+  s11-fix)
+    # session 11: E4M3 Q staging with the padding rows from a product (ptxas packed the masked
+    # load's constant zeros with a never-written upper half): the E4M3 and packed GPU cases, then
+    # racecheck and memcheck over one-page E4M3 cases with padding heads (3 of 8 columns real)
+    # and without, and a packed case
+    timeout 220 python3 -m pytest -q -p no:cacheprovider -rfs --tb=short tests/test_gluon_kernel.py \
+      -k "(e4m3 or packed) and not compile and not bf16" > "$OUT/gpu_tests_e4m3_s11.log" 2>&1
+    tail -3 "$OUT/gpu_tests_e4m3_s11.log"
+    sel="test_e4m3_operands_odd_lengths[3-2-2] or test_e4m3_operands_odd_lengths[4-4-4] or test_e4m3_packed_heads[4-2-2]"
+    for tool in racecheck memcheck; do
+      timeout 150 compute-sanitizer --tool $tool --print-limit 10 python3 -m pytest -q -x -p no:cacheprovider \
+        tests/test_gluon_kernel.py -k "$sel" 2>&1 | grep -v "Host Frame" > "$OUT/e4m3_$tool.log"
+      grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$OUT/e4m3_$tool.log" | tail -3
+      grep -E "hazard|Invalid|Error" "$OUT/e4m3_$tool.log" | sed 's/+0x[0-9a-f]*//g' | sort | uniq -c | head -8
+    done
+    ;;
+  s11-grid)
+    # session 11: every method's 13 points at the shipped defaults (results/h200/decode_grid.*),
+    # then the axis pairs (session11/grid/decode_axes_s11.*: the committed run wrote them as
+    # decode_axes.*, before --name was added, and they were renamed so that the committed
+    # decode_axes.* keep session 6's Triton rows); first the E4M3 cases s11-fix's time limit cut
+    timeout 90 python3 -m pytest -q -p no:cacheprovider -rfs --tb=short tests/test_gluon_kernel.py \
+      -k "e4m3_operands_paper_shape_and_windows or e4m3_operands_cuda_graph_replay" > "$OUT/gpu_tests_e4m3_s11b.log" 2>&1
+    tail -3 "$OUT/gpu_tests_e4m3_s11b.log"
+    timeout 330 python3 -m foscar bench --grid main --methods foscar-gluon foscar-gluon-e4m3 foscar-triton \
+      foscar-reconstruct foscar-gluon-reconstruct flashinfer-bf16 flashinfer-fp8 trtllm-xqa-fp8 \
+      --out "$OUT" 2>&1 | tee "$OUT/decode_grid.log" | grep -v "^\[" | tail -24
+    timeout 200 python3 -m foscar bench --grid axes --methods foscar-gluon foscar-gluon-e4m3 flashinfer-bf16 \
+      --name decode_axes_s11 --out "$OUT" 2>&1 | tee "$OUT/decode_axes_s11.log" | grep -v "^\[" | tail -12
     ;;
   s10-last)
     # session 10: the bf16 packed-heads rule (configs.BF16_PACKED_MIN_TILES): its GPU case and the
