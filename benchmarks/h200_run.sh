@@ -55,6 +55,8 @@
 #   bash benchmarks/h200_run.sh s10-last # session 10: the bf16 packed rule's GPU cases; the main grid at the shipped defaults
 #   bash benchmarks/h200_run.sh s11-fix # session 11: E4M3 Q staging without ptxas's unpaired merge: GPU cases, racecheck, memcheck
 #   bash benchmarks/h200_run.sh s11-grid # session 11: the 13 points of every method at the shipped defaults (results/h200/decode_grid.*), the axes grid (session11/grid/decode_axes_s11.*)
+#   bash benchmarks/h200_run.sh s11-pages # session 11: page sizes 16-256 in the Gluon kernel: GPU cases, memcheck, two points per page size beside Triton and FlashInfer
+#   bash benchmarks/h200_run.sh s11-pages-tests # session 11: the page-size GPU cases and memcheck again (s11-pages' -k also took the compile tests)
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -504,6 +506,32 @@ case "$mode" in
       --out "$OUT" 2>&1 | tee "$OUT/decode_grid.log" | grep -v "^\[" | tail -24
     timeout 200 python3 -m foscar bench --grid axes --methods foscar-gluon foscar-gluon-e4m3 flashinfer-bf16 \
       --name decode_axes_s11 --out "$OUT" 2>&1 | tee "$OUT/decode_axes_s11.log" | grep -v "^\[" | tail -12
+    ;;
+  s11-pages-tests)
+    # session 11: s11-pages' GPU cases (its -k matched the CPU compile tests too, which ran first
+    # into its time limit, and its memcheck ids matched no case): the 16 cases, then memcheck
+    timeout 420 python3 -m pytest -q -p no:cacheprovider -rfs --tb=short tests/test_gluon_kernel.py \
+      -k "test_page_sizes and not compile" > "$OUT/gpu_tests_pages.log" 2>&1
+    tail -3 "$OUT/gpu_tests_pages.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests_pages.log" | head
+    timeout 150 compute-sanitizer --tool memcheck --print-limit 10 python3 -m pytest -q -x -p no:cacheprovider \
+      tests/test_gluon_kernel.py -k "test_page_sizes[16-2-4]" 2>&1 | grep -v "Host Frame" > "$OUT/pages_memcheck.log"
+    grep -E "ERROR SUMMARY|passed|failed" "$OUT/pages_memcheck.log" | tail -2
+    ;;
+  s11-pages)
+    # session 11: the Gluon kernel over caches of 16, 32, 128 and 256-token pages (token-wise K
+    # and V; a tile is still 64 tokens): the GPU cases, memcheck over two of them, then the quick
+    # grid's two points per page size beside the Triton kernel and FlashInfer BF16 at that page
+    # size (configs.GLUON_OVER_TRITON_PAGE_US is read off these)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -rfs --tb=short tests/test_gluon_kernel.py \
+      -k "test_page_sizes and not compile" > "$OUT/gpu_tests_pages.log" 2>&1
+    tail -3 "$OUT/gpu_tests_pages.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests_pages.log" | head
+    timeout 120 compute-sanitizer --tool memcheck --print-limit 10 python3 -m pytest -q -x -p no:cacheprovider \
+      tests/test_gluon_kernel.py -k "test_page_sizes[16-2-4] or test_page_sizes[256-4-2]" 2>&1 | grep -v "Host Frame" > "$OUT/pages_memcheck.log"
+    grep -E "ERROR SUMMARY|passed|failed" "$OUT/pages_memcheck.log" | tail -2
+    for ps in 16 32 128 256; do
+      timeout 100 python3 -m foscar bench --grid quick --page-size $ps --methods foscar-gluon foscar-gluon-e4m3 \
+        foscar-triton flashinfer-bf16 --out "$OUT" 2>&1 | tee "$OUT/decode_quick_p$ps.log" | grep -v "^\[" | tail -9
+    done
     ;;
   s10-last)
     # session 10: the bf16 packed-heads rule (configs.BF16_PACKED_MIN_TILES): its GPU case and the

@@ -333,6 +333,26 @@ GLUON_OVER_TRITON_US = {
 }
 GLUON_GRID_KV_HEADS = 8  # H_KV of every row above: a row's CTAs are batch x 8
 
+#: Page sizes other than 64 (the rows above are all at 64), token-wise K and V at head_dim 128:
+#: (bits, page_size, batch, kv_len): (triton_us, gluon_us), H_Q=32, H_KV=8, each kernel's
+#: default config. ``auto`` takes Gluon at such a page size only where every row of it (of the
+#: format's bit widths) was measured faster.
+GLUON_OVER_TRITON_PAGE_US: dict[tuple[int, int, int, int], tuple[float, float]] = {
+    # `bash benchmarks/h200_run.sh s11-pages` (session11/pages/decode_quick_p*): the quick grid
+    (2, 16, 1, 32768): (27.1, 21.6),
+    (2, 16, 64, 16384): (505.1, 321.5),
+    (4, 16, 1, 32768): (31.3, 21.4),
+    (4, 16, 64, 16384): (601.6, 366.9),
+    (2, 32, 1, 32768): (26.9, 20.6),
+    (2, 32, 64, 16384): (495.5, 272.3),
+    (4, 32, 1, 32768): (31.0, 20.7),
+    (4, 32, 64, 16384): (608.1, 318.7),
+    (2, 128, 1, 32768): (26.3, 20.1),
+    (2, 128, 64, 16384): (501.6, 261.6),
+    (4, 128, 1, 32768): (29.8, 21.8),
+    (4, 128, 64, 16384): (577.2, 306.1),
+}
+
 
 def gluon_min_ctas(
     k_axis: str, v_axis: str, head_dim: int = 128, bits: tuple[int, ...] = (2, 4)
@@ -354,9 +374,23 @@ def gluon_min_ctas(
 
 
 def auto_takes_gluon(
-    k_axis: str, v_axis: str, head_dim: int, bits: tuple[int, ...], ctas: int
+    k_axis: str,
+    v_axis: str,
+    head_dim: int,
+    bits: tuple[int, ...],
+    ctas: int,
+    page_size: int = 64,
 ) -> bool:
     """Whether ``backend="auto"`` takes Gluon for a format it covers at ``ctas`` = sequences x KV
-    heads (:func:`gluon_min_ctas`)."""
+    heads (:func:`gluon_min_ctas`), and at a page size other than 64 only where
+    :data:`GLUON_OVER_TRITON_PAGE_US` has rows of it and Gluon won them all."""
+    if page_size != 64:
+        rows = [
+            triton_us > gluon_us
+            for (b, ps, _, _), (triton_us, gluon_us) in GLUON_OVER_TRITON_PAGE_US.items()
+            if ps == page_size and b in bits
+        ]
+        if not rows or not all(rows) or (k_axis, v_axis, head_dim) != ("token", "token", 128):
+            return False
     min_ctas = gluon_min_ctas(k_axis, v_axis, head_dim, bits)
     return min_ctas is not None and ctas >= min_ctas

@@ -50,6 +50,7 @@ def default_backend(cache: QuantizedKVCache, q: torch.Tensor) -> str:
             cache.head_dim,
             tuple({k.bits, v.bits}),
             q.shape[0] * cache.num_kv_heads,
+            cache.page_size,
         ):
             return "gluon"
     if (
@@ -91,7 +92,8 @@ def decode_attention(
         ``"gluon-reconstruct"`` or ``"gluon-e4m3"``
         ``"gluon"`` is the warp-specialized Hopper kernel (sm_90; INT2/INT4 K and V, each
         token-wise with g = head_dim (128 or 64) or, at head_dim 128, channel-wise in groups of
-        128 tokens; page size 64, up to 8 query heads per KV head; windows included).
+        128 tokens; page size 64, or 16, 32, 128 for token-wise K and V; up to 8 query heads
+        per KV head; windows included).
         ``"auto"`` takes it where it applies and the H200 measured it faster
         (:func:`default_backend`), else the Triton kernel for bf16 queries on a GPU
         when it covers the format (bf16 mapping, head_dim 64 or 128, at most 16 query heads

@@ -63,7 +63,8 @@ import triton
 from foscar.backends.gluon import compile_sm90
 from foscar.configs import GluonDecodeConfig
 ck = compile_sm90(GluonDecodeConfig(**{cfg}), {heads_per_kv}, k_bits={k_bits}, v_bits={v_bits},
-                  v_channel={v_channel}, k_channel={k_channel}, head_dim={head_dim})
+                  v_channel={v_channel}, k_channel={k_channel}, head_dim={head_dim},
+                  page_size={page_size})
 ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, "k.ptx")
@@ -95,6 +96,33 @@ def tile_loops(sass):
                 spans.append((lo, i))
     inner = [(a, b) for a, b in spans if not any(a < c and d < b for c, d in spans)]
     return [[t for _, t in ins[a : b + 1]] for a, b in inner]
+
+
+@pytest.mark.parametrize("page_size", [16, 32, 128, 256])
+@pytest.mark.parametrize("kind", ["bf16", "e4m3", "packed", "head_dim_64"])
+def test_page_sizes_compile_as_page_64(kind, page_size):
+    """Pages other than 64 tokens change the producer only (a tile is 64 tokens: 64 / page_size
+    whole pages, or a 64-row part of a larger page): the same registers, spills and shared
+    memory as page 64, no local memory in the tile loops, and loops within 2% of page 64's
+    length (ptxas schedules the consumers a little differently: packed INT2 at page 16 432 ->
+    439 instructions for two pages)."""
+    one = gluon_decode_config("token")
+    cfg, bits, d = {
+        "bf16": (one, 2, 128),
+        "e4m3": (dataclasses.replace(one, opt=one.opt | 1024), 4, 128),
+        "packed": (configs.gluon_packed_config(2, 2), 2, 128),
+        "head_dim_64": (one, 4, 64),
+    }[kind]
+    res = compile_in_subprocess(cfg, bits, bits, head_dim=d, page_size=page_size)
+    ref = compile_in_subprocess(cfg, bits, bits, head_dim=d)
+    assert res["shared"] == ref["shared"]
+    for pattern in (r"Used (\d+) registers", r"(\d+) bytes spill stores"):
+        assert re.findall(pattern, res["info"]) == re.findall(pattern, ref["info"]), res["info"]
+    loops, ref_loops = tile_loops(res["sass"]), tile_loops(ref["sass"])
+    assert len(loops) == len(ref_loops) >= 2
+    for body, ref_body in zip(loops, ref_loops):
+        assert not [t for t in body if re.search(r"\b(LDL|STL)\b", t)]
+        assert abs(len(body) - len(ref_body)) <= 0.02 * len(ref_body), (len(body), len(ref_body))
 
 
 def unpaired_pack_merges(sass):
@@ -295,7 +323,7 @@ def test_merge_launch_is_signalled_after_the_partials():
 
 
 def compile_in_subprocess(
-    cfg, k_bits, v_bits, head_dim=128, k_axis="token", v_axis="token", heads_per_kv=4
+    cfg, k_bits, v_bits, head_dim=128, k_axis="token", v_axis="token", heads_per_kv=4, page_size=64
 ):
     """compile_sm90 + ptxas -v + the SASS, in a fresh process: the interpreter
     (TRITON_INTERPRET=1, set for the CPU suite) replaces triton's own jit functions, which the
@@ -315,6 +343,7 @@ def compile_in_subprocess(
                 k_channel=k_axis == "channel",
                 head_dim=head_dim,
                 heads_per_kv=heads_per_kv,
+                page_size=page_size,
                 cfg=dataclasses.asdict(cfg),
             ),
         ],
@@ -359,8 +388,17 @@ def test_supports_head_dim_and_page_size():
     fmt256 = KVFormat(INT2, INT2)
     cache, _ = build_cache(fmt256, (5,), head_dim=256)
     assert "head_dim 128 or 64, got 256" in gluon_backend.supports(cache, 4)
-    cache, _ = build_cache(FMT, (5,), page_size=32)
-    assert "page_size 64" in gluon_backend.supports(cache, 4)
+    for page_size in (16, 32, 128):  # token-wise K and V
+        cache, _ = build_cache(FMT, (5,), page_size=page_size)
+        assert gluon_backend.supports(cache, 4) is None
+        cache, _ = build_cache(
+            KVFormat(INT2, QuantFormat(2, "channel", 128)), (5,), page_size=page_size
+        )
+        assert f"channel-wise groups at page_size 64 (a group is two pages), got {page_size}" in (
+            gluon_backend.supports(cache, 4)
+        )
+    cache, _ = build_cache(FMT, (5,), page_size=256)  # compiles, GPU cases not run: Triton's
+    assert "page sizes (16, 32, 64, 128), got 256" in gluon_backend.supports(cache, 4)
     for fmt in (
         FMT,
         KVFormat(INT4, INT2),
@@ -948,6 +986,37 @@ def test_e4m3_operands_three_ctas_per_sm(ratio):
 
 @sm90_only
 @pytest.mark.parametrize("k_bits,v_bits", BIT_PAIRS)
+@pytest.mark.parametrize("page_size", [16, 32, 128])
+def test_page_sizes(page_size, k_bits, v_bits):
+    """A cache of 16, 32 or 128-token pages (token-wise K and V): odd lengths (a last tile over
+    part of a page, pages past the history), GQA 1, 3, 4 and 8, bf16 and E4M3 operands,
+    one-page and packed-heads configs, 1 and 7 splits, against fp64 at each path's bar. On the
+    H200 (s11-pages-tests, before its time limit): pages of 16 and 32 at every bit pair, 128 at
+    INT2."""
+    fmt = KVFormat(QuantFormat(k_bits, "token", 128), QuantFormat(v_bits, "token", 128))
+    for ratio in (1, 3, 4, 8):
+        cache, batch = build_cache(
+            fmt, LENGTHS, num_kv_heads=2, page_size=page_size, device="cuda", seed=ratio
+        )
+        q = queries(batch, 2 * ratio, 128, "cuda")
+        out, lse = run(q, cache, batch)
+        check_against_reference(out, lse, q, cache, batch)
+        check_e4m3_against_reference(*run(q, cache, batch, backend="gluon-e4m3"), q, cache, batch)
+        for splits in (1, 7):
+            o, _ = run_launcher(q, cache, batch, splits=splits)
+            check_against_reference(o, None, q, cache, batch)
+        if ratio <= 4:
+            for operands in ("bf16", "e4m3"):
+                cfg = configs.gluon_packed_config(k_bits, v_bits)
+                o, lse_p = run_launcher(q, cache, batch, config=cfg, operands=operands)
+                check = (
+                    check_e4m3_against_reference if operands == "e4m3" else check_against_reference
+                )
+                check(o, lse_p, q, cache, batch)
+
+
+@sm90_only
+@pytest.mark.parametrize("k_bits,v_bits", BIT_PAIRS)
 @pytest.mark.parametrize("ratio", [1, 2, 3, 4])
 def test_e4m3_packed_heads(ratio, k_bits, v_bits):
     """Packed heads (two pages' scores in one tile) over odd lengths (a last tile whose page b
@@ -1169,3 +1238,24 @@ def test_auto_rule_is_read_off_the_measured_table(monkeypatch):
     assert not configs.auto_takes_gluon("channel", "token", 128, (2,), 63)
     assert configs.auto_takes_gluon("channel", "token", 128, (2,), 64)
     assert not configs.auto_takes_gluon("channel", "channel", 128, (2, 4), 10**6)
+
+
+def test_auto_takes_gluon_at_other_page_sizes_where_measured(monkeypatch):
+    """At a page size other than 64, auto takes Gluon only where GLUON_OVER_TRITON_PAGE_US has
+    rows of that page size (and the format's bit widths) and Gluon won every one."""
+    table = {
+        (2, 16, 1, 32768): (30.0, 20.0),
+        (2, 16, 64, 16384): (500.0, 300.0),
+        (4, 16, 1, 32768): (30.0, 35.0),  # lost
+        (2, 128, 1, 32768): (30.0, 20.0),
+    }
+    monkeypatch.setattr(configs, "GLUON_OVER_TRITON_PAGE_US", table)
+    assert configs.auto_takes_gluon("token", "token", 128, (2,), 8, page_size=16)
+    assert not configs.auto_takes_gluon("token", "token", 128, (4,), 8, page_size=16)
+    assert not configs.auto_takes_gluon("token", "token", 128, (2, 4), 8, page_size=16)
+    assert configs.auto_takes_gluon("token", "token", 128, (2,), 8, page_size=128)
+    assert not configs.auto_takes_gluon("token", "token", 128, (4,), 8, page_size=128)  # no rows
+    assert not configs.auto_takes_gluon("token", "token", 128, (2,), 8, page_size=32)
+    assert not configs.auto_takes_gluon("token", "token", 64, (2,), 8, page_size=16)
+    assert not configs.auto_takes_gluon("token", "channel", 128, (2,), 8, page_size=16)
+    assert configs.auto_takes_gluon("token", "token", 128, (2,), 8)  # page 64: the main table

@@ -42,6 +42,11 @@ __all__ = [
 
 HEAD_DIMS = (128, 64)  # 64: token-wise K and V only
 PAGE_SIZE = 64
+#: cache page sizes the kernel reads (a tile is 64 tokens: one page of 64, a 64-row part of a
+#: page of 128, or 64 / page_size whole pages; other than 64 for token-wise K and V only). 256
+#: compiles and was timed, but its GPU cases did not run on the H200 (session 11's time), so it
+#: is left to the Triton kernel
+PAGE_SIZES = (16, 32, 64, 128)
 MAX_HEADS_PER_KV = 8  # the wgmma N of the QK and PV products (HS = 8)
 
 
@@ -98,10 +103,13 @@ def supports(cache: QuantizedKVCache, num_q_heads: int) -> str | None:
                 f"the Gluon kernel covers token-wise {role}s with g=head_dim={d}; "
                 f"{role} is {q.short()}"
             )
-    if cache.page_size != PAGE_SIZE:
+    if cache.page_size != PAGE_SIZE and GroupAxis.CHANNEL in (k.axis, v.axis):
         return (
-            f"the Gluon kernel needs page_size {PAGE_SIZE} (a page per tile), got {cache.page_size}"
+            f"the Gluon kernel covers channel-wise groups at page_size {PAGE_SIZE} (a group is "
+            f"two pages), got {cache.page_size}"
         )
+    if cache.page_size not in PAGE_SIZES:
+        return f"the Gluon kernel covers page sizes {PAGE_SIZES}, got {cache.page_size}"
     ratio = num_q_heads // cache.num_kv_heads
     if ratio > MAX_HEADS_PER_KV:
         return f"at most {MAX_HEADS_PER_KV} query heads per KV head, got {ratio}"
@@ -193,13 +201,14 @@ def _descriptors(cache: QuantizedKVCache, layer: int):
             (st.v_words, st.v_scales, v_layout),
         ):
             sv = scales.view(scales.shape[0], scales.shape[1], -1)
-            box = [1, 1, kern.PAGE, words.shape[-1]]
+            rows = min(cache.page_size, kern.PAGE)  # a page, or a 64-token part of one
+            box = [1, 1, rows, words.shape[-1]]
             descs.append(
                 TensorDescriptor(words, list(words.shape), list(words.stride()), box, layout)
             )
             descs.append(
                 TensorDescriptor(
-                    sv, list(sv.shape), list(sv.stride()), [1, 1, 2 * kern.PAGE], scales_layout
+                    sv, list(sv.shape), list(sv.stride()), [1, 1, 2 * rows], scales_layout
                 )
             )
         memo[key] = tuple(descs)  # k words, k scales, v words, v scales
@@ -235,6 +244,7 @@ def _constexprs(
     v_channel: bool,
     k_channel: bool,
     head_dim: int,
+    page_size: int = PAGE_SIZE,
 ):
     """The kernel's compile-time arguments (one place for the launcher and compile_sm90)."""
     return dict(
@@ -250,6 +260,7 @@ def _constexprs(
         CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_REGS=cfg.producer_regs,
         OPT=cfg.opt,
+        PS=page_size,
     )
 
 
@@ -337,6 +348,7 @@ def decode(
         fmt.value.axis is GroupAxis.CHANNEL,
         fmt.key.axis is GroupAxis.CHANNEL,
         d,
+        cache.page_size,
     )
     kern.gluon_decode_split_kernel[(bsz, cache.num_kv_heads, splits)](
         q,
@@ -397,6 +409,7 @@ def compile_sm90(
     v_channel: bool = False,
     k_channel: bool = False,
     head_dim: int = 128,
+    page_size: int = PAGE_SIZE,
 ):
     """Compile the kernel for sm_90a without a GPU (tests, SASS counts): a CompiledKernel whose
     ``asm`` holds ttgir/ptx/cubin. The layout proofs of the operand programs
@@ -413,9 +426,10 @@ def compile_sm90(
     def desc(dtype, block, layout):
         return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout!r}>"
 
-    k_box = [1, 1, kern.PAGE, kern.words_per_row(k_bits, head_dim)]
-    v_box = [1, 1, kern.PAGE, kern.words_per_row(v_bits, head_dim)]
-    scales_box = [1, 1, 2 * kern.PAGE]
+    rows = min(page_size, kern.PAGE)  # as _descriptors: a page, or a 64-token part of one
+    k_box = [1, 1, rows, kern.words_per_row(k_bits, head_dim)]
+    v_box = [1, 1, rows, kern.words_per_row(v_bits, head_dim)]
+    scales_box = [1, 1, 2 * rows]
     sig = {
         "q_ptr": "*bf16",
         "kw_desc": desc("i32", k_box, k_layout),
@@ -432,7 +446,9 @@ def compile_sm90(
         "out_ptr": "*bf16",
         "lse_out_ptr": "*fp32",
     }
-    consts = _constexprs(cfg, heads_per_kv, k_bits, v_bits, v_channel, k_channel, head_dim)
+    consts = _constexprs(
+        cfg, heads_per_kv, k_bits, v_bits, v_channel, k_channel, head_dim, page_size
+    )
     fn = kern.gluon_decode_split_kernel
     full = {n: sig.get(n, "constexpr" if n in consts else "i32") for n in fn.arg_names}
     src = GluonASTSource(fn, full, constexprs=consts, attrs={})

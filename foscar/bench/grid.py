@@ -436,6 +436,12 @@ def add_arguments(parser) -> None:
         default=128,
         help="head_dim of every method (H_Q=32, H_KV=8); foscar's groups: min(head_dim, 128)",
     )
+    parser.add_argument(
+        "--page-size",
+        type=int,
+        default=64,
+        help="tokens per cache page, of foscar's caches and FlashInfer's (default 64)",
+    )
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--out", default="benchmarks/results/h200")
     parser.add_argument("--name", default=None, help="result file stem (default by grid)")
@@ -457,7 +463,9 @@ def run(args) -> int:
         print("foscar bench needs a CUDA GPU", file=sys.stderr)
         return 2
     grid = "axes" if args.axes == "all" else args.grid
-    shape = Shape(head_dim=args.head_dim, group_size=min(args.head_dim, 128))
+    shape = Shape(
+        head_dim=args.head_dim, group_size=min(args.head_dim, 128), page_size=args.page_size
+    )
     env = environment(torch.device("cuda"))
     env["shape"] = dataclasses.asdict(shape)
     print(json.dumps(env))
@@ -484,6 +492,8 @@ def run(args) -> int:
             points, methods, axes=axes, bits_list=args.bits, iters=args.iters, shape=shape
         )
         default_name = name if args.head_dim == 128 else f"{name}_d{args.head_dim}"
+        if args.page_size != 64:
+            default_name += f"_p{args.page_size}"
         write_results(rows, env, args.out, args.name or default_name)
         print(markdown_table(rows))
     return 0

@@ -75,6 +75,8 @@ MAGIC = 0x43004300  # two bf16 128.0: the mantissa-injection base of both halves
 
 D = 128
 PAGE = 64
+#: PAGE for the kernels' own code (a tile unit: 64 tokens, whatever the cache's page size)
+UNIT = gl.constexpr(PAGE)
 
 
 # ------------------------------------------------------------------------------------------ layouts
@@ -1674,6 +1676,10 @@ def _producer(descs, ring, kv_indices_ptr, split, CFG: gl.constexpr):
     kw_desc, ks_desc, vw_desc, vs_desc = descs
     TP: gl.constexpr = CFG[8]
     OPT: gl.constexpr = CFG[5]
+    PS: gl.constexpr = CFG[10]
+    if PS != UNIT:
+        _producer_units(descs, ring, kv_indices_ptr, split, CFG)
+        return
     t_begin, _, t_end, n_q, page_base = _split_span(*split, TP, OPT)
     kvh = gl.program_id(1)
     kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty = ring
@@ -1749,6 +1755,92 @@ def _producer(descs, ring, kv_indices_ptr, split, CFG: gl.constexpr):
                 tma.async_copy_global_to_shared(vs_desc, [page, kvh, 0], bar, vs_bufs.index(s))
 
 
+@gluon.constexpr_function
+def _part_row(c, copies, rows):
+    """The first buffer row of copy c (of ``copies`` per 64-token unit, ``rows`` each)."""
+    return (c % copies) * rows
+
+
+@gluon.jit
+def _producer_units(descs, ring, kv_indices_ptr, split, CFG: gl.constexpr):
+    """The producer for a cache page size PS other than the tile's 64 tokens (token-wise K and
+    V): a stage still holds TP 64-token units, each its rows of one page (PS > 64: unit u is
+    rows 64 (u % (PS / 64)) of page u // (PS / 64)) or 64 / PS whole pages copied into row
+    slices of the unit's buffers (PS < 64). A tile's page indices are one vector load, issued
+    before the wait for its stage. Units and pages past the history repeat the last one (the
+    consumers mask those rows)."""
+    kw_desc, ks_desc, vw_desc, vs_desc = descs
+    TP: gl.constexpr = CFG[8]
+    OPT: gl.constexpr = CFG[5]
+    PS: gl.constexpr = CFG[10]
+    SPC: gl.constexpr = CFG[0]
+    gl.static_assert(not (CFG[4] or CFG[6]), "page sizes other than 64: token-wise K and V")
+    t_begin, _, t_end, n_q, page_base = _split_span(*split, TP, OPT)
+    kvh = gl.program_id(1)
+    kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty = ring
+    COMPUTE_ONLY: gl.constexpr = (OPT & 64) != 0
+    ROWS: gl.constexpr = PS if PS < UNIT else UNIT  # rows of one copy
+    COPIES: gl.constexpr = UNIT // ROWS  # copies per unit and role
+    UPP: gl.constexpr = PS // UNIT if PS > UNIT else 1  # units per page
+    NP: gl.constexpr = TP * COPIES  # pages (or page parts) a tile
+    nbytes: gl.constexpr = (
+        kw_desc.block_type.nbytes
+        + vw_desc.block_type.nbytes
+        + ks_desc.block_type.nbytes
+        + vs_desc.block_type.nbytes
+    ) * NP
+    last_unit = gl.cdiv(n_q, UNIT) - 1
+    last_page = gl.cdiv(n_q, PS) - 1  # (PS < 64)
+    k = gl.arange(0, NP, layout=gl.BlockedLayout([1], [32], [1], [0]))
+    for j in range(t_end - t_begin):
+        i = j // 2
+        s = (j % 2) * SPC + i % SPC
+        bar = ready.index(s)
+        # copy k of the tile: unit k // COPIES, its page part k % COPIES
+        unit = gl.minimum(TP * (t_begin + j) + k // COPIES, last_unit)
+        if PS < UNIT:
+            page = gl.minimum(unit * COPIES + k % COPIES, last_page)
+        else:
+            page = unit // UPP
+        pages = gl.load(kv_indices_ptr + page_base + page)
+        rows = (unit % UPP) * UNIT  # the unit's first row in its page (PS > 64)
+        mbarrier.wait(empty.index(s), ((i // SPC) & 1) ^ 1)  # fresh barriers pass phase 1
+        if COMPUTE_ONLY and j >= 2 * SPC:
+            mbarrier.arrive(bar)  # timing ablation: consumers recompute stale stages, no HBM
+        else:
+            mbarrier.expect(bar, nbytes)
+            for c in gl.static_range(NP):
+                pg = gl.sum(gl.where(k == c, pages, 0), axis=0)
+                row = gl.sum(gl.where(k == c, rows, 0), axis=0)
+                w = TP * s + c // COPIES
+                # its rows in the unit's buffers: _part_row(c, COPIES, ROWS) of the words, twice
+                # that of the scales
+                tma.async_copy_global_to_shared(
+                    kw_desc,
+                    [pg, kvh, row, 0],
+                    bar,
+                    kw_bufs.index(w).slice(_part_row(c, COPIES, ROWS), ROWS, 2),
+                )
+                tma.async_copy_global_to_shared(
+                    vw_desc,
+                    [pg, kvh, row, 0],
+                    bar,
+                    vw_bufs.index(w).slice(_part_row(c, COPIES, ROWS), ROWS, 2),
+                )
+                tma.async_copy_global_to_shared(
+                    ks_desc,
+                    [pg, kvh, 2 * row],
+                    bar,
+                    ks_bufs.index(w).slice(_part_row(c, COPIES, 2 * ROWS), 2 * ROWS, 2),
+                )
+                tma.async_copy_global_to_shared(
+                    vs_desc,
+                    [pg, kvh, 2 * row],
+                    bar,
+                    vs_bufs.index(w).slice(_part_row(c, COPIES, 2 * ROWS), 2 * ROWS, 2),
+                )
+
+
 @gluon.jit
 def _copy_page(descs, bufs, page, kvh, w_idx, s_idx, bar):
     """TMA copies of one page (K and V words, K and V scale chunks) into the given buffers."""
@@ -1803,6 +1895,7 @@ def gluon_decode_split_kernel(
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
     OPT: gl.constexpr,  # see the consumer section
+    PS: gl.constexpr = 64,  # the cache's page size: 64, or 16-256 for token-wise K and V
 ):
     gl.static_assert(HS >= H)
     b = gl.program_id(0)
@@ -1812,21 +1905,18 @@ def gluon_decode_split_kernel(
     # ---- shared memory: the ring, Q^T, P' per consumer, merge buffers, barriers
     NS: gl.constexpr = 2 * SPC
     gl.static_assert(TP == 1 or TP == 2)
+    # a unit of 64 tokens per buffer (the TMA box holds fewer rows when the page does: PS < 64)
     kw_bufs = gl.allocate_shared_memory(
-        gl.int32, [NS * TP] + kw_desc.block_type.shape, kw_desc.layout
+        gl.int32, [NS * TP, 1, 1, UNIT, HD * K_BITS // 32], kw_desc.layout
     )
     vw_bufs = gl.allocate_shared_memory(
-        gl.int32, [NS * TP] + vw_desc.block_type.shape, vw_desc.layout
+        gl.int32, [NS * TP, 1, 1, UNIT, HD * V_BITS // 32], vw_desc.layout
     )
     # scale chunks a stage: TP, or two for a channel-wise role (its group's)
     KSB: gl.constexpr = NS * (2 if K_CHANNEL else TP)
-    ks_bufs = gl.allocate_shared_memory(
-        gl.float32, [KSB] + ks_desc.block_type.shape, ks_desc.layout
-    )
+    ks_bufs = gl.allocate_shared_memory(gl.float32, [KSB, 1, 1, 2 * UNIT], ks_desc.layout)
     VSB: gl.constexpr = NS * (2 if V_CHANNEL else TP)
-    vs_bufs = gl.allocate_shared_memory(
-        gl.float32, [VSB] + vs_desc.block_type.shape, vs_desc.layout
-    )
+    vs_bufs = gl.allocate_shared_memory(gl.float32, [VSB, 1, 1, 2 * UNIT], vs_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NS):
@@ -1842,7 +1932,7 @@ def gluon_decode_split_kernel(
         gl.NVMMASharedLayout.get_default_for([HS, HD], op_dtype),
     )
     hf_bufs = gl.allocate_shared_memory(gl.float32, [2 * HS], plain_shared_layout(1))
-    CFG: gl.constexpr = (SPC, HS, K_BITS, V_BITS, V_CHANNEL, OPT, K_CHANNEL, HD, TP, H)
+    CFG: gl.constexpr = (SPC, HS, K_BITS, V_BITS, V_CHANNEL, OPT, K_CHANNEL, HD, TP, H, PS)
     q_args = (q_ptr, stride_q_b, stride_q_h)
     if not q_in_consumers(OPT):
         _stage_q(*q_args, qt_bufs.index(0), hf_bufs.slice(0, HS), CFG)
