@@ -67,7 +67,7 @@ from .formats import (
     pack_codes,
     words_per_row,
 )
-from .quantize import quantize
+from .quantize import quantize, quantize_gptq
 
 __all__ = [
     "QuantizedKVCache",
@@ -110,13 +110,17 @@ class LayerTransform:
     """OSCAR's transform of one layer (:meth:`QuantizedKVCache.set_transform`).
 
     ``key_rotation, value_rotation``: ``[H, D, D]`` float64 orthogonal (one per KV head) or None;
-    ``key_clip, value_clip``: clip ratio replacing the format's for this layer's history, or None.
+    ``key_clip, value_clip``: clip ratio replacing the format's for this layer's history, or None;
+    ``key_gptq``: ``[H, D, D]`` float32 upper-triangular GPTQ factor of the keys' metric (the
+    queries' covariance in the stored basis; :func:`foscar.quantize.gptq_factor`), or None for
+    round-to-nearest.
     """
 
     key_rotation: torch.Tensor | None = None
     value_rotation: torch.Tensor | None = None
     key_clip: float | None = None
     value_clip: float | None = None
+    key_gptq: torch.Tensor | None = None
 
 
 def rotate_rows(x: torch.Tensor, r: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
@@ -365,6 +369,8 @@ class QuantizedKVCache:
                 return f"{name} history groups run along tokens (channel-wise)"
             if f.clip is not None:
                 return f"{name} history is clipped (a per-token percentile)"
+        if self.transforms[layer].key_gptq is not None:
+            return "k history is rounded by GPTQ (LayerTransform.key_gptq)"
         d = self.head_dim
         if d & (d - 1) or d < 16:
             return f"head_dim must be a power of two >= 16, got {d}"
@@ -487,6 +493,7 @@ class QuantizedKVCache:
         value_rotation: torch.Tensor | None = None,
         key_clip: float | None = None,
         value_clip: float | None = None,
+        key_gptq: torch.Tensor | None = None,
     ) -> None:
         """Rotate and/or re-clip what ``layer`` stores (OSCAR, oscar.md Sec. 2-3).
 
@@ -500,6 +507,11 @@ class QuantizedKVCache:
             :func:`foscar.reference.dequantize_sequence` returns the model's coordinates.
         key_clip, value_clip : per-token clip ratio in ``(0, 1]`` of this layer's quantized K / V
             (replacing the format's; 1 clips nothing), or None for the format's.
+        key_gptq : ``[D, D]`` or ``[H, D, D]`` upper-triangular factor with a positive diagonal
+            (:func:`foscar.quantize.gptq_factor` of the keys' metric in the stored basis): the
+            keys' codes are chosen by GPTQ's rounding (:func:`foscar.quantize.quantize_gptq`)
+            instead of to nearest; token-wise keys only. The stored format, the decode kernels
+            and the reference are unchanged; the fused decode-step write does not cover it.
 
         The layer must hold no tokens (a rotation cannot apply to tokens stored before it).
         Each call replaces the layer's whole transform.
@@ -541,7 +553,28 @@ class QuantizedKVCache:
                 except (TypeError, ValueError) as e:
                     raise type(e)(str(e).replace("clip", name, 1)) from None
             clips.append(c)
-        self.transforms[layer] = LayerTransform(*rotations, *clips)
+        if key_gptq is not None:
+            if self.fmt.key.axis is not GroupAxis.TOKEN:
+                raise ValueError(
+                    f"key_gptq: GPTQ rounding covers token-wise keys; the keys are "
+                    f"{self.fmt.key.short()}"
+                )
+            if not isinstance(key_gptq, torch.Tensor) or not key_gptq.is_floating_point():
+                raise TypeError(
+                    f"key_gptq must be a floating torch.Tensor, got {type(key_gptq).__name__}"
+                )
+            if tuple(key_gptq.shape) in ((d, d), (1, d, d)):
+                key_gptq = key_gptq.expand(h, d, d)
+            if tuple(key_gptq.shape) != (h, d, d):
+                raise ValueError(
+                    f"key_gptq must be [head_dim={d}, {d}] or [num_kv_heads={h}, {d}, {d}], got "
+                    f"{list(key_gptq.shape)}"
+                )
+            key_gptq = key_gptq.to(device=self.device, dtype=torch.float32).contiguous()
+            diag = torch.diagonal(key_gptq, dim1=-2, dim2=-1)
+            if not bool(torch.equal(key_gptq, key_gptq.triu())) or not bool((diag > 0).all()):
+                raise ValueError("key_gptq must be upper triangular with a positive diagonal")
+        self.transforms[layer] = LayerTransform(*rotations, *clips, key_gptq)
 
     def _history_format(self, layer: int, name: str) -> QuantFormat:
         f = self.fmt.key if name == "k" else self.fmt.value
@@ -883,7 +916,8 @@ class QuantizedKVCache:
         f = self._history_format(layer, name)
         mapping = self.fmt.mapping
         x = demoted.transpose(0, 1)  # [H, n, D]: channel-wise groups run along tokens
-        codes, scale, offset = quantize(x, f)
+        gptq = self.transforms[layer].key_gptq if name == "k" else None
+        codes, scale, offset = quantize(x, f) if gptq is None else quantize_gptq(x, f, gptq)
         scale, offset = fold_scale_offset(scale, offset, f.bits, mapping)
         words = pack_codes(codes, f.bits, mapping, self.channel_order(name))  # [H, n, W]
         getattr(st, f"{name}_words")[hist_page, :, hist_row] = words.transpose(0, 1)

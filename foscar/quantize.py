@@ -17,7 +17,14 @@ import torch
 
 from .formats import GroupAxis, QuantFormat
 
-__all__ = ["clip_per_token", "quantize", "dequantize", "SCALE_FLOOR"]
+__all__ = [
+    "clip_per_token",
+    "quantize",
+    "quantize_gptq",
+    "gptq_factor",
+    "dequantize",
+    "SCALE_FLOOR",
+]
 
 #: Smallest ``max - min`` a group may have, so that every scale is positive and finite.
 SCALE_FLOOR = 1e-8
@@ -62,6 +69,60 @@ def quantize(x: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Ten
     codes = torch.floor((grouped - lo) / scale + 0.5).clamp_(0, fmt.levels)
     codes = codes.reshape(xf.shape).to(torch.uint8)
     return codes, scale.squeeze(reduce_dim), lo.squeeze(reduce_dim)
+
+
+def gptq_factor(hessian: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
+    """GPTQ's rounding factor of a Hessian ``[..., D, D]`` (symmetric, positive semi-definite):
+    the upper Cholesky factor ``U`` of ``(hessian + damp * mean(diag) * I)^-1`` (float64), as
+    :func:`quantize_gptq` takes it."""
+    h = hessian.to(torch.float64)
+    h = (h + h.transpose(-1, -2)) / 2
+    d = h.shape[-1]
+    eye = torch.eye(d, dtype=torch.float64, device=h.device)
+    mean_diag = torch.diagonal(h, dim1=-2, dim2=-1).mean(-1)[..., None, None]
+    h = h + damp * mean_diag.clamp_min(1e-12) * eye
+    return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+
+
+def quantize_gptq(
+    x: torch.Tensor, fmt: QuantFormat, factor: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`quantize` of token-wise groups with GPTQ's rounding (Frantar et al., 2023) under a
+    per-head metric: the same scale and offset (min-max of the clipped row), but the codes are
+    chosen channel by channel, each rounding error fed forward into the channels not yet
+    rounded, so that ``e^T H e`` (``e`` the row's error, ``H`` the metric whose
+    :func:`gptq_factor` is ``factor``) is small rather than each ``|e_j|``. The feedback
+    targets the unclipped row. The stored format is unchanged.
+
+    ``x: [H, T, D]``; ``factor: [H, D, D]`` upper triangular (one per head of ``x``). With a
+    diagonal ``factor`` the codes are :func:`quantize`'s.
+    """
+    if fmt.axis is not GroupAxis.TOKEN:
+        raise ValueError(f"GPTQ rounding covers token-wise groups; the format is {fmt.short()}")
+    if x.dim() != 3 or tuple(factor.shape) != (x.shape[0], x.shape[2], x.shape[2]):
+        raise ValueError(
+            f"factor must be [heads={x.shape[0]}, D, D] for x [H, T, D] = {list(x.shape)}, got "
+            f"{list(factor.shape)}"
+        )
+    xf = x.to(torch.float32)
+    xc = clip_per_token(xf, fmt.clip) if fmt.clip is not None else xf
+    h, t, d = xf.shape
+    g = fmt.group_size
+    grouped = xc.reshape(h, t, d // g, g)
+    lo = grouped.amin(dim=-1)
+    span = (grouped.amax(dim=-1) - lo).clamp_min(SCALE_FLOOR)
+    scale = span / span.new_full((), fmt.levels)  # as quantize: IEEE division on every device
+    s_full = scale.repeat_interleave(g, dim=-1)
+    z_full = lo.repeat_interleave(g, dim=-1)
+    u = factor.to(device=x.device, dtype=torch.float32)
+    w = xf.clone()
+    codes = torch.empty_like(w)
+    for j in range(d):
+        q = torch.floor((w[..., j] - z_full[..., j]) / s_full[..., j] + 0.5).clamp_(0, fmt.levels)
+        codes[..., j] = q
+        err = (w[..., j] - (q * s_full[..., j] + z_full[..., j])) / u[:, j, j][:, None]
+        w[..., j + 1 :] -= err[..., None] * u[:, None, j, j + 1 :]
+    return codes.to(torch.uint8), scale, lo
 
 
 def dequantize(

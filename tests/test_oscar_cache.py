@@ -217,3 +217,52 @@ def test_set_transform_rejects_bad_input():
         cache.set_transform(0, key_rotation=torch.eye(D))
     cache.set_transform(1, key_rotation=torch.eye(D))  # another layer is still empty
     assert cache.transforms[0].key_rotation is None  # rejected calls changed nothing
+
+
+@torch.no_grad()
+def test_gptq_keys_are_stored_as_quantize_gptq_rounds_them():
+    """set_transform(key_gptq=...): every appended key (prefill and decode steps) is stored with
+    quantize_gptq's codes for its KV head's factor, in the rotated basis; values and the
+    stored scales are untouched; the fused write reports why it cannot serve the layer."""
+    from foscar.quantize import gptq_factor, quantize_gptq
+
+    fmt = KVFormat(QuantFormat(2, "token", 64), QuantFormat(2, "token", 64))
+    r = random_orthogonal(H)
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(H, D, 8, dtype=f64, generator=g)
+    factor = gptq_factor(a @ a.transpose(-1, -2))
+    _, k, v = tokens(53)
+    plain, rounded = make(fmt), make(fmt)
+    plain.set_transform(0, key_rotation=r)
+    rounded.set_transform(0, key_rotation=r, key_gptq=factor)
+    assert rounded.fused_write_reason(0) == "k history is rounded by GPTQ (LayerTransform.key_gptq)"
+    fill(plain, k, v)
+    fill(rounded, k, v)
+    batch = rounded.plan(rounded.sequences)
+    got = dequantize_sequence(rounded, batch, 0, f64, stored=True)[0]
+    # what GPTQ makes of the rotated keys, rounded to the window dtype as the cache does
+    kr = torch.einsum("thd,hde->the", k, r).to(rounded.window_dtype)
+    n = got.shape[1]
+    codes, scale, offset = quantize_gptq(kr[:n].transpose(0, 1), fmt.key, factor.float())
+    want = dequantize(codes, scale, offset, fmt.key, dtype=f64)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    base = dequantize_sequence(plain, plain.plan(plain.sequences), 0, f64, stored=True)
+    torch.testing.assert_close(base[1], dequantize_sequence(rounded, batch, 0, f64, stored=True)[1])
+    assert not torch.allclose(base[0], got)
+
+
+def test_set_transform_rejects_bad_gptq_factors():
+    fmt = KVFormat(QuantFormat(2, "token", 64), QuantFormat(2, "token", 64))
+    cache = make(fmt)
+    with pytest.raises(ValueError, match=r"key_gptq must be \[head_dim=64"):
+        cache.set_transform(0, key_gptq=torch.eye(32))
+    with pytest.raises(ValueError, match="upper triangular with a positive diagonal"):
+        cache.set_transform(0, key_gptq=torch.ones(D, D))
+    with pytest.raises(TypeError, match="key_gptq must be a floating"):
+        cache.set_transform(0, key_gptq=torch.eye(D, dtype=torch.long))
+    channel = make(KVFormat(QuantFormat(2, "channel", 64), QuantFormat(2, "token", 64)))
+    with pytest.raises(ValueError, match="GPTQ rounding covers token-wise keys"):
+        channel.set_transform(0, key_gptq=torch.eye(D))
+    assert cache.transforms[0].key_gptq is None  # rejected calls changed nothing
+    cache.set_transform(0, key_gptq=torch.eye(D))
+    assert cache.transforms[0].key_gptq.shape == (H, D, D)

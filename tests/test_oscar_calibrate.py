@@ -412,3 +412,44 @@ def test_clip_fit_with_windows(tiny):
     assert min(r.header["clip_fit"]["int2.value"]["mean_relative_error"]) > 0
     with pytest.raises(ValueError, match="windows must be"):
         fit_clips(tiny, seqs, cal.rotations(), windows=(4, -1))
+
+
+def test_gptq_factors_in_the_artifact_the_clip_fit_and_the_cache(tiny, tmp_path):
+    """gptq_factors: per layer and KV head, GPTQ's factor of R^T C_Q R (the keys' metric in the
+    stored basis); carried by OscarRotations through save/load into each layer's transform;
+    fit_clips rounds the keys with it (so its key errors differ from rounding to nearest)."""
+    from foscar.oscar import gptq_factors
+    from foscar.quantize import gptq_factor
+
+    seqs = sequences()
+    cal = calibrate(tiny, seqs)
+    rot = cal.rotations()
+    factors = gptq_factors(cal, rot)
+    assert factors.shape == (LAYERS, H, D, D) and factors.dtype == torch.float32
+    r1 = rot.key[1, 0]
+    want = gptq_factor(r1.T @ cal.target(1, "key", per_head=True)[1] @ r1)
+    torch.testing.assert_close(factors[1, 1], want.float())
+    rounded = OscarRotations(rot.key, rot.value, {}, dict(rot.header), factors)
+    fit_clips(tiny, seqs[:1], rounded, bits=(2,), num_queries=8)
+    fit_clips(tiny, seqs[:1], rot, bits=(2,), num_queries=8)
+    ek = rounded.header["clip_fit"]["int2.key"]["mean_relative_error"]
+    assert ek != rot.header["clip_fit"]["int2.key"]["mean_relative_error"]
+    assert (
+        rounded.header["clip_fit"]["int2.value"]["mean_relative_error"]
+        == rot.header["clip_fit"]["int2.value"]["mean_relative_error"]
+    )
+    path = tmp_path / "gptq.safetensors"
+    rounded.save(path)
+    back = OscarRotations.load(path, num_layers=LAYERS, num_kv_heads=H, head_dim=D)
+    assert torch.equal(back.key_gptq, factors)
+    fmt = KVFormat(QuantFormat(2, "token", 32), QuantFormat(2, "token", 32))
+    cache = QuantizedKVCache(
+        fmt, num_kv_heads=H, head_dim=D, num_pages=4, max_seqs=1, num_layers=LAYERS
+    )
+    apply_to_cache(back, cache)
+    assert torch.equal(cache.transforms[1].key_gptq, factors[1])
+    with pytest.raises(ValueError, match=r"key_gptq must be \[num_layers=2"):
+        OscarRotations(rot.key, rot.value, {}, {}, factors[:1])
+    other = QuantizedKVCache(fmt, num_kv_heads=4, head_dim=D, num_pages=4, max_seqs=1, num_layers=2)
+    with pytest.raises(ValueError, match="num_kv_heads: key_gptq has 2 heads"):
+        apply_to_cache(back, other)

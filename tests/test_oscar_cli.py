@@ -188,6 +188,33 @@ def test_prepare_rows_for_foscar_eval(toy):
         prepare(model, tok, group_sizes=(8,))
 
 
+def test_prepare_gptq_rows(toy):
+    """prepare(gptq=True) adds OSCAR INT2 and OSCAR-select per-KV-head INT2 with GPTQ-rounded
+    keys, with and without windows, their INT2 clips fitted with the keys so rounded."""
+    from transformers import AutoTokenizer
+
+    from foscar.oscar.evaluate import prepare
+
+    model = LlamaForCausalLM.from_pretrained(toy / "model").eval()
+    tok = AutoTokenizer.from_pretrained(toy / "model")
+    rows, info = prepare(model, tok, tokens=256, seq_len=128, windows=(8, 16), gptq=True)
+    gptq = [r for r in rows if "GPTQ" in r.name]
+    assert [r.name for r in gptq] == [
+        "OSCAR INT2 + GPTQ keys (fitted clips)",
+        "OSCAR INT2 + GPTQ keys + BF16 8/16 (fitted clips)",
+        "OSCAR-select per-KV-head INT2 + GPTQ keys (fitted clips)",
+        "OSCAR-select per-KV-head INT2 + GPTQ keys + BF16 8/16 (fitted clips)",
+    ]
+    assert len(rows) == 15 + 4 and rows[-4:] == gptq
+    for row in gptq:
+        assert row.rotations.key_gptq is not None and (2, "key") in row.rotations.clips
+    assert set(info["gptq"]) == {"OSCAR INT2", "OSCAR-select per-KV-head INT2"}
+    path = toy / "g.safetensors"
+    gptq[0].rotations.save(path)
+    with pytest.raises(ValueError, match="gptq rows need a calibration in the run"):
+        prepare(model, tok, path=str(path), gptq=True)
+
+
 def test_foscar_eval_with_oscar_rows(toy, monkeypatch):
     """foscar eval --oscar at toy sizes: OSCAR's rows are measured beside the harness's."""
     import io

@@ -89,3 +89,52 @@ def test_a_gpu_quantizes_to_the_cpus_bits(bits, axis):
     fmt = QuantFormat(bits, axis, 32)
     for a, b in zip(quantize(x, fmt), quantize(x.cuda(), fmt)):
         assert torch.equal(a, b.cpu())
+
+
+def test_gptq_factor_is_the_upper_cholesky_of_the_damped_inverse():
+    from foscar.quantize import gptq_factor
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(2, 16, 16, generator=g, dtype=torch.float64)
+    h = a @ a.transpose(-1, -2)
+    u = gptq_factor(h, damp=0.1)
+    damped = h + 0.1 * torch.diagonal(h, dim1=-2, dim2=-1).mean(-1)[:, None, None] * torch.eye(16)
+    torch.testing.assert_close(u.transpose(-1, -2) @ u, torch.linalg.inv(damped))
+    assert torch.equal(u, u.triu()) and bool((torch.diagonal(u, dim1=-2, dim2=-1) > 0).all())
+
+
+@pytest.mark.parametrize("clip", [None, 0.9])
+def test_gptq_rounding(clip):
+    """quantize_gptq keeps quantize's scale and offset; with a diagonal factor its codes are
+    quantize's; with a correlated metric H it lowers e^T H e (here a rank-8 H of 64 channels:
+    to a tenth of rounding to nearest)."""
+    from foscar.quantize import gptq_factor, quantize_gptq
+
+    g = torch.Generator().manual_seed(1)
+    f = QuantFormat(2, "token", 64, clip)
+    x = torch.randn(3, 257, 64, generator=g)
+    codes, scale, offset = quantize(x, f)
+    diag = torch.diag_embed(torch.rand(3, 64, generator=g) + 0.5)
+    c2, s2, z2 = quantize_gptq(x, f, diag)
+    assert torch.equal(c2, codes) and torch.equal(s2, scale) and torch.equal(z2, offset)
+    a = torch.randn(3, 64, 8, generator=g, dtype=torch.float64)
+    h = a @ a.transpose(-1, -2) + 0.01 * torch.eye(64, dtype=torch.float64)
+    c3, s3, z3 = quantize_gptq(x, f, gptq_factor(h))
+    assert torch.equal(s3, scale) and torch.equal(z3, offset)
+    assert int(c3.max()) <= 3 and c3.dtype == torch.uint8
+
+    def metric(c):
+        e = (x - dequantize(c, scale, offset, f)).double()
+        return float(torch.einsum("htd,hde,hte->", e, h, e))
+
+    assert metric(c3) < 0.2 * metric(codes)
+
+
+def test_gptq_rounding_rejects_what_it_does_not_cover():
+    from foscar.quantize import quantize_gptq
+
+    x = torch.randn(2, 64, 32)
+    with pytest.raises(ValueError, match="token-wise groups"):
+        quantize_gptq(x, QuantFormat(2, "channel", 64), torch.eye(32).expand(2, 32, 32))
+    with pytest.raises(ValueError, match=r"factor must be \[heads=2, D, D\]"):
+        quantize_gptq(x, QuantFormat(2, "token", 32), torch.eye(32))

@@ -159,6 +159,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "channels (e.g. 32: clips fitted and rotations chosen at that group size; rows "
         "named 'OSCAR-select INT2 g32 ...')",
     )
+    p.add_argument(
+        "--oscar-gptq",
+        action="store_true",
+        help="with --oscar, also OSCAR INT2 and OSCAR-select per-KV-head INT2 with GPTQ-rounded "
+        "keys (foscar.oscar.evaluate.gptq_rows; rows named '... + GPTQ keys ...')",
+    )
 
 
 def _sizes(args) -> None:
@@ -279,6 +285,7 @@ def evaluate(args, out=sys.stdout, extra_formats=()) -> dict:
             windows=tuple(args.oscar_windows),
             group_sizes=tuple(args.oscar_groups),
             path=args.oscar_file,
+            gptq=args.oscar_gptq,
             held_out=held_out,
             log=lambda s: print(f"OSCAR {s}", file=out, flush=True),
         )

@@ -11,6 +11,8 @@ Specification: ``../shared/docs/oscar.md``. The pieces, in the order they run:
 - :func:`select_rotations` (our extension): per layer and for K and V, the candidate rotation
   (with or without ``U``, per layer or per KV head) with the smallest fitted error
   (:func:`fit_candidates` then :func:`choose_rotations`);
+- :func:`gptq_factors` (our extension): GPTQ's rounding factors of the keys' metric (the
+  queries' covariance in the stored basis), for GPTQ-rounded keys at the cache write;
 - :class:`OscarRotations` (:mod:`foscar.oscar.policy`): the artifact, saved and loaded as
   safetensors; :func:`apply_to_cache` sets it on a :class:`foscar.QuantizedKVCache`
   (:meth:`~foscar.QuantizedKVCache.set_transform`) and :func:`oscar_cache` builds a
@@ -26,6 +28,7 @@ from .calibrate import (
     choose_rotations,
     fit_candidates,
     fit_clips,
+    gptq_factors,
     select_rotations,
 )
 from .policy import FORMAT_VERSION, OscarRotations, apply_to_cache, oscar_cache
@@ -44,6 +47,7 @@ __all__ = [
     "choose_rotations",
     "fit_candidates",
     "fit_clips",
+    "gptq_factors",
     "hadamard",
     "oscar_cache",
     "rotation",

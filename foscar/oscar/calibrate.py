@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..formats import QuantFormat
-from ..quantize import dequantize, quantize
+from ..quantize import dequantize, gptq_factor, quantize, quantize_gptq
 from .capture import capture_attention, model_shapes
 from .covariance import LayerMoments
 from .policy import OscarRotations
@@ -41,6 +41,7 @@ __all__ = [
     "fit_candidates",
     "choose_rotations",
     "select_rotations",
+    "gptq_factors",
     "CLIP_CANDIDATES",
     "KEY_TARGETS",
     "VALUE_TARGETS",
@@ -195,10 +196,28 @@ def calibrate(
 
 
 # ---------------------------------------------------------------------------- clip fitting
-def _fake_quantize(x: torch.Tensor, f: QuantFormat) -> torch.Tensor:
-    """Quantize-dequantize token rows ``x: [H, T, d]`` as the cache does (BF16 first)."""
-    codes, scale, offset = quantize(x.to(torch.bfloat16), f)
+def _fake_quantize(x: torch.Tensor, f: QuantFormat, gptq: torch.Tensor | None = None):
+    """Quantize-dequantize token rows ``x: [H, T, d]`` as the cache does (BF16 first; GPTQ's
+    rounding with the factors ``gptq: [H, d, d]``, else to nearest)."""
+    xb = x.to(torch.bfloat16)
+    codes, scale, offset = quantize(xb, f) if gptq is None else quantize_gptq(xb, f, gptq)
     return dequantize(codes, scale, offset, f, dtype=torch.float32)
+
+
+def gptq_factors(
+    calibration: Calibration, rotations: OscarRotations, *, damp: float = 0.01
+) -> torch.Tensor:
+    """GPTQ factors of the keys' metric for every layer and KV head, ``[L, H_kv, d, d]``
+    float32: the queries' covariance of the KV head (the keys' target, C_Q) in the basis
+    ``rotations`` stores keys in, ``R^T C_Q R``, through :func:`foscar.quantize.gptq_factor`
+    (``damp`` times its mean diagonal added first). Set them as ``rotations.key_gptq`` to round
+    the keys by GPTQ at the cache write (and in :func:`fit_clips`)."""
+    out = []
+    for layer in range(calibration.num_layers):
+        c = calibration.target(layer, "key", per_head=True)  # [H, d, d]
+        r = rotations.key[layer].to(torch.float64)  # [1 or H, d, d]
+        out.append(gptq_factor(r.transpose(-1, -2) @ c @ r, damp))
+    return torch.stack(out).to(torch.float32)
 
 
 def _causal_attention(q, k, v, positions, scaling, *, kq=None, vq=None, window=None):
@@ -261,6 +280,7 @@ def fit_clips(
 ) -> OscarRotations:
     """Fit a clip ratio per layer for K and V of token-wise INT``bits`` (module docstring).
 
+    Keys are rounded as the cache will round them: by GPTQ where ``rotations.key_gptq`` is set.
     Fills ``rotations.clips[(bits, "key"|"value")]`` (``[L]``) and records the mean relative
     attention-output error per candidate in ``rotations.header["clip_fit"]``. ``group_size``
     defaults to ``min(head_dim, 128)``. ``windows = (sink, recent)``: the BF16 tokens the cache
@@ -304,6 +324,7 @@ def fit_clips(
         n = min(num_queries, t - t // 2)
         positions = torch.linspace(t // 2, t - 1, n, device=q.device).round().long()
         rk, rv = rotations.key[layer].to(q.device), rotations.value[layer].to(q.device)
+        key_gptq = None if rotations.key_gptq is None else rotations.key_gptq[layer]
         qs = _rotate(q[:, positions], rk)
         kr, vr = _rotate(k, rk), _rotate(v, rv)
         # the cache rounds every token to BF16: so does the exact reference here
@@ -314,7 +335,7 @@ def fit_clips(
             norm[i, :, layer] += float(exact.double().square().sum())
             for j, p in enumerate(cands):
                 f = QuantFormat(b, "token", g, None if p == 1.0 else p)
-                kq, vq = _fake_quantize(kr, f), _fake_quantize(vr, f)
+                kq, vq = _fake_quantize(kr, f, key_gptq), _fake_quantize(vr, f)
                 ek = _causal_attention(qs, kb, vb, positions, scaling, kq=kq, window=window)
                 ev = _causal_attention(qs, kb, vb, positions, scaling, vq=vq, window=window)
                 err[i, 0, layer, j] += float((ek - exact).double().square().sum())

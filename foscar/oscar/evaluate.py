@@ -26,6 +26,9 @@ OSCAR-select [per-KV-head] INT2 gG ...  the two rows above with token-wise group
                                        row); clips fitted and rotations chosen at that group
                                        size; fitted; none (s/r)
 OSCAR INT4 (+ BF16 s/r)                U*H*P_br; fitted for INT4; none (s/r)
+... + GPTQ keys (``gptq``)             OSCAR INT2 and OSCAR-select per-KV-head INT2 with the
+                                       keys' codes chosen by GPTQ under the queries' covariance
+                                       (same stored format); refitted; none (s/r)
 =====================================  =========================================================
 
 From a saved :class:`~foscar.oscar.OscarRotations` alone (no ablations): the OSCAR INT2/INT4
@@ -45,6 +48,7 @@ from .calibrate import (
     default_sequences,
     fit_candidates,
     fit_clips,
+    gptq_factors,
 )
 from .capture import model_shapes
 from .policy import OscarRotations, oscar_cache
@@ -61,6 +65,7 @@ __all__ = [
     "SELECT_CANDIDATES",
     "select_candidates",
     "select_formats",
+    "gptq_rows",
 ]
 
 #: the released recipe's fixed clip ratios (oscar.md Sec. 3)
@@ -347,6 +352,7 @@ def prepare(
     group_sizes: Sequence[int] = (),
     path: str | None = None,
     held_out: list | None = None,
+    gptq: bool = False,
     log=None,
 ) -> tuple[list[OscarEvalFormat], dict]:
     """Calibrate OSCAR for ``foscar eval`` and return ``(rows, info)``.
@@ -361,6 +367,8 @@ def prepare(
     (:func:`select_formats`; the rows come last). With ``path`` (a
     ``foscar calibrate`` file) only that artifact's rows are returned. ``held_out``: token-id
     sequences of the evaluation text for the attention-error table (skipped when None).
+    ``gptq``: also the rows of OSCAR INT2 and OSCAR-select per-KV-head INT2 with GPTQ-rounded
+    keys (:func:`gptq_rows`; their clips fitted again with the keys so rounded; they come last).
     ``info`` goes into the result's config.
     """
     import time
@@ -376,6 +384,8 @@ def prepare(
             QuantFormat(2, "token", g).check_head_dim(d, name="group")
             if g == min(d, 128):
                 raise ValueError(f"group size {g} is the default (one group per head row)")
+    if path is not None and gptq:
+        raise ValueError("gptq rows need a calibration in the run, not a file's rotations")
     if path is not None:
         rot = OscarRotations.load(path)
         return oscar_formats(rot.head_dim, rotations=rot, windows=windows), {
@@ -416,6 +426,11 @@ def prepare(
     )
     for g, (sel_g, kvh_g) in grouped.items():
         rows += select_formats(cal.head_dim, sel_g, kvh_g, windows=windows, group_size=g)
+    t4 = time.perf_counter()
+    gptq_info = {}
+    if gptq:
+        extra, gptq_info = gptq_rows(model, seqs[:1], cal, full, sel_kvh, windows=windows, log=log)
+        rows += extra
     fit = full.header["clip_fit"]
     info = {
         "calibration": {
@@ -426,6 +441,7 @@ def prepare(
             "targets": round(t1 - t0, 1),
             "clip_fit_and_selection": round(t2 - t1, 1),
             "attention_errors": round(t3 - t2, 1),
+            "gptq_clip_fit": round(time.perf_counter() - t4, 1),
         },
         "windows": list(windows),
         "fitted_clips": {f"int{b}.{r}": c.tolist() for (b, r), c in full.clips.items()},
@@ -438,8 +454,51 @@ def prepare(
     }
     if grouped:
         info["groups"] = {str(g): _selection_info(*sels) for g, sels in grouped.items()}
+    if gptq_info:
+        info["gptq"] = gptq_info
     if errors is not None:
         info["attention_errors_heldout"] = {"bits": 2, "windows": list(windows), "errors": errors}
+    return rows, info
+
+
+def gptq_rows(
+    model,
+    sequences,
+    calibration: Calibration,
+    full: OscarRotations,
+    selected_per_head: OscarRotations,
+    *,
+    windows: tuple[int, int] = (64, 256),
+    damp: float = 0.01,
+    log=None,
+) -> tuple[list[OscarEvalFormat], dict]:
+    """OSCAR INT2 and OSCAR-select per-KV-head INT2 with GPTQ-rounded keys (the queries'
+    covariance of each KV head as the keys' metric, :func:`foscar.oscar.gptq_factors`), with and
+    without ``windows``; the INT2 clips of K and V fitted again with the keys so rounded (GPTQ
+    favours milder clips than rounding to nearest). Returns ``(rows, info)``."""
+    g = min(calibration.head_dim, 128)
+    s, r = windows
+    rows, info = [], {}
+    for label, base in (("OSCAR INT2", full), ("OSCAR-select per-KV-head INT2", selected_per_head)):
+        rot = OscarRotations(
+            base.key,
+            base.value,
+            {},
+            {**base.header, "key_rounding": f"gptq, damp {damp}"},
+            gptq_factors(calibration, base, damp=damp),
+        )
+        fit_clips(model, sequences, rot, bits=(2,), windows=windows, log=log)
+        rows += [
+            OscarEvalFormat(f"{label} + GPTQ keys{x} (fitted clips)", f, 2, rot, 2)
+            for x, f in (("", _fmt(2, g)), (f" + BF16 {s}/{r}", _fmt(2, g, None, s, r)))
+        ]
+        info[label] = {
+            "clips_int2": {role: rot.clips[(2, role)].tolist() for role in ("key", "value")},
+            "fitted_mean_relative_error": {
+                role: rot.header["clip_fit"][f"int2.{role}"]["fitted_mean_relative_error"]
+                for role in ("key", "value")
+            },
+        }
     return rows, info
 
 

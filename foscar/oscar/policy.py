@@ -5,12 +5,16 @@
 * ``key``, ``value``: ``[L, Hr, d, d]`` float64 orthogonal ``R_K``, ``R_V`` (``Hr = 1``: one
   per layer shared by the KV heads, the released configuration; ``Hr = H_kv``: one per head);
 * ``clips``: fitted per-layer clip ratios, ``{(bits, "key"|"value"): [L] float64}``;
+* ``key_gptq`` (optional): ``[L, H_kv, d, d]`` GPTQ factors of the keys' metric in the rotated
+  basis, for GPTQ rounding of the keys at the cache write (:func:`foscar.quantize.quantize_gptq`,
+  :func:`foscar.oscar.calibrate.gptq_factors`);
 * ``header``: a JSON-able dict: model, num_layers, num_kv_heads, head_dim, per_head, recipe,
   targets, calibration text and token count, foscar version.
 
-File layout (safetensors): tensors ``key_rotation``, ``value_rotation`` and
-``clip.<key|value>.int<bits>``; the header is JSON under the metadata key ``"oscar"``. Loading
-checks every shape against the header and (optionally) against the model it will serve.
+File layout (safetensors): tensors ``key_rotation``, ``value_rotation``,
+``clip.<key|value>.int<bits>`` and optionally ``key_gptq``; the header is JSON under the
+metadata key ``"oscar"``. Loading checks every shape against the header and (optionally)
+against the model it will serve.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class OscarRotations:
     value: torch.Tensor
     clips: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
     header: dict = field(default_factory=dict)
+    key_gptq: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         for name in ("key", "value"):
@@ -66,6 +71,14 @@ class OscarRotations:
                     f"clips[{(bits, role)}] must hold one ratio per layer ({self.num_layers}), "
                     f"got shape {list(c.shape)}"
                 )
+        if self.key_gptq is not None:
+            shape = tuple(self.key_gptq.shape)
+            if len(shape) != 4 or shape[0] != self.num_layers or shape[2:] != (self.head_dim,) * 2:
+                raise ValueError(
+                    f"key_gptq must be [num_layers={self.num_layers}, num_kv_heads, "
+                    f"{self.head_dim}, {self.head_dim}], got {list(shape)}"
+                )
+            self.key_gptq = self.key_gptq.to(torch.float32).contiguous()
         self.header = {
             **self.header,
             "num_layers": self.num_layers,
@@ -102,6 +115,11 @@ class OscarRotations:
                 f"num_kv_heads: the per-head rotations have {self.key.shape[1]} heads, the model "
                 f"{num_kv_heads}"
             )
+        if self.key_gptq is not None and self.key_gptq.shape[1] != num_kv_heads:
+            raise ValueError(
+                f"num_kv_heads: key_gptq has {self.key_gptq.shape[1]} heads, the model "
+                f"{num_kv_heads}"
+            )
 
     # ------------------------------------------------------------------ files
     def save(self, path: str | os.PathLike) -> None:
@@ -109,6 +127,8 @@ class OscarRotations:
         from safetensors.torch import save_file
 
         tensors = {"key_rotation": self.key, "value_rotation": self.value}
+        if self.key_gptq is not None:
+            tensors["key_gptq"] = self.key_gptq
         for (bits, role), c in self.clips.items():
             tensors[f"clip.{role}.int{bits}"] = c.to(torch.float64).contiguous()
         header = {**self.header, "version": FORMAT_VERSION}
@@ -148,7 +168,8 @@ class OscarRotations:
             if k.startswith("clip."):
                 _, role, bits = k.split(".")
                 clips[(int(bits.removeprefix("int")), role)] = c
-        out = cls(tensors["key_rotation"], tensors["value_rotation"], clips, header)
+        gptq = tensors.get("key_gptq")
+        out = cls(tensors["key_rotation"], tensors["value_rotation"], clips, header, gptq)
         if header.get("num_layers") != out.num_layers or header.get("head_dim") != out.head_dim:
             raise ValueError(
                 f"path {path!r}: header says {header.get('num_layers')} layers of head_dim "
@@ -194,6 +215,7 @@ def apply_to_cache(
             value_rotation=None if _is_identity(rv) else rv,
             key_clip=float(clips["key"][layer]) if clips else None,
             value_clip=float(clips["value"][layer]) if clips else None,
+            key_gptq=None if rotations.key_gptq is None else rotations.key_gptq[layer],
         )
 
 
