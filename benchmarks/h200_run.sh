@@ -521,12 +521,15 @@ case "$mode" in
     # session 11: the Gluon kernel over caches of 16, 32, 128 and 256-token pages (token-wise K
     # and V; a tile is still 64 tokens): the GPU cases, memcheck over two of them, then the quick
     # grid's two points per page size beside the Triton kernel and FlashInfer BF16 at that page
-    # size (configs.GLUON_OVER_TRITON_PAGE_US is read off these)
+    # size (configs.GLUON_OVER_TRITON_PAGE_US is read off these). As it ran: its -k also took
+    # the CPU compile tests, which used its time limit, and its memcheck ids match no case
+    # (s11-pages-tests corrects both); since gluon.supports dropped pages of 128 and 256 after
+    # this run, their iterations now print the Gluon methods as not covered
     timeout 200 python3 -m pytest -q -p no:cacheprovider -rfs --tb=short tests/test_gluon_kernel.py \
-      -k "test_page_sizes and not compile" > "$OUT/gpu_tests_pages.log" 2>&1
+      -k "test_page_sizes" > "$OUT/gpu_tests_pages.log" 2>&1
     tail -3 "$OUT/gpu_tests_pages.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests_pages.log" | head
     timeout 120 compute-sanitizer --tool memcheck --print-limit 10 python3 -m pytest -q -x -p no:cacheprovider \
-      tests/test_gluon_kernel.py -k "test_page_sizes[16-2-4] or test_page_sizes[256-4-2]" 2>&1 | grep -v "Host Frame" > "$OUT/pages_memcheck.log"
+      tests/test_gluon_kernel.py -k "test_page_sizes[2-2-16] or test_page_sizes[2-4-256]" 2>&1 | grep -v "Host Frame" > "$OUT/pages_memcheck.log"
     grep -E "ERROR SUMMARY|passed|failed" "$OUT/pages_memcheck.log" | tail -2
     for ps in 16 32 128 256; do
       timeout 100 python3 -m foscar bench --grid quick --page-size $ps --methods foscar-gluon foscar-gluon-e4m3 \

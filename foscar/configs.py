@@ -336,7 +336,10 @@ GLUON_GRID_KV_HEADS = 8  # H_KV of every row above: a row's CTAs are batch x 8
 #: Page sizes other than 64 (the rows above are all at 64), token-wise K and V at head_dim 128:
 #: (bits, page_size, batch, kv_len): (triton_us, gluon_us), H_Q=32, H_KV=8, each kernel's
 #: default config. ``auto`` takes Gluon at such a page size only where every row of it (of the
-#: format's bit widths) was measured faster.
+#: format's bit widths) was measured faster. Two points per page size, bf16 operands, and the
+#: packed-heads and split rules measured at page 64: a thin basis, enough to show Gluon ahead
+#: of Triton by 1.25-1.91x at both (pages of 128 and 256 were timed too, NOTES 22, but
+#: gluon.supports leaves them to Triton).
 GLUON_OVER_TRITON_PAGE_US: dict[tuple[int, int, int, int], tuple[float, float]] = {
     # `bash benchmarks/h200_run.sh s11-pages` (session11/pages/decode_quick_p*): the quick grid
     (2, 16, 1, 32768): (27.1, 21.6),
@@ -347,10 +350,6 @@ GLUON_OVER_TRITON_PAGE_US: dict[tuple[int, int, int, int], tuple[float, float]] 
     (2, 32, 64, 16384): (495.5, 272.3),
     (4, 32, 1, 32768): (31.0, 20.7),
     (4, 32, 64, 16384): (608.1, 318.7),
-    (2, 128, 1, 32768): (26.3, 20.1),
-    (2, 128, 64, 16384): (501.6, 261.6),
-    (4, 128, 1, 32768): (29.8, 21.8),
-    (4, 128, 64, 16384): (577.2, 306.1),
 }
 
 

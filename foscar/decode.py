@@ -36,7 +36,8 @@ def default_backend(cache: QuantizedKVCache, q: torch.Tensor) -> str:
     """The backend ``"auto"`` picks: on a Hopper GPU the Gluon kernel where it covers the format
     and was measured faster (``configs.gluon_min_ctas`` of the K/V axes, read off the measured
     ``configs.GLUON_OVER_TRITON_US``: token-wise K always, channel-wise K from 64 sequences x
-    KV heads), else the Triton kernel on a GPU when it covers the format, else the reference."""
+    KV heads; pages other than 64 where ``configs.GLUON_OVER_TRITON_PAGE_US`` has Gluon
+    faster), else the Triton kernel on a GPU when it covers the format, else the reference."""
     if (
         q.is_cuda
         and q.dtype == torch.bfloat16
@@ -92,8 +93,8 @@ def decode_attention(
         ``"gluon-reconstruct"`` or ``"gluon-e4m3"``
         ``"gluon"`` is the warp-specialized Hopper kernel (sm_90; INT2/INT4 K and V, each
         token-wise with g = head_dim (128 or 64) or, at head_dim 128, channel-wise in groups of
-        128 tokens; page size 64, or 16, 32, 128 for token-wise K and V; up to 8 query heads
-        per KV head; windows included).
+        128 tokens; page size 64, or 16 and 32 for token-wise K and V at head_dim 128; up to 8
+        query heads per KV head; windows included).
         ``"auto"`` takes it where it applies and the H200 measured it faster
         (:func:`default_backend`), else the Triton kernel for bf16 queries on a GPU
         when it covers the format (bf16 mapping, head_dim 64 or 128, at most 16 query heads

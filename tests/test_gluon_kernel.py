@@ -388,7 +388,7 @@ def test_supports_head_dim_and_page_size():
     fmt256 = KVFormat(INT2, INT2)
     cache, _ = build_cache(fmt256, (5,), head_dim=256)
     assert "head_dim 128 or 64, got 256" in gluon_backend.supports(cache, 4)
-    for page_size in (16, 32, 128):  # token-wise K and V
+    for page_size in (16, 32):  # token-wise K and V at head_dim 128
         cache, _ = build_cache(FMT, (5,), page_size=page_size)
         assert gluon_backend.supports(cache, 4) is None
         cache, _ = build_cache(
@@ -397,8 +397,11 @@ def test_supports_head_dim_and_page_size():
         assert f"channel-wise groups at page_size 64 (a group is two pages), got {page_size}" in (
             gluon_backend.supports(cache, 4)
         )
-    cache, _ = build_cache(FMT, (5,), page_size=256)  # compiles, GPU cases not run: Triton's
-    assert "page sizes (16, 32, 64, 128), got 256" in gluon_backend.supports(cache, 4)
+    for page_size in (128, 256):  # compile and were timed; GPU cases not (all) run: Triton's
+        cache, _ = build_cache(FMT, (5,), page_size=page_size)
+        assert f"page sizes (16, 32, 64), got {page_size}" in gluon_backend.supports(cache, 4)
+    cache, _ = build_cache(fmt64, (5,), head_dim=64, page_size=16)
+    assert "page_size 16 at head_dim 128 (got 64)" in gluon_backend.supports(cache, 4)
     for fmt in (
         FMT,
         KVFormat(INT4, INT2),
@@ -986,13 +989,12 @@ def test_e4m3_operands_three_ctas_per_sm(ratio):
 
 @sm90_only
 @pytest.mark.parametrize("k_bits,v_bits", BIT_PAIRS)
-@pytest.mark.parametrize("page_size", [16, 32, 128])
+@pytest.mark.parametrize("page_size", [16, 32])
 def test_page_sizes(page_size, k_bits, v_bits):
-    """A cache of 16, 32 or 128-token pages (token-wise K and V): odd lengths (a last tile over
-    part of a page, pages past the history), GQA 1, 3, 4 and 8, bf16 and E4M3 operands,
-    one-page and packed-heads configs, 1 and 7 splits, against fp64 at each path's bar. On the
-    H200 (s11-pages-tests, before its time limit): pages of 16 and 32 at every bit pair, 128 at
-    INT2."""
+    """A cache of 16 or 32-token pages (token-wise K and V): odd lengths (a last tile over part
+    of a page, pages past the history), GQA 1, 3, 4 and 8, bf16 and E4M3 operands, one-page
+    and packed-heads configs, 1 and 7 splits, against fp64 at each path's bar (all 8 passed on
+    the H200 in s11-pages-tests, with 128 at INT2, a case since dropped with page 128)."""
     fmt = KVFormat(QuantFormat(k_bits, "token", 128), QuantFormat(v_bits, "token", 128))
     for ratio in (1, 3, 4, 8):
         cache, batch = build_cache(

@@ -42,11 +42,12 @@ __all__ = [
 
 HEAD_DIMS = (128, 64)  # 64: token-wise K and V only
 PAGE_SIZE = 64
-#: cache page sizes the kernel reads (a tile is 64 tokens: one page of 64, a 64-row part of a
-#: page of 128, or 64 / page_size whole pages; other than 64 for token-wise K and V only). 256
-#: compiles and was timed, but its GPU cases did not run on the H200 (session 11's time), so it
-#: is left to the Triton kernel
-PAGE_SIZES = (16, 32, 64, 128)
+#: cache page sizes the kernel covers: 64, and 16 or 32 (a tile of 64 tokens is 64 / page_size
+#: whole pages) for token-wise K and V at head_dim 128, the combinations whose GPU cases passed
+#: on the H200 (s11-pages-tests). The kernel also reads 64-row parts of larger pages (128,
+#: 256): those compile and were timed, but only 128 at INT2 ran its GPU cases, so they and
+#: head_dim 64 at other pages are left to the Triton kernel (benchmarks/NOTES.md 22)
+PAGE_SIZES = (16, 32, 64)
 MAX_HEADS_PER_KV = 8  # the wgmma N of the QK and PV products (HS = 8)
 
 
@@ -110,6 +111,11 @@ def supports(cache: QuantizedKVCache, num_q_heads: int) -> str | None:
         )
     if cache.page_size not in PAGE_SIZES:
         return f"the Gluon kernel covers page sizes {PAGE_SIZES}, got {cache.page_size}"
+    if cache.page_size != PAGE_SIZE and d != 128:
+        return (
+            f"the Gluon kernel covers page_size {cache.page_size} at head_dim 128 (got {d}); "
+            f"head_dim {d} takes page_size {PAGE_SIZE}"
+        )
     ratio = num_q_heads // cache.num_kv_heads
     if ratio > MAX_HEADS_PER_KV:
         return f"at most {MAX_HEADS_PER_KV} query heads per KV head, got {ratio}"
@@ -180,10 +186,17 @@ def num_splits(batch: int, num_kv_heads: int, max_tokens: int, cfg: GluonDecodeC
     return max(1, min(wanted, max(1, tiles // 2)))
 
 
+def _box_rows(page_size: int) -> int:
+    """Rows of one TMA copy of words (twice as many fp32 of scales): a page, or a 64-token part
+    of a larger one."""
+    return min(page_size, PAGE_SIZE)
+
+
 def _descriptors(cache: QuantizedKVCache, layer: int):
     """TMA descriptors of one layer's pools, built once per pool tensor (cached on the cache):
-    words ``[pages, H, 64, W]`` int32 (box ``[1, 1, 64, W]``, W = head_dim * bits / 32), scales
-    viewed ``[pages, H, 128]`` fp32 (box ``[1, 1, 128]``)."""
+    words ``[pages, H, P, W]`` int32 (box ``[1, 1, R, W]``, W = head_dim * bits / 32, P the page
+    size, R = min(P, 64): :func:`_box_rows`), scales viewed ``[pages, H, 2P]`` fp32 (box
+    ``[1, 1, 2R]``)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     st = cache.layers[layer]
@@ -201,7 +214,7 @@ def _descriptors(cache: QuantizedKVCache, layer: int):
             (st.v_words, st.v_scales, v_layout),
         ):
             sv = scales.view(scales.shape[0], scales.shape[1], -1)
-            rows = min(cache.page_size, kern.PAGE)  # a page, or a 64-token part of one
+            rows = _box_rows(cache.page_size)
             box = [1, 1, rows, words.shape[-1]]
             descs.append(
                 TensorDescriptor(words, list(words.shape), list(words.stride()), box, layout)
@@ -426,7 +439,7 @@ def compile_sm90(
     def desc(dtype, block, layout):
         return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout!r}>"
 
-    rows = min(page_size, kern.PAGE)  # as _descriptors: a page, or a 64-token part of one
+    rows = _box_rows(page_size)
     k_box = [1, 1, rows, kern.words_per_row(k_bits, head_dim)]
     v_box = [1, 1, rows, kern.words_per_row(v_bits, head_dim)]
     scales_box = [1, 1, 2 * rows]

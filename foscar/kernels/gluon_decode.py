@@ -1588,15 +1588,20 @@ def _stage_q(q_ptr, stride_q_b, stride_q_h, qt_smem, hf_smem, CFG: gl.constexpr,
     h = h_row % (HS // 2) if PACKED else h_row
     # E4M3: column d holds channel _e4m3_key_channel(d) (the K operand's column order)
     q_cols = _e4m3_key_channel(d, K_BITS) if E4M3 else d
+    # E4M3: rows past H load row h % H and are zeroed by a product below, not by a masked
+    # load: with the load's constant zeros, all of a padding row's E4M3 pairs are one value,
+    # and ptxas (triton 3.6.0's) packs such a pair with the upper half taken from a register
+    # never written (F2FP.E4M3 ..._MERGE_C Rd, Ra, Ra, R3), so the stored row held junk
+    # (session 10's nonzero rows; racecheck's write-write hazard between the lanes that store it)
+    qt = gl.load(
+        q_ptr
+        + b * stride_q_b
+        + (kvh * H + (h % H if E4M3 else h))[:, None] * stride_q_h
+        + q_cols[None, :],
+        mask=None if E4M3 else (h < H)[:, None],
+        other=None if E4M3 else 0.0,
+    )
     if E4M3:
-        # Rows past H load row h % H and are zeroed by a product, not by a masked load: with
-        # the load's constant zeros, all of a padding row's E4M3 pairs are one value, and ptxas
-        # (triton 3.6.0's) packs such a pair with the upper half taken from a register never
-        # written (F2FP.E4M3 ..._MERGE_C Rd, Ra, Ra, R3), so the stored row held junk (session
-        # 10's nonzero rows; racecheck's write-write hazard between the lanes that store it)
-        qt = gl.load(
-            q_ptr + b * stride_q_b + (kvh * H + h % H)[:, None] * stride_q_h + q_cols[None, :]
-        )
         # Q^ = e4m3(Q 4^-a 2^sigma) per head: sigma = 134 - (biased exponent of max |Q|), so the
         # head's largest value lands in [128, 256) of E4M3's 448; hf = 2^(9 - sigma) scales the
         # product back (_key_logits). Heads past H (zero) keep sigma = 127
@@ -1620,11 +1625,6 @@ def _stage_q(q_ptr, stride_q_b, stride_q_h, qt_smem, hf_smem, CFG: gl.constexpr,
             qt_smem.store(q8.to(gl.float8e4nv))
         hf_smem.store(((263 - ebits) << 23).to(gl.float32, bitcast=True))
     else:
-        qt = gl.load(
-            q_ptr + b * stride_q_b + (kvh * H + h)[:, None] * stride_q_h + q_cols[None, :],
-            mask=(h < H)[:, None],
-            other=0.0,
-        )
         if scaled_extraction(OPT, K_BITS, HD) and not K_CHANNEL:  # Q~ = Q 4^-a, exact in bf16
             qt = (qt.to(gl.float32) * _pow4(_scaled_exponent_k(d), True)[None, :]).to(gl.bfloat16)
         if PACKED:  # the zero halves from a product (see the E4M3 branch)
@@ -1856,8 +1856,8 @@ def _copy_page(descs, bufs, page, kvh, w_idx, s_idx, bar):
 @gluon.jit
 def gluon_decode_split_kernel(
     q_ptr,  # [B, Hq, D] bf16
-    kw_desc,  # k_words [pages, Hkv, PAGE, 8] int32, box [1, 1, 64, 8]
-    ks_desc,  # k_scales viewed [pages, Hkv, 2*PAGE] fp32, box [1, 1, 128]
+    kw_desc,  # k_words [pages, Hkv, PS, W] int32, box [1, 1, min(PS, 64), W]
+    ks_desc,  # k_scales viewed [pages, Hkv, 2*PS] fp32, box [1, 1, 2 min(PS, 64)]
     vw_desc,
     vs_desc,
     kv_indptr_ptr,  # [B + 1] int32
@@ -2013,7 +2013,9 @@ def gluon_decode_split_kernel(
 
 def descriptor_layouts(k_bits=2, v_bits=2, head_dim=D):
     """Shared layouts of the TMA boxes: K words [1, 1, PAGE, W_K] int32, V words
-    [1, 1, PAGE, W_V] int32 (the widest swizzle their rows allow), scales [1, 1, 2 * PAGE] fp32."""
+    [1, 1, PAGE, W_V] int32 (the widest swizzle their rows allow), scales [1, 1, 2 * PAGE] fp32;
+    the same layouts serve boxes of fewer rows (pages of 16 or 32 tokens: the swizzle depends on
+    the row width only, and each page's rows start on a swizzle atom of the 64-row buffer)."""
     k_words = gl.NVMMASharedLayout.get_default_for(
         [1, 1, PAGE, words_per_row(k_bits, head_dim)], gl.int32
     )
