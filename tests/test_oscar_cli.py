@@ -84,6 +84,22 @@ def test_calibrate_writes_a_loadable_file(toy):
         oscar_cli.run(args, log=lines.append)
 
 
+def test_calibrate_gptq_keys(toy):
+    """--gptq-keys stores GPTQ factors for the file's rotations (the selected ones with
+    --select) and fits the clips with keys so rounded."""
+    for extra in ([], ["--select"]):
+        out = toy / "g.safetensors"
+        args = parse(
+            ["--model", str(toy / "model"), "--text", str(toy / "text.txt"), "--tokens", "300",
+             "--seq-len", "128", "--clip-tokens", "128", "--clip-queries", "8", "--clip-bits",
+             "2", "--fit-windows", "8", "32", "--gptq-keys", "--out", str(out), *extra]
+        )  # fmt: skip
+        assert oscar_cli.run(args, log=lambda s: None) == 0
+        r = OscarRotations.load(out, num_layers=2, num_kv_heads=2, head_dim=32)
+        assert r.key_gptq is not None and r.key_gptq.shape == (2, 2, 32, 32)
+        assert (2, "key") in r.clips
+
+
 def test_calibrate_rejects_bad_arguments(toy):
     with pytest.raises(ValueError, match="--tokens must be >= 1"):
         oscar_cli.run(parse(["--tokens", "0"]))

@@ -55,6 +55,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "one rotation per KV head; layers that keep a per-layer one repeat it)",
     )
     p.add_argument(
+        "--gptq-keys",
+        action="store_true",
+        help="store GPTQ rounding factors of the keys' metric (the queries' covariance in the "
+        "rotated basis) in the file, so the cache rounds keys by GPTQ, and fit the clips with "
+        "keys so rounded (our extension; token-wise keys)",
+    )
+    p.add_argument(
         "--clip-bits",
         type=int,
         nargs="*",
@@ -109,7 +116,7 @@ def _check(args) -> None:
 def run(args, log=print) -> int:
     from .. import __version__
     from ..eval.model import load_model
-    from .calibrate import calibrate, default_sequences, fit_clips, select_rotations
+    from .calibrate import calibrate, default_sequences, fit_clips, gptq_factors, select_rotations
 
     _check(args)
     if args.threads:
@@ -152,6 +159,8 @@ def run(args, log=print) -> int:
         value_target=args.value_target,
         per_head=args.per_head,
     )
+    if args.gptq_keys:
+        rot.key_gptq = gptq_factors(cal, rot)
     t_rot = time.perf_counter() - t2
     t_fit = 0.0
     if args.clip_bits:
@@ -172,6 +181,9 @@ def run(args, log=print) -> int:
                 kw["per_head"] = True
                 candidates[f"{args.recipe} per KV head"] = cal.rotations(args.recipe, **kw)
             rot = select_rotations(model, clip_seqs, candidates, **fit)
+            if args.gptq_keys:  # the chosen rotations' factors, and clips fitted with them
+                rot.key_gptq = gptq_factors(cal, rot)
+                fit_clips(model, clip_seqs, rot, **fit)
             sel = rot.header["selection"]
             for role in ("key", "value"):
                 n = sel[role].count(args.recipe)
