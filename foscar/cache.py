@@ -523,22 +523,13 @@ class QuantizedKVCache:
                 f"layer {layer} already stores tokens of sequences {busy}: set its transform "
                 "before appending"
             )
-        h, d = self.num_kv_heads, self.head_dim
+        d = self.head_dim
         rotations = []
         for name, r in (("key_rotation", key_rotation), ("value_rotation", value_rotation)):
             if r is None:
                 rotations.append(None)
                 continue
-            if not isinstance(r, torch.Tensor) or not r.is_floating_point():
-                raise TypeError(f"{name} must be a floating torch.Tensor, got {type(r).__name__}")
-            if tuple(r.shape) in ((d, d), (1, d, d)):
-                r = r.expand(h, d, d)
-            if tuple(r.shape) != (h, d, d):
-                raise ValueError(
-                    f"{name} must be [head_dim={d}, {d}] or [num_kv_heads={h}, {d}, {d}], "
-                    f"got {list(r.shape)}"
-                )
-            r = r.to(device=self.device, dtype=torch.float64).contiguous()
+            r = self._per_head_matrices(name, r, torch.float64)
             eye = torch.eye(d, dtype=torch.float64, device=self.device)
             err = float((r.transpose(1, 2) @ r - eye).abs().max())
             if not err < 1e-6:
@@ -559,22 +550,27 @@ class QuantizedKVCache:
                     f"key_gptq: GPTQ rounding covers token-wise keys; the keys are "
                     f"{self.fmt.key.short()}"
                 )
-            if not isinstance(key_gptq, torch.Tensor) or not key_gptq.is_floating_point():
-                raise TypeError(
-                    f"key_gptq must be a floating torch.Tensor, got {type(key_gptq).__name__}"
-                )
-            if tuple(key_gptq.shape) in ((d, d), (1, d, d)):
-                key_gptq = key_gptq.expand(h, d, d)
-            if tuple(key_gptq.shape) != (h, d, d):
-                raise ValueError(
-                    f"key_gptq must be [head_dim={d}, {d}] or [num_kv_heads={h}, {d}, {d}], got "
-                    f"{list(key_gptq.shape)}"
-                )
-            key_gptq = key_gptq.to(device=self.device, dtype=torch.float32).contiguous()
+            key_gptq = self._per_head_matrices("key_gptq", key_gptq, torch.float32)
             diag = torch.diagonal(key_gptq, dim1=-2, dim2=-1)
             if not bool(torch.equal(key_gptq, key_gptq.triu())) or not bool((diag > 0).all()):
                 raise ValueError("key_gptq must be upper triangular with a positive diagonal")
         self.transforms[layer] = LayerTransform(*rotations, *clips, key_gptq)
+
+    def _per_head_matrices(self, name: str, m, dtype: torch.dtype) -> torch.Tensor:
+        """``m`` as ``[num_kv_heads, D, D]`` on the cache's device in ``dtype``, from a floating
+        ``[D, D]``, ``[1, D, D]`` (shared by the KV heads) or ``[H, D, D]`` tensor; raises naming
+        the argument ``name`` otherwise."""
+        h, d = self.num_kv_heads, self.head_dim
+        if not isinstance(m, torch.Tensor) or not m.is_floating_point():
+            raise TypeError(f"{name} must be a floating torch.Tensor, got {type(m).__name__}")
+        if tuple(m.shape) in ((d, d), (1, d, d)):
+            m = m.expand(h, d, d)
+        if tuple(m.shape) != (h, d, d):
+            raise ValueError(
+                f"{name} must be [head_dim={d}, {d}] or [num_kv_heads={h}, {d}, {d}], "
+                f"got {list(m.shape)}"
+            )
+        return m.to(device=self.device, dtype=dtype).contiguous()
 
     def _history_format(self, layer: int, name: str) -> QuantFormat:
         f = self.fmt.key if name == "k" else self.fmt.value

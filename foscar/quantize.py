@@ -104,14 +104,9 @@ def quantize_gptq(
             f"factor must be [heads={x.shape[0]}, D, D] for x [H, T, D] = {list(x.shape)}, got "
             f"{list(factor.shape)}"
         )
+    _, scale, lo = quantize(x, fmt)  # the clipped row's min-max scale and offset
     xf = x.to(torch.float32)
-    xc = clip_per_token(xf, fmt.clip) if fmt.clip is not None else xf
-    h, t, d = xf.shape
-    g = fmt.group_size
-    grouped = xc.reshape(h, t, d // g, g)
-    lo = grouped.amin(dim=-1)
-    span = (grouped.amax(dim=-1) - lo).clamp_min(SCALE_FLOOR)
-    scale = span / span.new_full((), fmt.levels)  # as quantize: IEEE division on every device
+    d, g = xf.shape[-1], fmt.group_size
     s_full = scale.repeat_interleave(g, dim=-1)
     z_full = lo.repeat_interleave(g, dim=-1)
     u = factor.to(device=x.device, dtype=torch.float32)

@@ -10,6 +10,7 @@ lengths, every GQA ratio it covers, windows, ragged batches, the paper shape, CU
 """
 
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -98,6 +99,20 @@ def tile_loops(sass):
     return [[t for _, t in ins[a : b + 1]] for a, b in inner]
 
 
+@functools.cache
+def _page_size_compile(kind, page_size):
+    """compile_in_subprocess of one config of test_page_sizes_compile_as_page_64 (page 64, its
+    reference, compiled once per kind)."""
+    one = gluon_decode_config("token")
+    cfg, bits, d = {
+        "bf16": (one, 2, 128),
+        "e4m3": (dataclasses.replace(one, opt=one.opt | 1024), 4, 128),
+        "packed": (configs.gluon_packed_config(2, 2), 2, 128),
+        "head_dim_64": (one, 4, 64),
+    }[kind]
+    return compile_in_subprocess(cfg, bits, bits, head_dim=d, page_size=page_size)
+
+
 @pytest.mark.parametrize("page_size", [16, 32, 128, 256])
 @pytest.mark.parametrize("kind", ["bf16", "e4m3", "packed", "head_dim_64"])
 def test_page_sizes_compile_as_page_64(kind, page_size):
@@ -106,15 +121,7 @@ def test_page_sizes_compile_as_page_64(kind, page_size):
     memory as page 64, no local memory in the tile loops, and loops within 2% of page 64's
     length (ptxas schedules the consumers a little differently: packed INT2 at page 16 432 ->
     439 instructions for two pages)."""
-    one = gluon_decode_config("token")
-    cfg, bits, d = {
-        "bf16": (one, 2, 128),
-        "e4m3": (dataclasses.replace(one, opt=one.opt | 1024), 4, 128),
-        "packed": (configs.gluon_packed_config(2, 2), 2, 128),
-        "head_dim_64": (one, 4, 64),
-    }[kind]
-    res = compile_in_subprocess(cfg, bits, bits, head_dim=d, page_size=page_size)
-    ref = compile_in_subprocess(cfg, bits, bits, head_dim=d)
+    res, ref = _page_size_compile(kind, page_size), _page_size_compile(kind, 64)
     assert res["shared"] == ref["shared"]
     for pattern in (r"Used (\d+) registers", r"(\d+) bytes spill stores"):
         assert re.findall(pattern, res["info"]) == re.findall(pattern, ref["info"]), res["info"]

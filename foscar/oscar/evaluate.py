@@ -219,7 +219,6 @@ def select_formats(
     g = group_size or default
     QuantFormat(2, "token", g).check_head_dim(head_dim, name="group")
     tag = "" if g == default else f" g{g}"
-    s, r = windows
     rows = []
     for label, sel in (("OSCAR-select", selected), ("OSCAR-select per-KV-head", selected_per_head)):
         if sel is None:
@@ -230,11 +229,18 @@ def select_formats(
                 f"{label}: the clips were fitted at group size {sorted(fitted_at)}, the rows "
                 f"quantize groups of {g}"
             )
-        rows += [
-            OscarEvalFormat(f"{label} INT2{tag}{x} (fitted clips)", f, 2, sel, 2)
-            for x, f in (("", _fmt(2, g)), (f" + BF16 {s}/{r}", _fmt(2, g, None, s, r)))
-        ]
+        rows += _fitted_int2_rows(f"{label} INT2{tag}", g, sel, windows)
     return rows
+
+
+def _fitted_int2_rows(name: str, g: int, rot: OscarRotations, windows) -> list[OscarEvalFormat]:
+    """``name`` without and with the BF16 ``windows``: INT2 token-wise groups of ``g``, the
+    clips fitted for INT2 in ``rot``."""
+    s, r = windows
+    return [
+        OscarEvalFormat(f"{name}{x} (fitted clips)", f, 2, rot, 2)
+        for x, f in (("", _fmt(2, g)), (f" + BF16 {s}/{r}", _fmt(2, g, None, s, r)))
+    ]
 
 
 def select_candidates(
@@ -477,7 +483,6 @@ def gptq_rows(
     without ``windows``; the INT2 clips of K and V fitted again with the keys so rounded (GPTQ
     favours milder clips than rounding to nearest). Returns ``(rows, info)``."""
     g = min(calibration.head_dim, 128)
-    s, r = windows
     rows, info = [], {}
     for label, base in (("OSCAR INT2", full), ("OSCAR-select per-KV-head INT2", selected_per_head)):
         rot = OscarRotations(
@@ -488,10 +493,7 @@ def gptq_rows(
             gptq_factors(calibration, base, damp=damp),
         )
         fit_clips(model, sequences, rot, bits=(2,), windows=windows, log=log)
-        rows += [
-            OscarEvalFormat(f"{label} + GPTQ keys{x} (fitted clips)", f, 2, rot, 2)
-            for x, f in (("", _fmt(2, g)), (f" + BF16 {s}/{r}", _fmt(2, g, None, s, r)))
-        ]
+        rows += _fitted_int2_rows(f"{label} + GPTQ keys", g, rot, windows)
         info[label] = {
             "clips_int2": {role: rot.clips[(2, role)].tolist() for role in ("key", "value")},
             "fitted_mean_relative_error": {
