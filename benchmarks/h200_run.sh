@@ -57,6 +57,7 @@
 #   bash benchmarks/h200_run.sh s11-grid # session 11: the 13 points of every method at the shipped defaults (results/h200/decode_grid.*), the axes grid (session11/grid/decode_axes_s11.*)
 #   bash benchmarks/h200_run.sh s11-pages # session 11: page sizes 16-256 in the Gluon kernel: GPU cases, memcheck, two points per page size beside Triton and FlashInfer
 #   bash benchmarks/h200_run.sh s11-pages-tests # session 11: the page-size GPU cases and memcheck again (s11-pages' -k also took the compile tests)
+#   bash benchmarks/h200_run.sh s12-write # session 12: the fused write over clipped layers and GPTQ keys: GPU tests, memcheck, its cost against the torch writer
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -635,6 +636,18 @@ case "$mode" in
     # after quantize's IEEE division fix: the fused write against the torch writer, GPU vs CPU bits
     timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cache_write.py tests/test_cache_decode.py \
       tests/test_quantize.py 2>&1 | tee "$OUT/gpu_tests_cache_write.log" | tail -8
+    ;;
+  s12-write)
+    # session 12: the fused decode write now clips per token and rounds keys by GPTQ (OSCAR's
+    # layers): its GPU tests beside the torch writer, memcheck over one such case, then what a
+    # decode step's write costs an OSCAR layer, fused against torch (benchmarks/write_cost.py)
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cache_write.py \
+      tests/test_oscar_cache.py > "$OUT/gpu_tests_write.log" 2>&1
+    tail -4 "$OUT/gpu_tests_write.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests_write.log" | head
+    timeout 150 compute-sanitizer --tool memcheck --print-limit 10 python3 -m pytest -q -x -p no:cacheprovider \
+      tests/test_cache_write.py -k "clips_and_gptq and K4V2" 2>&1 | grep -v "Host Frame" > "$OUT/write_memcheck.log"
+    grep -E "ERROR SUMMARY|passed|failed" "$OUT/write_memcheck.log" | tail -2
+    timeout 200 python3 benchmarks/write_cost.py --json "$OUT/write_cost.json" 2>&1 | tee "$OUT/write_cost.md"
     ;;
   cache-write)
     # the fused write's tests alone (after the review's NaN / FMA / device changes)

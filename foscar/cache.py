@@ -269,9 +269,10 @@ class QuantizedKVCache:
         Reject K/V containing NaN or Inf (default True; see the module docstring).
     decode_write : {"auto", "fused", "torch"}
         How a decode step (one new token per sequence) is written: "fused" is one Triton launch
-        per role (foscar.kernels.cache_write; token-wise unclipped history formats, a CUDA
-        device or the Triton interpreter), "torch" the tensor operations of a prefill's path,
-        "auto" fused wherever it applies on a CUDA device. Both store the same bits.
+        per role (foscar.kernels.cache_write; token-wise history formats, clipped and
+        GPTQ-rounded ones included, a CUDA device or the Triton interpreter), "torch" the tensor
+        operations of a prefill's path, "auto" fused wherever it applies on a CUDA device. Both
+        store the same bits.
 
     Example
     -------
@@ -367,10 +368,6 @@ class QuantizedKVCache:
             f = self._history_format(layer, name)
             if f.axis is not GroupAxis.TOKEN:
                 return f"{name} history groups run along tokens (channel-wise)"
-            if f.clip is not None:
-                return f"{name} history is clipped (a per-token percentile)"
-        if self.transforms[layer].key_gptq is not None:
-            return "k history is rounded by GPTQ (LayerTransform.key_gptq)"
         d = self.head_dim
         if d & (d - 1) or d < 16:
             return f"head_dim must be a power of two >= 16, got {d}"
@@ -511,7 +508,7 @@ class QuantizedKVCache:
             (:func:`foscar.quantize.gptq_factor` of the keys' metric in the stored basis): the
             keys' codes are chosen by GPTQ's rounding (:func:`foscar.quantize.quantize_gptq`)
             instead of to nearest; token-wise keys only. The stored format, the decode kernels
-            and the reference are unchanged; the fused decode-step write does not cover it.
+            and the reference are unchanged; the fused decode-step write covers it.
 
         The layer must hold no tokens (a rotation cannot apply to tokens stored before it).
         Each call replaces the layer's whole transform.

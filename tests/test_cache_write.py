@@ -133,23 +133,90 @@ def test_fused_write_reordered_subsets_other_window_dtypes(window_dtype):
     assert caches[0].seq_len(ids[0][0], 1) != caches[0].seq_len(ids[0][0], 0)
 
 
-def test_fused_write_poisons_a_group_with_a_nan():
+def _gptq_factors(heads, d, gen):
+    """Upper-triangular GPTQ factors of random dense metrics (one per KV head)."""
+    from foscar.quantize import gptq_factor
+
+    a = torch.randn(heads, d, d, generator=gen, dtype=torch.float64)
+    return gptq_factor(a @ a.transpose(-1, -2) / d + torch.eye(d, dtype=torch.float64))
+
+
+@pytest.mark.parametrize(
+    "kb, vb, g, d, sink, recent",
+    [(2, 2, 64, 64, 2, 4), (4, 2, 32, 128, 0, 0), (2, 4, 32, 64, 0, 3)],
+    ids=["K2V2-g64-d64-s2w4", "K4V2-g32-d128-nowindows", "K2V4-g32-d64-w3"],
+)
+def test_fused_write_with_clips_and_gptq_keys_equals_torch_write(kb, vb, g, d, sink, recent):
+    """OSCAR's layers: rotated, clipped per token (a format's ratio, and per-layer ratios of K
+    and V that replace it) and keys rounded by GPTQ; the fused write stores what the torch
+    writer does, bit for bit, every step. Outliers make the clip bite."""
+    fmt = KVFormat(
+        QuantFormat(kb, "token", g, clip=0.9),
+        QuantFormat(vb, "token", g),
+        sink_tokens=sink,
+        recent_tokens=recent,
+    )
+    caches = _pair(fmt, d)
+    gen = torch.Generator().manual_seed(3)
+    r = torch.linalg.qr(torch.randn(2, d, d, dtype=torch.float64, generator=gen))[0]
+    factors = _gptq_factors(2, d, gen)
+    for c in caches:
+        # layer 0: the format's K clip with GPTQ keys; layer 1: rotations, per-layer clips
+        c.set_transform(0, key_gptq=factors)
+        c.set_transform(1, key_rotation=r, value_rotation=r, key_clip=0.75, value_clip=0.8,
+                        key_gptq=factors.flip(0))  # fmt: skip
+        assert c.fused_write_reason(0) is None and c.fused_write_reason(1) is None
+    # a third cache rounds K to nearest: GPTQ must store other codes, or this test is blind
+    (nearest,) = _pair(fmt, d, paths=("torch",))
+    nearest.set_transform(1, key_rotation=r, value_rotation=r, key_clip=0.75, value_clip=0.8)
+    caches.append(nearest)
+    ids = [[c.add_sequence() for _ in range(3)] for c in caches]
+    prompt = [9, 1, 4]  # a prefill first (the torch path on both), some tokens past the windows
+    for layer in range(2):
+        x = torch.randn(sum(prompt), 2, d, generator=gen).to(KERNEL_DEVICE)
+        for c, cid in zip(caches, ids):
+            c.append(cid, x, -x, prompt, layer=layer)
+    for step in range(4):
+        for layer in range(2):
+            spread = 1 + 6 * torch.rand(3, 2, d, generator=gen) ** 8
+            k = torch.randn(3, 2, d, generator=gen) * spread
+            v = torch.randn(3, 2, d, generator=gen).to(torch.bfloat16)
+            for c, cid in zip(caches, ids):
+                c.append(cid, k.to(KERNEL_DEVICE), v.to(KERNEL_DEVICE), layer=layer)
+        for a, b in zip(_snapshot(caches[0]), _snapshot(caches[1])):
+            assert torch.equal(a, b), f"step {step}"
+    for layer in range(2):
+        gptq_words, nearest_words = caches[0].layers[layer].k_words, nearest.layers[layer].k_words
+        assert not torch.equal(gptq_words, nearest_words)
+        # same clip, same scales: only the codes differ
+        assert torch.equal(caches[0].layers[layer].k_scales, nearest.layers[layer].k_scales)
+
+
+@pytest.mark.parametrize(
+    "clip, nans, poisoned",
+    [(None, [40], [1]), (0.9, [40], [1]), (0.9, list(range(8, 16)), [0, 1])],
+    ids=["unclipped", "clipped-tau-finite", "clipped-tau-nan"],
+)
+def test_fused_write_poisons_a_group_with_a_nan(clip, nans, poisoned):
     """check_finite=False: a NaN poisons its group's (s', z') on both paths (the codes of such a
-    group are unspecified), every other entry is bit for bit the same."""
-    fmt = KVFormat(QuantFormat(2, "token", 32), QuantFormat(2, "token", 32))
+    group are unspecified), every other entry is bit for bit the same. Clipped rows order NaN
+    above every number, as torch.kthvalue does: one NaN leaves the percentile finite, eight
+    (ranks 57-63 of 64 hold the 0.9 percentile) make it NaN and poison the whole row."""
+    fmt = KVFormat(QuantFormat(2, "token", 32, clip=clip), QuantFormat(2, "token", 32))
     caches = _pair(fmt, 64, check_finite=False)
     ids = [c.add_sequence() for c in caches]
     k = torch.randn(3, 1, 2, 64)
-    k[1, 0, 1, 40] = float("nan")  # step 1, head 1, the second group
+    k[1, 0, 1, nans] = float("nan")  # step 1, head 1
     for step in range(3):
         for c, sid in zip(caches, ids):
             x = k[step].to(KERNEL_DEVICE)
             c.append([sid], x, x)
     sa, sb = caches[0].layers[0].k_scales, caches[1].layers[0].k_scales
     page = caches[0].pages_of(ids[0])[0]
-    assert sa[page, 1, 2 + 1].isnan().all() and sb[page, 1, 2 + 1].isnan().all()  # row 1, g 1
+    for g in poisoned:  # row 1 of head 1, group g
+        assert sa[page, 1, 2 + g].isnan().all() and sb[page, 1, 2 + g].isnan().all()
     keep = ~sa.isnan()
-    assert torch.equal(sa[keep], sb[keep]) and keep.sum() == sa.numel() - 2
+    assert torch.equal(sa[keep], sb[keep]) and keep.sum() == sa.numel() - 2 * len(poisoned)
     wa, wb = caches[0].layers[0].k_words, caches[1].layers[0].k_words
     wa[page, 1, 1], wb[page, 1, 1] = 0, 0  # the poisoned row's codes: unspecified
     assert torch.equal(wa, wb)
@@ -181,9 +248,9 @@ def test_auto_falls_back_to_torch_when_the_kernel_fails(monkeypatch):
 
 
 def test_fused_write_refusals_leave_the_cache_unchanged():
-    clipped = KVFormat(QuantFormat(2, "token", 64, clip=0.9), QuantFormat(2, "token", 64))
     channel = KVFormat(QuantFormat(2, "channel", 32), QuantFormat(2, "token", 64))
-    for fmt, why in ((clipped, "clipped"), (channel, "channel-wise")):
+    channel_v = KVFormat(QuantFormat(2, "token", 64), QuantFormat(2, "channel", 32))
+    for fmt, why in ((channel, "k history .*channel-wise"), (channel_v, "v history .*channel")):
         with pytest.raises(ValueError, match=f"decode_write='fused' cannot.*{why}"):
             _pair(fmt, 64)  # at construction
         (cache,) = _pair(fmt, 64, paths=("torch",))
@@ -196,12 +263,14 @@ def test_fused_write_refusals_leave_the_cache_unchanged():
             cache.append([sid], x[40:], x[40:])
         assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(cache)))
         assert cache._free_pages == pages and cache.seq_len(sid) == 40
-    # a per-layer clip (OSCAR's fitted ratios) refuses that layer only
+    # OSCAR's layers (per-layer clips, GPTQ keys) take the fused write; head_dim 48 does not
     fmt = KVFormat(QuantFormat(2, "token", 64), QuantFormat(2, "token", 64))
     cache = _pair(fmt, 64)[1]
-    cache.set_transform(1, value_clip=0.95)
-    assert cache.fused_write_reason(0) is None
-    assert "v history is clipped" in cache.fused_write_reason(1)
+    cache.set_transform(1, value_clip=0.95, key_gptq=torch.eye(64))
+    assert cache.fused_write_reason(0) is None and cache.fused_write_reason(1) is None
+    odd = KVFormat(QuantFormat(2, "token", 32), QuantFormat(2, "token", 32))
+    (cache,) = _pair(odd, 96, paths=("torch",))
+    assert cache.fused_write_reason(0) == "head_dim must be a power of two >= 16, got 96"
     with pytest.raises(ValueError, match="decode_write must be one of"):
         QuantizedKVCache(
             fmt, num_kv_heads=2, head_dim=64, num_pages=4, max_seqs=1, decode_write="x"

@@ -357,6 +357,44 @@ def test_select_rotations_with_per_kv_head_candidates(tiny):
         assert tr.key_clip == float(sel.clips[(2, "key")][layer])
 
 
+@torch.no_grad()
+def test_choose_rotations_by_gptq_errors_carries_each_layers_factors(tiny):
+    """Candidates whose keys are rounded by GPTQ: each layer's key rotation comes with its own
+    candidate's GPTQ factors (the metric in that basis), the choice is made by the GPTQ key
+    errors, and candidates with and without factors do not mix."""
+    from foscar.oscar import choose_rotations, fit_candidates, gptq_factors
+
+    seqs = sequences()
+    cal = calibrate(tiny, seqs)
+
+    def rounded(rot):
+        return OscarRotations(rot.key, rot.value, {}, dict(rot.header), gptq_factors(cal, rot))
+
+    cands = {"full": rounded(cal.rotations()), "no-u": rounded(cal.rotations("no-u"))}
+    # one layer's keys are better in one basis, the other layer's in the other: make it so by
+    # giving "no-u" the identity in layer 0 (much worse for the keys) and "full" in layer 1
+    eye = torch.eye(D, dtype=f64)
+    key = cands["no-u"].key.clone()
+    key[0] = eye
+    cands["no-u"] = rounded(OscarRotations(key, cands["no-u"].value, {}, {}))
+    fit_candidates(tiny, seqs[:1], cands, bits=(2,), num_queries=8)
+    sel = choose_rotations(cands)
+    assert sel.key_gptq is not None and tuple(sel.key_gptq.shape) == (LAYERS, H, D, D)
+    errors = {
+        n: r.header["clip_fit"]["int2.key"]["fitted_relative_error"] for n, r in cands.items()
+    }
+    for layer, name in enumerate(sel.header["selection"]["key"]):
+        assert errors[name][layer] == min(e[layer] for e in errors.values())
+        assert torch.equal(sel.key[layer], cands[name].key[layer])
+        assert torch.equal(sel.key_gptq[layer], cands[name].key_gptq[layer])
+    assert sel.header["selection"]["key"][0] == "full"  # the identity lost layer 0
+    plain = fit_clips(tiny, seqs[:1], cal.rotations(), bits=(2,), num_queries=8)
+    with pytest.raises(ValueError, match=r"\['full'\] have GPTQ key factors and \['plain'\]"):
+        choose_rotations({"full": cands["full"], "plain": plain})
+    # without factors the result has none
+    assert choose_rotations({"plain": plain}).key_gptq is None
+
+
 def test_choose_rotations_checks_its_candidates(tiny):
     from foscar.oscar import choose_rotations
 

@@ -85,8 +85,9 @@ def test_calibrate_writes_a_loadable_file(toy):
 
 
 def test_calibrate_gptq_keys(toy):
-    """--gptq-keys stores GPTQ factors for the file's rotations (the selected ones with
-    --select) and fits the clips with keys so rounded."""
+    """--gptq-keys stores GPTQ factors for the file's rotations and fits the clips with keys
+    so rounded; with --select every candidate's keys are so rounded, so the choice is made by
+    GPTQ errors."""
     for extra in ([], ["--select"]):
         out = toy / "g.safetensors"
         args = parse(
@@ -98,6 +99,12 @@ def test_calibrate_gptq_keys(toy):
         r = OscarRotations.load(out, num_layers=2, num_kv_heads=2, head_dim=32)
         assert r.key_gptq is not None and r.key_gptq.shape == (2, 2, 32, 32)
         assert (2, "key") in r.clips
+        fits = r.header["clip_fit"]
+        if extra:  # every candidate was fitted (and so chosen) with its keys rounded by GPTQ
+            assert set(fits) == {"full", "no-u"}
+            assert {f["key_rounding"] for f in fits.values()} == {"gptq"}
+        else:
+            assert fits["key_rounding"] == "gptq"
 
 
 def test_calibrate_rejects_bad_arguments(toy):
@@ -206,7 +213,8 @@ def test_prepare_rows_for_foscar_eval(toy):
 
 def test_prepare_gptq_rows(toy):
     """prepare(gptq=True) adds OSCAR INT2 and OSCAR-select per-KV-head INT2 with GPTQ-rounded
-    keys, with and without windows, their INT2 clips fitted with the keys so rounded."""
+    keys, with and without windows, their INT2 clips fitted with the keys so rounded, and
+    OSCAR-select per-KV-head made again by the candidates' GPTQ errors."""
     from transformers import AutoTokenizer
 
     from foscar.oscar.evaluate import prepare
@@ -220,11 +228,26 @@ def test_prepare_gptq_rows(toy):
         "OSCAR INT2 + GPTQ keys + BF16 8/16 (fitted clips)",
         "OSCAR-select per-KV-head INT2 + GPTQ keys (fitted clips)",
         "OSCAR-select per-KV-head INT2 + GPTQ keys + BF16 8/16 (fitted clips)",
+        "OSCAR-select by GPTQ per-KV-head INT2 + GPTQ keys (fitted clips)",
+        "OSCAR-select by GPTQ per-KV-head INT2 + GPTQ keys + BF16 8/16 (fitted clips)",
     ]
-    assert len(rows) == 15 + 4 and rows[-4:] == gptq
+    assert len(rows) == 15 + 6 and rows[-6:] == gptq
     for row in gptq:
         assert row.rotations.key_gptq is not None and (2, "key") in row.rotations.clips
-    assert set(info["gptq"]) == {"OSCAR INT2", "OSCAR-select per-KV-head INT2"}
+    assert set(info["gptq"]) == {
+        "OSCAR INT2",
+        "OSCAR-select per-KV-head INT2",
+        "OSCAR-select by GPTQ per-KV-head INT2",
+    }
+    by_gptq = info["gptq"]["OSCAR-select by GPTQ per-KV-head INT2"]
+    chosen = gptq[-1].rotations
+    keys = by_gptq["selection_per_kv_head"]["key"]
+    assert chosen.per_head and keys == chosen.header["selection"]["key"]
+    assert set(keys) <= set(by_gptq["selection_errors"]["key"])
+    from foscar.oscar.evaluate import report
+
+    assert "- keys rounded by GPTQ: per-KV-head key, of 2 layers:" in report(info)
+    assert tuple(chosen.key_gptq.shape) == tuple(gptq[0].rotations.key_gptq.shape)
     path = toy / "g.safetensors"
     gptq[0].rotations.save(path)
     with pytest.raises(ValueError, match="gptq rows need a calibration in the run"):

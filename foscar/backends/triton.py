@@ -273,11 +273,15 @@ def write_decode_tokens(cache: QuantizedKVCache, layer: int, name: str, src, des
     src: ``[batch, H, D]`` the new tokens in the cache's window dtype (last axis contiguous);
     desc: ``[batch, 6]`` int32 on the cache's device (foscar.kernels.cache_write.DESC_FIELDS).
     The caller (:meth:`QuantizedKVCache.append`) has checked everything and chosen this path
-    only for a token-wise, unclipped history format (``QuantizedKVCache.fused_write_reason``).
+    only for a token-wise history format (``QuantizedKVCache.fused_write_reason``); the layer's
+    clip ratio and (for K) GPTQ factors come from its transform.
     """
     kern = _cache_write()
     st = cache.layers[layer]
-    f = cache.fmt.key if name == "k" else cache.fmt.value
+    f = cache._history_format(layer, name)
+    d = cache.head_dim
+    clip_index = -1 if f.clip is None else min(int(f.clip * d), d - 1)  # as clip_per_token
+    gptq = cache.transforms[layer].key_gptq if name == "k" else None
     alpha, beta = cache.fmt.mapping.alpha_beta(f.bits)
     order, shifts = cache.packing_tables(name)
     scales, tail = getattr(st, f"{name}_scales"), getattr(st, f"{name}_tail")
@@ -305,6 +309,12 @@ def write_decode_tokens(cache: QuantizedKVCache, layer: int, name: str, src, des
             LEVELS=float(f.levels),
             ALPHA_INV=1.0 / alpha,
             BETA=float(beta),
+            clip_index=clip_index,
+            factor_ptr=scales if gptq is None else gptq,  # (not read without GPTQ)
+            CLIP=f.clip is not None,
+            GPTQ=gptq is not None,
             num_warps=1 if cache.head_dim <= 64 else 2,
-            enable_fp_fusion=False,  # z' = lo - beta * s' rounds once, as in fold_scale_offset
+            # z' = lo - beta * s' rounds once, as in fold_scale_offset; GPTQ's products and
+            # differences round separately, as torch's
+            enable_fp_fusion=False,
         )

@@ -1,17 +1,20 @@
 """Triton kernel of a decode step's cache write: one new token per sequence, in one launch.
 
-What :meth:`foscar.cache.QuantizedKVCache.append` does for a decode step with a token-wise,
-unclipped history format, bit for bit (``tests/test_cache_write.py``), fused: the torch path
-spends ~60 small tensor operations per role and layer (quantize, fold, pack, scatters), which
-made the host, not the GPU, the limit of an end-to-end decode step (NOTES 14).
+What :meth:`foscar.cache.QuantizedKVCache.append` does for a decode step with a token-wise
+history format (clipped per token, and keys rounded by GPTQ, as a layer's transform says), bit
+for bit (``tests/test_cache_write.py``), fused: the torch path spends ~60 small tensor
+operations per role and layer (quantize, fold, pack, scatters; GPTQ's rounding 5 more per
+channel), which made the host, not the GPU, the limit of an end-to-end decode step (NOTES 14).
 
 One program per ``(sequence, KV head)`` of one role (K or V):
 
 1. if the step demotes a token into the quantized history, load it (from the tail ring, or the
-   new token itself when there is no recent window) in the packed channel order, quantize each
-   group (``s = max(hi - lo, 1e-8) / levels``, ``q = floor((x - lo) / s + 0.5)``, IEEE division
-   as in :func:`foscar.quantize.quantize`), fold (``s' = s / alpha``, ``z' = lo - beta s'``),
-   and store the packed words and the ``(s', z')`` pairs;
+   new token itself when there is no recent window) in the packed channel order, clip it (its
+   percentile of ``|x|`` found by counting ranks), quantize each group
+   (``s = max(hi - lo, 1e-8) / levels``, ``q = floor((x - lo) / s + 0.5)``, IEEE division as in
+   :func:`foscar.quantize.quantize`; GPTQ's codes channel by channel where the layer has
+   factors, as :func:`foscar.quantize.quantize_gptq`), fold (``s' = s / alpha``,
+   ``z' = lo - beta s'``), and store the packed words and the ``(s', z')`` pairs;
 2. store the new token into the sink or the tail ring (never the demoted token's ring slot).
 
 NaN and infinities (a cache with ``check_finite=False``): min, max and the scale floor propagate
@@ -52,6 +55,64 @@ def _nan_max(a, b):
 
 
 @triton.jit
+def _group_scale(x, member, LEVELS: tl.constexpr):
+    """``(lo, s)`` of the group ``member`` selects in ``x``: min-max, the 1e-8 span floor, IEEE
+    division (foscar.quantize.quantize; NaN-propagating)."""
+    lo = tl.reduce(tl.where(member, x, float("inf")), 0, _nan_min)
+    hi = tl.reduce(tl.where(member, x, float("-inf")), 0, _nan_max)
+    span = tl.maximum(hi - lo, 1e-8, propagate_nan=tl.PropagateNan.ALL)
+    return lo, tl.math.div_rn(span, LEVELS)
+
+
+@triton.jit
+def _clip_per_token(x, x_row, clip_index, D: tl.constexpr):
+    """foscar.quantize.clip_per_token of the row ``x`` (any channel order; ``x_row`` points at
+    the same values in memory): clamp to ``[-tau, tau]``, ``tau`` the ``(clip_index + 1)``-th
+    smallest ``|x|``, NaN ordered above every number as torch.kthvalue orders it.
+
+    ``tau`` is the value whose rank brackets ``clip_index``: ``#{a_j < a} <= clip_index <
+    #{a_j <= a}``, counted over the row's channels one scalar at a time."""
+    a = tl.abs(x)
+    below = tl.zeros(x.shape, tl.int32)
+    at = tl.zeros(x.shape, tl.int32)
+    for j in range(D):
+        aj = tl.abs(tl.load(x_row + j).to(tl.float32))
+        # a NaN is above every number and equal to another NaN
+        below += tl.where(a != a, aj == aj, aj < a).to(tl.int32)
+        at += tl.where(a != a, aj != aj, aj == a).to(tl.int32)
+    kth = tl.where(below <= clip_index, clip_index < below + at, False)
+    tau = tl.reduce(tl.where(kth, a, float("-inf")), 0, _nan_max)
+    clipped = tl.minimum(x, tau, propagate_nan=tl.PropagateNan.ALL)
+    return tl.maximum(clipped, -tau, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _gptq_codes(x, xc, order, group, factor, D: tl.constexpr, GROUP: tl.constexpr,
+                NG: tl.constexpr, LEVELS: tl.constexpr):  # fmt: skip
+    """foscar.quantize.quantize_gptq's codes of one token (positions in the packed ``order``):
+    channel by channel in natural order, ``q = floor((w_j - lo) / s + 0.5)`` clamped, its error
+    divided by ``U[j, j]`` fed forward as ``w_c -= err * U[j, c]`` into the channels ``c > j``.
+    ``w`` starts as the unclipped row ``x``; ``(lo, s)`` are the clipped row ``xc``'s. Products
+    and sums round separately (the launch turns off FMA contraction), as torch's do."""
+    w = x
+    q = tl.zeros(x.shape, tl.float32)
+    for g in tl.static_range(NG):
+        lo, s = _group_scale(xc, group == g, LEVELS)
+        for jj in range(GROUP):
+            j = g * GROUP + jj
+            here = order == j
+            wj = tl.sum(tl.where(here, w, 0.0), 0)
+            qj = tl.floor(tl.math.div_rn(wj - lo, s) + 0.5)
+            qj = tl.minimum(tl.maximum(qj, 0.0), LEVELS)
+            q = tl.where(here, qj, q)
+            err = tl.math.div_rn(wj - (qj * s + lo), tl.load(factor + j * D + j))
+            later = order > j
+            row = tl.load(factor + j * D + order, mask=later, other=0.0)
+            w = tl.where(later, w - err * row, w)
+    return q
+
+
+@triton.jit
 def decode_write_kernel(
     src_ptr,  # [batch, H, D] the new tokens, window dtype
     src_stride_b,
@@ -74,6 +135,10 @@ def decode_write_kernel(
     LEVELS: tl.constexpr,  # 2**BITS - 1, as a float
     ALPHA_INV: tl.constexpr,  # 1 / alpha (a power of two)
     BETA: tl.constexpr,
+    clip_index,  # with CLIP: tau is the (clip_index + 1)-th smallest |x| of the row
+    factor_ptr,  # with GPTQ: [H, D, D] float32 upper-triangular GPTQ factors
+    CLIP: tl.constexpr = False,
+    GPTQ: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -98,16 +163,18 @@ def decode_write_kernel(
         x_ring = tl.load(ring + ring_pos * D + order, mask=(d < D) & from_ring, other=0.0)
         x_new = tl.load(src + order, mask=(d < D) & (ring_pos < 0), other=0.0)
         x = tl.where(from_ring, x_ring.to(tl.float32), x_new.to(tl.float32))
+        if CLIP:
+            x_row = tl.where(from_ring, ring + ring_pos * D, src)  # the token, channel order
+            xc = _clip_per_token(x, x_row, clip_index, D)
+        else:
+            xc = x
         group = order // GROUP
         lo = tl.zeros([D], tl.float32)
         scale = tl.full([D], 1.0, tl.float32)
         entry0 = scales_ptr + (((page.to(tl.int64) * H + h) * ENTRIES) + row * NG) * 2
         for j in tl.static_range(NG):
             member = group == j
-            lo_j = tl.reduce(tl.where(member, x, float("inf")), 0, _nan_min)
-            hi_j = tl.reduce(tl.where(member, x, float("-inf")), 0, _nan_max)
-            span = tl.maximum(hi_j - lo_j, 1e-8, propagate_nan=tl.PropagateNan.ALL)
-            s_j = tl.math.div_rn(span, LEVELS)
+            lo_j, s_j = _group_scale(xc, member, LEVELS)
             lo = tl.where(member, lo_j, lo)
             scale = tl.where(member, s_j, scale)
             s_fold = s_j * ALPHA_INV  # exact: alpha is a power of two
@@ -116,7 +183,10 @@ def decode_write_kernel(
                 tl.store(entry0 + 2 * j + 1, lo_j)
             else:  # BETA * s_fold is exact; the launch turns off FMA contraction
                 tl.store(entry0 + 2 * j + 1, lo_j - BETA * s_fold)
-        q = tl.floor(tl.math.div_rn(x - lo, scale) + 0.5)
+        if GPTQ:
+            q = _gptq_codes(x, xc, order, group, factor_ptr + h * D * D, D, GROUP, NG, LEVELS)
+        else:
+            q = tl.floor(tl.math.div_rn(xc - lo, scale) + 0.5)
         q = tl.minimum(tl.maximum(q, 0.0), LEVELS).to(tl.int32)
         shifts = tl.load(shifts_ptr + tl.arange(0, PER_WORD))
         fields = tl.reshape(q, [W, PER_WORD]) << shifts[None, :]

@@ -364,6 +364,7 @@ def fit_clips(
         **rotations.header,
         "clip_fit": {
             "group_size": g,
+            "key_rounding": "nearest" if rotations.key_gptq is None else "gptq",
             "num_queries": num_queries,
             "windows": list(windows),
             "tokens": int(sum(s.numel() for s in seqs)),
@@ -434,6 +435,10 @@ def choose_rotations(fitted: dict[str, OscarRotations], *, select_bits: int = 2)
     broadcast to the KV heads when another candidate is per KV head (``[L, H, d, d]``); the
     result is then per KV head. The header records the choice per layer
     (``header["selection"]``) and every candidate's clip fit. The candidates are not modified.
+
+    Candidates with GPTQ factors (``key_gptq``, their clips fitted with keys so rounded): all
+    of them or none must have them. Each layer's key rotation then brings its own candidate's
+    factors (the metric in that rotation's basis), so the keys are chosen by GPTQ errors.
     """
     if not fitted:
         raise ValueError("candidates must name at least one rotation")
@@ -442,6 +447,12 @@ def choose_rotations(fitted: dict[str, OscarRotations], *, select_bits: int = 2)
     unfitted = [n for n in names if "clip_fit" not in fitted[n].header]
     if unfitted:
         raise ValueError(f"candidates {unfitted} have no fitted clips (run fit_clips first)")
+    with_gptq = [n for n in names if fitted[n].key_gptq is not None]
+    if with_gptq and len(with_gptq) != len(names):
+        raise ValueError(
+            f"candidates {with_gptq} have GPTQ key factors and "
+            f"{[n for n in names if n not in with_gptq]} do not: all or none must"
+        )
     bits = sorted(set.intersection(*({b for b, _ in r.clips} for r in fitted.values())))
     if select_bits not in bits:
         raise ValueError(f"select_bits ({select_bits}) must be one of bits {tuple(bits)}")
@@ -450,6 +461,7 @@ def choose_rotations(fitted: dict[str, OscarRotations], *, select_bits: int = 2)
     out = {"key": [], "value": []}
     clips = {(b, role): torch.zeros(layers, dtype=torch.float64) for b in bits for role in out}
     choice = {"key": [], "value": []}
+    key_gptq = []
     for role in ("key", "value"):
         errors = torch.tensor(
             [
@@ -461,6 +473,8 @@ def choose_rotations(fitted: dict[str, OscarRotations], *, select_bits: int = 2)
         for layer in range(layers):
             r = fitted[names[int(best[layer])]]
             out[role].append(getattr(r, role)[layer].expand(heads, -1, -1))
+            if role == "key" and with_gptq:
+                key_gptq.append(r.key_gptq[layer])
             for b in bits:
                 clips[(b, role)][layer] = r.clips[(b, role)][layer]
             choice[role].append(names[int(best[layer])])
@@ -480,7 +494,13 @@ def choose_rotations(fitted: dict[str, OscarRotations], *, select_bits: int = 2)
     }
     header.pop("clip_fit", None)
     header["clip_fit"] = {n: fitted[n].header["clip_fit"] for n in names}
-    return OscarRotations(torch.stack(out["key"]), torch.stack(out["value"]), clips, header)
+    return OscarRotations(
+        torch.stack(out["key"]),
+        torch.stack(out["value"]),
+        clips,
+        header,
+        torch.stack(key_gptq) if with_gptq else None,
+    )
 
 
 @torch.no_grad()

@@ -59,7 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="store GPTQ rounding factors of the keys' metric (the queries' covariance in the "
         "rotated basis) in the file, so the cache rounds keys by GPTQ, and fit the clips with "
-        "keys so rounded (our extension; token-wise keys)",
+        "keys so rounded; with --select every candidate's keys are so rounded, so the choice "
+        "is made by GPTQ errors (our extension; token-wise keys)",
     )
     p.add_argument(
         "--clip-bits",
@@ -180,10 +181,10 @@ def run(args, log=print) -> int:
             if args.select_kv_heads:
                 kw["per_head"] = True
                 candidates[f"{args.recipe} per KV head"] = cal.rotations(args.recipe, **kw)
+            if args.gptq_keys:  # every candidate's keys rounded by GPTQ: chosen by those errors
+                for c in candidates.values():
+                    c.key_gptq = gptq_factors(cal, c)
             rot = select_rotations(model, clip_seqs, candidates, **fit)
-            if args.gptq_keys:  # the chosen rotations' factors, and clips fitted with them
-                rot.key_gptq = gptq_factors(cal, rot)
-                fit_clips(model, clip_seqs, rot, **fit)
             sel = rot.header["selection"]
             for role in ("key", "value"):
                 n = sel[role].count(args.recipe)

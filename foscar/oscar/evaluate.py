@@ -29,6 +29,9 @@ OSCAR INT4 (+ BF16 s/r)                U*H*P_br; fitted for INT4; none (s/r)
 ... + GPTQ keys (``gptq``)             OSCAR INT2 and OSCAR-select per-KV-head INT2 with the
                                        keys' codes chosen by GPTQ under the queries' covariance
                                        (same stored format); refitted; none (s/r)
+OSCAR-select by GPTQ per-KV-head ...   (``gptq``) OSCAR-select per-KV-head made again with every
+                                       candidate's keys rounded by GPTQ, so each layer's key
+                                       rotation is the one of smallest GPTQ error; none (s/r)
 =====================================  =========================================================
 
 From a saved :class:`~foscar.oscar.OscarRotations` alone (no ablations): the OSCAR INT2/INT4
@@ -85,6 +88,10 @@ SELECT_CANDIDATES = {
     "full-kvh": ("U*H*P_br per KV head", "full", {"per_head": True}),
     "ktk-kvh": ("K^TK/V^TV per KV head", "full", {**PLAIN_TARGETS, "per_head": True}),
 }
+
+
+#: the OSCAR-select per-KV-head row whose key rotations are chosen by their GPTQ errors
+GPTQ_SELECT = "OSCAR-select by GPTQ per-KV-head INT2"
 
 
 @dataclass(frozen=True)
@@ -501,6 +508,28 @@ def gptq_rows(
                 for role in ("key", "value")
             },
         }
+    # OSCAR-select made again with every candidate's keys rounded by GPTQ: the rotation whose
+    # GPTQ error is smallest need not be the one whose rounding-to-nearest error is
+    candidates = {}
+    for n, (_, recipe, kw) in SELECT_CANDIDATES.items():
+        base = calibration.rotations(recipe, **kw)
+        candidates[n] = OscarRotations(
+            base.key,
+            base.value,
+            {},
+            {**base.header, "key_rounding": f"gptq, damp {damp}"},
+            gptq_factors(calibration, base, damp=damp),
+        )
+    fit_candidates(model, sequences, candidates, bits=(2,), windows=windows, log=log)
+    chosen = choose_rotations(candidates)
+    rows += _fitted_int2_rows(f"{GPTQ_SELECT} + GPTQ keys", g, chosen, windows)
+    info[GPTQ_SELECT] = {
+        "selection_per_kv_head": {r: chosen.header["selection"][r] for r in ("key", "value")},
+        "clips_int2": {r: chosen.clips[(2, r)].tolist() for r in ("key", "value")},
+        "selection_errors": {
+            r: chosen.header["selection"][f"{r}_error_per_candidate"] for r in ("key", "value")
+        },
+    }
     return rows, info
 
 
@@ -563,6 +592,8 @@ def report(info: dict) -> str:
     lines += _selection_lines(info)
     for g, sub in info.get("groups", {}).items():
         lines += _selection_lines(sub, f"groups of {g}: ")
+    if GPTQ_SELECT in info.get("gptq", {}):
+        lines += _selection_lines(info["gptq"][GPTQ_SELECT], "keys rounded by GPTQ: ")
     errors = info.get("attention_errors_heldout", {}).get("errors")
     if errors:
         ratios = [r for r in next(iter(errors.values()))["key"] if r != "per-layer best"]
