@@ -58,6 +58,8 @@
 #   bash benchmarks/h200_run.sh s11-pages # session 11: page sizes 16-256 in the Gluon kernel: GPU cases, memcheck, two points per page size beside Triton and FlashInfer
 #   bash benchmarks/h200_run.sh s11-pages-tests # session 11: the page-size GPU cases and memcheck again (s11-pages' -k also took the compile tests)
 #   bash benchmarks/h200_run.sh s12-write # session 12: the fused write over clipped layers and GPTQ keys: GPU tests, memcheck, its cost against the torch writer
+#   bash benchmarks/h200_run.sh s12-e2e # session 12: OSCAR's decode-time work end to end (foscar-oscar-int2 beside foscar-int2 and BF16, 32K)
+#   bash benchmarks/h200_run.sh s12-profile # session 12: cProfile of decode steps, foscar-int2 against foscar-oscar-int2 (B=1, 32)
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -648,6 +650,17 @@ case "$mode" in
       tests/test_cache_write.py -k "clips_and_gptq and K4V2" 2>&1 | grep -v "Host Frame" > "$OUT/write_memcheck.log"
     grep -E "ERROR SUMMARY|passed|failed" "$OUT/write_memcheck.log" | tail -2
     timeout 200 python3 benchmarks/write_cost.py --json "$OUT/write_cost.json" 2>&1 | tee "$OUT/write_cost.md"
+    ;;
+  s12-e2e)
+    # session 12: OSCAR's decode-time work end to end (rotations of K/Q and V/output per layer
+    # and KV head, per-layer clips and GPTQ keys in the fused write), beside foscar-int2 and BF16
+    timeout 500 python3 -m foscar bench --e2e --e2e-contexts 32768 --e2e-batches 1 16 32 \
+      --e2e-new-tokens 128 --e2e-methods bf16 foscar-int2 foscar-oscar-int2 --e2e-max-seconds 420 \
+      --out "$OUT" --name e2e_qwen3_8b_oscar 2>&1 | grep -v "^\[" | tail -14
+    ;;
+  s12-profile)
+    # session 12: where OSCAR's extra time per decode step goes (s12-e2e: +27-55 ms at 32K)
+    timeout 400 python3 benchmarks/oscar_step_profile.py 2>&1 | tee "$OUT/oscar_step_profile.log" | grep "^## "
     ;;
   cache-write)
     # the fused write's tests alone (after the review's NaN / FMA / device changes)

@@ -45,7 +45,7 @@ def test_decode_points_on_a_small_model(small_model, tmp_path):
     assert small_model.config.head_dim == 128 and small_model.dtype == torch.bfloat16
     rows = [
         e2e.decode_point(small_model, m, 2, 400, new_tokens=3, warmup=1)
-        for m in ("bf16", "foscar-int4", "foscar-int2")
+        for m in ("bf16", "foscar-int4", "foscar-int2", "foscar-oscar-int2")
     ]
     for r in rows:
         assert math.isfinite(r["tpot_ms"]) and r["tokens_per_s_aggregate"] > 0
@@ -54,6 +54,12 @@ def test_decode_points_on_a_small_model(small_model, tmp_path):
     # 2 users x 404 tokens x 2 layers x 2 heads x 128 x (K, V) in BF16
     assert kv["bf16"] * 2**30 == 2 * 404 * 2 * 2 * 128 * 2 * 2
     assert kv["foscar-int2"] < kv["foscar-int4"] < kv["bf16"]
+    assert kv["foscar-oscar-int2"] == kv["foscar-int2"]  # OSCAR stores the same format
+    # OSCAR's cache: every layer rotated per KV head, clipped, its keys rounded by GPTQ
+    cache = e2e.make_cache("foscar-oscar-int2", small_model, 2, 400, 8, seed=0)
+    for tr in cache.kv.transforms:
+        assert tr.key_rotation.shape == tr.value_rotation.shape == (2, 128, 128)
+        assert (tr.key_clip, tr.value_clip) == (0.85, 0.92) and tr.key_gptq.shape == (2, 128, 128)
     result = {
         "config": {
             "contexts": [400],

@@ -18,7 +18,11 @@ with random codes, scales and offsets (``FoscarCache._assume_prompt``). The resu
 
 Methods: ``bf16`` (transformers' ``DynamicCache`` with SDPA, the baseline), ``foscar-int4`` and
 ``foscar-int2`` (token-wise K and V, groups of 128, OSCAR's BF16 windows of 64 sink + 256 recent
-tokens; ``FoscarCache`` and the Triton decode kernel), and ``hf-quantized-int4/int2``
+tokens; ``FoscarCache`` and the Triton decode kernel), ``foscar-oscar-int2`` (``foscar-int2``
+with OSCAR's decode-time work: a rotation per layer and KV head of K and Q, another of V and the
+output, per-layer clips and GPTQ-rounded keys in each step's write; random rotations and
+factors, :func:`synthetic_oscar`, since decode cost does not depend on their values), and
+``hf-quantized-int4/int2``
 (transformers' ``QuantizedCache`` with the first importable backend of quanto, hqq; skipped with
 the reason when none is). A point that runs out of memory is recorded as such, and larger
 batches of that method and context are skipped. ``--e2e-max-seconds`` stops starting points
@@ -58,7 +62,14 @@ QWEN3_8B = {
     "rms_norm_eps": 1e-6,
     "tie_word_embeddings": False,
 }
-METHODS = ("bf16", "foscar-int4", "foscar-int2", "hf-quantized-int4", "hf-quantized-int2")
+METHODS = (
+    "bf16",
+    "foscar-int4",
+    "foscar-int2",
+    "foscar-oscar-int2",
+    "hf-quantized-int4",
+    "hf-quantized-int2",
+)
 SINK, RECENT, GROUP = 64, 256, 128
 
 
@@ -118,6 +129,31 @@ def foscar_format(bits: int) -> KVFormat:
     return KVFormat(f, f, sink_tokens=SINK, recent_tokens=RECENT)
 
 
+def synthetic_oscar(config, seed: int = 0, clips: tuple[float, float] = (0.85, 0.92)):
+    """OSCAR rotations for a model of ``config``'s shapes with the work of a calibrated file:
+    random orthogonal K and V rotations per layer and KV head, INT2 clip ratios ``clips`` (K, V;
+    OSCAR's fitted ones lie around these) and GPTQ factors of random metrics for the keys."""
+    from ..oscar import OscarRotations
+    from ..quantize import gptq_factor
+
+    g = torch.Generator().manual_seed(seed)
+    n, h, d = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+
+    def orthogonal():
+        return torch.linalg.qr(torch.randn(n, h, d, d, generator=g, dtype=torch.float64))[0]
+
+    a = torch.randn(n, h, d, d, generator=g, dtype=torch.float64)
+    metric = a @ a.transpose(-1, -2) / d + torch.eye(d, dtype=torch.float64)
+    full = torch.ones(n, dtype=torch.float64)
+    return OscarRotations(
+        orthogonal(),
+        orthogonal(),
+        {(2, "key"): full * clips[0], (2, "value"): full * clips[1]},
+        {"recipe": "synthetic (foscar bench --e2e)"},
+        gptq_factor(metric),
+    )
+
+
 def kv_bytes_per_token(method: str, context: int, config) -> float:
     """KV bytes one user's token costs at ``context`` tokens (all layers, K and V)."""
     elems = config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2
@@ -164,14 +200,19 @@ def make_cache(method: str, model, batch: int, context: int, extra: int, seed: i
     device = model.device
     shape = (batch, cfg.num_key_value_heads, context, cfg.head_dim)
     if method.startswith("foscar"):
-        cache = FoscarCache(
-            foscar_format(int(method[-1])),
-            cfg,
+        fmt = foscar_format(int(method[-1]))
+        kw = dict(
             max_cache_len=context + extra,
             max_batch_size=batch,
             check_finite=False,
             check_mask=False,
         )
+        if method.startswith("foscar-oscar"):
+            from ..oscar import oscar_cache
+
+            cache = oscar_cache(fmt, cfg, synthetic_oscar(cfg, seed), clip_bits=2, **kw)
+        else:
+            cache = FoscarCache(fmt, cfg, **kw)
         cache._assume_prompt(batch, context, device)
         _fill_random(cache, seed)
         return cache
