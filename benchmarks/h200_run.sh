@@ -60,6 +60,7 @@
 #   bash benchmarks/h200_run.sh s12-write # session 12: the fused write over clipped layers and GPTQ keys: GPU tests, memcheck, its cost against the torch writer
 #   bash benchmarks/h200_run.sh s12-e2e # session 12: OSCAR's decode-time work end to end (foscar-oscar-int2 beside foscar-int2 and BF16, 32K)
 #   bash benchmarks/h200_run.sh s12-profile # session 12: cProfile of decode steps, foscar-int2 against foscar-oscar-int2 (B=1, 32)
+#   bash benchmarks/h200_run.sh s12-e2e2 # session 12: s12-profile and s12-e2e again after the rotation and format memos
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -661,6 +662,14 @@ case "$mode" in
   s12-profile)
     # session 12: where OSCAR's extra time per decode step goes (s12-e2e: +27-55 ms at 32K)
     timeout 400 python3 benchmarks/oscar_step_profile.py 2>&1 | tee "$OUT/oscar_step_profile.log" | grep "^## "
+    ;;
+  s12-e2e2)
+    # session 12: after rotate_rows' single matrix product, the rotations' float32 copies and the
+    # clipped formats made once per transform: the profile, then s12-e2e's points again
+    timeout 200 python3 benchmarks/oscar_step_profile.py 2>&1 | tee "$OUT/oscar_step_profile_after.log" | grep "^## "
+    timeout 380 python3 -m foscar bench --e2e --e2e-contexts 32768 --e2e-batches 1 16 32 \
+      --e2e-new-tokens 128 --e2e-methods bf16 foscar-int2 foscar-oscar-int2 --e2e-max-seconds 330 \
+      --out "$OUT" --name e2e_qwen3_8b_oscar_after 2>&1 | grep -v "^\[" | tail -14
     ;;
   cache-write)
     # the fused write's tests alone (after the review's NaN / FMA / device changes)

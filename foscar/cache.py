@@ -52,7 +52,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -121,6 +121,20 @@ class LayerTransform:
     key_clip: float | None = None
     value_clip: float | None = None
     key_gptq: torch.Tensor | None = None
+    # what is derived from the fields once, not per call: the rotations in float32 (a decode
+    # step rotates K, V, Q and the output of every layer) and the clipped history formats
+    _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def rotate(self, x: torch.Tensor, role: str, *, inverse: bool = False) -> torch.Tensor:
+        """:func:`rotate_rows` of ``x`` by this layer's ``role`` ("key" or "value") rotation
+        (float32 ``x`` and narrower with the rotation's float32 copy, made once)."""
+        r = getattr(self, f"{role}_rotation")
+        if x.dtype != torch.float64:
+            key = ("float32", role)
+            if key not in self._derived:
+                self._derived[key] = r.to(torch.float32)
+            r = self._derived[key]
+        return rotate_rows(x, r, inverse=inverse)
 
 
 def rotate_rows(x: torch.Tensor, r: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
@@ -128,15 +142,20 @@ def rotate_rows(x: torch.Tensor, r: torch.Tensor, *, inverse: bool = False) -> t
 
     ``r: [H, D, D]``; head ``j`` of ``x`` uses ``R_{j // (Hx / H)}`` (query heads share their
     KV head's rotation). Computed in float64 for float64 ``x``, else float32; returned in that
-    dtype (the cache rounds to its window dtype afterwards).
+    dtype (the cache rounds to its window dtype afterwards). One matrix product (batched over
+    the heads when there are several rotations): ``einsum`` spent ~80 us of host time per call
+    planning the same product (NOTES 24).
     """
     dt = torch.float64 if x.dtype == torch.float64 else torch.float32
-    h = r.shape[0]
-    group = x.shape[-2] // h
-    rr = r.to(device=x.device, dtype=dt)
-    xg = x.to(dt).unflatten(-2, (h, group))  # [..., H, g, D]
-    eq = "...hgd,hed->...hge" if inverse else "...hgd,hde->...hge"
-    return torch.einsum(eq, xg, rr).flatten(-3, -2)
+    rr = r.to(device=x.device, dtype=dt)  # no copy when it already is
+    if inverse:
+        rr = rr.transpose(-1, -2)
+    h, (hx, d) = rr.shape[0], x.shape[-2:]
+    xg = x.to(dt).reshape(-1, h, hx // h, d)  # [N, H, g, D]
+    if h == 1:
+        return (xg.reshape(-1, d) @ rr[0]).reshape(x.shape)
+    y = torch.bmm(xg.transpose(0, 1).reshape(h, -1, d), rr)  # [H, N * g, D]
+    return y.unflatten(1, (-1, hx // h)).transpose(0, 1).reshape(x.shape)
 
 
 @dataclass
@@ -570,9 +589,16 @@ class QuantizedKVCache:
         return m.to(device=self.device, dtype=dtype).contiguous()
 
     def _history_format(self, layer: int, name: str) -> QuantFormat:
+        tr = self.transforms[layer]
         f = self.fmt.key if name == "k" else self.fmt.value
-        clip = getattr(self.transforms[layer], "key_clip" if name == "k" else "value_clip")
-        return f if clip is None else replace(f, clip=clip)
+        clip = tr.key_clip if name == "k" else tr.value_clip
+        if clip is None:
+            return f
+        # a decode step asks ~4 times per layer; replace() validates the format each time
+        key = ("format", name)
+        if key not in tr._derived:
+            tr._derived[key] = replace(f, clip=clip)
+        return tr._derived[key]
 
     def _lookup(self, seq_id, name: str) -> _Sequence:
         try:
@@ -662,9 +688,9 @@ class QuantizedKVCache:
         fused = decode_step and self._fused_write(layer)  # may raise: before any write
         tr = self.transforms[layer]
         if tr.key_rotation is not None:
-            k = rotate_rows(k, tr.key_rotation)
+            k = tr.rotate(k, "key")
         if tr.value_rotation is not None:
-            v = rotate_rows(v, tr.value_rotation)
+            v = tr.rotate(v, "value")
         # ---- nothing below can fail for a reason of the caller's
         for s, n in zip(seqs, need):
             for _ in range(n):

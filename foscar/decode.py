@@ -10,7 +10,7 @@ from . import configs, reference
 from .backends import gluon as gluon_backend
 from .backends import on_device
 from .backends import triton as triton_backend
-from .cache import DecodeBatch, QuantizedKVCache, rotate_rows
+from .cache import DecodeBatch, QuantizedKVCache
 
 __all__ = ["decode_attention", "default_backend", "BACKENDS"]
 
@@ -148,11 +148,11 @@ def decode_attention(
         raise ValueError(f"out must be a {q.dtype} tensor of shape {list(q.shape)} on {q.device}")
     tr = cache.transforms[batch.layer]
     if tr.key_rotation is not None:
-        q = rotate_rows(q, tr.key_rotation).to(q.dtype)
+        q = tr.rotate(q, "key").to(q.dtype)
     if tr.value_rotation is None:
         return _decode(q, cache, batch, sm_scale, backend, return_lse, out, lse)
     o, lse_o = _decode(q, cache, batch, sm_scale, backend, True, None, lse)
-    o = rotate_rows(o, tr.value_rotation, inverse=True).to(q.dtype)
+    o = tr.rotate(o, "value", inverse=True).to(q.dtype)
     if out is not None:
         out.copy_(o)
         o = out

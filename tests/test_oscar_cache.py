@@ -266,3 +266,37 @@ def test_set_transform_rejects_bad_gptq_factors():
     assert cache.transforms[0].key_gptq is None  # rejected calls changed nothing
     cache.set_transform(0, key_gptq=torch.eye(D))
     assert cache.transforms[0].key_gptq.shape == (H, D, D)
+
+
+@pytest.mark.parametrize("heads, group", [(1, 1), (1, 4), (3, 1), (3, 4)])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rotate_rows_is_the_per_head_product(heads, group, inverse):
+    """rotate_rows: row j of x times R_{j // group} (transposed with inverse), for leading
+    batch axes, one rotation shared or one per KV head; float64 in, float64 out; narrower
+    inputs in float32. LayerTransform.rotate converts a rotation to float32 once."""
+    from foscar.cache import LayerTransform, rotate_rows
+
+    g = torch.Generator().manual_seed(5)
+    r = torch.linalg.qr(torch.randn(heads, D, D, dtype=f64, generator=g))[0]
+    x = torch.randn(2, 5, heads * group, D, dtype=f64, generator=g)
+    want = torch.stack(
+        [
+            x[..., j, :] @ (r[j // group].T if inverse else r[j // group])
+            for j in range(x.shape[-2])
+        ],
+        dim=-2,
+    )
+    got = rotate_rows(x, r, inverse=inverse)
+    assert got.dtype == f64 and got.shape == x.shape
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    x32 = x.to(torch.bfloat16)
+    got32 = rotate_rows(x32, r, inverse=inverse)
+    assert got32.dtype == torch.float32
+    torch.testing.assert_close(got32, rotate_rows(x32.double(), r, inverse=inverse).float())
+    tr = LayerTransform(key_rotation=r, value_rotation=r.flip(-1))
+    assert torch.equal(tr.rotate(x32, "key", inverse=inverse), got32)
+    assert tr._derived[("float32", "key")].dtype == torch.float32
+    first = tr._derived[("float32", "key")]
+    tr.rotate(x32, "key")
+    assert tr._derived[("float32", "key")] is first  # converted once
+    torch.testing.assert_close(tr.rotate(x, "value"), rotate_rows(x, r.flip(-1)), rtol=0, atol=0)

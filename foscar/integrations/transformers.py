@@ -76,7 +76,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         "foscar.integrations.transformers needs transformers>=5: pip install 'foscar[hf]'"
     ) from e
 
-from ..cache import DecodeBatch, QuantizedKVCache, check_decode_write, rotate_rows
+from ..cache import DecodeBatch, QuantizedKVCache, check_decode_write
 from ..decode import BACKENDS, decode_attention
 from ..formats import GroupAxis, KVFormat
 from ..quantize import dequantize
@@ -784,7 +784,7 @@ class _DequantizedHistory:
         tr = cache.transforms[plan.layer]
         out_dtype = q.dtype
         if tr.key_rotation is not None:
-            q = rotate_rows(q, tr.key_rotation)
+            q = tr.rotate(q, "key")
         b = q.shape[0]
         lengths = plan.seq_lens_host
         n = max(lengths)
@@ -801,5 +801,5 @@ class _DequantizedHistory:
             enable_gqa=True,
         )[:, :, 0]
         if tr.value_rotation is not None:
-            o = rotate_rows(o, tr.value_rotation, inverse=True)
+            o = tr.rotate(o, "value", inverse=True)
         return o.to(out_dtype)
