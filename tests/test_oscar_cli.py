@@ -228,12 +228,27 @@ def test_prepare_gptq_rows(toy):
         "OSCAR INT2 + GPTQ keys + BF16 8/16 (fitted clips)",
         "OSCAR-select per-KV-head INT2 + GPTQ keys (fitted clips)",
         "OSCAR-select per-KV-head INT2 + GPTQ keys + BF16 8/16 (fitted clips)",
+        "OSCAR-select per-KV-head K INT2 + GPTQ keys, V INT4 + BF16 8/16 (fitted clips)",
         "OSCAR-select by GPTQ per-KV-head INT2 + GPTQ keys (fitted clips)",
         "OSCAR-select by GPTQ per-KV-head INT2 + GPTQ keys + BF16 8/16 (fitted clips)",
     ]
-    assert len(rows) == 15 + 6 and rows[-6:] == gptq
+    assert len(rows) == 15 + 8 and rows[-8:-3] == gptq[:5] and rows[-2:] == gptq[5:]
     for row in gptq:
         assert row.rotations.key_gptq is not None and (2, "key") in row.rotations.clips
+    # K and V at different widths: each role's clips of its own width, GPTQ keys at INT2 only
+    k2v4, k4v2 = rows[-4], rows[-3]
+    assert k4v2.name == "OSCAR-select per-KV-head K INT4, V INT2 + BF16 8/16 (fitted clips)"
+    assert (k2v4.fmt.key.bits, k2v4.fmt.value.bits, k2v4.clip_bits) == (2, 4, (2, 4))
+    assert (k4v2.fmt.key.bits, k4v2.fmt.value.bits, k4v2.clip_bits) == (4, 2, (4, 2))
+    assert k4v2.rotations.key_gptq is None and (4, "key") in k4v2.rotations.clips
+    assert torch.equal(k2v4.rotations.value, k4v2.rotations.value)
+    from foscar.eval.metrics import record_prefill
+
+    prefill = record_prefill(model, [list(range(5, 45))])  # past the 8/16 windows
+    cache = k2v4.make_cache(model, prefill, 4).kv
+    for layer, tr in enumerate(cache.transforms):
+        assert tr.key_clip == float(k2v4.rotations.clips[(2, "key")][layer])
+        assert tr.value_clip == float(k4v2.rotations.clips[(4, "value")][layer])
     assert set(info["gptq"]) == {
         "OSCAR INT2",
         "OSCAR-select per-KV-head INT2",

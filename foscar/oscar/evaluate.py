@@ -32,6 +32,8 @@ OSCAR INT4 (+ BF16 s/r)                U*H*P_br; fitted for INT4; none (s/r)
 OSCAR-select by GPTQ per-KV-head ...   (``gptq``) OSCAR-select per-KV-head made again with every
                                        candidate's keys rounded by GPTQ, so each layer's key
                                        rotation is the one of smallest GPTQ error; none (s/r)
+OSCAR-select per-KV-head K INTa, V INTb (``gptq``) K INT2 by GPTQ with V INT4, and K INT4 with V
+                                       INT2: what each role's INT2 costs alone; fitted; s/r
 =====================================  =========================================================
 
 From a saved :class:`~foscar.oscar.OscarRotations` alone (no ablations): the OSCAR INT2/INT4
@@ -99,14 +101,15 @@ class OscarEvalFormat:
     """A row of ``foscar eval`` whose cache is rotated (and possibly re-clipped per layer).
 
     ``name``, ``fmt``, ``bits`` as the harness's ``EvalFormat``; ``rotations`` to apply;
-    ``clip_bits``: use the ratios fitted for that width (None: the format's clips).
+    ``clip_bits``: use the ratios fitted for that width, or ``(key bits, value bits)`` (None:
+    the format's clips).
     """
 
     name: str
     fmt: KVFormat
     bits: int
     rotations: OscarRotations
-    clip_bits: int | None = None
+    clip_bits: int | tuple[int, int] | None = None
 
     def make_cache(self, model, prefill, extra_tokens: int):
         """A rotated FoscarCache holding ``prefill`` (the harness's row interface)."""
@@ -501,6 +504,8 @@ def gptq_rows(
         )
         fit_clips(model, sequences, rot, bits=(2,), windows=windows, log=log)
         rows += _fitted_int2_rows(f"{label} + GPTQ keys", g, rot, windows)
+        if base is selected_per_head:
+            rows += _mixed_width_rows(g, rot, base, windows)
         info[label] = {
             "clips_int2": {role: rot.clips[(2, role)].tolist() for role in ("key", "value")},
             "fitted_mean_relative_error": {
@@ -531,6 +536,48 @@ def gptq_rows(
         },
     }
     return rows, info
+
+
+def _mixed_width_rows(g: int, gptq: OscarRotations, plain: OscarRotations, windows):
+    """K and V at different widths, with ``windows``: K INT2 by GPTQ with V INT4, and K INT4
+    with V INT2 (INT4 is within 1% of BF16 here, EVAL_NOTES 4, so each row shows about what
+    the other role's INT2 costs alone). ``gptq``: the rotations with GPTQ keys and INT2 clips;
+    ``plain``: the same rotations with INT2 and INT4 clips, keys to nearest."""
+    s, r = windows
+    w = f" + BF16 {s}/{r}"
+
+    def fmt(kb, vb):
+        return KVFormat(
+            QuantFormat(kb, "token", g),
+            QuantFormat(vb, "token", g),
+            sink_tokens=s,
+            recent_tokens=r,
+        )
+
+    # the GPTQ rotations with the INT4 value clips of the same value rotations
+    k2 = OscarRotations(
+        gptq.key,
+        gptq.value,
+        {**gptq.clips, (4, "value"): plain.clips[(4, "value")]},
+        gptq.header,
+        gptq.key_gptq,
+    )
+    return [
+        OscarEvalFormat(
+            f"OSCAR-select per-KV-head K INT2 + GPTQ keys, V INT4{w} (fitted clips)",
+            fmt(2, 4),
+            2,
+            k2,
+            (2, 4),
+        ),
+        OscarEvalFormat(
+            f"OSCAR-select per-KV-head K INT4, V INT2{w} (fitted clips)",
+            fmt(4, 2),
+            2,
+            plain,
+            (4, 2),
+        ),
+    ]
 
 
 def _selection_info(sel: OscarRotations, sel_kvh: OscarRotations) -> dict:

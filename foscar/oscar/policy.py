@@ -188,25 +188,27 @@ def apply_to_cache(
     rotations: OscarRotations,
     cache: QuantizedKVCache,
     *,
-    clip_bits: int | None = None,
+    clip_bits: int | tuple[int, int] | None = None,
 ) -> None:
     """Set every layer's transform of ``cache`` (:meth:`QuantizedKVCache.set_transform`).
 
-    ``clip_bits``: use the clip ratios fitted for that bit width (they must exist); None keeps
-    the format's clip. Identity rotations are skipped (no work at decode).
+    ``clip_bits``: use the clip ratios fitted for that bit width (they must exist), or for
+    ``(key bits, value bits)`` when K and V differ in width; None keeps the format's clip.
+    Identity rotations are skipped (no work at decode).
     """
     rotations.check(
         num_layers=cache.num_layers, num_kv_heads=cache.num_kv_heads, head_dim=cache.head_dim
     )
     clips = {}
     if clip_bits is not None:
-        for role in ("key", "value"):
-            if (clip_bits, role) not in rotations.clips:
+        widths = clip_bits if isinstance(clip_bits, tuple) else (clip_bits, clip_bits)
+        for role, bits in zip(("key", "value"), widths):
+            if (bits, role) not in rotations.clips:
                 raise ValueError(
-                    f"clip_bits: no {role} clip ratios were fitted for INT{clip_bits} (have "
+                    f"clip_bits: no {role} clip ratios were fitted for INT{bits} (have "
                     f"{sorted(rotations.clips)})"
                 )
-            clips[role] = rotations.clips[(clip_bits, role)]
+            clips[role] = rotations.clips[(bits, role)]
     for layer in range(cache.num_layers):
         rk, rv = rotations.key[layer], rotations.value[layer]
         cache.set_transform(
@@ -219,7 +221,9 @@ def apply_to_cache(
         )
 
 
-def oscar_cache(fmt, config, rotations: OscarRotations, *, clip_bits: int | None = None, **kw):
+def oscar_cache(
+    fmt, config, rotations: OscarRotations, *, clip_bits: int | tuple[int, int] | None = None, **kw
+):
     """A transformers :class:`~foscar.integrations.transformers.FoscarCache` whose layers are
     rotated (and re-clipped) by ``rotations``; ``kw`` go to ``FoscarCache``."""
     from ..integrations.transformers import FoscarCache
