@@ -151,6 +151,11 @@ def rotate_rows(x: torch.Tensor, r: torch.Tensor, *, inverse: bool = False) -> t
     if inverse:
         rr = rr.transpose(-1, -2)
     h, (hx, d) = rr.shape[0], x.shape[-2:]
+    if hx % h or rr.shape[-2:] != (d, d):
+        raise ValueError(
+            f"rotate_rows: x has {hx} heads of {d} channels, r is {list(r.shape)} (the heads "
+            "must be a multiple of its rotations, each D x D)"
+        )
     xg = x.to(dt).reshape(-1, h, hx // h, d)  # [N, H, g, D]
     if h == 1:
         return (xg.reshape(-1, d) @ rr[0]).reshape(x.shape)
@@ -594,8 +599,10 @@ class QuantizedKVCache:
         clip = tr.key_clip if name == "k" else tr.value_clip
         if clip is None:
             return f
-        # a decode step asks ~4 times per layer; replace() validates the format each time
-        key = ("format", name)
+        # a decode step asks ~4 times per layer; replace() validates the format each time.
+        # (The memo lives on the transform: only this cache's set_transform makes its transforms,
+        # and the cache's format never changes; keyed by the format too, to stay right if not.)
+        key = ("format", name, f)
         if key not in tr._derived:
             tr._derived[key] = replace(f, clip=clip)
         return tr._derived[key]

@@ -59,7 +59,9 @@ def quantize(x: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Ten
             raise ValueError(f"channel-wise groups need a multiple of {g} tokens, got {t}")
         grouped = xf.reshape(*xf.shape[:-2], t // g, g, d)
         reduce_dim = -2
-    lo = grouped.amin(dim=reduce_dim, keepdim=True)
+    # + 0.0 makes a zero minimum +0 whichever of +0 / -0 the min picked (a clipped row whose
+    # percentile is 0 holds both): the fused write stores the same bits (foscar.kernels)
+    lo = grouped.amin(dim=reduce_dim, keepdim=True) + 0.0
     hi = grouped.amax(dim=reduce_dim, keepdim=True)
     span = (hi - lo).clamp_min(SCALE_FLOOR)
     # Divide by a device tensor, not a Python number: CUDA torch turns division by a CPU

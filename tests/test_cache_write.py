@@ -193,17 +193,28 @@ def test_fused_write_with_clips_and_gptq_keys_equals_torch_write(kb, vb, g, d, s
 
 
 @pytest.mark.parametrize(
-    "clip, nans, poisoned",
-    [(None, [40], [1]), (0.9, [40], [1]), (0.9, list(range(8, 16)), [0, 1])],
-    ids=["unclipped", "clipped-tau-finite", "clipped-tau-nan"],
+    "clip, nans, poisoned, gptq",
+    [
+        (None, [40], [1], False),
+        (0.9, [40], [1], False),
+        (0.9, list(range(8, 16)), [0, 1], False),
+        (0.9, [40], [1], True),
+    ],
+    ids=["unclipped", "clipped-tau-finite", "clipped-tau-nan", "clipped-gptq"],
 )
-def test_fused_write_poisons_a_group_with_a_nan(clip, nans, poisoned):
+def test_fused_write_poisons_a_group_with_a_nan(clip, nans, poisoned, gptq):
     """check_finite=False: a NaN poisons its group's (s', z') on both paths (the codes of such a
-    group are unspecified), every other entry is bit for bit the same. Clipped rows order NaN
-    above every number, as torch.kthvalue does: one NaN leaves the percentile finite, eight
-    (ranks 57-63 of 64 hold the 0.9 percentile) make it NaN and poison the whole row."""
+    group are unspecified; with GPTQ keys those of the whole token, the error being fed
+    forward), every other entry is bit for bit the same. Clipped rows order NaN above every
+    number, as torch.kthvalue does: the 0.9 percentile of 64 values is the one of 0-based rank
+    57, so one NaN (rank 63) leaves it finite and eight (ranks 56-63) make it NaN, poisoning
+    the whole row."""
     fmt = KVFormat(QuantFormat(2, "token", 32, clip=clip), QuantFormat(2, "token", 32))
     caches = _pair(fmt, 64, check_finite=False)
+    if gptq:
+        factors = _gptq_factors(2, 64, torch.Generator().manual_seed(4))
+        for c in caches:
+            c.set_transform(0, key_gptq=factors)
     ids = [c.add_sequence() for c in caches]
     k = torch.randn(3, 1, 2, 64)
     k[1, 0, 1, nans] = float("nan")  # step 1, head 1
@@ -220,6 +231,32 @@ def test_fused_write_poisons_a_group_with_a_nan(clip, nans, poisoned):
     wa, wb = caches[0].layers[0].k_words, caches[1].layers[0].k_words
     wa[page, 1, 1], wb[page, 1, 1] = 0, 0  # the poisoned row's codes: unspecified
     assert torch.equal(wa, wb)
+
+
+@pytest.mark.parametrize("mapping", ["bf16", "e4m3"])
+def test_fused_write_stores_a_zero_minimum_as_plus_zero(mapping):
+    """A clipped row whose percentile is 0 (most of its values are zero) holds +0 and -0 after
+    the clamp, and a group of zeros of both signs has either as its minimum: both paths store
+    +0 (the e4m3 mapping stores the minimum itself as z')."""
+    fmt = KVFormat(
+        QuantFormat(2, "token", 32, clip=0.9), QuantFormat(2, "token", 32), mapping=mapping
+    )
+    caches = _pair(fmt, 64)
+    ids = [c.add_sequence() for c in caches]
+    gen = torch.Generator().manual_seed(6)
+    for _ in range(3):
+        k = torch.zeros(1, 2, 64)
+        k[0, 0, :4] = torch.randn(4, generator=gen)  # 60 zeros: the 0.9 percentile is 0
+        k[0, 0, 4:40:2] = -0.0
+        v = torch.zeros(1, 2, 64)
+        v[0, 1, 1:32:3] = -0.0  # a group of signed zeros, unclipped
+        v[0, 1, 40] = 1.0
+        for c, sid in zip(caches, ids):
+            c.append([sid], k.to(KERNEL_DEVICE), v.to(KERNEL_DEVICE))
+    for a, b in zip(_snapshot(caches[0]), _snapshot(caches[1])):
+        assert torch.equal(a, b)
+    z = caches[1].layers[0].k_scales[..., 1]
+    assert not torch.signbit(z[z == 0]).any()
 
 
 def test_auto_falls_back_to_torch_when_the_kernel_fails(monkeypatch):
@@ -263,7 +300,7 @@ def test_fused_write_refusals_leave_the_cache_unchanged():
             cache.append([sid], x[40:], x[40:])
         assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(cache)))
         assert cache._free_pages == pages and cache.seq_len(sid) == 40
-    # OSCAR's layers (per-layer clips, GPTQ keys) take the fused write; head_dim 48 does not
+    # OSCAR's layers (per-layer clips, GPTQ keys) take the fused write; head_dim 96 does not
     fmt = KVFormat(QuantFormat(2, "token", 64), QuantFormat(2, "token", 64))
     cache = _pair(fmt, 64)[1]
     cache.set_transform(1, value_clip=0.95, key_gptq=torch.eye(64))

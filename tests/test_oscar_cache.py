@@ -300,3 +300,13 @@ def test_rotate_rows_is_the_per_head_product(heads, group, inverse):
     tr.rotate(x32, "key")
     assert tr._derived[("float32", "key")] is first  # converted once
     torch.testing.assert_close(tr.rotate(x, "value"), rotate_rows(x, r.flip(-1)), rtol=0, atol=0)
+
+
+def test_rotate_rows_refuses_heads_that_do_not_divide():
+    from foscar.cache import rotate_rows
+
+    r = torch.eye(D, dtype=f64).expand(4, D, D)
+    with pytest.raises(ValueError, match="x has 6 heads of 64 channels, r is \\[4, 64, 64\\]"):
+        rotate_rows(torch.zeros(2, 6, D), r)
+    with pytest.raises(ValueError, match="r is \\[4, 32, 32\\]"):
+        rotate_rows(torch.zeros(2, 8, D), torch.eye(32).expand(4, 32, 32))

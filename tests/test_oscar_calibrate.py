@@ -371,12 +371,6 @@ def test_choose_rotations_by_gptq_errors_carries_each_layers_factors(tiny):
         return OscarRotations(rot.key, rot.value, {}, dict(rot.header), gptq_factors(cal, rot))
 
     cands = {"full": rounded(cal.rotations()), "no-u": rounded(cal.rotations("no-u"))}
-    # one layer's keys are better in one basis, the other layer's in the other: make it so by
-    # giving "no-u" the identity in layer 0 (much worse for the keys) and "full" in layer 1
-    eye = torch.eye(D, dtype=f64)
-    key = cands["no-u"].key.clone()
-    key[0] = eye
-    cands["no-u"] = rounded(OscarRotations(key, cands["no-u"].value, {}, {}))
     fit_candidates(tiny, seqs[:1], cands, bits=(2,), num_queries=8)
     sel = choose_rotations(cands)
     assert sel.key_gptq is not None and tuple(sel.key_gptq.shape) == (LAYERS, H, D, D)
@@ -387,7 +381,15 @@ def test_choose_rotations_by_gptq_errors_carries_each_layers_factors(tiny):
         assert errors[name][layer] == min(e[layer] for e in errors.values())
         assert torch.equal(sel.key[layer], cands[name].key[layer])
         assert torch.equal(sel.key_gptq[layer], cands[name].key_gptq[layer])
-    assert sel.header["selection"]["key"][0] == "full"  # the identity lost layer 0
+    # each layer's factors come from its own choice: force "full" in layer 0, "no-u" in 1
+    for name, errs in (("full", [0.1, 0.9]), ("no-u", [0.9, 0.1])):
+        cands[name].header["clip_fit"]["int2.key"]["fitted_relative_error"] = errs
+    sel = choose_rotations(cands)
+    assert sel.header["selection"]["key"] == ["full", "no-u"]
+    assert not torch.equal(cands["full"].key_gptq[1], cands["no-u"].key_gptq[1])
+    for layer, name in enumerate(["full", "no-u"]):
+        assert torch.equal(sel.key[layer], cands[name].key[layer])
+        assert torch.equal(sel.key_gptq[layer], cands[name].key_gptq[layer])
     plain = fit_clips(tiny, seqs[:1], cal.rotations(), bits=(2,), num_queries=8)
     with pytest.raises(ValueError, match=r"\['full'\] have GPTQ key factors and \['plain'\]"):
         choose_rotations({"full": cands["full"], "plain": plain})

@@ -19,7 +19,10 @@ One program per ``(sequence, KV head)`` of one role (K or V):
 
 NaN and infinities (a cache with ``check_finite=False``): min, max and the scale floor propagate
 NaN as torch does, so a non-finite value poisons its group's ``(s', z')`` on both paths (the
-codes of such a group are unspecified on both).
+codes of such a group are unspecified on both; with GPTQ keys, the codes of the whole token,
+since each channel's error is fed forward into the later ones). A clipped row orders NaN above
+every number, as ``torch.kthvalue`` does, so enough NaNs make the percentile NaN and poison every
+group of the row. A zero group minimum is stored as +0 on both paths.
 
 The per-sequence integers (slot, positions, destination page) are computed on the host, as in
 the torch path, and passed as one ``[batch, 6]`` int32 tensor: ``slot, sink position, tail
@@ -59,6 +62,7 @@ def _group_scale(x, member, LEVELS: tl.constexpr):
     """``(lo, s)`` of the group ``member`` selects in ``x``: min-max, the 1e-8 span floor, IEEE
     division (foscar.quantize.quantize; NaN-propagating)."""
     lo = tl.reduce(tl.where(member, x, float("inf")), 0, _nan_min)
+    lo = tl.where(lo == 0.0, 0.0, lo)  # +0 for either zero, as quantize's ``+ 0.0``
     hi = tl.reduce(tl.where(member, x, float("-inf")), 0, _nan_max)
     span = tl.maximum(hi - lo, 1e-8, propagate_nan=tl.PropagateNan.ALL)
     return lo, tl.math.div_rn(span, LEVELS)
@@ -112,7 +116,7 @@ def _gptq_codes(x, xc, order, group, factor, D: tl.constexpr, GROUP: tl.constexp
     return q
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["clip_index"])  # one kernel for every fitted clip ratio
 def decode_write_kernel(
     src_ptr,  # [batch, H, D] the new tokens, window dtype
     src_stride_b,

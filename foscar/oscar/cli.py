@@ -183,7 +183,8 @@ def run(args, log=print) -> int:
                 candidates[f"{args.recipe} per KV head"] = cal.rotations(args.recipe, **kw)
             if args.gptq_keys:  # every candidate's keys rounded by GPTQ: chosen by those errors
                 for c in candidates.values():
-                    c.key_gptq = gptq_factors(cal, c)
+                    if c.key_gptq is None:  # (the recipe's already has its factors)
+                        c.key_gptq = gptq_factors(cal, c)
             rot = select_rotations(model, clip_seqs, candidates, **fit)
             sel = rot.header["selection"]
             for role in ("key", "value"):

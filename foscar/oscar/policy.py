@@ -201,7 +201,11 @@ def apply_to_cache(
     )
     clips = {}
     if clip_bits is not None:
-        widths = clip_bits if isinstance(clip_bits, tuple) else (clip_bits, clip_bits)
+        widths = tuple(clip_bits) if isinstance(clip_bits, (tuple, list)) else (clip_bits,) * 2
+        if len(widths) != 2:
+            raise ValueError(
+                f"clip_bits must be a width or (key bits, value bits), got {clip_bits}"
+            )
         for role, bits in zip(("key", "value"), widths):
             if (bits, role) not in rotations.clips:
                 raise ValueError(
