@@ -117,10 +117,12 @@ class OscarEvalFormat:
 
 
 def _fmt(bits, g, clips=None, sink=0, recent=0) -> KVFormat:
+    """Token-wise groups of ``g``; ``bits`` one width or ``(key bits, value bits)``."""
     pk, pv = clips if clips is not None else (None, None)
+    kb, vb = bits if isinstance(bits, tuple) else (bits, bits)
     return KVFormat(
-        QuantFormat(bits, "token", g, pk),
-        QuantFormat(bits, "token", g, pv),
+        QuantFormat(kb, "token", g, pk),
+        QuantFormat(vb, "token", g, pv),
         sink_tokens=sink,
         recent_tokens=recent,
     )
@@ -493,15 +495,20 @@ def gptq_rows(
     without ``windows``; the INT2 clips of K and V fitted again with the keys so rounded (GPTQ
     favours milder clips than rounding to nearest). Returns ``(rows, info)``."""
     g = min(calibration.head_dim, 128)
-    rows, info = [], {}
-    for label, base in (("OSCAR INT2", full), ("OSCAR-select per-KV-head INT2", selected_per_head)):
-        rot = OscarRotations(
+
+    def rounded_by_gptq(base: OscarRotations) -> OscarRotations:
+        """``base``'s rotations, no clips yet, with the GPTQ factors of their key basis."""
+        return OscarRotations(
             base.key,
             base.value,
             {},
             {**base.header, "key_rounding": f"gptq, damp {damp}"},
             gptq_factors(calibration, base, damp=damp),
         )
+
+    rows, info = [], {}
+    for label, base in (("OSCAR INT2", full), ("OSCAR-select per-KV-head INT2", selected_per_head)):
+        rot = rounded_by_gptq(base)
         fit_clips(model, sequences, rot, bits=(2,), windows=windows, log=log)
         rows += _fitted_int2_rows(f"{label} + GPTQ keys", g, rot, windows)
         if base is selected_per_head:
@@ -515,16 +522,10 @@ def gptq_rows(
         }
     # OSCAR-select made again with every candidate's keys rounded by GPTQ: the rotation whose
     # GPTQ error is smallest need not be the one whose rounding-to-nearest error is
-    candidates = {}
-    for n, (_, recipe, kw) in SELECT_CANDIDATES.items():
-        base = calibration.rotations(recipe, **kw)
-        candidates[n] = OscarRotations(
-            base.key,
-            base.value,
-            {},
-            {**base.header, "key_rounding": f"gptq, damp {damp}"},
-            gptq_factors(calibration, base, damp=damp),
-        )
+    candidates = {
+        n: rounded_by_gptq(calibration.rotations(recipe, **kw))
+        for n, (_, recipe, kw) in SELECT_CANDIDATES.items()
+    }
     fit_candidates(model, sequences, candidates, bits=(2,), windows=windows, log=log)
     chosen = choose_rotations(candidates)
     rows += _fitted_int2_rows(f"{GPTQ_SELECT} + GPTQ keys", g, chosen, windows)
@@ -545,15 +546,6 @@ def _mixed_width_rows(g: int, gptq: OscarRotations, plain: OscarRotations, windo
     ``plain``: the same rotations with INT2 and INT4 clips, keys to nearest."""
     s, r = windows
     w = f" + BF16 {s}/{r}"
-
-    def fmt(kb, vb):
-        return KVFormat(
-            QuantFormat(kb, "token", g),
-            QuantFormat(vb, "token", g),
-            sink_tokens=s,
-            recent_tokens=r,
-        )
-
     # the GPTQ rotations with the INT4 value clips of the same value rotations
     k2 = OscarRotations(
         gptq.key,
@@ -565,14 +557,14 @@ def _mixed_width_rows(g: int, gptq: OscarRotations, plain: OscarRotations, windo
     return [
         OscarEvalFormat(
             f"OSCAR-select per-KV-head K INT2 + GPTQ keys, V INT4{w} (fitted clips)",
-            fmt(2, 4),
+            _fmt((2, 4), g, None, s, r),
             2,
             k2,
             (2, 4),
         ),
         OscarEvalFormat(
             f"OSCAR-select per-KV-head K INT4, V INT2{w} (fitted clips)",
-            fmt(4, 2),
+            _fmt((4, 2), g, None, s, r),
             2,
             plain,
             (4, 2),
