@@ -62,6 +62,7 @@
 #   bash benchmarks/h200_run.sh s12-profile # session 12: cProfile of decode steps, foscar-int2 against foscar-oscar-int2 (B=1, 32)
 #   bash benchmarks/h200_run.sh s12-e2e2 # session 12: s12-profile and s12-e2e again after the rotation and format memos
 #   bash benchmarks/h200_run.sh s12-write2 # session 12: s12-write's tests again after the review (+0 minimum, do_not_specialize, GPTQ with NaN)
+#   bash benchmarks/h200_run.sh s12-write3 # session 12: the write's GPU tests after GPTQ's loop moved into the group-scale loop
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -661,6 +662,13 @@ case "$mode" in
       tests/test_oscar_cache.py > "$OUT/gpu_tests_write2.log" 2>&1
     tail -4 "$OUT/gpu_tests_write2.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests_write2.log" | head
     timeout 200 python3 benchmarks/write_cost.py --json "$OUT/write_cost2.json" 2>&1 | tee "$OUT/write_cost2.md"
+    ;;
+  s12-write3)
+    # session 12, second read: GPTQ's rounding now runs inside the kernel's group-scale loop
+    # (each group's scale computed once): the write's and the OSCAR cache's GPU tests again
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cache_write.py \
+      tests/test_oscar_cache.py > "$OUT/gpu_tests_write3.log" 2>&1
+    tail -4 "$OUT/gpu_tests_write3.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests_write3.log" | head
     ;;
   s12-e2e)
     # session 12: OSCAR's decode-time work end to end (rotations of K/Q and V/output per layer

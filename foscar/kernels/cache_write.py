@@ -91,29 +91,27 @@ def _clip_per_token(x, x_row, clip_index, D: tl.constexpr):
 
 
 @triton.jit
-def _gptq_codes(x, xc, order, group, factor, D: tl.constexpr, GROUP: tl.constexpr,
-                NG: tl.constexpr, LEVELS: tl.constexpr):  # fmt: skip
-    """foscar.quantize.quantize_gptq's codes of one token (positions in the packed ``order``):
-    channel by channel in natural order, ``q = floor((w_j - lo) / s + 0.5)`` clamped, its error
-    divided by ``U[j, j]`` fed forward as ``w_c -= err * U[j, c]`` into the channels ``c > j``.
-    ``w`` starts as the unclipped row ``x``; ``(lo, s)`` are the clipped row ``xc``'s. Products
-    and sums round separately (the launch turns off FMA contraction), as torch's do."""
-    w = x
-    q = tl.zeros(x.shape, tl.float32)
-    for g in tl.static_range(NG):
-        lo, s = _group_scale(xc, group == g, LEVELS)
-        for jj in range(GROUP):
-            j = g * GROUP + jj
-            here = order == j
-            wj = tl.sum(tl.where(here, w, 0.0), 0)
-            qj = tl.floor(tl.math.div_rn(wj - lo, s) + 0.5)
-            qj = tl.minimum(tl.maximum(qj, 0.0), LEVELS)
-            q = tl.where(here, qj, q)
-            err = tl.math.div_rn(wj - (qj * s + lo), tl.load(factor + j * D + j))
-            later = order > j
-            row = tl.load(factor + j * D + order, mask=later, other=0.0)
-            w = tl.where(later, w - err * row, w)
-    return q
+def _gptq_group(w, q, order, g, lo, s, factor, D: tl.constexpr, GROUP: tl.constexpr,
+                LEVELS: tl.constexpr):  # fmt: skip
+    """foscar.quantize.quantize_gptq's codes of group ``g`` of one token (positions in the
+    packed ``order``), its scale and offset ``(s, lo)`` those of the clipped row: channel by
+    channel in natural order, ``q = floor((w_j - lo) / s + 0.5)`` clamped, its error divided by
+    ``U[j, j]`` fed forward as ``w_c -= err * U[j, c]`` into the channels ``c > j`` (the later
+    groups' too). ``w`` starts as the unclipped row; returns ``(w, q)`` with the group's codes
+    in ``q``. Products and sums round separately (the launch turns off FMA contraction), as
+    torch's do."""
+    for jj in range(GROUP):
+        j = g * GROUP + jj
+        here = order == j
+        wj = tl.sum(tl.where(here, w, 0.0), 0)
+        qj = tl.floor(tl.math.div_rn(wj - lo, s) + 0.5)
+        qj = tl.minimum(tl.maximum(qj, 0.0), LEVELS)
+        q = tl.where(here, qj, q)
+        err = tl.math.div_rn(wj - (qj * s + lo), tl.load(factor + j * D + j))
+        later = order > j
+        row = tl.load(factor + j * D + order, mask=later, other=0.0)
+        w = tl.where(later, w - err * row, w)
+    return w, q
 
 
 @triton.jit(do_not_specialize=["clip_index"])  # one kernel for every fitted clip ratio
@@ -176,6 +174,9 @@ def decode_write_kernel(
         lo = tl.zeros([D], tl.float32)
         scale = tl.full([D], 1.0, tl.float32)
         entry0 = scales_ptr + (((page.to(tl.int64) * H + h) * ENTRIES) + row * NG) * 2
+        if GPTQ:  # the unclipped row, rounded group by group as each group's scale is known
+            w = x
+            q = tl.zeros([D], tl.float32)
         for j in tl.static_range(NG):
             member = group == j
             lo_j, s_j = _group_scale(xc, member, LEVELS)
@@ -187,9 +188,10 @@ def decode_write_kernel(
                 tl.store(entry0 + 2 * j + 1, lo_j)
             else:  # BETA * s_fold is exact; the launch turns off FMA contraction
                 tl.store(entry0 + 2 * j + 1, lo_j - BETA * s_fold)
-        if GPTQ:
-            q = _gptq_codes(x, xc, order, group, factor_ptr + h * D * D, D, GROUP, NG, LEVELS)
-        else:
+            if GPTQ:
+                w, q = _gptq_group(w, q, order, j, lo_j, s_j, factor_ptr + h * D * D, D, GROUP,
+                                   LEVELS)  # fmt: skip
+        if not GPTQ:
             q = tl.floor(tl.math.div_rn(xc - lo, scale) + 0.5)
         q = tl.minimum(tl.maximum(q, 0.0), LEVELS).to(tl.int32)
         shifts = tl.load(shifts_ptr + tl.arange(0, PER_WORD))
