@@ -493,3 +493,66 @@ def test_gptq_factors_in_the_artifact_the_clip_fit_and_the_cache(tiny, tmp_path)
     other = QuantizedKVCache(fmt, num_kv_heads=4, head_dim=D, num_pages=4, max_seqs=1, num_layers=2)
     with pytest.raises(ValueError, match="num_kv_heads: key_gptq has 2 heads"):
         apply_to_cache(back, other)
+
+
+@torch.no_grad()
+def test_attention_key_metric_equals_its_definition(tiny):
+    """attention_key_metrics: per layer and KV head, sum_n w_n q_n^T q_n / sum_n w_n over the
+    query heads of the KV head and every query_stride-th position n that reads a quantized key,
+    w_n = sum_{i quantized} p_ni^2 |v_i - o_n|^2 (keys outside the windows), computed here with
+    explicit loops in float64 from the captured Q, K, V; gptq_factors(metrics=...) factors it
+    in the stored basis; bad windows and shapes are refused."""
+    from foscar.oscar import attention_key_metrics, gptq_factors
+    from foscar.quantize import gptq_factor
+
+    seqs = sequences()
+    sink, recent, stride = 3, 5, 2
+    metrics = attention_key_metrics(tiny, seqs, windows=(sink, recent), query_stride=stride)
+    assert metrics.shape == (LAYERS, H, D, D) and metrics.dtype == f64
+    cap = captured(tiny, seqs)
+    for layer in range(LAYERS):
+        m = torch.zeros(H, D, D, dtype=f64)
+        wsum = torch.zeros(H, dtype=f64)
+        for _, q, k, v, scaling in (c for c in cap if c[0] == layer):
+            q, k, v = q.double(), k.double(), v.double()
+            for j in range(HQ):
+                h = j // (HQ // H)
+                for n in range(sink + recent, k.shape[1], stride):
+                    p = torch.softmax(q[j, n] @ k[h, : n + 1].T * scaling, -1)
+                    o = p @ v[h, : n + 1]
+                    w = sum(
+                        float(p[i]) ** 2 * float((v[h, i] - o).square().sum())
+                        for i in range(sink, n + 1 - recent)
+                    )
+                    m[h] += w * torch.outer(q[j, n], q[j, n])
+                    wsum[h] += w
+        torch.testing.assert_close(metrics[layer], m / wsum[:, None, None], rtol=1e-4, atol=1e-6)
+    cal = calibrate(tiny, seqs)
+    rot = cal.rotations(per_head=True)
+    factors = gptq_factors(cal, rot, metrics=metrics)
+    r = rot.key[1, 0]
+    want = gptq_factor(r.T @ metrics[1, 0] @ r)
+    torch.testing.assert_close(factors[1, 0], want.float())
+    assert not torch.allclose(factors, gptq_factors(cal, rot))  # another metric than C_Q
+    with pytest.raises(ValueError, match=r"metrics must be \[num_layers=2, num_kv_heads=2"):
+        gptq_factors(cal, rot, metrics=metrics[:1])
+    with pytest.raises(ValueError, match="longer than sink \\+ recent = 40"):
+        attention_key_metrics(tiny, seqs, windows=(8, 32))
+    with pytest.raises(ValueError, match="query_stride must be an int >= 1"):
+        attention_key_metrics(tiny, seqs, windows=(3, 5), query_stride=0)
+
+
+def test_attention_key_moment_checks_its_masks():
+    from foscar.oscar.covariance import attention_key_moment
+
+    q, k = torch.randn(4, 3, 8), torch.randn(2, 5, 8)
+    visible = torch.ones(3, 5, dtype=torch.bool).tril(2)
+    with pytest.raises(ValueError, match=r"visible must be a \[n=3, T=5\] bool"):
+        attention_key_moment(q, k, k, 1.0, visible[:, :4], visible)
+    with pytest.raises(ValueError, match="quantized must be a subset of visible"):
+        attention_key_moment(q, k, k, 1.0, visible, torch.ones(3, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        attention_key_moment(q[:3], k, k, 1.0, visible, visible)
+    # no quantized key: no weight at all
+    m, w = attention_key_moment(q, k, k, 1.0, visible, torch.zeros(3, 5, dtype=torch.bool))
+    assert float(w.abs().sum()) == 0 and float(m.abs().sum()) == 0

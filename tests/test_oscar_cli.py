@@ -87,8 +87,9 @@ def test_calibrate_writes_a_loadable_file(toy):
 def test_calibrate_gptq_keys(toy):
     """--gptq-keys stores GPTQ factors for the file's rotations and fits the clips with keys
     so rounded; with --select every candidate's keys are so rounded, so the choice is made by
-    GPTQ errors."""
-    for extra in ([], ["--select"]):
+    GPTQ errors; --gptq-metric attention takes the attention-weighted metric of the windows."""
+    factors = {}
+    for extra in ([], ["--select"], ["--gptq-metric", "attention"]):
         out = toy / "g.safetensors"
         args = parse(
             ["--model", str(toy / "model"), "--text", str(toy / "text.txt"), "--tokens", "300",
@@ -100,11 +101,16 @@ def test_calibrate_gptq_keys(toy):
         assert r.key_gptq is not None and r.key_gptq.shape == (2, 2, 32, 32)
         assert (2, "key") in r.clips
         fits = r.header["clip_fit"]
-        if extra:  # every candidate was fitted (and so chosen) with its keys rounded by GPTQ
+        if "--select" in extra:  # every candidate was fitted (so chosen) with GPTQ keys
             assert set(fits) == {"full", "no-u"}
             assert {f["key_rounding"] for f in fits.values()} == {"gptq"}
         else:
             assert fits["key_rounding"] == "gptq"
+        metric = "attention" if "attention" in extra else "query"
+        assert r.header["gptq_key_metric"]["name"] == metric
+        factors[metric] = r.key_gptq
+    assert factors["attention"].shape == factors["query"].shape
+    assert not torch.allclose(factors["attention"], factors["query"], rtol=1e-3, atol=1e-3)
 
 
 def test_calibrate_rejects_bad_arguments(toy):
@@ -116,6 +122,8 @@ def test_calibrate_rejects_bad_arguments(toy):
         oscar_cli.run(parse(["--fit-windows", "64", "-1"]))
     with pytest.raises(ValueError, match="--select chooses by the INT2 error"):
         oscar_cli.run(parse(["--select", "--clip-bits", "4"]))
+    with pytest.raises(ValueError, match="--gptq-metric chooses the metric of --gptq-keys"):
+        oscar_cli.run(parse(["--gptq-metric", "attention"]))
     with pytest.raises(ValueError, match="--select-kv-heads adds candidates to --select"):
         oscar_cli.run(parse(["--select-kv-heads"]))
     with pytest.raises(ValueError, match="drop --per-head"):
@@ -250,11 +258,11 @@ def test_prepare_gptq_rows(toy):
         assert tr.key_clip == float(k2v4.rotations.clips[(2, "key")][layer])
         assert tr.value_clip == float(k4v2.rotations.clips[(4, "value")][layer])
     assert set(info["gptq"]) == {
-        "OSCAR INT2",
-        "OSCAR-select per-KV-head INT2",
-        "OSCAR-select by GPTQ per-KV-head INT2",
+        "OSCAR INT2 + GPTQ keys",
+        "OSCAR-select per-KV-head INT2 + GPTQ keys",
+        "OSCAR-select by GPTQ per-KV-head INT2 + GPTQ keys",
     }
-    by_gptq = info["gptq"]["OSCAR-select by GPTQ per-KV-head INT2"]
+    by_gptq = info["gptq"]["OSCAR-select by GPTQ per-KV-head INT2 + GPTQ keys"]
     chosen = gptq[-1].rotations
     keys = by_gptq["selection_per_kv_head"]["key"]
     assert chosen.per_head and keys == chosen.header["selection"]["key"]
@@ -267,6 +275,65 @@ def test_prepare_gptq_rows(toy):
     gptq[0].rotations.save(path)
     with pytest.raises(ValueError, match="gptq rows need a calibration in the run"):
         prepare(model, tok, path=str(path), gptq=True)
+
+
+def test_prepare_gptq_rows_by_metric_and_filter(toy):
+    """gptq_metrics: one set of GPTQ rows per keys' metric ("attention": factors of the
+    attention-weighted metric, other codes); wanted: row sets it takes none of are not fitted,
+    and the K INT4 row (no GPTQ keys) comes once."""
+    from transformers import AutoTokenizer
+
+    from foscar.oscar.evaluate import prepare
+
+    model = LlamaForCausalLM.from_pretrained(toy / "model").eval()
+    tok = AutoTokenizer.from_pretrained(toy / "model")
+    fits = []
+    import foscar.oscar.evaluate as ev
+
+    real_fit = ev.fit_clips
+
+    def counting_fit(*a, **kw):
+        fits.append(1)
+        return real_fit(*a, **kw)
+
+    ev.fit_clips = counting_fit
+    try:
+        rows, info = prepare(
+            model,
+            tok,
+            tokens=256,
+            seq_len=128,
+            windows=(8, 16),
+            gptq=True,
+            gptq_metrics=("query", "attention"),
+            wanted=lambda n: "per-KV-head" in n and "by GPTQ" not in n,
+        )
+    finally:
+        ev.fit_clips = real_fit
+    gptq = [r for r in rows if "GPTQ" in r.name or "K INT4" in r.name]
+    assert [r.name for r in gptq] == [
+        "OSCAR-select per-KV-head INT2 + GPTQ keys (fitted clips)",
+        "OSCAR-select per-KV-head INT2 + GPTQ keys + BF16 8/16 (fitted clips)",
+        "OSCAR-select per-KV-head K INT2 + GPTQ keys, V INT4 + BF16 8/16 (fitted clips)",
+        "OSCAR-select per-KV-head K INT4, V INT2 + BF16 8/16 (fitted clips)",
+        "OSCAR-select per-KV-head INT2 + attention-GPTQ keys (fitted clips)",
+        "OSCAR-select per-KV-head INT2 + attention-GPTQ keys + BF16 8/16 (fitted clips)",
+        "OSCAR-select per-KV-head K INT2 + attention-GPTQ keys, V INT4 + BF16 8/16 (fitted clips)",
+    ]
+    # the selection's fits go through fit_candidates; only the two per-KV-head GPTQ fits here
+    assert len(fits) == 2
+    assert set(info["gptq"]) == {
+        "OSCAR-select per-KV-head INT2 + GPTQ keys",
+        "OSCAR-select per-KV-head INT2 + attention-GPTQ keys",
+    }
+    by_query, by_attention = gptq[0].rotations, gptq[4].rotations
+    assert torch.equal(by_query.key, by_attention.key)  # same rotations, other metric
+    assert not torch.allclose(by_query.key_gptq, by_attention.key_gptq, rtol=1e-3, atol=1e-3)
+    assert by_attention.header["key_rounding"].endswith("metric attention")
+    assert (2, "key") in by_attention.clips and gptq[6].rotations.key_gptq is by_attention.key_gptq
+    with pytest.raises(ValueError, match="metrics must be among"):
+        prepare(model, tok, tokens=256, seq_len=128, windows=(8, 16), gptq=True,
+                gptq_metrics=("loss",))  # fmt: skip
 
 
 def test_foscar_eval_with_oscar_rows(toy, monkeypatch):

@@ -165,6 +165,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="with --oscar, also OSCAR INT2 and OSCAR-select per-KV-head INT2 with GPTQ-rounded "
         "keys (foscar.oscar.evaluate.gptq_rows; rows named '... + GPTQ keys ...')",
     )
+    p.add_argument(
+        "--oscar-gptq-metric",
+        nargs="+",
+        choices=["query", "attention"],
+        default=["query"],
+        help="with --oscar-gptq, the keys' metric(s) GPTQ rounds under, one set of rows each: "
+        "'query' (the queries' covariance; rows '... + GPTQ keys ...') and/or 'attention' "
+        "(weighted by what a key error costs the output under the windows; rows "
+        "'... + attention-GPTQ keys ...')",
+    )
+
+
+def _wanted(patterns):
+    """``--formats``' test of a row name (None: every row)."""
+    if not patterns:
+        return None
+    return lambda name: any(s in name for s in patterns)
 
 
 def _sizes(args) -> None:
@@ -286,6 +303,8 @@ def evaluate(args, out=sys.stdout, extra_formats=()) -> dict:
             group_sizes=tuple(args.oscar_groups),
             path=args.oscar_file,
             gptq=args.oscar_gptq,
+            gptq_metrics=tuple(dict.fromkeys(args.oscar_gptq_metric)),
+            wanted=_wanted(args.formats),
             held_out=held_out,
             log=lambda s: print(f"OSCAR {s}", file=out, flush=True),
         )
@@ -302,8 +321,9 @@ def evaluate(args, out=sys.stdout, extra_formats=()) -> dict:
     names = ["FP32"] + [f.name for f in probe] + [f.name for f in extra_formats]
     if len(set(names)) != len(names):
         raise ValueError(f"format names must be unique, got {names}")
-    if args.formats:
-        names = [n for n in names if n in ("FP32", "BF16") or any(s in n for s in args.formats)]
+    wanted = _wanted(args.formats)
+    if wanted:
+        names = [n for n in names if n in ("FP32", "BF16") or wanted(n)]
     nf = len(names)
     weights = {"calibration": 10.0}
     if "ppl" in args.metrics:

@@ -12,7 +12,8 @@ Specification: ``../shared/docs/oscar.md``. The pieces, in the order they run:
   (with or without ``U``, per layer or per KV head) with the smallest fitted error
   (:func:`fit_candidates` then :func:`choose_rotations`);
 - :func:`gptq_factors` (our extension): GPTQ's rounding factors of the keys' metric (the
-  queries' covariance in the stored basis), for GPTQ-rounded keys at the cache write;
+  queries' covariance in the stored basis, or :func:`attention_key_metrics`, the same weighted
+  by what a key error costs the output), for GPTQ-rounded keys at the cache write;
 - :class:`OscarRotations` (:mod:`foscar.oscar.policy`): the artifact, saved and loaded as
   safetensors; :func:`apply_to_cache` sets it on a :class:`foscar.QuantizedKVCache`
   (:meth:`~foscar.QuantizedKVCache.set_transform`) and :func:`oscar_cache` builds a
@@ -24,6 +25,7 @@ Specification: ``../shared/docs/oscar.md``. The pieces, in the order they run:
 from .calibrate import (
     CLIP_CANDIDATES,
     Calibration,
+    attention_key_metrics,
     calibrate,
     choose_rotations,
     fit_candidates,
@@ -42,6 +44,7 @@ __all__ = [
     "RECIPES",
     "RotationRecipe",
     "apply_to_cache",
+    "attention_key_metrics",
     "bit_reversal",
     "calibrate",
     "choose_rotations",

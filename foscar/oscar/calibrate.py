@@ -30,7 +30,7 @@ import torch
 from ..formats import QuantFormat
 from ..quantize import dequantize, gptq_factor, quantize, quantize_gptq
 from .capture import capture_attention, model_shapes
-from .covariance import LayerMoments
+from .covariance import LayerMoments, attention_key_moment
 from .policy import OscarRotations
 from .rotation import RECIPES, RotationRecipe, check_head_dim, rotation
 
@@ -42,6 +42,7 @@ __all__ = [
     "choose_rotations",
     "select_rotations",
     "gptq_factors",
+    "attention_key_metrics",
     "CLIP_CANDIDATES",
     "KEY_TARGETS",
     "VALUE_TARGETS",
@@ -205,19 +206,95 @@ def _fake_quantize(x: torch.Tensor, f: QuantFormat, gptq: torch.Tensor | None = 
 
 
 def gptq_factors(
-    calibration: Calibration, rotations: OscarRotations, *, damp: float = 0.01
+    calibration: Calibration,
+    rotations: OscarRotations,
+    *,
+    damp: float = 0.01,
+    metrics: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """GPTQ factors of the keys' metric for every layer and KV head, ``[L, H_kv, d, d]``
-    float32: the queries' covariance of the KV head (the keys' target, C_Q) in the basis
-    ``rotations`` stores keys in, ``R^T C_Q R``, through :func:`foscar.quantize.gptq_factor`
-    (``damp`` times its mean diagonal added first). Set them as ``rotations.key_gptq`` to round
-    the keys by GPTQ at the cache write (and in :func:`fit_clips`)."""
+    float32: the metric ``M`` of the KV head in the basis ``rotations`` stores keys in,
+    ``R^T M R``, through :func:`foscar.quantize.gptq_factor` (``damp`` times its mean diagonal
+    added first). ``M`` is the queries' covariance (the keys' target, C_Q) unless ``metrics:
+    [L, H_kv, d, d]`` (the model's coordinates) is given, e.g. :func:`attention_key_metrics`.
+    Set them as ``rotations.key_gptq`` to round the keys by GPTQ at the cache write (and in
+    :func:`fit_clips`)."""
+    shape = (calibration.num_layers, calibration.num_kv_heads, calibration.head_dim)
+    if metrics is not None and tuple(metrics.shape) != (*shape, shape[-1]):
+        raise ValueError(
+            f"metrics must be [num_layers={shape[0]}, num_kv_heads={shape[1]}, {shape[2]}, "
+            f"{shape[2]}], got {list(metrics.shape)}"
+        )
     out = []
     for layer in range(calibration.num_layers):
-        c = calibration.target(layer, "key", per_head=True)  # [H, d, d]
+        if metrics is None:
+            c = calibration.target(layer, "key", per_head=True)  # [H, d, d]
+        else:
+            c = metrics[layer].to(torch.float64)
         r = rotations.key[layer].to(torch.float64)  # [1 or H, d, d]
         out.append(gptq_factor(r.transpose(-1, -2) @ c @ r, damp))
     return torch.stack(out).to(torch.float32)
+
+
+@torch.no_grad()
+def attention_key_metrics(
+    model,
+    sequences,
+    *,
+    windows: tuple[int, int] = (64, 256),
+    query_stride: int = 4,
+    chunk: int = 512,
+    log: Callable[[str], None] | None = None,
+) -> torch.Tensor:
+    """Every layer's attention-weighted key metric, ``[L, H_kv, d, d]`` float64 (the model's
+    coordinates; :func:`foscar.oscar.covariance.attention_key_moment` says what it weighs).
+
+    The keys each query reads quantized are those outside the BF16 ``windows = (sink,
+    recent)`` the cache will keep, so the metric belongs to those windows. Queries: every
+    ``query_stride``-th position of each sequence that reads any quantized key. Pass it to
+    :func:`gptq_factors` as ``metrics``. A second pass over the text (the metric is not a
+    rotation target); ``ValueError`` if the windows leave no key of any sequence quantized.
+    """
+    shapes = model_shapes(model)
+    seqs = _sequences(sequences)
+    _check_windows(windows, seqs)
+    if isinstance(query_stride, bool) or not isinstance(query_stride, int) or query_stride < 1:
+        raise ValueError(f"query_stride must be an int >= 1, got {query_stride!r}")
+    num_layers, h, d = shapes["num_layers"], shapes["num_kv_heads"], shapes["head_dim"]
+    moment = torch.zeros(num_layers, h, d, d, dtype=torch.float64)
+    weight = torch.zeros(num_layers, h, dtype=torch.float64)
+    device = next(model.parameters()).device
+    sink, recent = windows
+
+    def add(layer, q, k, v, scaling):
+        t = k.shape[1]
+        # query n reads keys sink .. n - recent quantized (none before n = sink + recent)
+        positions = torch.arange(sink + recent, t, query_stride, device=q.device)
+        if not positions.numel():
+            return
+        j = torch.arange(t, device=q.device)
+        visible = j <= positions[:, None]
+        window = _window_mask(positions, t, windows)
+        quantized = visible if window is None else visible & ~window
+        m, w = attention_key_moment(q[:, positions], k, v, scaling, visible, quantized, chunk=chunk)
+        moment[layer] += m.cpu()
+        weight[layer] += w.cpu()
+
+    t0 = time.perf_counter()
+    with capture_attention(model, add):
+        for i, s in enumerate(seqs):
+            model(input_ids=s.to(device)[None], use_cache=False, logits_to_keep=1)
+            if log:
+                log(
+                    f"attention key metric: sequence {i + 1}/{len(seqs)}, "
+                    f"{time.perf_counter() - t0:.0f}s"
+                )
+    if not bool((weight > 0).all()):
+        raise ValueError(
+            "the attention key metric has no weight for some layer and KV head (no query read "
+            "a quantized key with any attention)"
+        )
+    return moment / weight[..., None, None]
 
 
 def _causal_attention(q, k, v, positions, scaling, *, kq=None, vq=None, window=None):
@@ -258,6 +335,24 @@ def _window_mask(positions: torch.Tensor, length: int, windows: tuple[int, int])
     return (j < sink) | recent_keys
 
 
+def _check_windows(windows, seqs: list[torch.Tensor]) -> None:
+    """``windows`` must be ``(sink, recent)`` ints >= 0 leaving some key of ``seqs`` quantized."""
+    if len(windows) != 2 or any(
+        isinstance(w, bool) or not isinstance(w, int) or w < 0 for w in windows
+    ):
+        raise ValueError(f"windows must be (sink, recent) non-negative ints, got {windows!r}")
+    # a query at position p reads quantized keys only if p >= sink + recent: a sequence of
+    # t <= sink + recent tokens gives every clip candidate zero error, and the "fitted" clips
+    # would be min-max by the tie (session 7: 64/2048 on 2,048-token sequences fitted every
+    # clip to 1.0 and chose candidate "full" everywhere, EVAL_NOTES 10)
+    if (windows[0] or windows[1]) and all(s.numel() <= sum(windows) for s in seqs):
+        raise ValueError(
+            f"windows={tuple(windows)} keep every key of the calibration sequences (at most "
+            f"{max(s.numel() for s in seqs)} tokens) in BF16, so nothing quantized can be "
+            f"measured; calibrate on sequences longer than sink + recent = {sum(windows)} tokens"
+        )
+
+
 def _rotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     """Rows ``x: [Hx, T, d]`` times ``R_{head}``; ``r: [1 or H, d, d]``."""
     h = r.shape[0]
@@ -296,20 +391,7 @@ def fit_clips(
     )
     seqs = _sequences(sequences)
     g = group_size or min(shapes["head_dim"], 128)
-    if len(windows) != 2 or any(
-        isinstance(w, bool) or not isinstance(w, int) or w < 0 for w in windows
-    ):
-        raise ValueError(f"windows must be (sink, recent) non-negative ints, got {windows!r}")
-    # a query at position p reads quantized keys only if p >= sink + recent; the queries sit at
-    # t//2 .. t-1, so a sequence of t <= sink + recent tokens gives every candidate zero error
-    # and the "fitted" clips would be min-max by the tie (session 7: 64/2048 on 2,048-token
-    # sequences fitted every clip to 1.0 and chose candidate "full" everywhere, EVAL_NOTES 10)
-    if (windows[0] or windows[1]) and all(s.numel() <= sum(windows) for s in seqs):
-        raise ValueError(
-            f"windows={tuple(windows)} keep every key of the calibration sequences (at most "
-            f"{max(s.numel() for s in seqs)} tokens) in BF16, so no clip ratio can be fitted; "
-            f"calibrate on sequences longer than sink + recent = {sum(windows)} tokens"
-        )
+    _check_windows(windows, seqs)
     cands = [float(p) for p in candidates]
     for p in cands:
         QuantFormat(2, "token", g, p)  # validates every ratio

@@ -63,6 +63,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "is made by GPTQ errors (our extension; token-wise keys)",
     )
     p.add_argument(
+        "--gptq-metric",
+        default="query",
+        choices=["query", "attention"],
+        help="with --gptq-keys, the keys' metric: 'query' (the queries' covariance, C_Q) or "
+        "'attention' (C_Q weighted per query by what a key error costs its output, with the "
+        "--fit-windows left exact: a second pass over the calibration text; EVAL_NOTES 15)",
+    )
+    p.add_argument(
         "--clip-bits",
         type=int,
         nargs="*",
@@ -97,6 +105,8 @@ def _check(args) -> None:
             raise ValueError(f"--clip-bits must be 2 or 4, got {b}")
     if any(w < 0 for w in args.fit_windows):
         raise ValueError(f"--fit-windows must be non-negative, got {args.fit_windows}")
+    if args.gptq_metric != "query" and not args.gptq_keys:
+        raise ValueError("--gptq-metric chooses the metric of --gptq-keys: pass --gptq-keys")
     if args.select and 2 not in args.clip_bits:
         raise ValueError("--select chooses by the INT2 error: --clip-bits must include 2")
     if args.select_kv_heads:
@@ -117,7 +127,14 @@ def _check(args) -> None:
 def run(args, log=print) -> int:
     from .. import __version__
     from ..eval.model import load_model
-    from .calibrate import calibrate, default_sequences, fit_clips, gptq_factors, select_rotations
+    from .calibrate import (
+        attention_key_metrics,
+        calibrate,
+        default_sequences,
+        fit_clips,
+        gptq_factors,
+        select_rotations,
+    )
 
     _check(args)
     if args.threads:
@@ -160,8 +177,11 @@ def run(args, log=print) -> int:
         value_target=args.value_target,
         per_head=args.per_head,
     )
+    metrics = None
+    if args.gptq_keys and args.gptq_metric == "attention":
+        metrics = attention_key_metrics(model, seqs, windows=tuple(args.fit_windows), log=log)
     if args.gptq_keys:
-        rot.key_gptq = gptq_factors(cal, rot)
+        rot.key_gptq = gptq_factors(cal, rot, metrics=metrics)
     t_rot = time.perf_counter() - t2
     t_fit = 0.0
     if args.clip_bits:
@@ -184,7 +204,7 @@ def run(args, log=print) -> int:
             if args.gptq_keys:  # every candidate's keys rounded by GPTQ: chosen by those errors
                 for c in candidates.values():
                     if c.key_gptq is None:  # (the recipe's already has its factors)
-                        c.key_gptq = gptq_factors(cal, c)
+                        c.key_gptq = gptq_factors(cal, c, metrics=metrics)
             rot = select_rotations(model, clip_seqs, candidates, **fit)
             sel = rot.header["selection"]
             for role in ("key", "value"):
@@ -202,6 +222,10 @@ def run(args, log=print) -> int:
                     f"INT{b} {role} clip ratios: mean {float(c.mean()):.3f}, "
                     f"min {float(c.min()):.2f}, max {float(c.max()):.2f}"
                 )
+    if args.gptq_keys:
+        rot.header["gptq_key_metric"] = {"name": args.gptq_metric}
+        if metrics is not None:
+            rot.header["gptq_key_metric"]["windows"] = list(args.fit_windows)
     rot.header["timing_seconds"] = {
         "load": round(t_load, 1),
         "targets": round(t_cal, 1),

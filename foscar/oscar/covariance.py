@@ -16,6 +16,10 @@ post-RoPE ``q: [H*g, T, d]``, ``k, v: [H, T, d]`` (query head ``j`` reads KV hea
   needs the final ``C_Q``, so it is a second pass over the text;
 * **plain targets** (an ablation) ``K^T K / T`` and ``V^T V / T``.
 
+And one metric that is not a rotation target (our extension, EVAL_NOTES 15): the keys' metric
+for GPTQ rounding weighted by what a key error costs the output
+(:func:`attention_key_moment`).
+
 Sums and token counts are kept separately, so sequences of any lengths add up exactly; a target
 is ``sum / count``. Per-layer targets (one rotation shared by the KV heads, as in the released
 code) average the per-head targets.
@@ -30,6 +34,7 @@ __all__ = [
     "score_weighted_value_moment",
     "proxy_value_moment",
     "plain_moment",
+    "attention_key_moment",
     "LayerMoments",
 ]
 
@@ -114,6 +119,75 @@ def plain_moment(x: torch.Tensor) -> torch.Tensor:
     """``X^T X`` per head: ``x: [H, T, d]`` -> ``[H, d, d]`` float64 (the ablation's targets)."""
     xd = x.to(torch.float64)
     return xd.transpose(1, 2) @ xd
+
+
+def attention_key_moment(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scaling: float,
+    visible: torch.Tensor,
+    quantized: torch.Tensor,
+    *,
+    chunk: int = 512,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys' metric weighted by what a key's score error costs the attention output.
+
+    To first order a score error ``d_i`` of key ``i`` moves query ``n``'s output by
+    ``p_ni (v_i - o_n) d_i`` (``p`` the softmax weights, ``o_n`` the output), so with
+    independent errors ``E |d o_n|^2 = sum_i p_ni^2 |v_i - o_n|^2 (q_n . e_i)^2``. One metric
+    shared by the keys is then ``sum_n w_n q_n^T q_n`` with ``w_n = sum_{i quantized}
+    p_ni^2 |v_i - o_n|^2``: a query whose attention lies on exact (BF16 window) keys, or is
+    spread thin, weighs little, where ``C_Q`` counts every query alike.
+
+    ``q: [H*g, n, d]``: queries at ``n`` positions of one sequence; ``k, v: [H, T, d]``;
+    ``visible: [n, T]`` bool, the keys each query attends to (causal); ``quantized: [n, T]``
+    bool, those it reads quantized. Scores in ``dtype`` over ``chunk`` queries at a time, so
+    memory stays ``O(chunk * T)``.
+
+    Returns ``(sum_n w_n q_n^T q_n: [H, d, d], sum_n w_n: [H])`` float64 (their ratio is the
+    metric, on the queries' scale).
+    """
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[2] != k.shape[2]:
+        raise ValueError(
+            f"q must be [heads, n, d] and k, v [H, T, d], got {list(q.shape)}, "
+            f"{list(k.shape)}, {list(v.shape)}"
+        )
+    h, t, d = k.shape
+    n = q.shape[1]
+    if q.shape[0] % h:
+        raise ValueError(f"query heads ({q.shape[0]}) must be a multiple of KV heads ({h})")
+    for name, m in (("visible", visible), ("quantized", quantized)):
+        if m.dtype != torch.bool or tuple(m.shape) != (n, t):
+            raise ValueError(
+                f"{name} must be a [n={n}, T={t}] bool tensor, got {m.dtype} {list(m.shape)}"
+            )
+    if bool((quantized & ~visible).any()):
+        raise ValueError("quantized must be a subset of visible (a query reads those keys)")
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    g = q.shape[0] // h
+    qg = q.to(dtype).reshape(h, g, n, d)
+    kd, vd = k.to(dtype), v.to(dtype)
+    v_norm2 = vd.square().sum(-1)  # [H, T]
+    moment = torch.zeros(h, d, d, dtype=torch.float64, device=q.device)
+    weight = torch.zeros(h, dtype=torch.float64, device=q.device)
+    for a in range(0, n, chunk):
+        b = min(n, a + chunk)
+        s = torch.einsum("hgnd,htd->hgnt", qg[:, :, a:b], kd) * scaling
+        p = torch.softmax(s.masked_fill(~visible[a:b], float("-inf")), dim=-1)
+        p = torch.nan_to_num(p)  # a query that sees no key: no weight
+        o = torch.einsum("hgnt,htd->hgnd", p, vd)
+        # |v_i - o_n|^2 = |v_i|^2 - 2 v_i . o_n + |o_n|^2
+        dist = v_norm2[:, None, None, :] - 2 * torch.einsum("hgnd,htd->hgnt", o, vd)
+        dist = (dist + o.square().sum(-1, keepdim=True)).clamp_min(0)
+        w = (p.square() * dist * quantized[a:b]).sum(-1).to(torch.float64)  # [H, g, chunk]
+        x = qg[:, :, a:b].to(torch.float64) * w[..., None].sqrt()
+        x = x.reshape(h, -1, d)
+        moment += x.transpose(1, 2) @ x
+        weight += w.sum(dim=(1, 2))
+    return moment, weight
 
 
 class LayerMoments:

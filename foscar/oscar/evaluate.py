@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from ..formats import KVFormat, QuantFormat
 from .calibrate import (
     Calibration,
+    attention_key_metrics,
     calibrate,
     choose_rotations,
     default_sequences,
@@ -371,6 +372,8 @@ def prepare(
     path: str | None = None,
     held_out: list | None = None,
     gptq: bool = False,
+    gptq_metrics: Sequence[str] = ("query",),
+    wanted=None,
     log=None,
 ) -> tuple[list[OscarEvalFormat], dict]:
     """Calibrate OSCAR for ``foscar eval`` and return ``(rows, info)``.
@@ -386,8 +389,9 @@ def prepare(
     ``foscar calibrate`` file) only that artifact's rows are returned. ``held_out``: token-id
     sequences of the evaluation text for the attention-error table (skipped when None).
     ``gptq``: also the rows of OSCAR INT2 and OSCAR-select per-KV-head INT2 with GPTQ-rounded
-    keys (:func:`gptq_rows`; their clips fitted again with the keys so rounded; they come last).
-    ``info`` goes into the result's config.
+    keys (:func:`gptq_rows`; their clips fitted again with the keys so rounded; they come last),
+    one set per metric of ``gptq_metrics``. ``wanted``: a predicate on row names; GPTQ rows it
+    takes none of are not fitted. ``info`` goes into the result's config.
     """
     import time
 
@@ -447,7 +451,18 @@ def prepare(
     t4 = time.perf_counter()
     gptq_info = {}
     if gptq:
-        extra, gptq_info = gptq_rows(model, seqs[:1], cal, full, sel_kvh, windows=windows, log=log)
+        extra, gptq_info = gptq_rows(
+            model,
+            seqs[:1],
+            cal,
+            full,
+            sel_kvh,
+            windows=windows,
+            metrics=gptq_metrics,
+            metric_sequences=seqs,
+            wanted=wanted,
+            log=log,
+        )
         rows += extra
     fit = full.header["clip_fit"]
     info = {
@@ -479,6 +494,10 @@ def prepare(
     return rows, info
 
 
+#: GPTQ key metrics of :func:`gptq_rows`: name -> the rows' label for it
+GPTQ_METRICS = {"query": "GPTQ keys", "attention": "attention-GPTQ keys"}
+
+
 def gptq_rows(
     model,
     sequences,
@@ -488,32 +507,93 @@ def gptq_rows(
     *,
     windows: tuple[int, int] = (64, 256),
     damp: float = 0.01,
+    metrics: Sequence[str] = ("query",),
+    metric_sequences=None,
+    wanted=None,
     log=None,
 ) -> tuple[list[OscarEvalFormat], dict]:
-    """OSCAR INT2 and OSCAR-select per-KV-head INT2 with GPTQ-rounded keys (the queries'
-    covariance of each KV head as the keys' metric, :func:`foscar.oscar.gptq_factors`), with and
-    without ``windows``; the INT2 clips of K and V fitted again with the keys so rounded (GPTQ
-    favours milder clips than rounding to nearest). Returns ``(rows, info)``."""
+    """OSCAR INT2 and OSCAR-select per-KV-head INT2 with GPTQ-rounded keys, with and without
+    ``windows``; the INT2 clips of K and V fitted again with the keys so rounded (GPTQ favours
+    milder clips than rounding to nearest). Returns ``(rows, info)``.
+
+    ``metrics``: the keys' metric GPTQ rounds under, one set of rows each (:data:`GPTQ_METRICS`
+    names their rows): ``"query"`` the queries' covariance of each KV head
+    (:func:`foscar.oscar.gptq_factors`), ``"attention"`` the same weighted by what a key error
+    costs the output with ``windows`` (:func:`foscar.oscar.attention_key_metrics`, on
+    ``metric_sequences``, default ``sequences``). ``wanted``: a predicate on row names
+    (``foscar eval --formats``); a set of rows it takes none of is not fitted (a fit costs
+    minutes). ``info`` is keyed by the rows' names before their windows.
+    """
+    for m in metrics:
+        if m not in GPTQ_METRICS:
+            raise ValueError(f"metrics must be among {sorted(GPTQ_METRICS)}, got {m!r}")
+    rows, info = [], {}
+    for metric in metrics:
+        weights = None
+        if metric == "attention":
+            text = sequences if metric_sequences is None else metric_sequences
+            weights = attention_key_metrics(model, text, windows=windows, log=log)
+        more, more_info = _gptq_metric_rows(
+            model,
+            sequences,
+            calibration,
+            full,
+            selected_per_head,
+            metric=metric,
+            weights=weights,
+            windows=windows,
+            damp=damp,
+            int4_keys=metric == metrics[0],
+            wanted=wanted,
+            log=log,
+        )
+        rows += more
+        info.update(more_info)
+    return rows, info
+
+
+def _gptq_metric_rows(
+    model,
+    sequences,
+    calibration: Calibration,
+    full: OscarRotations,
+    selected_per_head: OscarRotations,
+    *,
+    metric: str,
+    weights,
+    windows,
+    damp: float,
+    int4_keys: bool,
+    wanted,
+    log,
+) -> tuple[list[OscarEvalFormat], dict]:
+    """:func:`gptq_rows` of one metric (``weights``: its :func:`gptq_factors` ``metrics``)."""
     g = min(calibration.head_dim, 128)
+    keys = GPTQ_METRICS[metric]
+
+    def needed(rows: list[OscarEvalFormat]) -> bool:
+        return wanted is None or any(wanted(r.name) for r in rows)
 
     def rounded_by_gptq(base: OscarRotations) -> OscarRotations:
         """``base``'s rotations, no clips yet, with the GPTQ factors of their key basis."""
-        return OscarRotations(
-            base.key,
-            base.value,
-            {},
-            {**base.header, "key_rounding": f"gptq, damp {damp}"},
-            gptq_factors(calibration, base, damp=damp),
-        )
+        header = {**base.header, "key_rounding": f"gptq, damp {damp}, metric {metric}"}
+        factors = gptq_factors(calibration, base, damp=damp, metrics=weights)
+        return OscarRotations(base.key, base.value, {}, header, factors)
+
+    def group(label: str, rot: OscarRotations, base: OscarRotations) -> list[OscarEvalFormat]:
+        out = _fitted_int2_rows(f"{label} + {keys}", g, rot, windows)
+        if base is selected_per_head:
+            out += _mixed_width_rows(g, rot, base, windows, keys, int4_keys)
+        return out
 
     rows, info = [], {}
     for label, base in (("OSCAR INT2", full), ("OSCAR-select per-KV-head INT2", selected_per_head)):
         rot = rounded_by_gptq(base)
+        if not needed(group(label, rot, base)):  # (before the fit: only the names are read)
+            continue
         fit_clips(model, sequences, rot, bits=(2,), windows=windows, log=log)
-        rows += _fitted_int2_rows(f"{label} + GPTQ keys", g, rot, windows)
-        if base is selected_per_head:
-            rows += _mixed_width_rows(g, rot, base, windows)
-        info[label] = {
+        rows += group(label, rot, base)
+        info[f"{label} + {keys}"] = {
             "clips_int2": {role: rot.clips[(2, role)].tolist() for role in ("key", "value")},
             "fitted_mean_relative_error": {
                 role: rot.header["clip_fit"][f"int2.{role}"]["fitted_mean_relative_error"]
@@ -522,14 +602,17 @@ def gptq_rows(
         }
     # OSCAR-select made again with every candidate's keys rounded by GPTQ: the rotation whose
     # GPTQ error is smallest need not be the one whose rounding-to-nearest error is
+    label = f"{GPTQ_SELECT} + {keys}"
+    if not needed(_fitted_int2_rows(label, g, full, windows)):
+        return rows, info
     candidates = {
         n: rounded_by_gptq(calibration.rotations(recipe, **kw))
         for n, (_, recipe, kw) in SELECT_CANDIDATES.items()
     }
     fit_candidates(model, sequences, candidates, bits=(2,), windows=windows, log=log)
     chosen = choose_rotations(candidates)
-    rows += _fitted_int2_rows(f"{GPTQ_SELECT} + GPTQ keys", g, chosen, windows)
-    info[GPTQ_SELECT] = {
+    rows += _fitted_int2_rows(label, g, chosen, windows)
+    info[label] = {
         "selection_per_kv_head": {r: chosen.header["selection"][r] for r in ("key", "value")},
         "clips_int2": {r: chosen.clips[(2, r)].tolist() for r in ("key", "value")},
         "selection_errors": {
@@ -539,11 +622,20 @@ def gptq_rows(
     return rows, info
 
 
-def _mixed_width_rows(g: int, gptq: OscarRotations, plain: OscarRotations, windows):
+def _mixed_width_rows(
+    g: int,
+    gptq: OscarRotations,
+    plain: OscarRotations,
+    windows,
+    keys: str = "GPTQ keys",
+    int4_keys: bool = True,
+) -> list[OscarEvalFormat]:
     """K and V at different widths, with ``windows``: K INT2 by GPTQ with V INT4, and K INT4
     with V INT2 (INT4 is within 1% of BF16 here, EVAL_NOTES 4, so each row shows about what
     the other role's INT2 costs alone). ``gptq``: the rotations with GPTQ keys and INT2 clips;
-    ``plain``: the same rotations with INT2 and INT4 clips, keys to nearest."""
+    ``plain``: the same rotations with INT2 and INT4 clips, keys to nearest; ``keys`` names
+    the GPTQ keys' metric (:data:`GPTQ_METRICS`); ``int4_keys``: also the K INT4 row (it has no
+    GPTQ keys, so one metric's rows carry it)."""
     s, r = windows
     w = f" + BF16 {s}/{r}"
     # the GPTQ rotations with the INT4 value clips of the same value rotations
@@ -554,22 +646,26 @@ def _mixed_width_rows(g: int, gptq: OscarRotations, plain: OscarRotations, windo
         gptq.header,
         gptq.key_gptq,
     )
-    return [
+    rows = [
         OscarEvalFormat(
-            f"OSCAR-select per-KV-head K INT2 + GPTQ keys, V INT4{w} (fitted clips)",
+            f"OSCAR-select per-KV-head K INT2 + {keys}, V INT4{w} (fitted clips)",
             _fmt((2, 4), g, None, s, r),
             2,
             k2,
             (2, 4),
-        ),
-        OscarEvalFormat(
-            f"OSCAR-select per-KV-head K INT4, V INT2{w} (fitted clips)",
-            _fmt((4, 2), g, None, s, r),
-            2,
-            plain,
-            (4, 2),
-        ),
+        )
     ]
+    if int4_keys:
+        rows.append(
+            OscarEvalFormat(
+                f"OSCAR-select per-KV-head K INT4, V INT2{w} (fitted clips)",
+                _fmt((4, 2), g, None, s, r),
+                2,
+                plain,
+                (4, 2),
+            )
+        )
+    return rows
 
 
 def _selection_info(sel: OscarRotations, sel_kvh: OscarRotations) -> dict:
@@ -631,8 +727,11 @@ def report(info: dict) -> str:
     lines += _selection_lines(info)
     for g, sub in info.get("groups", {}).items():
         lines += _selection_lines(sub, f"groups of {g}: ")
-    if GPTQ_SELECT in info.get("gptq", {}):
-        lines += _selection_lines(info["gptq"][GPTQ_SELECT], "keys rounded by GPTQ: ")
+    for metric, keys in GPTQ_METRICS.items():
+        chosen = info.get("gptq", {}).get(f"{GPTQ_SELECT} + {keys}")
+        if chosen:
+            how = "GPTQ" if metric == "query" else f"GPTQ under the {metric}-weighted metric"
+            lines += _selection_lines(chosen, f"keys rounded by {how}: ")
     errors = info.get("attention_errors_heldout", {}).get("errors")
     if errors:
         ratios = [r for r in next(iter(errors.values()))["key"] if r != "per-layer best"]
