@@ -63,6 +63,7 @@
 #   bash benchmarks/h200_run.sh s12-e2e2 # session 12: s12-profile and s12-e2e again after the rotation and format memos
 #   bash benchmarks/h200_run.sh s12-write2 # session 12: s12-write's tests again after the review (+0 minimum, do_not_specialize, GPTQ with NaN)
 #   bash benchmarks/h200_run.sh s12-write3 # session 12: the write's GPU tests after GPTQ's loop moved into the group-scale loop
+#   bash benchmarks/h200_run.sh s13-e2e  # session 13: OSCAR with the value rotations folded into the weights, beside OSCAR and plain INT2 (two passes)
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -688,6 +689,17 @@ case "$mode" in
     timeout 380 python3 -m foscar bench --e2e --e2e-contexts 32768 --e2e-batches 1 16 32 \
       --e2e-new-tokens 128 --e2e-methods bf16 foscar-int2 foscar-oscar-int2 --e2e-max-seconds 330 \
       --out "$OUT" --name e2e_qwen3_8b_oscar_after 2>&1 | grep -v "^\[" | tail -14
+    ;;
+  s13-e2e)
+    # session 13: foscar-oscar-folded-int2 (value rotations in v_proj/o_proj, the cache rotates K
+    # and Q only) beside foscar-oscar-int2 and foscar-int2; two passes in opposite method order,
+    # since session 12 saw plain INT2 move 65-89 ms between calls
+    timeout 290 python3 -m foscar bench --e2e --e2e-contexts 32768 --e2e-batches 1 16 32 \
+      --e2e-new-tokens 128 --e2e-methods foscar-int2 foscar-oscar-int2 foscar-oscar-folded-int2 \
+      --e2e-max-seconds 250 --out "$OUT" --name e2e_qwen3_8b_oscar_folded_a 2>&1 | grep -v "^\[" | tail -12
+    timeout 290 python3 -m foscar bench --e2e --e2e-contexts 32768 --e2e-batches 1 16 32 \
+      --e2e-new-tokens 128 --e2e-methods foscar-oscar-folded-int2 foscar-oscar-int2 foscar-int2 \
+      --e2e-max-seconds 250 --out "$OUT" --name e2e_qwen3_8b_oscar_folded_b 2>&1 | grep -v "^\[" | tail -12
     ;;
   cache-write)
     # the fused write's tests alone (after the review's NaN / FMA / device changes)

@@ -60,6 +60,11 @@ def test_decode_points_on_a_small_model(small_model, tmp_path):
     for tr in cache.kv.transforms:
         assert tr.key_rotation.shape == tr.value_rotation.shape == (2, 128, 128)
         assert (tr.key_clip, tr.value_clip) == (0.85, 0.92) and tr.key_gptq.shape == (2, 128, 128)
+    # folded: the value rotations live in the weights, the cache rotates K and Q only
+    cache = e2e.make_cache("foscar-oscar-folded-int2", small_model, 2, 400, 8, seed=0)
+    for tr in cache.kv.transforms:
+        assert tr.value_rotation is None and tr.key_rotation.shape == (2, 128, 128)
+        assert tr.key_gptq is not None
     result = {
         "config": {
             "contexts": [400],

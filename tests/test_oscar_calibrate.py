@@ -556,3 +556,57 @@ def test_attention_key_moment_checks_its_masks():
     # no quantized key: no weight at all
     m, w = attention_key_moment(q, k, k, 1.0, visible, torch.zeros(3, 5, dtype=torch.bool))
     assert float(w.abs().sum()) == 0 and float(m.abs().sum()) == 0
+
+
+@torch.no_grad()
+def test_fold_value_rotations_into_the_model(tiny):
+    """fold_value_rotations: v_proj computes v R_V and o_proj takes o R_V^T back, so the model's
+    output is unchanged (float64: to 1e-10) with per-layer and per-KV-head rotations; through a
+    rotated INT2 cache, the folded model with the returned rotations (no value rotation left in
+    the cache) decodes what the unfolded one does with the cache rotating the values."""
+    import copy
+
+    from foscar.oscar import fold_value_rotations, oscar_cache
+
+    seqs = sequences()
+    cal = calibrate(tiny, seqs)
+    ids = sequences((50,), seed=3)[0][None]
+    for per_head in (False, True):
+        rot = cal.rotations(per_head=per_head)
+        exact = copy.deepcopy(tiny).double()
+        bias = exact.model.layers[0].self_attn.v_proj
+        bias.bias = torch.nn.Parameter(torch.randn(bias.out_features, dtype=f64))  # a bias too
+        want = exact(input_ids=ids).logits
+        folded = fold_value_rotations(exact, rot)
+        torch.testing.assert_close(exact(input_ids=ids).logits, want, atol=1e-10, rtol=0)
+        assert folded.header["value_rotations_folded"] and torch.equal(folded.key, rot.key)
+        assert bool((folded.value == torch.eye(D, dtype=f64)).all())
+        with pytest.raises(ValueError, match="already folded"):
+            fold_value_rotations(exact, folded)
+    from foscar.integrations.transformers import use_foscar_attention
+
+    rot = cal.rotations(per_head=True)
+    model = copy.deepcopy(tiny)
+    use_foscar_attention(model)
+    use_foscar_attention(tiny)
+    kw = cache_kwarg(tiny)
+    int2 = KVFormat(QuantFormat(2, "token", D), QuantFormat(2, "token", D), sink_tokens=4)
+
+    def logits(m, r):
+        cache = oscar_cache(int2, m.config, r, max_cache_len=64)
+        m(input_ids=ids[:, :-2], **{kw: cache})
+        m(input_ids=ids[:, -2:-1], **{kw: cache})  # a decode step over the cache
+        out = m(input_ids=ids[:, -1:], **{kw: cache}).logits[0, -1]
+        return out, cache
+
+    want, cache = logits(tiny, rot)
+    assert cache.kv.transforms[0].value_rotation is not None
+    got, cache = logits(model, fold_value_rotations(model, rot))
+    assert cache.kv.transforms[0].value_rotation is None
+    assert cache.kv.transforms[0].key_rotation is not None
+    unrotated, _ = logits(tiny, OscarRotations(rot.key, torch.eye(D, dtype=f64).expand(
+        rot.value.shape).contiguous(), {}, {}))  # fmt: skip
+    # (measured: 3.5e-5 against 0.13: one rounding of the weights, not another basis)
+    assert (got - want).abs().max() < 0.01 * (unrotated - want).abs().max()
+    with pytest.raises(ValueError, match="Llama-style attention modules"):
+        fold_value_rotations(torch.nn.Linear(2, 2), rot)

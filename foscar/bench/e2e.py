@@ -21,7 +21,11 @@ Methods: ``bf16`` (transformers' ``DynamicCache`` with SDPA, the baseline), ``fo
 tokens; ``FoscarCache`` and the Triton decode kernel), ``foscar-oscar-int2`` (``foscar-int2``
 with OSCAR's decode-time work: a rotation per layer and KV head of K and Q, another of V and the
 output, per-layer clips and GPTQ-rounded keys in each step's write; random rotations and
-factors, :func:`synthetic_oscar`, since decode cost does not depend on their values), and
+factors, :func:`synthetic_oscar`, since decode cost does not depend on their values),
+``foscar-oscar-folded-int2`` (the same with the value rotations folded into ``v_proj`` and
+``o_proj``, :func:`foscar.oscar.fold_value_rotations`: the cache then rotates K and Q only; the
+weights' values change, which a step's cost does not depend on, so only the identity value
+rotations folding leaves are set), and
 ``hf-quantized-int4/int2``
 (transformers' ``QuantizedCache`` with the first importable backend of quanto, hqq; skipped with
 the reason when none is). A point that runs out of memory is recorded as such, and larger
@@ -67,6 +71,7 @@ METHODS = (
     "foscar-int4",
     "foscar-int2",
     "foscar-oscar-int2",
+    "foscar-oscar-folded-int2",
     "hf-quantized-int4",
     "hf-quantized-int2",
 )
@@ -89,8 +94,8 @@ def add_arguments(parser) -> None:
         "--e2e-methods",
         nargs="+",
         choices=METHODS,
-        # foscar-oscar-int2 on request: the committed modes' default runs stay as they ran
-        default=[m for m in METHODS if m != "foscar-oscar-int2"],
+        # OSCAR's methods on request: the committed modes' default runs stay as they ran
+        default=[m for m in METHODS if not m.startswith("foscar-oscar")],
     )
     g.add_argument("--e2e-kv-budget-gib", type=float, default=96.0, help="KV memory budget")
     g.add_argument(
@@ -135,10 +140,14 @@ def foscar_format(bits: int) -> KVFormat:
     return KVFormat(f, f, sink_tokens=SINK, recent_tokens=RECENT)
 
 
-def synthetic_oscar(config, seed: int = 0, clips: tuple[float, float] = (0.85, 0.92)):
+def synthetic_oscar(
+    config, seed: int = 0, clips: tuple[float, float] = (0.85, 0.92), *, folded: bool = False
+):
     """OSCAR rotations for a model of ``config``'s shapes with the work of a calibrated file:
     random orthogonal K and V rotations per layer and KV head, INT2 clip ratios ``clips`` (K, V;
-    OSCAR's fitted ones lie around these) and GPTQ factors of random metrics for the keys."""
+    OSCAR's fitted ones lie around these) and GPTQ factors of random metrics for the keys.
+    ``folded``: identity value rotations, as :func:`foscar.oscar.fold_value_rotations` leaves
+    them."""
     from ..oscar import OscarRotations
     from ..quantize import gptq_factor
 
@@ -151,9 +160,12 @@ def synthetic_oscar(config, seed: int = 0, clips: tuple[float, float] = (0.85, 0
     a = torch.randn(n, h, d, d, generator=g, dtype=torch.float64)
     metric = a @ a.transpose(-1, -2) / d + torch.eye(d, dtype=torch.float64)
     full = torch.ones(n, dtype=torch.float64)
+    key, value = orthogonal(), orthogonal()
+    if folded:
+        value = torch.eye(d, dtype=torch.float64).expand(n, h, d, d).contiguous()
     return OscarRotations(
-        orthogonal(),
-        orthogonal(),
+        key,
+        value,
         {(2, "key"): full * clips[0], (2, "value"): full * clips[1]},
         {"recipe": "synthetic (foscar bench --e2e)"},
         gptq_factor(metric),
@@ -216,7 +228,8 @@ def make_cache(method: str, model, batch: int, context: int, extra: int, seed: i
         if method.startswith("foscar-oscar"):
             from ..oscar import oscar_cache
 
-            cache = oscar_cache(fmt, cfg, synthetic_oscar(cfg, seed), clip_bits=2, **kw)
+            rot = synthetic_oscar(cfg, seed, folded=method.startswith("foscar-oscar-folded"))
+            cache = oscar_cache(fmt, cfg, rot, clip_bits=2, **kw)
         else:
             cache = FoscarCache(fmt, cfg, **kw)
         cache._assume_prompt(batch, context, device)

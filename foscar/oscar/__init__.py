@@ -17,7 +17,8 @@ Specification: ``../shared/docs/oscar.md``. The pieces, in the order they run:
 - :class:`OscarRotations` (:mod:`foscar.oscar.policy`): the artifact, saved and loaded as
   safetensors; :func:`apply_to_cache` sets it on a :class:`foscar.QuantizedKVCache`
   (:meth:`~foscar.QuantizedKVCache.set_transform`) and :func:`oscar_cache` builds a
-  transformers cache with it.
+  transformers cache with it; :func:`fold_value_rotations` moves the value rotations into the
+  model's ``v_proj`` and ``o_proj`` weights instead (two fewer rotations per layer and step).
 
 ``foscar calibrate`` runs the first three and writes the file.
 """
@@ -33,7 +34,13 @@ from .calibrate import (
     gptq_factors,
     select_rotations,
 )
-from .policy import FORMAT_VERSION, OscarRotations, apply_to_cache, oscar_cache
+from .policy import (
+    FORMAT_VERSION,
+    OscarRotations,
+    apply_to_cache,
+    fold_value_rotations,
+    oscar_cache,
+)
 from .rotation import RECIPES, RotationRecipe, bit_reversal, hadamard, rotation
 
 __all__ = [
@@ -50,6 +57,7 @@ __all__ = [
     "choose_rotations",
     "fit_candidates",
     "fit_clips",
+    "fold_value_rotations",
     "gptq_factors",
     "hadamard",
     "oscar_cache",

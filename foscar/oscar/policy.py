@@ -27,7 +27,13 @@ import torch
 
 from ..cache import QuantizedKVCache
 
-__all__ = ["OscarRotations", "FORMAT_VERSION", "apply_to_cache", "oscar_cache"]
+__all__ = [
+    "OscarRotations",
+    "FORMAT_VERSION",
+    "apply_to_cache",
+    "fold_value_rotations",
+    "oscar_cache",
+]
 
 #: bumped when the file layout changes; files of another version are rejected
 FORMAT_VERSION = 1
@@ -242,3 +248,64 @@ def oscar_cache(
         num_layers=cache.num_layers, num_kv_heads=cache.num_kv_heads, head_dim=cache.head_dim
     )
     return cache
+
+
+def _attention_modules(model) -> list:
+    """The model's attention modules by layer (Llama-style: ``v_proj``, ``o_proj`` linear
+    layers and a ``layer_idx``)."""
+    found = {}
+    for m in model.modules():
+        if all(hasattr(m, a) for a in ("v_proj", "o_proj", "layer_idx")):
+            found[m.layer_idx] = m
+    if not found or sorted(found) != list(range(len(found))):
+        raise ValueError(
+            "fold_value_rotations needs Llama-style attention modules (v_proj, o_proj and "
+            f"layer_idx) for layers 0..L-1; found layers {sorted(found)}"
+        )
+    return [found[i] for i in range(len(found))]
+
+
+@torch.no_grad()
+def fold_value_rotations(model, rotations: OscarRotations) -> OscarRotations:
+    """Fold the value rotations into the model's weights; return the rotations left to apply.
+
+    ``v R_V`` and ``o R_V^T`` are linear maps next to linear layers: per KV head ``h``,
+    ``v_proj``'s output rows become ``R_h^T W_v`` (its bias ``b R_h``), so the layer computes
+    the rotated values itself, and for every query head ``j`` reading head ``h`` ``o_proj``'s
+    input columns become ``W_o R_h``, which takes the rotated attention output back. Attention
+    is unchanged in exact arithmetic (computed in float64, then rounded to the weights' dtype
+    once), and the cache and the decode path then skip two of a layer's four rotations per
+    step: the returned :class:`OscarRotations` has identity value rotations (which
+    :func:`apply_to_cache` does not apply) and ``header["value_rotations_folded"] = True``.
+
+    Modifies ``model`` in place (keep the original weights if you need them). Llama-style
+    attention only (``v_proj`` -> attention -> ``o_proj``, no operation on V in between, as in
+    Llama, Qwen2/3, Mistral and SmolLM2). Refuses rotations already folded.
+    """
+    if rotations.header.get("value_rotations_folded"):
+        raise ValueError("rotations: their value rotations are already folded into a model")
+    modules = _attention_modules(model)
+    cfg = model.config
+    h_kv = cfg.num_key_value_heads
+    h_q = cfg.num_attention_heads
+    d = rotations.head_dim
+    rotations.check(num_layers=len(modules), num_kv_heads=h_kv, head_dim=d)
+    for layer, attn in enumerate(modules):
+        r = rotations.value[layer].to(torch.float64).expand(h_kv, d, d)  # [H, d, d]
+        v, o = attn.v_proj, attn.o_proj
+        if v.weight.shape[0] != h_kv * d or o.weight.shape[1] != h_q * d:
+            raise ValueError(
+                f"layer {layer}: v_proj has {v.weight.shape[0]} outputs and o_proj "
+                f"{o.weight.shape[1]} inputs, expected {h_kv} x {d} and {h_q} x {d}"
+            )
+        wv = v.weight.to(torch.float64).reshape(h_kv, d, -1)  # [H, d, hidden]
+        v.weight.copy_((r.transpose(1, 2) @ wv).reshape(v.weight.shape))
+        if v.bias is not None:
+            b = v.bias.to(torch.float64).reshape(h_kv, 1, d)
+            v.bias.copy_((b @ r).reshape(v.bias.shape))
+        rq = r.repeat_interleave(h_q // h_kv, dim=0)  # query head j reads KV head j // group
+        wo = o.weight.to(torch.float64).reshape(-1, h_q, d).transpose(0, 1)  # [Hq, hidden, d]
+        o.weight.copy_((wo @ rq).transpose(0, 1).reshape(o.weight.shape))
+    eye = torch.eye(d, dtype=torch.float64).expand(rotations.value.shape).contiguous()
+    header = {**rotations.header, "value_rotations_folded": True}
+    return OscarRotations(rotations.key, eye, dict(rotations.clips), header, rotations.key_gptq)
