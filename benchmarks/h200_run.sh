@@ -64,6 +64,7 @@
 #   bash benchmarks/h200_run.sh s12-write2 # session 12: s12-write's tests again after the review (+0 minimum, do_not_specialize, GPTQ with NaN)
 #   bash benchmarks/h200_run.sh s12-write3 # session 12: the write's GPU tests after GPTQ's loop moved into the group-scale loop
 #   bash benchmarks/h200_run.sh s13-e2e  # session 13: OSCAR with the value rotations folded into the weights, beside OSCAR and plain INT2 (two passes)
+#   bash benchmarks/h200_run.sh s13-fold # session 13: s13-e2e's three methods timed interleaved (oscar_step_profile.py --reps)
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -700,6 +701,13 @@ case "$mode" in
     timeout 290 python3 -m foscar bench --e2e --e2e-contexts 32768 --e2e-batches 1 16 32 \
       --e2e-new-tokens 128 --e2e-methods foscar-oscar-folded-int2 foscar-oscar-int2 foscar-int2 \
       --e2e-max-seconds 250 --out "$OUT" --name e2e_qwen3_8b_oscar_folded_b 2>&1 | grep -v "^\[" | tail -12
+    ;;
+  s13-fold)
+    # session 13: s13-e2e could not separate the methods (65-115 ms per step at random); the
+    # same three interleaved, 7 rounds x 16 steps each, at B=1 and 16, 32K tokens
+    timeout 500 python3 benchmarks/oscar_step_profile.py --reps 7 --steps 16 --batches 1 16 \
+      --methods foscar-int2 foscar-oscar-int2 foscar-oscar-folded-int2 2>&1 \
+      | tee "$OUT/oscar_fold_interleaved.log" | grep -v "^\["
     ;;
   cache-write)
     # the fused write's tests alone (after the review's NaN / FMA / device changes)

@@ -7,6 +7,14 @@ cProfile over 10 more, printing the functions with the most own time and the cum
 foscar's functions, so the difference between the two methods can be read function by function.
 
     python benchmarks/oscar_step_profile.py [--batches 1 32]
+
+``--reps N`` (session 13) times instead of profiling: every method's cache is built first, then
+``N`` rounds each run ``--steps`` decode steps of every method in turn, so slow drifts of the
+host's speed (session 12 saw plain INT2 move 65-89 ms per step between calls) fall on every
+method alike; prints each round's ms per step and the medians.
+
+    python benchmarks/oscar_step_profile.py --reps 7 --batches 1 16 \
+        --methods foscar-int2 foscar-oscar-int2 foscar-oscar-folded-int2
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import argparse
 import cProfile
 import io
 import pstats
+import statistics
 import time
 
 import torch
@@ -40,10 +49,18 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--methods", nargs="+", default=["foscar-int2", "foscar-oscar-int2"])
+    ap.add_argument("--reps", type=int, default=0, help="interleaved timing rounds (0: profile)")
+    ap.add_argument("--steps", type=int, default=16, help="decode steps per method and round")
     args = ap.parse_args()
     model = e2e.build_model(torch.device("cuda"))
+    model.set_attn_implementation("foscar")
+    if args.reps:
+        for batch in args.batches:
+            interleaved(model, args.methods, batch, args.context, args.reps, args.steps)
+        return
     for batch in args.batches:
-        for method in ("foscar-int2", "foscar-oscar-int2"):
+        for method in args.methods:
             model.set_attn_implementation("foscar")
             cache = e2e.make_cache(method, model, batch, args.context, 64, seed=0)
             steps(model, cache, batch, args.context, 8, 0)
@@ -65,6 +82,24 @@ def main():
             print("\n".join(s.getvalue().splitlines()[-28:]))
             del cache
             torch.cuda.empty_cache()
+
+
+def interleaved(model, methods, batch, context, reps, n):
+    caches = {m: e2e.make_cache(m, model, batch, context, 8 + reps * n, seed=0) for m in methods}
+    for cache in caches.values():
+        steps(model, cache, batch, context, 8, 0)
+    times = {m: [] for m in methods}
+    for r in range(reps):
+        for m in methods:
+            t0 = time.perf_counter()
+            steps(model, caches[m], batch, context, n, 8 + r * n)
+            times[m].append((time.perf_counter() - t0) / n * 1e3)
+    print(f"\n## B={batch}, {context} tokens: ms per step, {reps} rounds x {n} steps, interleaved")
+    for m in methods:
+        rounds = " ".join(f"{t:.1f}" for t in times[m])
+        print(f"{m:28s} median {statistics.median(times[m]):6.1f}   rounds: {rounds}")
+    del caches
+    torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
