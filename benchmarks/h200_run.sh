@@ -65,6 +65,10 @@
 #   bash benchmarks/h200_run.sh s12-write3 # session 12: the write's GPU tests after GPTQ's loop moved into the group-scale loop
 #   bash benchmarks/h200_run.sh s13-e2e  # session 13: OSCAR with the value rotations folded into the weights, beside OSCAR and plain INT2 (two passes)
 #   bash benchmarks/h200_run.sh s13-fold # session 13: s13-e2e's three methods timed interleaved (oscar_step_profile.py --reps)
+#   bash benchmarks/h200_run.sh s14-gpu-time # session 14: the same three methods' GPU kernel time per step (--gpu-time)
+#   bash benchmarks/h200_run.sh s14-write # session 14: the clipped / GPTQ write kernel before and after, its GPU tests, step GPU time
+#   bash benchmarks/h200_run.sh s14-write2 # ... after: scalar clip again, factor loads one channel ahead; 2/4/8 warps
+#   bash benchmarks/h200_run.sh s14-step # session 14: s14-gpu-time again with s14-write2's kernel
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -708,6 +712,43 @@ case "$mode" in
     timeout 500 python3 benchmarks/oscar_step_profile.py --reps 7 --steps 16 --batches 1 16 \
       --methods foscar-int2 foscar-oscar-int2 foscar-oscar-folded-int2 2>&1 \
       | tee "$OUT/oscar_fold_interleaved.log" | grep -v "^\["
+    ;;
+  s14-gpu-time)
+    # session 14: s13-fold's rerun moved every method 20-40 ms between rounds (host-bound HF
+    # model); the kernel time per step under torch.profiler leaves the host out
+    timeout 400 python3 benchmarks/oscar_step_profile.py --gpu-time --steps 16 --batches 1 16 32 \
+      --methods foscar-int2 foscar-oscar-int2 foscar-oscar-folded-int2 2>&1 \
+      | tee "$OUT/oscar_fold_gpu_time.log" | grep -v "^\["
+    ;;
+  s14-write)
+    # session 14: s14-gpu-time put ~5 ms of OSCAR's step in decode_write_kernel (clip + GPTQ);
+    # the write's GPU tests, then its time per launch before (1454e8d) and after the blocked
+    # clip ranks and the factor prefetch, at the launcher's warps and at one warp, then the step
+    git show 1454e8d:foscar/kernels/cache_write.py > /tmp/cache_write_1454e8d.py
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cache_write.py 2>&1 \
+      | tee "$OUT/gpu_tests_cache_write_s14.log" | tail -4
+    for args in "--kernel-file /tmp/cache_write_1454e8d.py --label 1454e8d" "" "--num-warps 1" \
+        "--num-warps 4"; do
+      timeout 150 python3 benchmarks/write_kernel_bench.py $args 2>&1 | grep -v "^\[\|Warn\|warn"
+    done | tee "$OUT/write_kernel_bench.log"
+    timeout 200 python3 benchmarks/oscar_step_profile.py --gpu-time --steps 16 --batches 1 32 \
+      --methods foscar-int2 foscar-oscar-int2 foscar-oscar-folded-int2 2>&1 \
+      | tee "$OUT/oscar_fold_gpu_time_after.log" | grep -v "^\[" | grep -v "^ "
+    ;;
+  s14-write2)
+    # session 14: s14-write's blocked clip ranks were 4x slower (reverted); the factor's loads
+    # now run one channel ahead of GPTQ's chain. Tests, the kernel at 2 (launcher), 4, 8 warps
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cache_write.py 2>&1 \
+      | tee "$OUT/gpu_tests_cache_write_s14b.log" | tail -4
+    for args in "" "--num-warps 4" "--num-warps 8"; do
+      timeout 150 python3 benchmarks/write_kernel_bench.py $args 2>&1 | grep -v "^\[\|Warn\|warn"
+    done | tee "$OUT/write_kernel_bench2.log"
+    ;;
+  s14-step)
+    # session 14: the step's GPU time per method with s14-write2's write kernel
+    timeout 300 python3 benchmarks/oscar_step_profile.py --gpu-time --steps 16 --batches 1 16 32 \
+      --methods foscar-int2 foscar-oscar-int2 foscar-oscar-folded-int2 2>&1 \
+      | tee "$OUT/oscar_fold_gpu_time_s14_write.log" | grep -v "^\[" | grep -v "^ "
     ;;
   cache-write)
     # the fused write's tests alone (after the review's NaN / FMA / device changes)

@@ -15,6 +15,15 @@ method alike; prints each round's ms per step and the medians.
 
     python benchmarks/oscar_step_profile.py --reps 7 --batches 1 16 \
         --methods foscar-int2 foscar-oscar-int2 foscar-oscar-folded-int2
+
+``--gpu-time`` (session 14) sums the GPU's kernel time per step under ``torch.profiler``
+instead: the host's speed drops out (session 14's rerun of s13-fold moved every method by 20-40
+ms between rounds, since the HF model is launch-bound at 60-120 ms per step), leaving the work
+a CUDA-graph decode (as vLLM runs it) would pay. Prints each method's kernel milliseconds and
+launches per step and its kernels with the most time.
+
+    python benchmarks/oscar_step_profile.py --gpu-time --batches 1 16 \
+        --methods foscar-int2 foscar-oscar-int2 foscar-oscar-folded-int2
 """
 
 from __future__ import annotations
@@ -52,9 +61,14 @@ def main():
     ap.add_argument("--methods", nargs="+", default=["foscar-int2", "foscar-oscar-int2"])
     ap.add_argument("--reps", type=int, default=0, help="interleaved timing rounds (0: profile)")
     ap.add_argument("--steps", type=int, default=16, help="decode steps per method and round")
+    ap.add_argument("--gpu-time", action="store_true", help="kernel time per step (profiler)")
     args = ap.parse_args()
     model = e2e.build_model(torch.device("cuda"))
     model.set_attn_implementation("foscar")
+    if args.gpu_time:
+        for batch in args.batches:
+            gpu_time(model, args.methods, batch, args.context, args.steps)
+        return
     if args.reps:
         for batch in args.batches:
             interleaved(model, args.methods, batch, args.context, args.reps, args.steps)
@@ -100,6 +114,28 @@ def interleaved(model, methods, batch, context, reps, n):
         print(f"{m:28s} median {statistics.median(times[m]):6.1f}   rounds: {rounds}")
     del caches
     torch.cuda.empty_cache()
+
+
+def gpu_time(model, methods, batch, context, n, top=8):
+    """Per method: GPU kernel ms and kernel launches per decode step over ``n`` steps, and the
+    ``top`` kernels by total time (ms per step, launches per step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    print(f"\n## B={batch}, {context} tokens: GPU kernel time per step over {n} steps")
+    for m in methods:
+        cache = e2e.make_cache(m, model, batch, context, 8 + n, seed=0)
+        steps(model, cache, batch, context, 8, 0)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            steps(model, cache, batch, context, n, 8)
+        kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+        total = sum(e.self_device_time_total for e in kernels) / n / 1e3
+        launches = sum(e.count for e in kernels) / n
+        print(f"{m:28s} {total:7.2f} ms  {launches:6.0f} kernels per step")
+        for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
+            ms = e.self_device_time_total / n / 1e3
+            print(f"    {ms:7.3f} ms  {e.count / n:5.0f}x  {e.key[:90]}")
+        del cache
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

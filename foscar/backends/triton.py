@@ -313,6 +313,7 @@ def write_decode_tokens(cache: QuantizedKVCache, layer: int, name: str, src, des
             factor_ptr=scales if gptq is None else gptq,  # (not read without GPTQ)
             CLIP=f.clip is not None,
             GPTQ=gptq is not None,
+            PREFETCH=not interpreting(),
             num_warps=1 if cache.head_dim <= 64 else 2,
             # z' = lo - beta * s' rounds once, as in fold_scale_offset; GPTQ's products and
             # differences round separately, as torch's
