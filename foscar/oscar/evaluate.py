@@ -29,6 +29,9 @@ OSCAR INT4 (+ BF16 s/r)                U*H*P_br; fitted for INT4; none (s/r)
 ... + GPTQ keys (``gptq``)             OSCAR INT2 and OSCAR-select per-KV-head INT2 with the
                                        keys' codes chosen by GPTQ under the queries' covariance
                                        (same stored format); refitted; none (s/r)
+... + attention-GPTQ keys              the same rows with GPTQ under the attention-weighted key
+                                       metric (``gptq_metrics`` with "attention":
+                                       :func:`~foscar.oscar.attention_key_metrics`); refitted
 OSCAR-select by GPTQ per-KV-head ...   (``gptq``) OSCAR-select per-KV-head made again with every
                                        candidate's keys rounded by GPTQ, so each layer's key
                                        rotation is the one of smallest GPTQ error; none (s/r)
