@@ -69,6 +69,7 @@
 #   bash benchmarks/h200_run.sh s14-write # session 14: the clipped / GPTQ write kernel before and after, its GPU tests, step GPU time
 #   bash benchmarks/h200_run.sh s14-write2 # ... after: scalar clip again, factor loads one channel ahead; 2/4/8 warps
 #   bash benchmarks/h200_run.sh s14-step # session 14: s14-gpu-time again with s14-write2's kernel
+#   bash benchmarks/h200_run.sh s14-write3 # session 14: GPTQ's w_{j+1} read before step j; tests, 1/2/4 warps, the step
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -749,6 +750,19 @@ case "$mode" in
     timeout 300 python3 benchmarks/oscar_step_profile.py --gpu-time --steps 16 --batches 1 16 32 \
       --methods foscar-int2 foscar-oscar-int2 foscar-oscar-folded-int2 2>&1 \
       | tee "$OUT/oscar_fold_gpu_time_s14_write.log" | grep -v "^\[" | grep -v "^ "
+    ;;
+  s14-write3)
+    # session 14: GPTQ's next w read off the chain (a scalar update instead of a reduction
+    # after each step's divisions); the write's GPU tests, the kernel at 2 (launcher), 1 and 4
+    # warps, then the step's GPU time
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cache_write.py 2>&1 \
+      | tee "$OUT/gpu_tests_cache_write_s14c.log" | tail -4
+    for args in "" "--num-warps 1" "--num-warps 4"; do
+      timeout 150 python3 benchmarks/write_kernel_bench.py $args 2>&1 | grep -v "^\[\|Warn\|warn"
+    done | tee "$OUT/write_kernel_bench3.log"
+    timeout 250 python3 benchmarks/oscar_step_profile.py --gpu-time --steps 16 --batches 1 32 \
+      --methods foscar-int2 foscar-oscar-int2 foscar-oscar-folded-int2 2>&1 \
+      | tee "$OUT/oscar_fold_gpu_time_s14_write3.log" | grep -v "^\[" | grep -v "^ "
     ;;
   cache-write)
     # the fused write's tests alone (after the review's NaN / FMA / device changes)

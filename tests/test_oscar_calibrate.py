@@ -586,6 +586,7 @@ def test_fold_value_rotations_into_the_model(tiny):
     from foscar.integrations.transformers import use_foscar_attention
 
     rot = cal.rotations(per_head=True)
+    tiny = copy.deepcopy(tiny)  # (the module's fixture keeps its attention implementation)
     model = copy.deepcopy(tiny)
     use_foscar_attention(model)
     use_foscar_attention(tiny)
@@ -604,6 +605,13 @@ def test_fold_value_rotations_into_the_model(tiny):
     got, cache = logits(model, fold_value_rotations(model, rot))
     assert cache.kv.transforms[0].value_rotation is None
     assert cache.kv.transforms[0].key_rotation is not None
+    # a folded model refuses unfolded rotations and an unfolded one folded rotations
+    with pytest.raises(ValueError, match="config says folded"):
+        oscar_cache(int2, model.config, rot, max_cache_len=64)
+    with pytest.raises(ValueError, match="config says not folded"):
+        oscar_cache(int2, tiny.config, fold_value_rotations(copy.deepcopy(tiny), rot))
+    with pytest.raises(ValueError, match="already folded into its weights"):
+        fold_value_rotations(model, rot)
     unrotated, _ = logits(tiny, OscarRotations(rot.key, torch.eye(D, dtype=f64).expand(
         rot.value.shape).contiguous(), {}, {}))  # fmt: skip
     # (measured: 3.5e-5 against 0.13: one rounding of the weights, not another basis)

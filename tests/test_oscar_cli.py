@@ -331,9 +331,25 @@ def test_prepare_gptq_rows_by_metric_and_filter(toy):
     assert not torch.allclose(by_query.key_gptq, by_attention.key_gptq, rtol=1e-3, atol=1e-3)
     assert by_attention.header["key_rounding"].endswith("metric attention")
     assert (2, "key") in by_attention.clips and gptq[6].rotations.key_gptq is by_attention.key_gptq
-    with pytest.raises(ValueError, match="metrics must be among"):
-        prepare(model, tok, tokens=256, seq_len=128, windows=(8, 16), gptq=True,
-                gptq_metrics=("loss",))  # fmt: skip
+    # refused before any calibration: unknown, a bare string, none, twice
+    for bad in (("loss",), "attention", (), ("query", "query")):
+        with pytest.raises(ValueError, match="gptq metrics must be"):
+            prepare(model, tok, tokens=256, seq_len=128, windows=(8, 16), gptq=True,
+                    gptq_metrics=bad)  # fmt: skip
+    # no attention row wanted: the attention metric's pass over the text is not made
+    passes = []
+    real_metrics = ev.attention_key_metrics
+    ev.attention_key_metrics = lambda *a, **kw: passes.append(1) or real_metrics(*a, **kw)
+    try:
+        rows, _ = prepare(model, tok, tokens=256, seq_len=128, windows=(8, 16), gptq=True,
+                          gptq_metrics=("query", "attention"),
+                          wanted=lambda n: n.startswith("OSCAR INT2 + GPTQ keys"))  # fmt: skip
+    finally:
+        ev.attention_key_metrics = real_metrics
+    assert not passes and [r.name for r in rows if "GPTQ" in r.name] == [
+        "OSCAR INT2 + GPTQ keys (fitted clips)",
+        "OSCAR INT2 + GPTQ keys + BF16 8/16 (fitted clips)",
+    ]
 
 
 def test_foscar_eval_with_oscar_rows(toy, monkeypatch):
@@ -389,3 +405,5 @@ def test_foscar_eval_with_oscar_rows(toy, monkeypatch):
     # --oscar-groups reaches prepare (this toy's head row is one group of 32 already)
     with pytest.raises(ValueError, match="group size 32 is the default"):
         evaluate("--oscar", "--oscar-groups", "32")
+    with pytest.raises(ValueError, match="pass --oscar-gptq"):
+        evaluate("--oscar", "--oscar-gptq-metric", "attention")

@@ -259,6 +259,10 @@ def evaluate(args, out=sys.stdout, extra_formats=()) -> dict:
     from .model import load_model
 
     _sizes(args)
+    if args.oscar_gptq_metric != ["query"] and not args.oscar_gptq:
+        raise ValueError(
+            "--oscar-gptq-metric chooses the metric of --oscar-gptq: pass --oscar-gptq"
+        )
     t_start = time.perf_counter()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))

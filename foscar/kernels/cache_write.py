@@ -186,7 +186,7 @@ def decode_write_kernel(
     ring = tail_ptr + ((slot.to(tl.int64) * H + h) * RING) * D
 
     if page >= 0:
-        if GPTQ and PREFETCH:
+        if GPTQ and PREFETCH and D <= 128:  # (D = 256's 256 KiB would not stay in L1)
             _prefetch_lines(factor_ptr + h * D * D, D * D * 4)
         order = tl.load(order_ptr + d)
         from_ring = ring_pos >= 0

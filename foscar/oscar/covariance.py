@@ -136,7 +136,8 @@ def attention_key_moment(
 
     To first order a score error ``d_i`` of key ``i`` moves query ``n``'s output by
     ``p_ni (v_i - o_n) d_i`` (``p`` the softmax weights, ``o_n`` the output), so with
-    independent errors ``E |d o_n|^2 = sum_i p_ni^2 |v_i - o_n|^2 (q_n . e_i)^2``. One metric
+    independent errors ``E |d o_n|^2 = scaling^2 sum_i p_ni^2 |v_i - o_n|^2 (q_n . e_i)^2``
+    (``e_i`` key ``i``'s error; ``scaling^2`` is common to all and left out). One metric
     shared by the keys is then ``sum_n w_n q_n^T q_n`` with ``w_n = sum_{i quantized}
     p_ni^2 |v_i - o_n|^2``: a query whose attention lies on exact (BF16 window) keys, or is
     spread thin, weighs little, where ``C_Q`` counts every query alike.

@@ -45,6 +45,7 @@ rows with and without windows, fitted clips when the file has them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -411,6 +412,7 @@ def prepare(
                 raise ValueError(f"group size {g} is the default (one group per head row)")
     if path is not None and gptq:
         raise ValueError("gptq rows need a calibration in the run, not a file's rotations")
+    gptq_metrics = _check_gptq_metrics(gptq_metrics)
     if path is not None:
         rot = OscarRotations.load(path)
         return oscar_formats(rot.head_dim, rotations=rot, windows=windows), {
@@ -501,6 +503,19 @@ def prepare(
 GPTQ_METRICS = {"query": "GPTQ keys", "attention": "attention-GPTQ keys"}
 
 
+def _check_gptq_metrics(metrics) -> tuple[str, ...]:
+    """``metrics`` as a tuple: distinct names of :data:`GPTQ_METRICS`, at least one."""
+    if isinstance(metrics, str) or not isinstance(metrics, Sequence):
+        raise ValueError(f"gptq metrics must be a sequence of names, got {metrics!r}")
+    bad = [m for m in metrics if m not in GPTQ_METRICS]
+    if bad or not metrics or len(set(metrics)) != len(metrics):
+        raise ValueError(
+            f"gptq metrics must be distinct names among {sorted(GPTQ_METRICS)}, at least one; "
+            f"got {list(metrics)}"
+        )
+    return tuple(metrics)
+
+
 def gptq_rows(
     model,
     sequences,
@@ -527,15 +542,16 @@ def gptq_rows(
     (``foscar eval --formats``); a set of rows it takes none of is not fitted (a fit costs
     minutes). ``info`` is keyed by the rows' names before their windows.
     """
-    for m in metrics:
-        if m not in GPTQ_METRICS:
-            raise ValueError(f"metrics must be among {sorted(GPTQ_METRICS)}, got {m!r}")
+    metrics = _check_gptq_metrics(metrics)
     rows, info = [], {}
     for metric in metrics:
         weights = None
-        if metric == "attention":
+        if metric == "attention":  # a pass over the text, made only if a row needs it
             text = sequences if metric_sequences is None else metric_sequences
-            weights = attention_key_metrics(model, text, windows=windows, log=log)
+            weights = functools.cache(
+                functools.partial(attention_key_metrics, model, text, windows=windows, log=log)
+            )
+
         more, more_info = _gptq_metric_rows(
             model,
             sequences,
@@ -570,18 +586,23 @@ def _gptq_metric_rows(
     wanted,
     log,
 ) -> tuple[list[OscarEvalFormat], dict]:
-    """:func:`gptq_rows` of one metric (``weights``: its :func:`gptq_factors` ``metrics``)."""
+    """:func:`gptq_rows` of one metric (``weights``: None, or a function returning its
+    :func:`gptq_factors` ``metrics``, called only for rows ``wanted`` takes)."""
     g = min(calibration.head_dim, 128)
     keys = GPTQ_METRICS[metric]
 
     def needed(rows: list[OscarEvalFormat]) -> bool:
         return wanted is None or any(wanted(r.name) for r in rows)
 
-    def rounded_by_gptq(base: OscarRotations) -> OscarRotations:
-        """``base``'s rotations, no clips yet, with the GPTQ factors of their key basis."""
+    def rounded_by_gptq(base: OscarRotations, factors: bool = True) -> OscarRotations:
+        """``base``'s rotations, no clips yet, with the GPTQ factors of their key basis
+        (``factors=False``: without, for the rows' names only)."""
         header = {**base.header, "key_rounding": f"gptq, damp {damp}, metric {metric}"}
-        factors = gptq_factors(calibration, base, damp=damp, metrics=weights)
-        return OscarRotations(base.key, base.value, {}, header, factors)
+        key_gptq = None
+        if factors:
+            metrics = None if weights is None else weights()
+            key_gptq = gptq_factors(calibration, base, damp=damp, metrics=metrics)
+        return OscarRotations(base.key, base.value, {}, header, key_gptq)
 
     def group(label: str, rot: OscarRotations, base: OscarRotations) -> list[OscarEvalFormat]:
         out = _fitted_int2_rows(f"{label} + {keys}", g, rot, windows)
@@ -591,9 +612,9 @@ def _gptq_metric_rows(
 
     rows, info = [], {}
     for label, base in (("OSCAR INT2", full), ("OSCAR-select per-KV-head INT2", selected_per_head)):
+        if not needed(group(label, rounded_by_gptq(base, factors=False), base)):
+            continue  # (only the names are read: no factors, no metric, no fit)
         rot = rounded_by_gptq(base)
-        if not needed(group(label, rot, base)):  # (before the fit: only the names are read)
-            continue
         fit_clips(model, sequences, rot, bits=(2,), windows=windows, log=log)
         rows += group(label, rot, base)
         info[f"{label} + {keys}"] = {
@@ -630,7 +651,7 @@ def _mixed_width_rows(
     gptq: OscarRotations,
     plain: OscarRotations,
     windows,
-    keys: str = "GPTQ keys",
+    keys: str = GPTQ_METRICS["query"],
     int4_keys: bool = True,
 ) -> list[OscarEvalFormat]:
     """K and V at different widths, with ``windows``: K INT2 by GPTQ with V INT4, and K INT4

@@ -231,6 +231,10 @@ def apply_to_cache(
         )
 
 
+#: the model config attribute :func:`fold_value_rotations` sets
+FOLDED_FLAG = "foscar_value_rotations_folded"
+
+
 def oscar_cache(
     fmt, config, rotations: OscarRotations, *, clip_bits: int | tuple[int, int] | None = None, **kw
 ):
@@ -243,6 +247,13 @@ def oscar_cache(
             super()._allocate(batch_size, device)
             apply_to_cache(rotations, self.kv, clip_bits=clip_bits)
 
+    folded = bool(rotations.header.get("value_rotations_folded"))
+    if folded != bool(getattr(config, FOLDED_FLAG, False)):
+        raise ValueError(
+            f"rotations: value rotations {'folded' if folded else 'not folded'} into a model, "
+            f"but the model's config says {'not ' if folded else ''}folded "
+            "(fold_value_rotations returns the rotations to use with the folded model)"
+        )
     cache = _OscarCache(fmt, config, **kw)
     rotations.check(
         num_layers=cache.num_layers, num_kv_heads=cache.num_kv_heads, head_dim=cache.head_dim
@@ -278,34 +289,48 @@ def fold_value_rotations(model, rotations: OscarRotations) -> OscarRotations:
     step: the returned :class:`OscarRotations` has identity value rotations (which
     :func:`apply_to_cache` does not apply) and ``header["value_rotations_folded"] = True``.
 
-    Modifies ``model`` in place (keep the original weights if you need them). Llama-style
+    Modifies ``model`` in place (keep the original weights if you need them) and marks its
+    config (``config.foscar_value_rotations_folded``): :func:`oscar_cache` then refuses
+    rotations whose value rotations are not folded, and an unfolded model folded rotations,
+    either of which would rotate the values twice or not at all. Llama-style
     attention only (``v_proj`` -> attention -> ``o_proj``, no operation on V in between, as in
     Llama, Qwen2/3, Mistral and SmolLM2). Refuses rotations already folded.
     """
     if rotations.header.get("value_rotations_folded"):
         raise ValueError("rotations: their value rotations are already folded into a model")
+    from .capture import model_shapes
+
     modules = _attention_modules(model)
-    cfg = model.config
-    h_kv = cfg.num_key_value_heads
-    h_q = cfg.num_attention_heads
-    d = rotations.head_dim
+    if getattr(model.config, FOLDED_FLAG, False):
+        raise ValueError("model: value rotations are already folded into its weights")
+    shape = model_shapes(model)
+    h_kv, h_q, d = shape["num_kv_heads"], shape["num_q_heads"], shape["head_dim"]
+    if len(modules) != shape["num_layers"] or h_q % h_kv:
+        raise ValueError(
+            f"model: {len(modules)} attention modules for {shape['num_layers']} layers, "
+            f"{h_q} query heads for {h_kv} KV heads (expected one module per layer and a "
+            "multiple)"
+        )
     rotations.check(num_layers=len(modules), num_kv_heads=h_kv, head_dim=d)
-    for layer, attn in enumerate(modules):
-        r = rotations.value[layer].to(torch.float64).expand(h_kv, d, d)  # [H, d, d]
+    for layer, attn in enumerate(modules):  # every layer checked before any weight changes
         v, o = attn.v_proj, attn.o_proj
         if v.weight.shape[0] != h_kv * d or o.weight.shape[1] != h_q * d:
             raise ValueError(
                 f"layer {layer}: v_proj has {v.weight.shape[0]} outputs and o_proj "
                 f"{o.weight.shape[1]} inputs, expected {h_kv} x {d} and {h_q} x {d}"
             )
+    for layer, attn in enumerate(modules):
+        v, o = attn.v_proj, attn.o_proj
+        r = rotations.value[layer].to(v.weight.device, torch.float64).expand(h_kv, d, d)
         wv = v.weight.to(torch.float64).reshape(h_kv, d, -1)  # [H, d, hidden]
         v.weight.copy_((r.transpose(1, 2) @ wv).reshape(v.weight.shape))
         if v.bias is not None:
             b = v.bias.to(torch.float64).reshape(h_kv, 1, d)
             v.bias.copy_((b @ r).reshape(v.bias.shape))
-        rq = r.repeat_interleave(h_q // h_kv, dim=0)  # query head j reads KV head j // group
+        rq = r.to(o.weight.device).repeat_interleave(h_q // h_kv, dim=0)  # query head j: KV j // g
         wo = o.weight.to(torch.float64).reshape(-1, h_q, d).transpose(0, 1)  # [Hq, hidden, d]
         o.weight.copy_((wo @ rq).transpose(0, 1).reshape(o.weight.shape))
+    setattr(model.config, FOLDED_FLAG, True)
     eye = torch.eye(d, dtype=torch.float64).expand(rotations.value.shape).contiguous()
     header = {**rotations.header, "value_rotations_folded": True}
     return OscarRotations(rotations.key, eye, dict(rotations.clips), header, rotations.key_gptq)
