@@ -70,6 +70,7 @@
 #   bash benchmarks/h200_run.sh s14-write2 # ... after: scalar clip again, factor loads one channel ahead; 2/4/8 warps
 #   bash benchmarks/h200_run.sh s14-step # session 14: s14-gpu-time again with s14-write2's kernel
 #   bash benchmarks/h200_run.sh s14-write3 # session 14: GPTQ's w_{j+1} read before step j; tests, 1/2/4 warps, the step
+#   bash benchmarks/h200_run.sh s14-fold-gpu # session 14: fold_value_rotations on GPU models, and the OSCAR cache tests
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -763,6 +764,12 @@ case "$mode" in
     timeout 250 python3 benchmarks/oscar_step_profile.py --gpu-time --steps 16 --batches 1 32 \
       --methods foscar-int2 foscar-oscar-int2 foscar-oscar-folded-int2 2>&1 \
       | tee "$OUT/oscar_fold_gpu_time_s14_write3.log" | grep -v "^\[" | grep -v "^ "
+    ;;
+  s14-fold-gpu)
+    # session 14: the review found fold_value_rotations would fail on a GPU model (fixed); its
+    # GPU test, then the OSCAR tests that run on a GPU
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_oscar_calibrate.py \
+      tests/test_oscar_cache.py -k "fold or cache" 2>&1 | tee "$OUT/gpu_tests_oscar_s14.log" | tail -8
     ;;
   cache-write)
     # the fused write's tests alone (after the review's NaN / FMA / device changes)

@@ -618,3 +618,25 @@ def test_fold_value_rotations_into_the_model(tiny):
     assert (got - want).abs().max() < 0.01 * (unrotated - want).abs().max()
     with pytest.raises(ValueError, match="Llama-style attention modules"):
         fold_value_rotations(torch.nn.Linear(2, 2), rot)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fold_value_rotations_on_a_gpu_model(tiny, dtype):
+    """fold_value_rotations on a model whose weights live on the GPU, from rotations on the CPU
+    (session 14's review: the rotation stayed on the CPU). The folded model's logits against
+    the unfolded one's: the weights rounded once to ``dtype``."""
+    import copy
+
+    from foscar.oscar import fold_value_rotations
+
+    rot = calibrate(tiny, sequences()).rotations(per_head=True)
+    ids = sequences((40,), seed=5)[0][None].cuda()
+    model = copy.deepcopy(tiny).to("cuda", dtype)
+    v = model.model.layers[0].self_attn.v_proj
+    v.bias = torch.nn.Parameter(torch.randn(v.out_features, device="cuda", dtype=dtype))
+    want = model(input_ids=ids).logits.float()
+    fold_value_rotations(model, rot)
+    got = model(input_ids=ids).logits.float()
+    tol = 1e-4 if dtype == torch.float32 else 0.1
+    assert (got - want).abs().max() < tol * want.abs().max()
