@@ -260,3 +260,15 @@ def test_report_counts_the_selection():
         and line.endswith("U*H*P_br 0.200, K^TK/V^TV per KV head 0.100")
         for line in lines
     )
+    # the GPTQ choice's lines, keyed by "<row> + <keys>" and, in results written before
+    # session 13, by the row alone
+    from foscar.oscar.evaluate import GPTQ_METRICS, GPTQ_SELECT
+
+    chosen = {"selection_per_kv_head": {"key": ["no-u", "no-u", "ktk"]}}
+    want = "- keys rounded by GPTQ: per-KV-head key, of 3 layers: H*P_br in 2, K^TK/V^TV in 1"
+    for key in (f"{GPTQ_SELECT} + {GPTQ_METRICS['query']}", GPTQ_SELECT):
+        assert want in report({"gptq": {key: chosen}}).splitlines()
+    attention = report({"gptq": {f"{GPTQ_SELECT} + {GPTQ_METRICS['attention']}": chosen}})
+    assert "- keys rounded by GPTQ under the attention-weighted metric: per-KV-head key" in (
+        attention
+    )

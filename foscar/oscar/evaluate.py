@@ -751,8 +751,11 @@ def report(info: dict) -> str:
     lines += _selection_lines(info)
     for g, sub in info.get("groups", {}).items():
         lines += _selection_lines(sub, f"groups of {g}: ")
+    gptq = info.get("gptq", {})
     for metric, keys in GPTQ_METRICS.items():
-        chosen = info.get("gptq", {}).get(f"{GPTQ_SELECT} + {keys}")
+        chosen = gptq.get(f"{GPTQ_SELECT} + {keys}")
+        if chosen is None and metric == "query":  # results of sessions 11-12: row name alone
+            chosen = gptq.get(GPTQ_SELECT)
         if chosen:
             how = "GPTQ" if metric == "query" else f"GPTQ under the {metric}-weighted metric"
             lines += _selection_lines(chosen, f"keys rounded by {how}: ")
