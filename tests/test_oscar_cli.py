@@ -102,7 +102,7 @@ def test_calibrate_gptq_keys(toy):
         assert (2, "key") in r.clips
         fits = r.header["clip_fit"]
         if "--select" in extra:  # every candidate was fitted (so chosen) with GPTQ keys
-            assert set(fits) == {"full", "no-u"}
+            assert set(fits) == {"full", "no-u", "ktk"}
             assert {f["key_rounding"] for f in fits.values()} == {"gptq"}
         else:
             assert fits["key_rounding"] == "gptq"
@@ -156,7 +156,8 @@ def test_calibrate_select(toy):
     lines = []
     assert oscar_cli.run(args, log=lines.append) == 0
     r = OscarRotations.load(out)
-    assert set(r.header["selection"]["key"]) <= {"full", "no-u"} and set(r.clips) == {
+    assert set(r.header["candidates"]) == {"full", "no-u", "ktk"}  # OSCAR-select's
+    assert set(r.header["selection"]["key"]) <= {"full", "no-u", "ktk"} and set(r.clips) == {
         (2, "key"),
         (2, "value"),
     }
@@ -172,9 +173,22 @@ def test_calibrate_select(toy):
     assert oscar_cli.run(args, log=lines.append) == 0
     r = OscarRotations.load(out, num_layers=2, num_kv_heads=2)
     assert r.per_head and r.key.shape[1] == 2
-    assert set(r.header["selection"]["key"]) <= {"full", "no-u", "full per KV head"}
-    assert r.header["candidates"]["full per KV head"]["key_target"] == "plain"
-    assert any(line.startswith("key: full per KV head in ") for line in lines)
+    # the eval's OSCAR-select per-KV-head candidates, as SELECT_CANDIDATES names them
+    from foscar.oscar.evaluate import SELECT_CANDIDATES
+
+    assert set(r.header["candidates"]) == set(SELECT_CANDIDATES)
+    assert set(r.header["selection"]["key"]) <= set(SELECT_CANDIDATES)
+    assert r.header["candidates"]["full-kvh"]["key_target"] == "plain"
+    assert r.header["candidates"]["ktk-kvh"]["value_target"] == "plain"
+    assert any(line.startswith("key: full-kvh in ") for line in lines)
+    # a recipe that reads no target: no K^TK/V^TV candidate (it would be the same rotation)
+    args = parse(
+        ["--model", str(toy / "model"), "--text", str(toy / "text.txt"), "--tokens", "256",
+         "--seq-len", "128", "--clip-tokens", "128", "--clip-queries", "8", "--clip-bits", "2",
+         "--fit-windows", "8", "32", "--select", "--recipe", "hadamard", "--out", str(out)]
+    )  # fmt: skip
+    assert oscar_cli.run(args, log=lambda s: None) == 0
+    assert set(OscarRotations.load(out).header["candidates"]) == {"hadamard", "no-u"}
 
 
 def test_prepare_rows_for_foscar_eval(toy):

@@ -45,14 +45,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--select",
         action="store_true",
-        help="per layer and for K and V, keep the --recipe rotation or H*P_br, whichever has the "
-        "smaller fitted attention error at INT2 (our extension; needs --clip-bits with 2)",
+        help="per layer and for K and V, keep the --recipe rotation, H*P_br or the --recipe "
+        "rotation of K^TK/V^TV, whichever has the smallest fitted attention error at INT2 "
+        "(our extension, foscar eval's OSCAR-select rows; needs --clip-bits with 2)",
     )
     p.add_argument(
         "--select-kv-heads",
         action="store_true",
-        help="with --select, also offer the --recipe rotation per KV head (the file then holds "
-        "one rotation per KV head; layers that keep a per-layer one repeat it)",
+        help="with --select, also offer the --recipe rotations (of both targets) per KV head "
+        "(foscar eval's OSCAR-select per-KV-head rows; the file then holds one rotation per KV "
+        "head; layers that keep a per-layer one repeat it)",
     )
     p.add_argument(
         "--gptq-keys",
@@ -122,6 +124,27 @@ def _check(args) -> None:
                 f"--select-kv-heads: --recipe {args.recipe} reads no target (no U), so it is "
                 "the same rotation for every KV head"
             )
+
+
+def _select_candidates(cal, rot, args) -> dict:
+    """``--select``'s candidates, named as :data:`foscar.oscar.evaluate.SELECT_CANDIDATES`
+    (the same set for the default recipe, so the file is the eval's OSCAR-select row): the
+    recipe's rotation (``rot``), H*P_br ("no-u"), the recipe on the plain second moments K^TK
+    / V^TV ("ktk"; EVAL_NOTES 3: lower key error than C_Q's on SmolLM2) unless its targets are
+    those already; with ``--select-kv-heads`` both target sets' rotations per KV head too."""
+    from .evaluate import PLAIN_TARGETS
+
+    targets = dict(key_target=args.key_target, value_target=args.value_target)
+    reads_targets = args.recipe not in ("no-u", "none", "hadamard")
+    plain = targets == PLAIN_TARGETS or not reads_targets
+    candidates = {args.recipe: rot, "no-u": cal.rotations("no-u", **targets)}
+    if not plain:
+        candidates["ktk"] = cal.rotations(args.recipe, **PLAIN_TARGETS, per_head=args.per_head)
+    if args.select_kv_heads:
+        candidates[f"{args.recipe}-kvh"] = cal.rotations(args.recipe, **targets, per_head=True)
+        if not plain:
+            candidates["ktk-kvh"] = cal.rotations(args.recipe, **PLAIN_TARGETS, per_head=True)
+    return candidates
 
 
 def run(args, log=print) -> int:
@@ -194,13 +217,7 @@ def run(args, log=print) -> int:
             log=log,
         )
         if args.select:
-            kw = dict(
-                key_target=args.key_target, value_target=args.value_target, per_head=args.per_head
-            )
-            candidates = {args.recipe: rot, "no-u": cal.rotations("no-u", **kw)}
-            if args.select_kv_heads:
-                kw["per_head"] = True
-                candidates[f"{args.recipe} per KV head"] = cal.rotations(args.recipe, **kw)
+            candidates = _select_candidates(cal, rot, args)
             if args.gptq_keys:  # every candidate's keys rounded by GPTQ: chosen by those errors
                 for c in candidates.values():
                     if c.key_gptq is None:  # (the recipe's already has its factors)
