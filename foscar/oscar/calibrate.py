@@ -130,6 +130,21 @@ class Calibration:
         return OscarRotations(torch.stack(keys), torch.stack(values), {}, header)
 
 
+def _forward_captured(model, seqs, callback, what: str, log, t0: float) -> None:
+    """Each of ``seqs`` through ``model`` (batch 1, no cache), ``callback`` seeing every
+    attention call (:func:`capture_attention`); logs ``what`` and the time since ``t0`` after
+    each sequence."""
+    device = next(model.parameters()).device
+    with capture_attention(model, callback):
+        for i, s in enumerate(seqs):
+            model(input_ids=s.to(device)[None], use_cache=False, logits_to_keep=1)
+            if log:
+                log(
+                    f"{what}: sequence {i + 1}/{len(seqs)} ({s.numel()} tokens), "
+                    f"{time.perf_counter() - t0:.0f}s"
+                )
+
+
 @torch.no_grad()
 def calibrate(
     model,
@@ -161,30 +176,19 @@ def calibrate(
         LayerMoments(shapes["num_kv_heads"], shapes["head_dim"])
         for _ in range(shapes["num_layers"])
     ]
-    device = next(model.parameters()).device
     t0 = time.perf_counter()
 
     def add(layer, q, k, v, scaling):
         moments[layer].add(q, k, v, scaling, chunk=chunk, dtype=dtype)
 
-    def run(callback, what):
-        with capture_attention(model, callback):
-            for i, s in enumerate(seqs):
-                model(input_ids=s.to(device)[None], use_cache=False, logits_to_keep=1)
-                if log:
-                    log(
-                        f"{what}: sequence {i + 1}/{len(seqs)} ({s.numel()} tokens), "
-                        f"{time.perf_counter() - t0:.0f}s"
-                    )
-
-    run(add, "calibration")
+    _forward_captured(model, seqs, add, "calibration", log, t0)
     if proxy:
         key_targets = [m.target("key") for m in moments]
 
         def add_proxy(layer, q, k, v, scaling):
             moments[layer].add_proxy(k, v, key_targets[layer])
 
-        run(add_proxy, "proxy pass")
+        _forward_captured(model, seqs, add_proxy, "proxy pass", log, t0)
     info = {
         **(header or {}),
         "calibration_tokens": int(sum(s.numel() for s in seqs)),
@@ -263,7 +267,6 @@ def attention_key_metrics(
     num_layers, h, d = shapes["num_layers"], shapes["num_kv_heads"], shapes["head_dim"]
     moment = torch.zeros(num_layers, h, d, d, dtype=torch.float64)
     weight = torch.zeros(num_layers, h, dtype=torch.float64)
-    device = next(model.parameters()).device
     sink, recent = windows
 
     def add(layer, q, k, v, scaling):
@@ -280,15 +283,7 @@ def attention_key_metrics(
         moment[layer] += m.cpu()
         weight[layer] += w.cpu()
 
-    t0 = time.perf_counter()
-    with capture_attention(model, add):
-        for i, s in enumerate(seqs):
-            model(input_ids=s.to(device)[None], use_cache=False, logits_to_keep=1)
-            if log:
-                log(
-                    f"attention key metric: sequence {i + 1}/{len(seqs)}, "
-                    f"{time.perf_counter() - t0:.0f}s"
-                )
+    _forward_captured(model, seqs, add, "attention key metric", log, time.perf_counter())
     if not bool((weight > 0).all()):
         raise ValueError(
             "the attention key metric has no weight for some layer and KV head (no query read "
@@ -399,7 +394,6 @@ def fit_clips(
     num_layers = shapes["num_layers"]
     err = torch.zeros(len(bits), 2, num_layers, len(cands), dtype=torch.float64)
     norm = torch.zeros(len(bits), 2, num_layers, dtype=torch.float64)
-    device = next(model.parameters()).device
 
     def fit(layer, q, k, v, scaling):
         t = k.shape[1]
@@ -424,11 +418,7 @@ def fit_clips(
                 err[i, 1, layer, j] += float((ev - exact).double().square().sum())
 
     t0 = time.perf_counter()
-    with capture_attention(model, fit):
-        for i, s in enumerate(seqs):
-            model(input_ids=s.to(device)[None], use_cache=False, logits_to_keep=1)
-            if log:
-                log(f"clip fit: sequence {i + 1}/{len(seqs)}, {time.perf_counter() - t0:.0f}s")
+    _forward_captured(model, seqs, fit, "clip fit", log, t0)
     rel = (err / norm[..., None]).sqrt()  # [bits, role, layer, candidate]
     table = {}
     for i, b in enumerate(bits):
