@@ -137,7 +137,8 @@ def _select_candidates(cal, rot, args) -> dict:
     targets = dict(key_target=args.key_target, value_target=args.value_target)
     reads_targets = args.recipe not in ("no-u", "none", "hadamard")
     plain = targets == PLAIN_TARGETS or not reads_targets
-    candidates = {args.recipe: rot, "no-u": cal.rotations("no-u", **targets)}
+    no_u = cal.rotations("no-u", **targets, per_head=args.per_head)
+    candidates = {args.recipe: rot, "no-u": no_u}
     if not plain:
         candidates["ktk"] = cal.rotations(args.recipe, **PLAIN_TARGETS, per_head=args.per_head)
     if args.select_kv_heads:
