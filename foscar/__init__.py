@@ -3,12 +3,13 @@
 Public API (shapes in each docstring):
 
 - formats: :class:`QuantFormat`, :class:`KVFormat`, :class:`GroupAxis`, :class:`OperandMapping`
-- cache: :class:`QuantizedKVCache`, :class:`DecodeBatch`, :func:`effective_bits`
+- cache: :class:`QuantizedKVCache`, :class:`DecodeBatch`, :func:`effective_bits`,
+  :func:`layer_formats`
 - decode: :func:`decode_attention`
 - references: :mod:`foscar.reference`
 """
 
-from .cache import DecodeBatch, QuantizedKVCache, effective_bits
+from .cache import DecodeBatch, QuantizedKVCache, effective_bits, layer_formats
 from .decode import decode_attention
 from .formats import GroupAxis, KVFormat, OperandMapping, QuantFormat
 
@@ -21,6 +22,7 @@ __all__ = [
     "QuantizedKVCache",
     "decode_attention",
     "effective_bits",
+    "layer_formats",
 ]
 
 __version__ = "0.1.0"

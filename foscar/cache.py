@@ -75,6 +75,7 @@ __all__ = [
     "LayerTransform",
     "DecodeBatch",
     "effective_bits",
+    "layer_formats",
     "rotate_rows",
 ]
 
@@ -242,7 +243,7 @@ def _num_quantized(length: int, fmt: KVFormat) -> int:
 
 def effective_bits(
     num_tokens: int,
-    fmt: KVFormat,
+    fmt: KVFormat | Sequence[KVFormat],
     *,
     scale_bits: int = 32,
 ) -> float:
@@ -250,16 +251,50 @@ def effective_bits(
 
     ``(bf16_tokens * 16 + Lq * (bits + 2 * scale_bits / g)) / num_tokens``, averaged over K and
     V. With ``scale_bits=16``, INT2, g=128, L=131072 and S+W=320 this is oscar.md's 2.2836.
+    ``fmt`` may be one format per layer (:func:`layer_formats`): then the mean over layers.
     """
     if num_tokens <= 0:
         raise ValueError(f"num_tokens must be positive, got {num_tokens}")
-    lq = _num_quantized(num_tokens, fmt)
-    bf16 = num_tokens - lq
-    per_tensor = [
-        (bf16 * 16 + lq * (f.bits + 2 * scale_bits / f.group_size)) / num_tokens
-        for f in (fmt.key, fmt.value)
-    ]
-    return sum(per_tensor) / 2
+    formats = [fmt] if isinstance(fmt, KVFormat) else layer_formats(fmt, len(fmt))
+    per_tensor = []
+    for f_layer in formats:
+        lq = _num_quantized(num_tokens, f_layer)
+        bf16 = num_tokens - lq
+        per_tensor += [
+            (bf16 * 16 + lq * (f.bits + 2 * scale_bits / f.group_size)) / num_tokens
+            for f in (f_layer.key, f_layer.value)
+        ]
+    return sum(per_tensor) / len(per_tensor)
+
+
+def layer_formats(fmt: KVFormat | Sequence[KVFormat], num_layers: int) -> tuple[KVFormat, ...]:
+    """``fmt`` as one format per layer: a KVFormat serves every layer; a sequence gives one per
+    layer, and its formats may differ in K and V (width, axis, group, clip) but must share the
+    operand mapping and the BF16 windows (one page table and one window layout serve all
+    layers). Raises naming ``fmt[i]`` and what differs."""
+    if isinstance(fmt, KVFormat):
+        return (fmt,) * num_layers
+    if isinstance(fmt, (str, bytes)) or not isinstance(fmt, Sequence):
+        raise TypeError(
+            f"fmt must be a KVFormat or a sequence of one per layer, got {type(fmt).__name__}"
+        )
+    formats = tuple(fmt)
+    if len(formats) != num_layers:
+        raise ValueError(
+            f"fmt holds {len(formats)} formats, expected one per layer (num_layers={num_layers})"
+        )
+    for i, f in enumerate(formats):
+        if not isinstance(f, KVFormat):
+            raise TypeError(f"fmt[{i}] must be a KVFormat, got {type(f).__name__}")
+        for attr in ("mapping", "sink_tokens", "recent_tokens", "demotion_quantum"):
+            a, b = getattr(formats[0], attr), getattr(f, attr)
+            if a != b:
+                raise ValueError(
+                    f"fmt[{i}].{attr} is {b!r} but fmt[0].{attr} is {a!r}: every layer's format "
+                    "must share the operand mapping and the BF16 windows (and the channel-wise "
+                    "group that sets the demotion quantum)"
+                )
+    return formats
 
 
 def _check_int(value, name: str, *, low: int | None = None) -> int:
@@ -275,8 +310,10 @@ class QuantizedKVCache:
 
     Parameters
     ----------
-    fmt : KVFormat
-        K/V quantization, operand mapping and BF16 windows.
+    fmt : KVFormat or sequence of KVFormat
+        K/V quantization, operand mapping and BF16 windows; or one format per layer, which may
+        differ in K and V (e.g. INT4 keys in the layers that need them) but share the mapping
+        and the windows (:func:`layer_formats`). ``cache.layer_format(layer)`` is a layer's.
     num_kv_heads, head_dim : int
     num_pages : int
         Pages in the pool (shared by all sequences; one page holds ``page_size`` tokens of every
@@ -310,7 +347,7 @@ class QuantizedKVCache:
 
     def __init__(
         self,
-        fmt: KVFormat,
+        fmt: KVFormat | Sequence[KVFormat],
         *,
         num_kv_heads: int,
         head_dim: int,
@@ -323,8 +360,6 @@ class QuantizedKVCache:
         check_finite: bool = True,
         decode_write: str = "auto",
     ) -> None:
-        if not isinstance(fmt, KVFormat):
-            raise TypeError(f"fmt must be a KVFormat, got {type(fmt).__name__}")
         _check_int(num_kv_heads, "num_kv_heads", low=1)
         _check_int(head_dim, "head_dim", low=1)
         _check_int(num_pages, "num_pages", low=1)
@@ -333,10 +368,21 @@ class QuantizedKVCache:
         _check_int(page_size, "page_size", low=1)
         if page_size < 16 or page_size > 256 or page_size & (page_size - 1):
             raise ValueError(f"page_size must be a power of two from 16 to 256, got {page_size}")
-        fmt.check_head_dim(head_dim)
+        formats = layer_formats(fmt, num_layers)
+        if isinstance(fmt, KVFormat):
+            fmt.check_head_dim(head_dim)
+        else:
+            for i, f in enumerate(formats):
+                try:
+                    f.check_head_dim(head_dim)
+                except ValueError as e:
+                    raise ValueError(f"fmt[{i}]: {e}") from None
         if window_dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
             raise TypeError(f"window_dtype must be a floating dtype, got {window_dtype}")
-        self.fmt = fmt
+        #: one KVFormat per layer (all the same unless ``fmt`` gave one per layer)
+        self.formats = formats
+        #: the mapping and windows every layer shares (``layer_formats``)
+        self._windows = formats[0]
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.num_pages = num_pages
@@ -353,7 +399,7 @@ class QuantizedKVCache:
         self.decode_write = decode_write
         self._desc_memo: tuple | None = None  # (descriptor rows, their device tensor)
         self._fused_failure: str | None = None  # why "auto" stopped taking the fused write
-        self.layers = [self._allocate_layer() for _ in range(num_layers)]
+        self.layers = [self._allocate_layer(f) for f in formats]
         self.transforms = [LayerTransform() for _ in range(num_layers)]
         self._free_pages: list[int] = list(range(num_pages - 1, -1, -1))  # pop() gives 0 first
         self._free_slots: list[int] = list(range(max_seqs - 1, -1, -1))
@@ -362,29 +408,56 @@ class QuantizedKVCache:
         if decode_write == "fused":
             self._fused_write(0)  # raises if the fused write cannot serve this cache
 
+    # ------------------------------------------------------------------ formats
+    @property
+    def fmt(self) -> KVFormat:
+        """The format of every layer; a cache built with one format per layer that differ has
+        none (ask :meth:`layer_format`)."""
+        if self.mixed_formats:
+            raise ValueError(
+                "this cache's layers have different formats (cache.formats); ask "
+                "cache.layer_format(layer)"
+            )
+        return self._windows
+
+    @property
+    def mixed_formats(self) -> bool:
+        """Whether the layers' formats differ."""
+        return any(f != self._windows for f in self.formats)
+
+    def layer_format(self, layer: int) -> KVFormat:
+        """The KVFormat of ``layer`` (the cache's format unless it was given one per layer)."""
+        return self.formats[self._check_layer(layer)]
+
+    def role_format(self, layer: int, name: str) -> QuantFormat:
+        """The QuantFormat of ``"k"`` or ``"v"`` in ``layer``, before the layer's own clip."""
+        f = self.formats[layer]
+        return f.key if name == "k" else f.value
+
     # ------------------------------------------------------------------ storage
     def scale_entries_per_page(self, f: QuantFormat) -> int:
         return self.page_size * self.head_dim // f.group_size
 
-    def channel_order(self, name: str) -> torch.Tensor:
-        """Channel order of the packed rows of ``"k"`` or ``"v"`` (foscar.formats)."""
+    def channel_order(self, name: str, layer: int = 0) -> torch.Tensor:
+        """Channel order of the packed rows of ``"k"`` or ``"v"`` in ``layer``
+        (foscar.formats; it depends on the role and its width)."""
+        bits = self.role_format(layer, name).bits
         orders = self.__dict__.setdefault("_channel_orders", {})
-        if name not in orders:  # kept on the cache's device: packing then copies nothing
-            f = self.fmt.key if name == "k" else self.fmt.value
+        if (name, bits) not in orders:  # kept on the cache's device: packing then copies nothing
             role = Role.KEY if name == "k" else Role.VALUE
-            order = channel_order(role, f.bits, self.head_dim, self.fmt.mapping)
-            orders[name] = order.to(self.device)
-        return orders[name]
+            order = channel_order(role, bits, self.head_dim, self._windows.mapping)
+            orders[(name, bits)] = order.to(self.device)
+        return orders[(name, bits)]
 
-    def packing_tables(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def packing_tables(self, name: str, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """``(order [D], bit offsets [32 // bits])`` int32 on the device, for the fused write."""
+        bits = self.role_format(layer, name).bits
         tables = self.__dict__.setdefault("_packing_tables", {})
-        if name not in tables:
-            f = self.fmt.key if name == "k" else self.fmt.value
-            order = self.channel_order(name).to(torch.int32)
-            shifts = _bit_offsets(f.bits, self.fmt.mapping, self.device).to(torch.int32)
-            tables[name] = (order, shifts)
-        return tables[name]
+        if (name, bits) not in tables:
+            order = self.channel_order(name, layer).to(torch.int32)
+            shifts = _bit_offsets(bits, self._windows.mapping, self.device).to(torch.int32)
+            tables[(name, bits)] = (order, shifts)
+        return tables[(name, bits)]
 
     def fused_write_reason(self, layer: int = 0) -> str | None:
         """``None`` if a decode step of ``layer`` can take the fused write, else why not."""
@@ -413,9 +486,9 @@ class QuantizedKVCache:
             raise ValueError(f"decode_write='fused' cannot write this cache: {reason}")
         return reason is None
 
-    def _allocate_layer(self) -> LayerStorage:
+    def _allocate_layer(self, fmt: KVFormat) -> LayerStorage:
         p, h, d, ps = self.num_pages, self.num_kv_heads, self.head_dim, self.page_size
-        fk, fv = self.fmt.key, self.fmt.value
+        fk, fv = fmt.key, fmt.value
         dev = self.device
 
         def words(f):
@@ -425,7 +498,7 @@ class QuantizedKVCache:
             e = self.scale_entries_per_page(f)
             return torch.zeros(p, h, e, 2, dtype=torch.float32, device=dev)
 
-        s, r = self.fmt.sink_tokens, self.fmt.tail_capacity
+        s, r = fmt.sink_tokens, fmt.tail_capacity
         wd = self.window_dtype
         return LayerStorage(
             k_words=words(fk),
@@ -566,10 +639,11 @@ class QuantizedKVCache:
                     raise type(e)(str(e).replace("clip", name, 1)) from None
             clips.append(c)
         if key_gptq is not None:
-            if self.fmt.key.axis is not GroupAxis.TOKEN:
+            fk = self.formats[layer].key
+            if fk.axis is not GroupAxis.TOKEN:
                 raise ValueError(
-                    f"key_gptq: GPTQ rounding covers token-wise keys; the keys are "
-                    f"{self.fmt.key.short()}"
+                    f"key_gptq: GPTQ rounding covers token-wise keys; layer {layer}'s keys are "
+                    f"{fk.short()}"
                 )
             key_gptq = self._per_head_matrices("key_gptq", key_gptq, torch.float32)
             diag = torch.diagonal(key_gptq, dim1=-2, dim2=-1)
@@ -595,7 +669,7 @@ class QuantizedKVCache:
 
     def _history_format(self, layer: int, name: str) -> QuantFormat:
         tr = self.transforms[layer]
-        f = self.fmt.key if name == "k" else self.fmt.value
+        f = self.role_format(layer, name)
         clip = tr.key_clip if name == "k" else tr.value_clip
         if clip is None:
             return f
@@ -683,7 +757,7 @@ class QuantizedKVCache:
         # Pages this call needs, checked before anything is written.
         new_lengths = [s.lengths[layer] + n for s, n in zip(seqs, num_new_tokens)]
         need = [
-            max(0, math.ceil(_num_quantized(n, self.fmt) / self.page_size) - len(s.pages))
+            max(0, math.ceil(_num_quantized(n, self._windows) / self.page_size) - len(s.pages))
             for s, n in zip(seqs, new_lengths)
         ]
         if sum(need) > len(self._free_pages):
@@ -715,7 +789,7 @@ class QuantizedKVCache:
         Index tensors are built per sequence with ``arange`` (no per-token Python), so a
         100K-token prefill costs a few tensor ops.
         """
-        fmt = self.fmt
+        fmt = self._windows
         st = self.layers[layer]
         sink, cap, ps = fmt.sink_tokens, fmt.tail_capacity, self.page_size
         ar = torch.arange
@@ -832,7 +906,7 @@ class QuantizedKVCache:
                 hist_page.append(page)
                 hist_row.append(row)
             if demoted:
-                lq0 = _num_quantized(l1 - 1, self.fmt)
+                lq0 = _num_quantized(l1 - 1, self._windows)
                 segments.append((seq.pages, lq0, len(demoted)))
             if at_tail is not None:
                 tail_src.append(i)
@@ -869,7 +943,7 @@ class QuantizedKVCache:
         ``(sink position or None, tail ring position or None, demoted)`` with ``demoted`` the
         history tokens this step quantizes, each ``(ring position or None for the new token
         itself, page, row)`` (one per step for token-wise K and V; a group for channel-wise)."""
-        fmt = self.fmt
+        fmt = self._windows
         sink, cap, ps = fmt.sink_tokens, fmt.tail_capacity, self.page_size
         l0 = l1 - 1
         lq0, lq1 = _num_quantized(l0, fmt), _num_quantized(l1, fmt)
@@ -940,12 +1014,12 @@ class QuantizedKVCache:
         """Quantize the demoted tokens ``[n, H, D]`` of K or V; store codes, s' and z'."""
         st = self.layers[layer]
         f = self._history_format(layer, name)
-        mapping = self.fmt.mapping
+        mapping = self._windows.mapping
         x = demoted.transpose(0, 1)  # [H, n, D]: channel-wise groups run along tokens
         gptq = self.transforms[layer].key_gptq if name == "k" else None
         codes, scale, offset = quantize(x, f) if gptq is None else quantize_gptq(x, f, gptq)
         scale, offset = fold_scale_offset(scale, offset, f.bits, mapping)
-        words = pack_codes(codes, f.bits, mapping, self.channel_order(name))  # [H, n, W]
+        words = pack_codes(codes, f.bits, mapping, self.channel_order(name, layer))  # [H, n, W]
         getattr(st, f"{name}_words")[hist_page, :, hist_row] = words.transpose(0, 1)
         # Scales in flat group order per sequence (see the module docstring) -> (page, entry).
         per_page = self.scale_entries_per_page(f)
@@ -980,7 +1054,7 @@ class QuantizedKVCache:
         holds (decode cost does not depend on the values). Tests and serving never call this.
         """
         seq = self._lookup(seq_id, "seq_id")
-        need = math.ceil(_num_quantized(length, self.fmt) / self.page_size) - len(seq.pages)
+        need = math.ceil(_num_quantized(length, self._windows) / self.page_size) - len(seq.pages)
         if need > len(self._free_pages):
             raise ValueError(
                 f"page pool exhausted: {need} more pages needed, {len(self._free_pages)} free"
@@ -1002,7 +1076,7 @@ class QuantizedKVCache:
             n = s.lengths[layer]
             if n == 0:
                 raise ValueError(f"seq_ids[{i}] = {seq_ids[i]!r} has no tokens in layer {layer}")
-            q = _num_quantized(n, self.fmt)
+            q = _num_quantized(n, self._windows)
             lens.append(n)
             nq.append(q)
             pages.append(s.pages[: math.ceil(q / self.page_size)])
@@ -1028,8 +1102,8 @@ class QuantizedKVCache:
             pages_host=pages,
             slots_host=[s.slot for s in seqs],
             page_size=self.page_size,
-            sink_tokens=self.fmt.sink_tokens,
-            tail_capacity=self.fmt.tail_capacity,
+            sink_tokens=self._windows.sink_tokens,
+            tail_capacity=self._windows.tail_capacity,
             layer=layer,
         )
 
@@ -1049,27 +1123,26 @@ class QuantizedKVCache:
         same tokens in a BF16 cache.
         """
         h, d = self.num_kv_heads, self.head_dim
-        fk, fv = self.fmt.key, self.fmt.value
-        bytes_per_quant_token = h * (
-            d * (fk.bits + fv.bits) / 8 + 8 * (d / fk.group_size + d / fv.group_size)
-        )
+        bytes_per_quant_token = [  # per layer: codes, and an fp32 (s', z') pair per group
+            h * sum(d * f.bits / 8 + 8 * d / f.group_size for f in (fmt.key, fmt.value))
+            for fmt in self.formats
+        ]
         bf16_bytes_per_token = 2 * h * d * 2
         window_bytes_per_token = (
             2 * h * d * torch.tensor([], dtype=self.window_dtype).element_size()
         )
         used = quant_tokens = window_tokens = tokens = 0
         for s in self._seqs.values():
-            for n in s.lengths:
-                q = _num_quantized(n, self.fmt)
-                used += q * bytes_per_quant_token + (n - q) * window_bytes_per_token
+            for layer, n in enumerate(s.lengths):
+                q = _num_quantized(n, self._windows)
+                used += q * bytes_per_quant_token[layer] + (n - q) * window_bytes_per_token
                 quant_tokens += q
                 window_tokens += n - q
                 tokens += n
         page_bytes = (
             sum(len(s.pages) for s in self._seqs.values())
             * self.page_size
-            * bytes_per_quant_token
-            * self.num_layers
+            * sum(bytes_per_quant_token)
         )
         return {
             "tokens": tokens,

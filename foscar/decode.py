@@ -32,19 +32,21 @@ BACKENDS = (
 REFERENCE_BLOCK_N = 1024
 
 
-def default_backend(cache: QuantizedKVCache, q: torch.Tensor) -> str:
+def default_backend(cache: QuantizedKVCache, q: torch.Tensor, layer: int = 0) -> str:
     """The backend ``"auto"`` picks: on a Hopper GPU the Gluon kernel where it covers the format
     and was measured faster (``configs.gluon_min_ctas`` of the K/V axes, read off the measured
     ``configs.GLUON_OVER_TRITON_US``: token-wise K always, channel-wise K from 64 sequences x
     KV heads; pages other than 64 where ``configs.GLUON_OVER_TRITON_PAGE_US`` has Gluon
-    faster), else the Triton kernel on a GPU when it covers the format, else the reference."""
+    faster), else the Triton kernel on a GPU when it covers the format, else the reference.
+    ``layer``: whose format decides, where the cache holds one per layer."""
     if (
         q.is_cuda
         and q.dtype == torch.bfloat16
         and gluon_backend.available(q.device)
         and gluon_backend.supports(cache, q.shape[1]) is None
     ):
-        k, v = cache.fmt.key, cache.fmt.value
+        fmt = cache.layer_format(layer)
+        k, v = fmt.key, fmt.value
         if configs.auto_takes_gluon(
             k.axis.value,
             v.axis.value,
@@ -143,7 +145,7 @@ def decode_attention(
     reference._check_q(q, cache, batch)
     sm_scale = 1.0 / math.sqrt(cache.head_dim) if sm_scale is None else float(sm_scale)
     if backend == "auto":
-        backend = default_backend(cache, q)
+        backend = default_backend(cache, q, batch.layer)
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
         raise ValueError(f"out must be a {q.dtype} tensor of shape {list(q.shape)} on {q.device}")
     tr = cache.transforms[batch.layer]

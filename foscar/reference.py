@@ -52,14 +52,15 @@ def _history_operands(
     ``t0 // g .. (t1 - 1) // g``.
     """
     st = cache.layers[batch.layer]
-    f: QuantFormat = cache.fmt.key if name == "k" else cache.fmt.value
+    fmt = cache.layer_format(batch.layer)
+    f: QuantFormat = fmt.key if name == "k" else fmt.value
     ps, d, g = batch.page_size, cache.head_dim, f.group_size
     start = int(batch.kv_indptr[i])
     pages = batch.kv_indices[start : int(batch.kv_indptr[i + 1])].long()
     t = torch.arange(t0, t1, device=pages.device)
     words = getattr(st, f"{name}_words")[pages[t // ps], :, t % ps]  # [n, H, W]
-    codes = unpack_codes(words, f.bits, cache.fmt.mapping, cache.channel_order(name))
-    y = operand_values(codes, f.bits, cache.fmt.mapping, dtype).transpose(0, 1)  # [H, n, D]
+    codes = unpack_codes(words, f.bits, fmt.mapping, cache.channel_order(name, batch.layer))
+    y = operand_values(codes, f.bits, fmt.mapping, dtype).transpose(0, 1)  # [H, n, D]
     per_page = batch.page_size * d // g
     if f.axis is GroupAxis.TOKEN:
         e = torch.arange(t0 * d // g, t1 * d // g, device=pages.device)
@@ -102,7 +103,7 @@ def dequantize_sequence(
     out = []
     lq = batch.num_quantized_host[i]
     for name in ("k", "v"):
-        f = cache.fmt.key if name == "k" else cache.fmt.value
+        f = cache.role_format(batch.layer, name)
         sink, tail = _window(cache, batch, i, name)
         parts = [sink.to(dtype)]
         if lq:
@@ -325,7 +326,8 @@ def attend_folded(
         raise ValueError(f"block_n and num_splits must be positive, got {block_n}, {num_splits}")
     sm_scale = 1.0 / math.sqrt(cache.head_dim) if sm_scale is None else sm_scale
     h, d = cache.num_kv_heads, cache.head_dim
-    fk, fv = cache.fmt.key, cache.fmt.value
+    fmt = cache.layer_format(batch.layer)
+    fk, fv = fmt.key, fmt.value
     outs, lses = [], []
     for i in range(batch.batch_size):
         qi = q[i].to(dtype).reshape(h, hq, d)

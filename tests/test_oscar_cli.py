@@ -15,7 +15,7 @@ pytest.importorskip("safetensors", reason="rotations are saved as safetensors")
 
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from foscar.oscar import OscarRotations  # noqa: E402
+from foscar.oscar import OscarRotations, layers_by_key_gain  # noqa: E402
 from foscar.oscar import cli as oscar_cli  # noqa: E402
 
 
@@ -78,6 +78,9 @@ def test_calibrate_writes_a_loadable_file(toy):
     assert h["clip_fit"]["tokens"] == 128 and h["timing_seconds"]["targets"] >= 0
     assert h["clip_fit"]["windows"] == [8, 32]
     assert any("wrote" in line for line in lines)
+    order = layers_by_key_gain(r)
+    assert sorted(order) == [0, 1]
+    assert f"layers whose keys gain most from INT4 over INT2, best first: {order}" in lines
     # the default 64/256 windows hold all of a 128-token sequence: no clip can be fitted there
     args.fit_windows = [64, 256]
     with pytest.raises(ValueError, match="longer than sink \\+ recent = 320"):
@@ -289,6 +292,46 @@ def test_prepare_gptq_rows(toy):
     gptq[0].rotations.save(path)
     with pytest.raises(ValueError, match="gptq rows need a calibration in the run"):
         prepare(model, tok, path=str(path), gptq=True)
+
+
+def test_prepare_rows_with_int4_keys_in_some_layers(toy, monkeypatch):
+    """The per-layer key width rows: GPTQ keys at INT2 and INT4 in the layers where INT4 lowers
+    the fitted key error most, each layer's clips of its own width; rows whose count is not
+    below the layer count are left out (K INT4 everywhere has its own row)."""
+    from transformers import AutoTokenizer
+
+    from foscar.eval.metrics import record_prefill
+    from foscar.oscar import evaluate
+
+    model = LlamaForCausalLM.from_pretrained(toy / "model").eval()
+    tok = AutoTokenizer.from_pretrained(toy / "model")
+    monkeypatch.setattr(evaluate, "INT4_KEY_LAYERS", (1, 2))
+    wanted = "INT4 keys in"
+    rows, info = evaluate.prepare(
+        model, tok, tokens=256, seq_len=128, windows=(8, 16), gptq=True,
+        wanted=lambda name: wanted in name,
+    )  # fmt: skip
+    (row,) = [r for r in rows if wanted in r.name]
+    assert row.name == (
+        "OSCAR-select per-KV-head INT2 + GPTQ keys, INT4 keys in 1 layers + BF16 8/16 "
+        "(fitted clips)"
+    )
+    rot = row.rotations
+    assert rot.key_gptq is not None and {(2, "key"), (4, "key")} <= set(rot.clips)
+    gptq_info = info["gptq"]["OSCAR-select per-KV-head INT2 + GPTQ keys"]
+    (wide,) = gptq_info["int4_key_layers"]["1"]
+    errors = gptq_info["key_relative_error_per_layer"]
+    gains = [a * a - b * b for a, b in zip(errors["int2"], errors["int4"])]
+    assert wide == max(range(2), key=lambda i: (gains[i], -i))
+    assert [f.key.bits for f in row.fmt] == [4 if i == wide else 2 for i in range(2)]
+    assert {f.value.bits for f in row.fmt} == {2} and row.clip_bits == "cache"
+    cache = row.make_cache(model, record_prefill(model, [list(range(5, 45))]), 4).kv
+    for layer, tr in enumerate(cache.transforms):
+        bits = cache.layer_format(layer).key.bits
+        assert tr.key_clip == float(rot.clips[(bits, "key")][layer])
+        assert tr.value_clip == float(rot.clips[(2, "value")][layer])
+    # the file a user calibrates ranks the same way (foscar calibrate logs the order)
+    assert evaluate.key_widths_by_error(rot, 1) == [f.key.bits for f in row.fmt]
 
 
 def test_prepare_gptq_rows_by_metric_and_filter(toy):

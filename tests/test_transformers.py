@@ -24,7 +24,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E4
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
 
-from foscar import KVFormat, QuantFormat  # noqa: E402
+from foscar import KVFormat, QuantFormat, layer_formats  # noqa: E402
 from foscar.integrations.transformers import (  # noqa: E402
     FoscarCache,
     cache_kwarg,
@@ -95,6 +95,11 @@ def extend_reference(query, past_k, past_v, key, value, real, fmt, scaling) -> t
     return torch.stack(outs)
 
 
+def _layer_format(fmt, module) -> KVFormat:
+    """``fmt``, or its layer's entry where it gives one format per layer."""
+    return fmt if isinstance(fmt, KVFormat) else fmt[module.layer_idx]
+
+
 def _real(attention_mask, bsz, length):
     if attention_mask is None:
         return torch.ones(bsz, length, dtype=torch.bool)
@@ -113,7 +118,8 @@ class Reference:
                 module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kw
             )
         real = _real(attention_mask, query.shape[0], key.shape[2])
-        out = attend_reference(query, key, value, real, Reference.fmt, scaling)
+        fmt = _layer_format(Reference.fmt, module)
+        out = attend_reference(query, key, value, real, fmt, scaling)
         return out.to(query.dtype), None
 
 
@@ -147,10 +153,11 @@ class Checked:
         if past_k.shape[2] == 0:  # prefill: SDPA over the K/V passed in
             return out, None
         real = _real(attention_mask, query.shape[0], keys.shape[2])
+        fmt = _layer_format(Checked.fmt, module)
         if query.shape[2] == 1:
-            ref = attend_reference(query, keys, values, real, Checked.fmt, scaling)
+            ref = attend_reference(query, keys, values, real, fmt, scaling)
         else:
-            ref = extend_reference(query, past_k, past_v, key, value, real, Checked.fmt, scaling)
+            ref = extend_reference(query, past_k, past_v, key, value, real, fmt, scaling)
         err = ((out.double() - ref).abs().amax() / ref.abs().amax()).item()
         Checked.worst = max(Checked.worst, err)
         Checked.calls += 1
@@ -254,18 +261,20 @@ def assert_matches_reference(model, enc, fmt, new_tokens, **cache_args):
     an independent teacher-forced run of the same model through :class:`Reference`."""
     seqs, logits, cache = foscar_generate(model, enc, fmt, new_tokens, checked=True, **cache_args)
     layers = model.config.num_hidden_layers
+    formats = layer_formats(fmt, layers)
+    label = ", ".join(dict.fromkeys(f.short() for f in formats))
     assert Checked.calls == (new_tokens - 1) * layers
     # fp32 arithmetic with the bf16 mapping's +128 offset folded out (design.md): ~1e-4
-    assert Checked.worst < 1e-3, f"{fmt.short()}: attention output off by {Checked.worst:.3g}"
+    assert Checked.worst < 1e-3, f"{label}: attention output off by {Checked.worst:.3g}"
     ref = reference_logits(model, enc, fmt, seqs)
     assert logits.shape == ref.shape
     # bf16 level: 2^-8 of the logits' spread. With 2-bit codes a 1-ulp difference in a K/V
     # value (the two runs' attention arithmetic differs in the last bits, fp32 against fp64)
     # can move a code by a third of its group's range, so INT2 gets 2^-5.
-    low_bits = min(fmt.key.bits, fmt.value.bits) < 4 and fmt.recent_tokens < 256
+    low_bits = any(min(f.key.bits, f.value.bits) < 4 and f.recent_tokens < 256 for f in formats)
     tol = ref.std().item() * (2**-5 if low_bits else 2**-8)
     err = (logits - ref).abs().max().item()
-    assert err < tol, f"{fmt.short()}: max |logit - reference| = {err:.3g} > {tol:.3g}"
+    assert err < tol, f"{label}: max |logit - reference| = {err:.3g} > {tol:.3g}"
     return seqs, logits, cache
 
 
@@ -302,6 +311,36 @@ def test_generation_matches_dequantized_reference(tiny, name):
     seqs, _, cache = assert_matches_reference(tiny, enc, FORMATS[name], 40)
     assert cache.stored_lengths(0) == [23 + 40 - 1, 57 + 40 - 1]  # the last token is not fed
     assert cache.get_seq_length() == 57 + 40 - 1
+
+
+#: one format per layer of the tiny model (3 layers): widths, clips and axes differ by layer, the
+#: windows and the demotion quantum (channel-wise groups of 32 in the second) do not
+LAYER_FORMATS = {
+    "token-wise, widths by layer": tuple(
+        KVFormat(QuantFormat(kb, "token", 32, clip), QuantFormat(vb, "token", 32), "bf16", 4, 8)
+        for kb, vb, clip in ((2, 2, 0.9), (4, 2, None), (2, 4, 0.85))
+    ),
+    "channel-wise keys, widths by layer": tuple(
+        KVFormat(QuantFormat(kb, "channel", 32), QuantFormat(vb, va, 32))
+        for kb, vb, va in ((4, 2, "token"), (2, 2, "channel"), (2, 4, "token"))
+    ),
+}
+
+
+@pytest.mark.parametrize("decode", ["kernel", "dequantized"])
+@pytest.mark.parametrize("name", list(LAYER_FORMATS))
+def test_generation_with_a_format_per_layer(tiny, name, decode):
+    """FoscarCache with one format per layer: every decode call of layer ``i`` checked against
+    dequantize-then-attend in layer ``i``'s own format, and the logits against a teacher-forced
+    reference run with the same per-layer formats."""
+    fmt = LAYER_FORMATS[name]
+    enc = ragged_batch([23, 57], seed=2)
+    _, logits, cache = assert_matches_reference(tiny, enc, fmt, 40, decode=decode)
+    assert cache.kv.formats == fmt and cache.kv.mixed_formats
+    # not the same model as any one format everywhere
+    for f in dict.fromkeys(fmt):
+        _, other, _ = foscar_generate(tiny, enc, f, 40, decode=decode)
+        assert not torch.equal(logits, other)
 
 
 @pytest.mark.parametrize(

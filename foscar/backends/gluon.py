@@ -77,8 +77,16 @@ def available(device: torch.device) -> bool:
 
 
 def supports(cache: QuantizedKVCache, num_q_heads: int) -> str | None:
-    """``None`` if the Gluon kernel covers this cache and head count, else the reason."""
-    fmt = cache.fmt
+    """``None`` if the Gluon kernel covers this cache (every layer's format) and head count,
+    else the reason."""
+    for fmt in dict.fromkeys(cache.formats):
+        reason = _supports_format(cache, fmt, num_q_heads)
+        if reason is not None:
+            return reason
+    return triton_backend.supports(cache, num_q_heads)  # the window program and the merge
+
+
+def _supports_format(cache: QuantizedKVCache, fmt, num_q_heads: int) -> str | None:
     if fmt.mapping is not OperandMapping.BF16:
         return f"the Gluon kernel builds bf16 operands; mapping is {fmt.mapping.value!r}"
     k, v = fmt.key, fmt.value
@@ -119,7 +127,7 @@ def supports(cache: QuantizedKVCache, num_q_heads: int) -> str | None:
     ratio = num_q_heads // cache.num_kv_heads
     if ratio > MAX_HEADS_PER_KV:
         return f"at most {MAX_HEADS_PER_KV} query heads per KV head, got {ratio}"
-    return triton_backend.supports(cache, num_q_heads)  # the window program and the merge
+    return None
 
 
 #: kernel OPT bit (foscar.kernels.gluon_decode, consumer section): Q staged by each consumer
@@ -134,19 +142,21 @@ OPERANDS = ("bf16", "e4m3")
 
 
 def supports_e4m3(cache: QuantizedKVCache) -> str | None:
-    """``None`` if the E4M3 operand path covers this cache's format, else the reason (on top
+    """``None`` if the E4M3 operand path covers this cache's formats, else the reason (on top
     of :func:`supports`; the path reads the bf16-mapping cache with another extraction)."""
-    if cache.fmt.mapping is not OperandMapping.BF16:
+    mapping = cache.formats[0].mapping  # shared by the layers
+    if mapping is not OperandMapping.BF16:
         return (
             "operands='e4m3' reads caches of mapping 'bf16' (the Gluon kernel's layout); "
-            f"mapping is {cache.fmt.mapping.value!r}"
+            f"mapping is {mapping.value!r}"
         )
-    k, v = cache.fmt.key, cache.fmt.value
-    if k.axis is GroupAxis.CHANNEL or v.axis is GroupAxis.CHANNEL:
-        return (
-            f"operands='e4m3' covers token-wise K and V; the format is key {k.short()}, "
-            f"value {v.short()}"
-        )
+    for fmt in dict.fromkeys(cache.formats):
+        k, v = fmt.key, fmt.value
+        if k.axis is GroupAxis.CHANNEL or v.axis is GroupAxis.CHANNEL:
+            return (
+                f"operands='e4m3' covers token-wise K and V; the format is key {k.short()}, "
+                f"value {v.short()}"
+            )
     if cache.head_dim != 128:
         return f"operands='e4m3' covers head_dim 128, got {cache.head_dim}"
     return None
@@ -164,7 +174,8 @@ def default_config(
     configs.bf16_packs_heads for bf16 ones: packed heads for large launches, else by the key
     axis; the reconstruct ablation never packs: packed heads fold)."""
     tiles = cache.num_kv_heads * sum(math.ceil(n / PAGE_SIZE) for n in batch.num_quantized_host)
-    k, v = cache.fmt.key, cache.fmt.value
+    fmt = cache.layer_format(batch.layer)
+    k, v = fmt.key, fmt.value
     if operands == "e4m3":
         return gluon_e4m3_config(k.bits, v.bits, tiles, heads_per_kv)
     if (
@@ -205,8 +216,9 @@ def _descriptors(cache: QuantizedKVCache, layer: int):
     memo = cache.__dict__.setdefault("_gluon_descriptors", {})
     if key not in memo:
         kern = _gluon()
+        fmt = cache.layer_format(layer)
         k_layout, v_layout, scales_layout = kern.descriptor_layouts(
-            cache.fmt.key.bits, cache.fmt.value.bits, cache.head_dim
+            fmt.key.bits, fmt.value.bits, cache.head_dim
         )
         descs = []
         for words, scales, layout in (
@@ -300,6 +312,7 @@ def decode(
     if operands not in OPERANDS:
         raise ValueError(f"operands must be one of {OPERANDS}, got {operands!r}")
     heads_per_kv = num_q_heads // cache.num_kv_heads
+    fmt = cache.layer_format(batch.layer)
     cfg = config or default_config(cache, batch, operands, heads_per_kv, reconstruct)
     if operands == "e4m3":
         reason = supports_e4m3(cache)
@@ -320,15 +333,11 @@ def decode(
                 f"packed heads (config opt bit {PACKED_HEADS}) hold at most "
                 f"{MAX_HEADS_PER_KV // 2} query heads per KV head; q has {heads_per_kv}"
             )
-        if (
-            GroupAxis.CHANNEL in (cache.fmt.key.axis, cache.fmt.value.axis)
-            or reconstruct
-            or d != 128
-        ):
+        if GroupAxis.CHANNEL in (fmt.key.axis, fmt.value.axis) or reconstruct or d != 128:
             raise ValueError(
                 f"packed heads (config opt bit {PACKED_HEADS}) cover token-wise K and V at "
-                f"head_dim 128 with the folds; got {cache.fmt.key.short()} / "
-                f"{cache.fmt.value.short()}, head_dim {d}, reconstruct={reconstruct}"
+                f"head_dim 128 with the folds; got {fmt.key.short()} / "
+                f"{fmt.value.short()}, head_dim {d}, reconstruct={reconstruct}"
             )
         if cfg.tile_pages != 2 or not cfg.opt & Q_IN_CONSUMERS or cfg.opt & (2 | 8):
             raise ValueError(
@@ -336,14 +345,13 @@ def decode(
                 f"deferred PV wait or late release (opt bit {Q_IN_CONSUMERS} set, 2 and 8 clear); "
                 f"got tile_pages={cfg.tile_pages}, opt={cfg.opt}"
             )
-    for message in config_warnings(cache.fmt, cfg):
+    for message in config_warnings(fmt, cfg):
         warnings.warn(message, RuntimeWarning, stacklevel=2)
     if reconstruct:  # the ablation: per-value s' y + z' instead of the folds (kernel OPT 128)
         cfg = dataclasses.replace(cfg, opt=cfg.opt | 128)
     if splits is None:
         sms = triton_backend._num_sms(q.device.index or 0)
         splits = num_splits(bsz, cache.num_kv_heads, max(batch.num_quantized_host), cfg, sms)
-    fmt = cache.fmt
     has_windows = triton_backend.has_window_program(fmt)
     parts = splits + int(has_windows)
     o_part, lse_part = triton_backend._workspace(batch, (bsz, num_q_heads, parts, d), q.device)

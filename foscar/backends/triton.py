@@ -69,15 +69,17 @@ def available(device: torch.device) -> bool:
 
 
 def supports(cache: QuantizedKVCache, num_q_heads: int) -> str | None:
-    """``None`` if the kernels cover this cache and head count, else the reason they do not."""
-    fmt = cache.fmt
-    if fmt.mapping is not OperandMapping.BF16:
-        return f"the Triton kernels build bf16 operands; mapping is {fmt.mapping.value!r}"
+    """``None`` if the kernels cover this cache (every layer's format) and head count, else the
+    reason they do not."""
+    mapping = cache.formats[0].mapping  # shared by the layers
+    if mapping is not OperandMapping.BF16:
+        return f"the Triton kernels build bf16 operands; mapping is {mapping.value!r}"
     if cache.head_dim not in (64, 128):
         return f"head_dim must be 64 or 128 for the Triton kernels, got {cache.head_dim}"
-    for role, f in ((Role.KEY, fmt.key), (Role.VALUE, fmt.value)):
-        if not has_kernel_order(role, cache.head_dim, f.bits):
-            return f"no kernel layout for {role.value} rows of head_dim {cache.head_dim}"
+    for fmt in dict.fromkeys(cache.formats):
+        for role, f in ((Role.KEY, fmt.key), (Role.VALUE, fmt.value)):
+            if not has_kernel_order(role, cache.head_dim, f.bits):
+                return f"no kernel layout for {role.value} rows of head_dim {cache.head_dim}"
     ratio = num_q_heads // cache.num_kv_heads
     if ratio > 16:
         return f"at most 16 query heads per KV head, got {ratio}"
@@ -127,13 +129,12 @@ def decode(
     """Run the split kernel and the merge kernel; returns ``out`` (and ``lse``)."""
     bsz, num_q_heads, d = q.shape
     ratio = num_q_heads // cache.num_kv_heads
-    cfg = config or triton_decode_config(
-        cache.fmt, d, ratio, reconstruct, ctas=bsz * cache.num_kv_heads
-    )
+    fmt = cache.layer_format(batch.layer)
+    cfg = config or triton_decode_config(fmt, d, ratio, reconstruct, ctas=bsz * cache.num_kv_heads)
     if splits is None:
         sms = _num_sms(q.device.index or 0) if q.is_cuda else 4
         splits = num_splits(bsz, cache.num_kv_heads, max(batch.num_quantized_host), cfg, sms)
-    parts = splits + int(has_window_program(cache.fmt))
+    parts = splits + int(has_window_program(fmt))
     o_part, lse_part = _workspace(batch, (bsz, num_q_heads, parts, d), q.device)
     if out is None:
         out = torch.empty_like(q)
@@ -148,7 +149,7 @@ def _launch_split(q, cache, batch, sm_scale, o_part, lse_part, splits, programs,
     """The split kernel over ``programs`` split indices: ``0 .. splits - 1`` read the quantized
     history, index ``splits`` (when the format has windows) the BF16 sink and tail."""
     kern = _triton()
-    fmt = cache.fmt
+    fmt = cache.layer_format(batch.layer)
     st = cache.layers[batch.layer]
     d = q.shape[2]
     ratio = q.shape[1] // cache.num_kv_heads
@@ -223,7 +224,8 @@ def _launch_split(q, cache, batch, sm_scale, o_part, lse_part, splits, programs,
 def window_partial(q, cache, batch, sm_scale, o_part, lse_part) -> None:
     """Only the BF16 window program, into ``o_part[:, :, 0]`` / ``lse_part[:, :, 0]`` (views of a
     larger workspace: another backend covers the history splits)."""
-    cfg = triton_decode_config(cache.fmt, q.shape[2], q.shape[1] // cache.num_kv_heads)
+    fmt = cache.layer_format(batch.layer)
+    cfg = triton_decode_config(fmt, q.shape[2], q.shape[1] // cache.num_kv_heads)
     _launch_split(q, cache, batch, sm_scale, o_part, lse_part, 0, 1, cfg, False)
 
 
@@ -282,8 +284,8 @@ def write_decode_tokens(cache: QuantizedKVCache, layer: int, name: str, src, des
     d = cache.head_dim
     clip_index = -1 if f.clip is None else min(int(f.clip * d), d - 1)  # as clip_per_token
     gptq = cache.transforms[layer].key_gptq if name == "k" else None
-    alpha, beta = cache.fmt.mapping.alpha_beta(f.bits)
-    order, shifts = cache.packing_tables(name)
+    alpha, beta = cache.layer_format(layer).mapping.alpha_beta(f.bits)
+    order, shifts = cache.packing_tables(name, layer)
     scales, tail = getattr(st, f"{name}_scales"), getattr(st, f"{name}_tail")
     sink = getattr(st, f"{name}_sink")
     with on_device(src.device):

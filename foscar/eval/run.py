@@ -33,10 +33,12 @@ import random
 import shlex
 import sys
 import time
+from collections import Counter
 
 import torch
 
 from ..cache import effective_bits
+from ..formats import KVFormat
 from . import texts
 from .calibrate import CANDIDATES, calibrate_clips
 from .formats import eval_formats
@@ -51,6 +53,17 @@ QUESTION = "What is the secret passcode mentioned in the text above?"
 LEAD = "The secret passcode is"
 PPL_OFFSET = 256  # scored windows start after this many tokens of the paper (its header)
 PASSAGE_TOKENS = 700
+
+
+def formats_short(fmt) -> str:
+    """``fmt.short()``; for one format per layer, each distinct one with its layers' count in
+    order of first use (``"KINT4t64-VINT2t64 x6, KINT2t64-VINT2t64 x24"``)."""
+    if isinstance(fmt, KVFormat):
+        return fmt.short()
+    counts = Counter(fmt)
+    if len(counts) == 1:
+        return fmt[0].short()
+    return ", ".join(f"{f.short()} x{n}" for f, n in counts.items())
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -365,7 +378,7 @@ def evaluate(args, out=sys.stdout, extra_formats=()) -> dict:
         else:
             # stored bits per K/V element at 4K tokens (fp32 scales and offsets, windows)
             bits = 16.0 if n == "BF16" else effective_bits(4096, formats[n].fmt)
-            row.update(short=formats[n].fmt.short(), bits_per_element=bits)
+            row.update(short=formats_short(formats[n].fmt), bits_per_element=bits)
 
     def cache_for(name, prefill, extra_tokens):
         if name == "FP32":

@@ -250,8 +250,9 @@ class FoscarCache(Cache):
 
     Parameters
     ----------
-    fmt : KVFormat
-        K/V quantization and BF16 windows (the same for every layer).
+    fmt : KVFormat or sequence of KVFormat
+        K/V quantization and BF16 windows, the same for every layer; or one format per layer
+        (their K and V may differ, the windows not: :func:`foscar.layer_formats`).
     config : transformers config, optional
         The model's config: gives ``num_layers``, ``num_kv_heads``, ``head_dim`` and the default
         ``max_cache_len`` (``max_position_embeddings``); sliding-window or linear-attention
@@ -314,8 +315,13 @@ class FoscarCache(Cache):
         decode: str = "kernel",
         decode_write: str = "auto",
     ) -> None:
-        if not isinstance(fmt, KVFormat):
-            raise TypeError(f"fmt must be a foscar.KVFormat, got {type(fmt).__name__}")
+        if not isinstance(fmt, KVFormat) and (
+            isinstance(fmt, (str, bytes)) or not isinstance(fmt, Sequence)
+        ):
+            raise TypeError(
+                f"fmt must be a foscar.KVFormat or a sequence of one per layer, got "
+                f"{type(fmt).__name__}"
+            )
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if decode not in DECODE_PATHS:
@@ -362,6 +368,7 @@ class FoscarCache(Cache):
                 head_dim=head_dim,
                 num_pages=1,
                 max_seqs=1,
+                num_layers=num_layers,
                 page_size=page_size,
             )
         except (ValueError, TypeError) as e:
@@ -771,7 +778,7 @@ class _DequantizedHistory:
             h0 = self.done[i]
             if lq > h0:
                 for name, buf in (("k", self.k), ("v", self.v)):
-                    f = cache.fmt.key if name == "k" else cache.fmt.value
+                    f = cache.role_format(plan.layer, name)
                     a = h0 // f.group_size * f.group_size if f.axis is GroupAxis.CHANNEL else h0
                     y, s, z = _history_operands(cache, plan, i, name, a, lq)
                     x = dequantize(y, s, z, f, dtype=torch.float64)  # [H, lq - a, D]

@@ -39,6 +39,9 @@ from .policy import (
     OscarRotations,
     apply_to_cache,
     fold_value_rotations,
+    key_widths_by_error,
+    layer_key_formats,
+    layers_by_key_gain,
     oscar_cache,
 )
 from .rotation import RECIPES, RotationRecipe, bit_reversal, hadamard, rotation
@@ -60,6 +63,9 @@ __all__ = [
     "fold_value_rotations",
     "gptq_factors",
     "hadamard",
+    "key_widths_by_error",
+    "layer_key_formats",
+    "layers_by_key_gain",
     "oscar_cache",
     "rotation",
     "select_rotations",

@@ -159,6 +159,7 @@ def run(args, log=print) -> int:
         gptq_factors,
         select_rotations,
     )
+    from .policy import layers_by_key_gain
 
     _check(args)
     if args.threads:
@@ -240,6 +241,10 @@ def run(args, log=print) -> int:
                     f"INT{b} {role} clip ratios: mean {float(c.mean()):.3f}, "
                     f"min {float(c.min()):.2f}, max {float(c.max()):.2f}"
                 )
+    if {2, 4} <= set(args.clip_bits):
+        # where INT4 keys buy most (foscar.oscar.key_widths_by_error, layer_key_formats)
+        order = layers_by_key_gain(rot)
+        log(f"layers whose keys gain most from INT4 over INT2, best first: {order}")
     if args.gptq_keys:
         rot.header["gptq_key_metric"] = {"name": args.gptq_metric}
         if metrics is not None:

@@ -61,7 +61,7 @@ from .calibrate import (
     gptq_factors,
 )
 from .capture import model_shapes
-from .policy import OscarRotations, oscar_cache
+from .policy import OscarRotations, key_widths_by_error, oscar_cache
 
 __all__ = [
     "OscarEvalFormat",
@@ -105,16 +105,17 @@ GPTQ_SELECT = "OSCAR-select by GPTQ per-KV-head INT2"
 class OscarEvalFormat:
     """A row of ``foscar eval`` whose cache is rotated (and possibly re-clipped per layer).
 
-    ``name``, ``fmt``, ``bits`` as the harness's ``EvalFormat``; ``rotations`` to apply;
-    ``clip_bits``: use the ratios fitted for that width, or ``(key bits, value bits)`` (None:
-    the format's clips).
+    ``name``, ``fmt``, ``bits`` as the harness's ``EvalFormat`` (``fmt`` may be one KVFormat
+    per layer); ``rotations`` to apply; ``clip_bits``: use the ratios fitted for that width, or
+    ``(key bits, value bits)``, or ``"cache"`` for each layer's own widths (None: the format's
+    clips).
     """
 
     name: str
-    fmt: KVFormat
+    fmt: KVFormat | tuple[KVFormat, ...]
     bits: int
     rotations: OscarRotations
-    clip_bits: int | tuple[int, int] | None = None
+    clip_bits: int | tuple[int, int] | str | None = None
 
     def make_cache(self, model, prefill, extra_tokens: int):
         """A rotated FoscarCache holding ``prefill`` (the harness's row interface)."""
@@ -604,18 +605,26 @@ def _gptq_metric_rows(
             key_gptq = gptq_factors(calibration, base, damp=damp, metrics=metrics)
         return OscarRotations(base.key, base.value, {}, header, key_gptq)
 
-    def group(label: str, rot: OscarRotations, base: OscarRotations) -> list[OscarEvalFormat]:
+    def group(
+        label: str, rot: OscarRotations, base: OscarRotations, names_only: bool = False
+    ) -> list[OscarEvalFormat]:
         out = _fitted_int2_rows(f"{label} + {keys}", g, rot, windows)
         if base is selected_per_head:
             out += _mixed_width_rows(g, rot, base, windows, keys, int4_keys)
+            out += _layer_width_rows(label, g, rot, windows, keys, names_only=names_only)
         return out
 
     rows, info = [], {}
     for label, base in (("OSCAR INT2", full), ("OSCAR-select per-KV-head INT2", selected_per_head)):
-        if not needed(group(label, rounded_by_gptq(base, factors=False), base)):
+        unfitted = rounded_by_gptq(base, factors=False)
+        if not needed(group(label, unfitted, base, names_only=True)):
             continue  # (only the names are read: no factors, no metric, no fit)
+        # INT4 clips too (GPTQ keys at INT4) where a row puts some layers' keys at INT4
+        wide = base is selected_per_head and needed(
+            _layer_width_rows(label, g, unfitted, windows, keys, names_only=True)
+        )
         rot = rounded_by_gptq(base)
-        fit_clips(model, sequences, rot, bits=(2,), windows=windows, log=log)
+        fit_clips(model, sequences, rot, bits=(2, 4) if wide else (2,), windows=windows, log=log)
         rows += group(label, rot, base)
         info[f"{label} + {keys}"] = {
             "clips_int2": {role: rot.clips[(2, role)].tolist() for role in ("key", "value")},
@@ -624,6 +633,19 @@ def _gptq_metric_rows(
                 for role in ("key", "value")
             },
         }
+        if wide:
+            fit = rot.header["clip_fit"]
+            info[f"{label} + {keys}"].update(
+                clips_int4_key=rot.clips[(4, "key")].tolist(),
+                key_relative_error_per_layer={
+                    f"int{b}": fit[f"int{b}.key"]["fitted_relative_error"] for b in (2, 4)
+                },
+                int4_key_layers={
+                    str(n): [i for i, b in enumerate(key_widths_by_error(rot, n)) if b == 4]
+                    for n in INT4_KEY_LAYERS
+                    if n < rot.num_layers
+                },
+            )
     # OSCAR-select made again with every candidate's keys rounded by GPTQ: the rotation whose
     # GPTQ error is smallest need not be the one whose rounding-to-nearest error is
     label = f"{GPTQ_SELECT} + {keys}"
@@ -689,6 +711,38 @@ def _mixed_width_rows(
                 (4, 2),
             )
         )
+    return rows
+
+
+#: how many layers the per-layer key width rows store at INT4 (EVAL_NOTES 15: on SmolLM2 the
+#: 6 layers of largest key error hold 57% of the keys' squared INT2 error)
+INT4_KEY_LAYERS = (6, 10)
+
+
+def _layer_width_rows(
+    label: str,
+    g: int,
+    rot: OscarRotations,
+    windows,
+    keys: str,
+    counts: Sequence[int] | None = None,
+    names_only: bool = False,
+) -> list[OscarEvalFormat]:
+    """``label`` + ``keys`` with ``windows``, its keys at INT4 in the ``n`` layers where INT4
+    lowers their error most (:func:`foscar.oscar.key_widths_by_error`), for each ``n`` of
+    ``counts`` (default :data:`INT4_KEY_LAYERS`) below the layer count: one format per layer,
+    each layer's clips those fitted for its widths (``rot``'s clips of INT2 and INT4, fitted
+    with its GPTQ keys). ``names_only``: the rows' names are all that will be read (``rot``
+    may not be fitted yet)."""
+    s, r = windows
+    rows = []
+    for n in INT4_KEY_LAYERS if counts is None else counts:
+        if n >= rot.num_layers:  # INT4 keys everywhere: the K INT4 rows
+            continue
+        widths = [2] * rot.num_layers if names_only else key_widths_by_error(rot, n)
+        fmt = tuple(_fmt((kb, 2), g, None, s, r) for kb in widths)
+        name = f"{label} + {keys}, INT4 keys in {n} layers + BF16 {s}/{r} (fitted clips)"
+        rows.append(OscarEvalFormat(name, fmt, 2, rot, "cache"))
     return rows
 
 

@@ -21,17 +21,21 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from ..cache import QuantizedKVCache
+from ..formats import KVFormat
 
 __all__ = [
     "OscarRotations",
     "FORMAT_VERSION",
     "apply_to_cache",
     "fold_value_rotations",
+    "key_widths_by_error",
+    "layer_key_formats",
+    "layers_by_key_gain",
     "oscar_cache",
 ]
 
@@ -194,41 +198,113 @@ def apply_to_cache(
     rotations: OscarRotations,
     cache: QuantizedKVCache,
     *,
-    clip_bits: int | tuple[int, int] | None = None,
+    clip_bits: int | tuple[int, int] | str | None = None,
 ) -> None:
     """Set every layer's transform of ``cache`` (:meth:`QuantizedKVCache.set_transform`).
 
     ``clip_bits``: use the clip ratios fitted for that bit width (they must exist), or for
-    ``(key bits, value bits)`` when K and V differ in width; None keeps the format's clip.
-    Identity rotations are skipped (no work at decode).
+    ``(key bits, value bits)`` when K and V differ in width, or ``"cache"``: each layer's K and
+    V widths in the cache's formats (a cache with one format per layer); None keeps the
+    format's clip. Identity rotations are skipped (no work at decode). Every check runs before
+    the first layer changes.
     """
     rotations.check(
         num_layers=cache.num_layers, num_kv_heads=cache.num_kv_heads, head_dim=cache.head_dim
     )
-    clips = {}
-    if clip_bits is not None:
-        widths = tuple(clip_bits) if isinstance(clip_bits, (tuple, list)) else (clip_bits,) * 2
-        if len(widths) != 2:
+    if clip_bits is None:
+        widths = None
+    elif isinstance(clip_bits, str):
+        if clip_bits != "cache":
+            raise ValueError(
+                f"clip_bits must be a width, (key bits, value bits), 'cache' or None, got "
+                f"{clip_bits!r}"
+            )
+        widths = [(f.key.bits, f.value.bits) for f in cache.formats]
+    else:
+        pair = tuple(clip_bits) if isinstance(clip_bits, (tuple, list)) else (clip_bits,) * 2
+        if len(pair) != 2:
             raise ValueError(
                 f"clip_bits must be a width or (key bits, value bits), got {clip_bits}"
             )
-        for role, bits in zip(("key", "value"), widths):
+        widths = [pair] * cache.num_layers
+    for pair in dict.fromkeys(widths or ()):
+        for role, bits in zip(("key", "value"), pair):
             if (bits, role) not in rotations.clips:
                 raise ValueError(
                     f"clip_bits: no {role} clip ratios were fitted for INT{bits} (have "
                     f"{sorted(rotations.clips)})"
                 )
-            clips[role] = rotations.clips[(bits, role)]
     for layer in range(cache.num_layers):
         rk, rv = rotations.key[layer], rotations.value[layer]
+        kb, vb = widths[layer] if widths else (None, None)
         cache.set_transform(
             layer,
             key_rotation=None if _is_identity(rk) else rk,
             value_rotation=None if _is_identity(rv) else rv,
-            key_clip=float(clips["key"][layer]) if clips else None,
-            value_clip=float(clips["value"][layer]) if clips else None,
+            key_clip=None if kb is None else float(rotations.clips[(kb, "key")][layer]),
+            value_clip=None if vb is None else float(rotations.clips[(vb, "value")][layer]),
             key_gptq=None if rotations.key_gptq is None else rotations.key_gptq[layer],
         )
+
+
+def key_widths_by_error(
+    rotations: OscarRotations, num_wide_layers: int, *, narrow: int = 2, wide: int = 4
+) -> list[int]:
+    """Key width per layer: ``wide`` bits in the ``num_wide_layers`` layers whose keys gain
+    most from it, ``narrow`` in the rest.
+
+    The gain of a layer is the fall of its keys' squared relative attention-output error from
+    INT``narrow`` to INT``wide``, as :func:`foscar.oscar.fit_clips` measured it on the
+    calibration text with the fitted clips (both widths must have been fitted, so
+    ``rotations.header["clip_fit"]`` holds ``int<bits>.key``, or for rotations chosen per
+    layer, the chosen candidate's fit does: ``foscar calibrate`` files of either kind, with
+    ``--clip-bits 2 4``, the default). On SmolLM2 a few layers hold
+    most of the keys' INT2 error (benchmarks/EVAL_NOTES.md 15), so a few INT4 layers buy most
+    of what INT4 keys everywhere would. Ties go to the earlier layer.
+    """
+    n = rotations.num_layers
+    if isinstance(num_wide_layers, bool) or not isinstance(num_wide_layers, int):
+        raise TypeError(f"num_wide_layers must be an int, got {type(num_wide_layers).__name__}")
+    if not 0 <= num_wide_layers <= n:
+        raise ValueError(f"num_wide_layers must be in [0, {n}], got {num_wide_layers}")
+    wide_layers = set(layers_by_key_gain(rotations, narrow=narrow, wide=wide)[:num_wide_layers])
+    return [wide if layer in wide_layers else narrow for layer in range(n)]
+
+
+def layers_by_key_gain(rotations: OscarRotations, *, narrow: int = 2, wide: int = 4) -> list[int]:
+    """The layers, those whose keys gain most from INT``wide`` over INT``narrow`` first (the
+    order :func:`key_widths_by_error` takes them in)."""
+    errors = {bits: _key_errors(rotations, bits, (narrow, wide)) for bits in (narrow, wide)}
+    gain = errors[narrow].square() - errors[wide].square()
+    return sorted(range(rotations.num_layers), key=lambda layer: (-float(gain[layer]), layer))
+
+
+def _key_errors(rotations: OscarRotations, bits: int, widths) -> torch.Tensor:
+    """``[L]`` fitted relative key errors at INT``bits`` from the header: one clip fit's, or,
+    for rotations chosen per layer (:func:`foscar.oscar.choose_rotations`), each layer's chosen
+    candidate's."""
+    fit = rotations.header.get("clip_fit") or {}
+    choice = (rotations.header.get("selection") or {}).get("key")
+    per_layer = []
+    for layer in range(rotations.num_layers):
+        f = fit[choice[layer]] if choice and choice[layer] in fit else fit
+        entry = f.get(f"int{bits}.key")
+        if not isinstance(entry, dict) or "fitted_relative_error" not in entry:
+            raise ValueError(
+                f"rotations: no INT{bits} key clip fit in the header (clip_fit has "
+                f"{sorted(k for k in f if str(k).startswith('int'))}); fit_clips with bits "
+                f"{tuple(widths)} records the per-layer errors this ranks by"
+            )
+        per_layer.append(entry["fitted_relative_error"][layer])
+    return torch.tensor(per_layer, dtype=torch.float64)
+
+
+def layer_key_formats(fmt: KVFormat, key_bits) -> tuple[KVFormat, ...]:
+    """One format per layer: ``fmt`` with its keys at ``key_bits[layer]`` bits (for a cache
+    with per-layer formats, e.g. from :func:`key_widths_by_error`)."""
+    if not isinstance(fmt, KVFormat):
+        raise TypeError(f"fmt must be a KVFormat, got {type(fmt).__name__}")
+    return tuple(replace(fmt, key=replace(fmt.key, bits=int(b))) for b in key_bits)
 
 
 #: the model config attribute :func:`fold_value_rotations` sets
@@ -236,10 +312,16 @@ FOLDED_FLAG = "foscar_value_rotations_folded"
 
 
 def oscar_cache(
-    fmt, config, rotations: OscarRotations, *, clip_bits: int | tuple[int, int] | None = None, **kw
+    fmt,
+    config,
+    rotations: OscarRotations,
+    *,
+    clip_bits: int | tuple[int, int] | str | None = None,
+    **kw,
 ):
     """A transformers :class:`~foscar.integrations.transformers.FoscarCache` whose layers are
-    rotated (and re-clipped) by ``rotations``; ``kw`` go to ``FoscarCache``."""
+    rotated (and re-clipped) by ``rotations``; ``fmt`` one KVFormat or one per layer;
+    ``clip_bits`` as :func:`apply_to_cache`; ``kw`` go to ``FoscarCache``."""
     from ..integrations.transformers import FoscarCache
 
     class _OscarCache(FoscarCache):
