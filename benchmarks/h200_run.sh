@@ -71,6 +71,7 @@
 #   bash benchmarks/h200_run.sh s14-step # session 14: s14-gpu-time again with s14-write2's kernel
 #   bash benchmarks/h200_run.sh s14-write3 # session 14: GPTQ's w_{j+1} read before step j; tests, 1/2/4 warps, the step
 #   bash benchmarks/h200_run.sh s14-fold-gpu # session 14: fold_value_rotations on GPU models, and the OSCAR cache tests
+#   bash benchmarks/h200_run.sh s15-layers # session 15: one format per layer: its GPU tests (Gluon, Triton, fused write), the backends' suites it touched
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -770,6 +771,19 @@ case "$mode" in
     # GPU test, then the OSCAR tests that run on a GPU
     timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_oscar_calibrate.py \
       tests/test_oscar_cache.py -k "fold or cache" 2>&1 | tee "$OUT/gpu_tests_oscar_s14.log" | tail -8
+    ;;
+  s15-layers)
+    # session 15: a cache with one format per layer (each layer's own widths in the Gluon and
+    # Triton kernels, the fused write, the integration); then the suites of the code it touched:
+    # the fused write, the Triton kernel, a Gluon subset (odd lengths at GQA 4, windows), decode
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_layer_formats.py \
+      tests/test_transformers.py -k "layer" 2>&1 | tee "$OUT/gpu_tests_layer_formats.log" | tail -6
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cache_write.py \
+      tests/test_decode.py tests/test_oscar_cache.py 2>&1 | tee "$OUT/gpu_tests_write_decode.log" | tail -4
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_triton_kernel.py 2>&1 \
+      | tee "$OUT/gpu_tests_triton.log" | tail -4
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gluon_kernel.py \
+      -k "(odd_lengths and ratio[4-) or windows or auto" 2>&1 | tee "$OUT/gpu_tests_gluon.log" | tail -4
     ;;
   cache-write)
     # the fused write's tests alone (after the review's NaN / FMA / device changes)
