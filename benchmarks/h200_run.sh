@@ -72,6 +72,7 @@
 #   bash benchmarks/h200_run.sh s14-write3 # session 14: GPTQ's w_{j+1} read before step j; tests, 1/2/4 warps, the step
 #   bash benchmarks/h200_run.sh s14-fold-gpu # session 14: fold_value_rotations on GPU models, and the OSCAR cache tests
 #   bash benchmarks/h200_run.sh s15-layers # session 15: one format per layer: its GPU tests (Gluon, Triton, fused write), the backends' suites it touched
+#   bash benchmarks/h200_run.sh s15-layers2 # session 15: s15-layers' Gluon case (pool fixed), the whole Triton suite
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -784,6 +785,14 @@ case "$mode" in
       | tee "$OUT/gpu_tests_triton.log" | tail -4
     timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gluon_kernel.py \
       -k "(odd_lengths and ratio[4-) or windows or auto" 2>&1 | tee "$OUT/gpu_tests_gluon.log" | tail -4
+    ;;
+  s15-layers2)
+    # session 15: s15-layers' Gluon case had too small a page pool for its 4,099-token row
+    # (a test bug, fixed); it again, and the Triton suite, whose 200 s limit cut it short
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -rs tests/test_layer_formats.py \
+      -k gluon 2>&1 | tee "$OUT/gpu_tests_layer_formats_gluon.log" | tail -4
+    timeout 420 python3 -m pytest -q -p no:cacheprovider -rs tests/test_triton_kernel.py 2>&1 \
+      | tee "$OUT/gpu_tests_triton_full.log" | tail -4
     ;;
   cache-write)
     # the fused write's tests alone (after the review's NaN / FMA / device changes)

@@ -49,12 +49,12 @@ TOKEN_WISE = (_fmt(2, 2), _fmt(4, 2, gk=32), _fmt(2, 4, gv=32), _fmt(4, 4))
 CHANNEL = (_fmt(2, 4, va="channel", gv=32), _fmt(4, 2, ka="channel", gk=32))
 
 
-def _cache(formats, head_dim=64, num_kv_heads=2, max_seqs=4, device="cpu", **kw):
+def _cache(formats, head_dim=64, num_kv_heads=2, max_seqs=4, device="cpu", num_pages=160, **kw):
     return QuantizedKVCache(
         formats,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        num_pages=160,
+        num_pages=num_pages,
         max_seqs=max_seqs,
         num_layers=len(formats),
         page_size=16,
@@ -196,7 +196,7 @@ def test_gluon_and_auto_read_each_layer_in_its_own_format():
         KVFormat(QuantFormat(kb, "token", 128), QuantFormat(vb, "token", 128), "bf16", 4, 16)
         for kb, vb in ((2, 2), (4, 2), (2, 4), (4, 4))
     )
-    cache = _cache(formats, head_dim=128, device="cuda")
+    cache = _cache(formats, head_dim=128, device="cuda", num_pages=300)
     ids = _fill(cache, lengths=(1, 17, 263, 4099))
     for layer in range(cache.num_layers):
         batch = cache.plan(ids, layer)
