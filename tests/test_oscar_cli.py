@@ -116,6 +116,42 @@ def test_calibrate_gptq_keys(toy):
     assert not torch.allclose(factors["attention"], factors["query"], rtol=1e-3, atol=1e-3)
 
 
+def test_calibrated_file_serves_int4_keys_in_some_layers(toy):
+    """README's recipe: a --select --select-kv-heads --gptq-keys file (clips of INT2 and INT4)
+    ranks the layers by its chosen candidates' fits; the cache takes one format per layer,
+    each clipped for its own widths, and generates."""
+    from transformers import AutoTokenizer
+
+    from foscar import KVFormat, QuantFormat
+    from foscar.integrations.transformers import cache_kwarg, use_foscar_attention
+    from foscar.oscar import key_widths_by_error, layer_key_formats, oscar_cache
+
+    out = toy / "w.safetensors"
+    args = parse(
+        ["--model", str(toy / "model"), "--text", str(toy / "text.txt"), "--tokens", "256",
+         "--seq-len", "128", "--clip-tokens", "128", "--clip-queries", "8", "--fit-windows",
+         "8", "32", "--select", "--select-kv-heads", "--gptq-keys", "--out", str(out)]
+    )  # fmt: skip
+    lines = []
+    assert oscar_cli.run(args, log=lines.append) == 0
+    rot = OscarRotations.load(out)
+    widths = key_widths_by_error(rot, 1)
+    assert sorted(widths) == [2, 4]
+    assert any(line.endswith(f"best first: {layers_by_key_gain(rot)}") for line in lines)
+    model = LlamaForCausalLM.from_pretrained(toy / "model").eval()
+    tok = AutoTokenizer.from_pretrained(toy / "model")
+    use_foscar_attention(model)
+    f = QuantFormat(2, "token", 32)
+    fmt = layer_key_formats(KVFormat(f, f, sink_tokens=8, recent_tokens=32), widths)
+    cache = oscar_cache(fmt, model.config, rot, clip_bits="cache", max_cache_len=256)
+    enc = tok(["a " * 60], return_tensors="pt")
+    model.generate(**enc, max_new_tokens=4, do_sample=False, **{cache_kwarg(model): cache})
+    for layer, bits in enumerate(widths):
+        assert cache.kv.layer_format(layer).key.bits == bits
+        assert cache.kv.transforms[layer].key_clip == float(rot.clips[(bits, "key")][layer])
+    assert cache.kv.memory_stats()["quantized_tokens"] > 0
+
+
 def test_calibrate_rejects_bad_arguments(toy):
     with pytest.raises(ValueError, match="--tokens must be >= 1"):
         oscar_cli.run(parse(["--tokens", "0"]))
