@@ -73,6 +73,7 @@
 #   bash benchmarks/h200_run.sh s14-fold-gpu # session 14: fold_value_rotations on GPU models, and the OSCAR cache tests
 #   bash benchmarks/h200_run.sh s15-layers # session 15: one format per layer: its GPU tests (Gluon, Triton, fused write), the backends' suites it touched
 #   bash benchmarks/h200_run.sh s15-layers2 # session 15: s15-layers' Gluon case (pool fixed), the whole Triton suite
+#   bash benchmarks/h200_run.sh s15-step # session 15: GPU time per step of OSCAR INT2 with INT4 keys in every third layer, beside INT2 / INT4
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -793,6 +794,15 @@ case "$mode" in
       -k gluon 2>&1 | tee "$OUT/gpu_tests_layer_formats_gluon.log" | tail -4
     timeout 420 python3 -m pytest -q -p no:cacheprovider -rs tests/test_triton_kernel.py 2>&1 \
       | tee "$OUT/gpu_tests_triton_full.log" | tail -4
+    ;;
+  s15-step)
+    # session 15: what INT4 keys in a third of the layers (EVAL_NOTES 17's +4.2% row took 10 of
+    # 30) cost a decode step: GPU kernel time per step at 32K, beside OSCAR INT2 and plain
+    # INT2 / INT4 (the e2e test first: the new method on a GPU)
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -rs tests/test_bench_e2e.py 2>&1 | tail -3
+    timeout 420 python3 benchmarks/oscar_step_profile.py --gpu-time --steps 16 --batches 1 16 32 \
+      --methods foscar-int2 foscar-int4 foscar-oscar-int2 foscar-oscar-k4third-int2 2>&1 \
+      | tee "$OUT/oscar_k4third_gpu_time.log" | grep -v "^\[" | grep -v "^ "
     ;;
   cache-write)
     # the fused write's tests alone (after the review's NaN / FMA / device changes)

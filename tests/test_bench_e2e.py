@@ -45,7 +45,13 @@ def test_decode_points_on_a_small_model(small_model, tmp_path):
     assert small_model.config.head_dim == 128 and small_model.dtype == torch.bfloat16
     rows = [
         e2e.decode_point(small_model, m, 2, 400, new_tokens=3, warmup=1)
-        for m in ("bf16", "foscar-int4", "foscar-int2", "foscar-oscar-int2")
+        for m in (
+            "bf16",
+            "foscar-int4",
+            "foscar-int2",
+            "foscar-oscar-int2",
+            "foscar-oscar-k4third-int2",
+        )
     ]
     for r in rows:
         assert math.isfinite(r["tpot_ms"]) and r["tokens_per_s_aggregate"] > 0
@@ -60,6 +66,12 @@ def test_decode_points_on_a_small_model(small_model, tmp_path):
     for tr in cache.kv.transforms:
         assert tr.key_rotation.shape == tr.value_rotation.shape == (2, 128, 128)
         assert (tr.key_clip, tr.value_clip) == (0.85, 0.92) and tr.key_gptq.shape == (2, 128, 128)
+    # INT4 keys in every third layer (layer 1 of 0-1 here), each layer clipped for its widths
+    assert kv["foscar-int2"] < kv["foscar-oscar-k4third-int2"] < kv["foscar-int4"]
+    cache = e2e.make_cache("foscar-oscar-k4third-int2", small_model, 2, 400, 8, seed=0)
+    assert [f.key.bits for f in cache.kv.formats] == [2, 4]
+    for layer, tr in enumerate(cache.kv.transforms):
+        assert tr.key_clip == (0.99 if layer == 1 else 0.85) and tr.value_clip == 0.92
     # folded: the value rotations live in the weights, the cache rotates K and Q only
     cache = e2e.make_cache("foscar-oscar-folded-int2", small_model, 2, 400, 8, seed=0)
     for tr in cache.kv.transforms:

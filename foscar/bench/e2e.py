@@ -25,7 +25,9 @@ factors, :func:`synthetic_oscar`, since decode cost does not depend on their val
 ``foscar-oscar-folded-int2`` (the same with the value rotations folded into ``v_proj`` and
 ``o_proj``, :func:`foscar.oscar.fold_value_rotations`: the cache then rotates K and Q only; the
 weights' values change, which a step's cost does not depend on, so only the identity value
-rotations folding leaves are set), and
+rotations folding leaves are set), ``foscar-oscar-k4third-int2`` (``foscar-oscar-int2`` with
+INT4 keys in every third layer, one format per layer: the share of layers SmolLM2's best mixed
+row took, EVAL_NOTES 17; which layers does not change a step's cost), and
 ``hf-quantized-int4/int2``
 (transformers' ``QuantizedCache`` with the first importable backend of quanto, hqq; skipped with
 the reason when none is). A point that runs out of memory is recorded as such, and larger
@@ -43,6 +45,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -72,6 +75,7 @@ METHODS = (
     "foscar-int2",
     "foscar-oscar-int2",
     "foscar-oscar-folded-int2",
+    "foscar-oscar-k4third-int2",
     "hf-quantized-int4",
     "hf-quantized-int2",
 )
@@ -140,6 +144,16 @@ def foscar_format(bits: int) -> KVFormat:
     return KVFormat(f, f, sink_tokens=SINK, recent_tokens=RECENT)
 
 
+def method_formats(method: str, num_layers: int) -> tuple[KVFormat, ...]:
+    """One KVFormat per layer of a foscar method: its width everywhere, or for ``-k4third``
+    INT4 keys in every third layer (layers 1, 4, 7, ...)."""
+    base = foscar_format(int(method[-1]))
+    if "-k4third" not in method:
+        return (base,) * num_layers
+    wide = replace(base, key=replace(base.key, bits=4))
+    return tuple(wide if layer % 3 == 1 else base for layer in range(num_layers))
+
+
 def synthetic_oscar(
     config, seed: int = 0, clips: tuple[float, float] = (0.85, 0.92), *, folded: bool = False
 ):
@@ -153,6 +167,7 @@ def synthetic_oscar(
 
     g = torch.Generator().manual_seed(seed)
     n, h, d = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+    # (INT4 clips too, for a cache with INT4 keys in some layers; nearly min-max, as fitted)
 
     def orthogonal():
         return torch.linalg.qr(torch.randn(n, h, d, d, generator=g, dtype=torch.float64))[0]
@@ -166,7 +181,12 @@ def synthetic_oscar(
     return OscarRotations(
         key,
         value,
-        {(2, "key"): full * clips[0], (2, "value"): full * clips[1]},
+        {
+            (2, "key"): full * clips[0],
+            (2, "value"): full * clips[1],
+            (4, "key"): full * 0.99,
+            (4, "value"): full * 0.99,
+        },
         {"recipe": "synthetic (foscar bench --e2e)"},
         gptq_factor(metric),
     )
@@ -179,7 +199,7 @@ def kv_bytes_per_token(method: str, context: int, config) -> float:
         return elems * 2.0
     bits = int(method[-1])
     if method.startswith("foscar"):
-        return elems * effective_bits(context, foscar_format(bits)) / 8
+        return elems * effective_bits(context, method_formats(method, config.num_hidden_layers)) / 8
     # transformers' QuantizedCache: nbits plus an fp scale and zero point per 64 values (an
     # estimate: backends differ), and a BF16 residual of 128 tokens
     quant = bits + 2 * 16 / 64
@@ -218,7 +238,7 @@ def make_cache(method: str, model, batch: int, context: int, extra: int, seed: i
     device = model.device
     shape = (batch, cfg.num_key_value_heads, context, cfg.head_dim)
     if method.startswith("foscar"):
-        fmt = foscar_format(int(method[-1]))
+        fmt = method_formats(method, cfg.num_hidden_layers)
         kw = dict(
             max_cache_len=context + extra,
             max_batch_size=batch,
@@ -229,7 +249,7 @@ def make_cache(method: str, model, batch: int, context: int, extra: int, seed: i
             from ..oscar import oscar_cache
 
             rot = synthetic_oscar(cfg, seed, folded=method.startswith("foscar-oscar-folded"))
-            cache = oscar_cache(fmt, cfg, rot, clip_bits=2, **kw)
+            cache = oscar_cache(fmt, cfg, rot, clip_bits="cache", **kw)
         else:
             cache = FoscarCache(fmt, cfg, **kw)
         cache._assume_prompt(batch, context, device)
@@ -470,6 +490,8 @@ def run(args) -> int:
                 **{f"foscar-int{b}": foscar_format(b).short() for b in (4, 2)},
                 "foscar-oscar-int2": foscar_format(2).short()
                 + " with synthetic OSCAR rotations, clips 0.85/0.92 and GPTQ keys",
+                "foscar-oscar-k4third-int2": "foscar-oscar-int2 with INT4 keys (clip 0.99) in "
+                "every third layer",
             },
         },
         "env": env,
