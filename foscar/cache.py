@@ -255,7 +255,12 @@ def effective_bits(
     """
     if num_tokens <= 0:
         raise ValueError(f"num_tokens must be positive, got {num_tokens}")
-    formats = [fmt] if isinstance(fmt, KVFormat) else layer_formats(fmt, len(fmt))
+    if isinstance(fmt, KVFormat):
+        formats = [fmt]
+    elif isinstance(fmt, Sequence) and not isinstance(fmt, (str, bytes)) and len(fmt):
+        formats = layer_formats(fmt, len(fmt))
+    else:
+        raise TypeError(f"fmt must be a KVFormat or a non-empty sequence of them, got {fmt!r}")
     per_tensor = []
     for f_layer in formats:
         lq = _num_quantized(num_tokens, f_layer)
@@ -270,8 +275,11 @@ def effective_bits(
 def layer_formats(fmt: KVFormat | Sequence[KVFormat], num_layers: int) -> tuple[KVFormat, ...]:
     """``fmt`` as one format per layer: a KVFormat serves every layer; a sequence gives one per
     layer, and its formats may differ in K and V (width, axis, group, clip) but must share the
-    operand mapping and the BF16 windows (one page table and one window layout serve all
-    layers). Raises naming ``fmt[i]`` and what differs."""
+    operand mapping, the BF16 windows and the demotion quantum (one page table and one window
+    layout serve all layers: a layer with channel-wise groups of ``g`` tokens needs every layer
+    to demote ``g`` tokens at a time, so it cannot sit beside an all-token-wise layer). Raises
+    naming ``fmt[i]`` and what differs."""
+    _check_int(num_layers, "num_layers", low=1)
     if isinstance(fmt, KVFormat):
         return (fmt,) * num_layers
     if isinstance(fmt, (str, bytes)) or not isinstance(fmt, Sequence):
@@ -312,8 +320,9 @@ class QuantizedKVCache:
     ----------
     fmt : KVFormat or sequence of KVFormat
         K/V quantization, operand mapping and BF16 windows; or one format per layer, which may
-        differ in K and V (e.g. INT4 keys in the layers that need them) but share the mapping
-        and the windows (:func:`layer_formats`). ``cache.layer_format(layer)`` is a layer's.
+        differ in K and V (e.g. INT4 keys in the layers that need them) but share the mapping,
+        the windows and the demotion quantum (:func:`layer_formats`);
+        ``cache.layer_format(layer)`` is a layer's.
     num_kv_heads, head_dim : int
     num_pages : int
         Pages in the pool (shared by all sequences; one page holds ``page_size`` tokens of every
@@ -431,7 +440,9 @@ class QuantizedKVCache:
 
     def role_format(self, layer: int, name: str) -> QuantFormat:
         """The QuantFormat of ``"k"`` or ``"v"`` in ``layer``, before the layer's own clip."""
-        f = self.formats[layer]
+        if name not in ("k", "v"):
+            raise ValueError(f"name must be 'k' or 'v', got {name!r}")
+        f = self.formats[self._check_layer(layer)]
         return f.key if name == "k" else f.value
 
     # ------------------------------------------------------------------ storage

@@ -38,7 +38,8 @@ def default_backend(cache: QuantizedKVCache, q: torch.Tensor, layer: int = 0) ->
     ``configs.GLUON_OVER_TRITON_US``: token-wise K always, channel-wise K from 64 sequences x
     KV heads; pages other than 64 where ``configs.GLUON_OVER_TRITON_PAGE_US`` has Gluon
     faster), else the Triton kernel on a GPU when it covers the format, else the reference.
-    ``layer``: whose format decides, where the cache holds one per layer."""
+    ``layer``: whose format decides, where the cache holds one per layer (Gluon serves such a
+    cache only where it covers every layer's format)."""
     if (
         q.is_cuda
         and q.dtype == torch.bfloat16

@@ -23,7 +23,13 @@ from foscar import (
 )
 from foscar.backends import triton as triton_backend
 from foscar.eval.run import formats_short
-from foscar.oscar import OscarRotations, apply_to_cache, key_widths_by_error, layer_key_formats
+from foscar.oscar import (
+    OscarRotations,
+    apply_to_cache,
+    key_widths_by_error,
+    layer_key_formats,
+    oscar_cache,
+)
 from foscar.reference import attend_dequantized
 
 HAS_SM90 = HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
@@ -117,6 +123,10 @@ def test_each_layer_gets_its_own_pools_and_fmt_refuses_to_answer_for_all():
         _ = cache.fmt
     with pytest.raises(ValueError, match=r"layer must be in \[0, 4\)"):
         cache.layer_format(4)
+    with pytest.raises(ValueError, match=r"layer must be in \[0, 4\)"):
+        cache.role_format(-1, "k")
+    with pytest.raises(ValueError, match="name must be 'k' or 'v', got 'key'"):
+        cache.role_format(0, "key")
     uniform = _cache([TOKEN_WISE[1]] * 2)
     assert not uniform.mixed_formats and uniform.fmt == TOKEN_WISE[1]
 
@@ -163,6 +173,10 @@ def test_accounting_sums_each_layers_format():
         f"{TOKEN_WISE[0].short()} x2, {TOKEN_WISE[1].short()} x2"
     )
     assert formats_short((TOKEN_WISE[0],) * 2) == TOKEN_WISE[0].short()
+    with pytest.raises(TypeError, match="non-empty sequence"):
+        effective_bits(300, [])
+    with pytest.raises(ValueError, match="num_layers must be >= 1"):
+        layer_formats(TOKEN_WISE[0], 0)
 
 
 # ---------------------------------------------------------------------------- decoding
@@ -286,9 +300,9 @@ def test_key_widths_of_rotations_chosen_per_layer_read_each_layers_candidate():
 
 
 def test_layer_key_formats_and_clips_of_each_layers_width():
-    rot = _rotations([0.3, 0.1, 0.3, 0.1], [0.05, 0.09, 0.1, 0.1])
+    rot = _rotations([0.1, 0.3, 0.3, 0.1], [0.09, 0.05, 0.1, 0.1])
     widths = key_widths_by_error(rot, 2)
-    assert widths == [4, 2, 4, 2]
+    assert widths == [2, 4, 4, 2]
     formats = layer_key_formats(_fmt(2, 2), widths)
     assert [f.key.bits for f in formats] == widths
     assert all(f.value == _fmt(2, 2).value and f.sink_tokens == 3 for f in formats)
@@ -298,15 +312,53 @@ def test_layer_key_formats_and_clips_of_each_layers_width():
         tr = cache.transforms[layer]
         assert tr.key_clip == pytest.approx(float(rot.clips[(b, "key")][layer]))
         assert tr.value_clip == pytest.approx(0.9)
+    # a fixed width would give the INT4 layers INT2 clips: refused on a mixed cache
+    fresh = _cache(formats)
+    with pytest.raises(ValueError, match=r"clip_bits=2: layer 1 stores K INT4 / V INT2"):
+        apply_to_cache(rot, fresh, clip_bits=2)
     # a width without fitted clips is refused before any layer changes
     del rot.clips[(4, "key")]
-    fresh = _cache(formats)
-    before = [t.key_clip for t in fresh.transforms]
+    before = list(fresh.transforms)
     with pytest.raises(ValueError, match=r"no key clip ratios were fitted for INT4"):
         apply_to_cache(rot, fresh, clip_bits="cache")
-    assert [t.key_clip for t in fresh.transforms] == before
     with pytest.raises(ValueError, match="clip_bits must be a width, .* 'cache' or None"):
         apply_to_cache(rot, fresh, clip_bits="layers")
+    assert all(a is b for a, b in zip(fresh.transforms, before))
+    with pytest.raises(ValueError, match=r"key_bits\[1\] must be 2 or 4, got 2.9"):
+        layer_key_formats(_fmt(2, 2), [2, 2.9])
+
+
+def test_apply_to_cache_puts_back_the_layers_set_before_a_later_one_refuses():
+    """GPTQ factors suit token-wise keys only: the second layer's channel-wise keys refuse them
+    after the first layer took its transform, which must then be undone."""
+    rot = _rotations([0.3, 0.1], [0.05, 0.09], layers=2)
+    g = torch.Generator().manual_seed(2)
+    r = torch.linalg.qr(torch.randn(2, 1, 64, 64, generator=g, dtype=torch.float64))[0]
+    factors = torch.eye(64).expand(2, 2, 64, 64).contiguous()
+    rot = OscarRotations(r, r, rot.clips, rot.header, factors)
+    formats = (_fmt(2, 2, va="channel"), _fmt(2, 2, ka="channel", va="channel"))
+    cache = _cache(formats)
+    before = list(cache.transforms)
+    with pytest.raises(ValueError, match="layer 1's keys are"):
+        apply_to_cache(rot, cache, clip_bits="cache")
+    assert all(a is b for a, b in zip(cache.transforms, before))
+    assert cache.transforms[0].key_rotation is None
+
+
+def test_oscar_cache_checks_the_clips_of_each_layers_width_at_construction():
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(
+        hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2
+    )
+    rot = _rotations([0.3, 0.1], [0.05, 0.09], layers=2)
+    del rot.clips[(4, "key")]
+    formats = layer_key_formats(_fmt(2, 2), [2, 4])
+    with pytest.raises(ValueError, match="no key clip ratios were fitted for INT4"):
+        oscar_cache(formats, cfg, rot, clip_bits="cache")
+    with pytest.raises(ValueError, match="clip_bits must be a width"):
+        oscar_cache(formats, cfg, rot, clip_bits="bogus")
+    assert oscar_cache(formats, cfg, rot, clip_bits=None).fmt == formats
 
 
 def test_rotated_mixed_cache_decodes_as_its_reference():

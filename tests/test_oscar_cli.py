@@ -368,6 +368,13 @@ def test_prepare_rows_with_int4_keys_in_some_layers(toy, monkeypatch):
         assert tr.value_clip == float(rot.clips[(2, "value")][layer])
     # the file a user calibrates ranks the same way (foscar calibrate logs the order)
     assert evaluate.key_widths_by_error(rot, 1) == [f.key.bits for f in row.fmt]
+    # asked only for the group's INT2 rows: no INT4 fit, and no INT4-key rows built without it
+    rows, info = evaluate.prepare(
+        model, tok, tokens=256, seq_len=128, windows=(8, 16), gptq=True,
+        wanted=lambda name: "per-KV-head INT2 + GPTQ keys + BF16" in name,
+    )  # fmt: skip
+    assert not [r for r in rows if wanted in r.name]
+    assert "int4_key_layers" not in info["gptq"]["OSCAR-select per-KV-head INT2 + GPTQ keys"]
 
 
 def test_prepare_gptq_rows_by_metric_and_filter(toy):

@@ -76,7 +76,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         "foscar.integrations.transformers needs transformers>=5: pip install 'foscar[hf]'"
     ) from e
 
-from ..cache import DecodeBatch, QuantizedKVCache, check_decode_write
+from ..cache import DecodeBatch, QuantizedKVCache, check_decode_write, layer_formats
 from ..decode import BACKENDS, decode_attention
 from ..formats import GroupAxis, KVFormat
 from ..quantize import dequantize
@@ -377,7 +377,8 @@ class FoscarCache(Cache):
                 f"page_size={page_size}): {e}"
             ) from None
         super().__init__(layers=[_LayerView(self, i) for i in range(num_layers)])
-        self.fmt = fmt
+        #: the format, or the checked tuple of one per layer
+        self.fmt = fmt if isinstance(fmt, KVFormat) else layer_formats(fmt, num_layers)
         self.config = config
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads

@@ -606,12 +606,19 @@ def _gptq_metric_rows(
         return OscarRotations(base.key, base.value, {}, header, key_gptq)
 
     def group(
-        label: str, rot: OscarRotations, base: OscarRotations, names_only: bool = False
+        label: str,
+        rot: OscarRotations,
+        base: OscarRotations,
+        names_only: bool = False,
+        layer_widths: bool = True,
     ) -> list[OscarEvalFormat]:
+        """``layer_widths``: the rows with INT4 keys in some layers too (their clips need an
+        INT4 fit, made only where a row of them is wanted)."""
         out = _fitted_int2_rows(f"{label} + {keys}", g, rot, windows)
         if base is selected_per_head:
             out += _mixed_width_rows(g, rot, base, windows, keys, int4_keys)
-            out += _layer_width_rows(label, g, rot, windows, keys, names_only=names_only)
+            if layer_widths:
+                out += _layer_width_rows(label, g, rot, windows, keys, names_only=names_only)
         return out
 
     rows, info = [], {}
@@ -625,7 +632,7 @@ def _gptq_metric_rows(
         )
         rot = rounded_by_gptq(base)
         fit_clips(model, sequences, rot, bits=(2, 4) if wide else (2,), windows=windows, log=log)
-        rows += group(label, rot, base)
+        rows += group(label, rot, base, layer_widths=wide)
         info[f"{label} + {keys}"] = {
             "clips_int2": {role: rot.clips[(2, role)].tolist() for role in ("key", "value")},
             "fitted_mean_relative_error": {

@@ -25,13 +25,14 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..cache import QuantizedKVCache
+from ..cache import QuantizedKVCache, layer_formats
 from ..formats import KVFormat
 
 __all__ = [
     "OscarRotations",
     "FORMAT_VERSION",
     "apply_to_cache",
+    "clip_widths",
     "fold_value_rotations",
     "key_widths_by_error",
     "layer_key_formats",
@@ -204,47 +205,72 @@ def apply_to_cache(
 
     ``clip_bits``: use the clip ratios fitted for that bit width (they must exist), or for
     ``(key bits, value bits)`` when K and V differ in width, or ``"cache"``: each layer's K and
-    V widths in the cache's formats (a cache with one format per layer); None keeps the
-    format's clip. Identity rotations are skipped (no work at decode). Every check runs before
-    the first layer changes.
+    V widths in the cache's formats (a cache with one format per layer; a fixed width is
+    refused there where a layer's format has another, since that layer would get clips fitted
+    for the wrong width); None keeps the format's clip. Identity rotations are skipped (no work
+    at decode). A rejected call leaves every layer's transform as it was.
     """
     rotations.check(
         num_layers=cache.num_layers, num_kv_heads=cache.num_kv_heads, head_dim=cache.head_dim
     )
+    widths = clip_widths(rotations, cache.formats, clip_bits)
+    saved = list(cache.transforms)
+    try:
+        for layer in range(cache.num_layers):
+            rk, rv = rotations.key[layer], rotations.value[layer]
+            kb, vb = widths[layer] if widths else (None, None)
+            cache.set_transform(
+                layer,
+                key_rotation=None if _is_identity(rk) else rk,
+                value_rotation=None if _is_identity(rv) else rv,
+                key_clip=None if kb is None else float(rotations.clips[(kb, "key")][layer]),
+                value_clip=None if vb is None else float(rotations.clips[(vb, "value")][layer]),
+                key_gptq=None if rotations.key_gptq is None else rotations.key_gptq[layer],
+            )
+    except BaseException:
+        # set_transform checks one layer at a time (a later layer may refuse, e.g. GPTQ on its
+        # channel-wise keys): put back the layers already set
+        cache.transforms[:] = saved
+        raise
+
+
+def clip_widths(rotations: OscarRotations, formats, clip_bits) -> list[tuple[int, int]] | None:
+    """``(key bits, value bits)`` of the clips :func:`apply_to_cache` gives each layer of a
+    cache of ``formats`` (one KVFormat per layer), or None for the formats' own clips; raises
+    ``ValueError`` naming ``clip_bits`` unless ``rotations`` holds every clip it needs."""
+    formats = tuple(formats)
+    mixed = len(set(formats)) > 1
     if clip_bits is None:
-        widths = None
-    elif isinstance(clip_bits, str):
+        return None
+    if isinstance(clip_bits, str):
         if clip_bits != "cache":
             raise ValueError(
                 f"clip_bits must be a width, (key bits, value bits), 'cache' or None, got "
                 f"{clip_bits!r}"
             )
-        widths = [(f.key.bits, f.value.bits) for f in cache.formats]
+        widths = [(f.key.bits, f.value.bits) for f in formats]
     else:
         pair = tuple(clip_bits) if isinstance(clip_bits, (tuple, list)) else (clip_bits,) * 2
         if len(pair) != 2:
             raise ValueError(
                 f"clip_bits must be a width or (key bits, value bits), got {clip_bits}"
             )
-        widths = [pair] * cache.num_layers
-    for pair in dict.fromkeys(widths or ()):
+        widths = [pair] * len(formats)
+        for layer, f in enumerate(formats):
+            if mixed and (f.key.bits, f.value.bits) != pair:
+                raise ValueError(
+                    f"clip_bits={clip_bits!r}: layer {layer} stores K INT{f.key.bits} / V "
+                    f"INT{f.value.bits}, so it would get clips fitted for another width; pass "
+                    "clip_bits='cache' (each layer's own widths)"
+                )
+    for pair in dict.fromkeys(widths):
         for role, bits in zip(("key", "value"), pair):
             if (bits, role) not in rotations.clips:
                 raise ValueError(
                     f"clip_bits: no {role} clip ratios were fitted for INT{bits} (have "
                     f"{sorted(rotations.clips)})"
                 )
-    for layer in range(cache.num_layers):
-        rk, rv = rotations.key[layer], rotations.value[layer]
-        kb, vb = widths[layer] if widths else (None, None)
-        cache.set_transform(
-            layer,
-            key_rotation=None if _is_identity(rk) else rk,
-            value_rotation=None if _is_identity(rv) else rv,
-            key_clip=None if kb is None else float(rotations.clips[(kb, "key")][layer]),
-            value_clip=None if vb is None else float(rotations.clips[(vb, "value")][layer]),
-            key_gptq=None if rotations.key_gptq is None else rotations.key_gptq[layer],
-        )
+    return widths
 
 
 def key_widths_by_error(
@@ -304,7 +330,12 @@ def layer_key_formats(fmt: KVFormat, key_bits) -> tuple[KVFormat, ...]:
     with per-layer formats, e.g. from :func:`key_widths_by_error`)."""
     if not isinstance(fmt, KVFormat):
         raise TypeError(f"fmt must be a KVFormat, got {type(fmt).__name__}")
-    return tuple(replace(fmt, key=replace(fmt.key, bits=int(b))) for b in key_bits)
+    out = []
+    for i, b in enumerate(key_bits):
+        if isinstance(b, bool) or not isinstance(b, int) or b not in (2, 4):
+            raise ValueError(f"key_bits[{i}] must be 2 or 4, got {b!r}")
+        out.append(replace(fmt, key=replace(fmt.key, bits=b)))
+    return tuple(out)
 
 
 #: the model config attribute :func:`fold_value_rotations` sets
@@ -327,7 +358,11 @@ def oscar_cache(
     class _OscarCache(FoscarCache):
         def _allocate(self, batch_size, device):
             super()._allocate(batch_size, device)
-            apply_to_cache(rotations, self.kv, clip_bits=clip_bits)
+            try:
+                apply_to_cache(rotations, self.kv, clip_bits=clip_bits)
+            except BaseException:  # no half-made pool for a retry to reuse unrotated
+                self.kv = self.seq_ids = None
+                raise
 
     folded = bool(rotations.header.get("value_rotations_folded"))
     if folded != bool(getattr(config, FOLDED_FLAG, False)):
@@ -340,6 +375,8 @@ def oscar_cache(
     rotations.check(
         num_layers=cache.num_layers, num_kv_heads=cache.num_kv_heads, head_dim=cache.head_dim
     )
+    # the clips' widths are checked now, not at the first forward pass
+    clip_widths(rotations, layer_formats(cache.fmt, cache.num_layers), clip_bits)
     return cache
 
 
