@@ -52,15 +52,15 @@ def _history_operands(
     ``t0 // g .. (t1 - 1) // g``.
     """
     st = cache.layers[batch.layer]
-    fmt = cache.layer_format(batch.layer)
-    f: QuantFormat = fmt.key if name == "k" else fmt.value
+    mapping = cache.layer_format(batch.layer).mapping
+    f: QuantFormat = cache.role_format(batch.layer, name)
     ps, d, g = batch.page_size, cache.head_dim, f.group_size
     start = int(batch.kv_indptr[i])
     pages = batch.kv_indices[start : int(batch.kv_indptr[i + 1])].long()
     t = torch.arange(t0, t1, device=pages.device)
     words = getattr(st, f"{name}_words")[pages[t // ps], :, t % ps]  # [n, H, W]
-    codes = unpack_codes(words, f.bits, fmt.mapping, cache.channel_order(name, batch.layer))
-    y = operand_values(codes, f.bits, fmt.mapping, dtype).transpose(0, 1)  # [H, n, D]
+    codes = unpack_codes(words, f.bits, mapping, cache.channel_order(name, batch.layer))
+    y = operand_values(codes, f.bits, mapping, dtype).transpose(0, 1)  # [H, n, D]
     per_page = batch.page_size * d // g
     if f.axis is GroupAxis.TOKEN:
         e = torch.arange(t0 * d // g, t1 * d // g, device=pages.device)

@@ -45,7 +45,6 @@ import json
 import math
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -150,8 +149,9 @@ def method_formats(method: str, num_layers: int) -> tuple[KVFormat, ...]:
     base = foscar_format(int(method[-1]))
     if "-k4third" not in method:
         return (base,) * num_layers
-    wide = replace(base, key=replace(base.key, bits=4))
-    return tuple(wide if layer % 3 == 1 else base for layer in range(num_layers))
+    from ..oscar import layer_key_formats
+
+    return layer_key_formats(base, [4 if layer % 3 == 1 else 2 for layer in range(num_layers)])
 
 
 def synthetic_oscar(
@@ -167,7 +167,6 @@ def synthetic_oscar(
 
     g = torch.Generator().manual_seed(seed)
     n, h, d = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
-    # (INT4 clips too, for a cache with INT4 keys in some layers; nearly min-max, as fitted)
 
     def orthogonal():
         return torch.linalg.qr(torch.randn(n, h, d, d, generator=g, dtype=torch.float64))[0]
@@ -184,6 +183,7 @@ def synthetic_oscar(
         {
             (2, "key"): full * clips[0],
             (2, "value"): full * clips[1],
+            # for INT4 keys in some layers (-k4third): nearly min-max, as fitted
             (4, "key"): full * 0.99,
             (4, "value"): full * 0.99,
         },

@@ -300,7 +300,7 @@ class FoscarCache(Cache):
 
     def __init__(
         self,
-        fmt: KVFormat,
+        fmt: KVFormat | Sequence[KVFormat],
         config=None,
         *,
         num_layers: int | None = None,

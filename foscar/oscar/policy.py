@@ -238,10 +238,10 @@ def clip_widths(rotations: OscarRotations, formats, clip_bits) -> list[tuple[int
     """``(key bits, value bits)`` of the clips :func:`apply_to_cache` gives each layer of a
     cache of ``formats`` (one KVFormat per layer), or None for the formats' own clips; raises
     ``ValueError`` naming ``clip_bits`` unless ``rotations`` holds every clip it needs."""
-    formats = tuple(formats)
-    mixed = len(set(formats)) > 1
     if clip_bits is None:
         return None
+    formats = tuple(formats)
+    mixed = len(set(formats)) > 1
     if isinstance(clip_bits, str):
         if clip_bits != "cache":
             raise ValueError(
