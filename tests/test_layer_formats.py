@@ -1,7 +1,8 @@
 """A cache with one format per layer (``QuantizedKVCache(fmt=[...])``): the checks of
 ``foscar.layer_formats``, each layer's pools, the decode backends and the fused write per layer
-against the reference, the accounting, and OSCAR's per-layer key widths
-(``foscar.oscar.key_widths_by_error``, ``apply_to_cache(clip_bits="cache")``).
+against the reference, the accounting, and OSCAR's per-layer key and value widths
+(``foscar.oscar.key_widths_by_error``, ``widths_by_error``, ``layer_width_formats``,
+``apply_to_cache(clip_bits="cache")``).
 
 The Triton kernels run through the interpreter on a CPU (conftest); the Gluon case needs a
 Hopper GPU."""
@@ -28,7 +29,10 @@ from foscar.oscar import (
     apply_to_cache,
     key_widths_by_error,
     layer_key_formats,
+    layer_width_formats,
+    layers_by_gain,
     oscar_cache,
+    widths_by_error,
 )
 from foscar.reference import attend_dequantized
 
@@ -253,7 +257,7 @@ def test_fused_write_per_layer_equals_the_torch_write():
 
 
 # ---------------------------------------------------------------------------- OSCAR
-def _rotations(int2_errors, int4_errors, layers=4, d=64):
+def _rotations(int2_errors, int4_errors, layers=4, d=64, value_errors=None):
     eye = torch.eye(d, dtype=torch.float64).expand(layers, 1, d, d).clone()
     clips = {
         (2, "key"): torch.full((layers,), 0.85),
@@ -265,6 +269,9 @@ def _rotations(int2_errors, int4_errors, layers=4, d=64):
         "int2.key": {"fitted_relative_error": list(int2_errors)},
         "int4.key": {"fitted_relative_error": list(int4_errors)},
     }
+    if value_errors is not None:  # (INT2 errors, INT4 errors) of the values
+        for b, e in zip((2, 4), value_errors):
+            fit[f"int{b}.value"] = {"fitted_relative_error": list(e)}
     return OscarRotations(eye, eye, clips, {"clip_fit": fit})
 
 
@@ -297,6 +304,54 @@ def test_key_widths_of_rotations_chosen_per_layer_read_each_layers_candidate():
     # chosen gains: layer 0 from b (0), layers 1-2 from a (0.09 each)
     assert key_widths_by_error(chosen, 1) == [2, 4, 2]
     assert key_widths_by_error(chosen, 2) == [2, 4, 4]
+
+
+def test_value_widths_rank_by_the_values_own_errors():
+    # keys gain most in layer 1, values in layer 3 (squared gains 0.0, 0.05, 0.0, 0.1575)
+    rot = _rotations(
+        [0.1, 0.3, 0.1, 0.1],
+        [0.1, 0.2, 0.1, 0.1],
+        value_errors=([0.2, 0.3, 0.2, 0.4], [0.2, 0.2, 0.2, 0.05]),
+    )
+    assert layers_by_gain(rot, role="value")[:2] == [3, 1]
+    assert widths_by_error(rot, 1, role="value") == [2, 2, 2, 4]
+    assert widths_by_error(rot, 1, role="key") == key_widths_by_error(rot, 1) == [2, 4, 2, 2]
+    with pytest.raises(ValueError, match="role must be 'key' or 'value', got 'query'"):
+        layers_by_gain(rot, role="query")
+    keys_only = _rotations([0.1, 0.3, 0.1, 0.1], [0.1, 0.2, 0.1, 0.1])
+    with pytest.raises(ValueError, match="no INT2 value clip fit in the header"):
+        widths_by_error(keys_only, 1, role="value")
+
+
+def test_layer_width_formats_and_value_clips_of_each_layers_width():
+    rot = _rotations(
+        [0.1, 0.3, 0.3, 0.1],
+        [0.09, 0.05, 0.1, 0.1],
+        value_errors=([0.3, 0.1, 0.3, 0.1], [0.0, 0.1, 0.2, 0.1]),
+    )
+    kbits, vbits = widths_by_error(rot, 2), widths_by_error(rot, 1, role="value")
+    assert (kbits, vbits) == ([2, 4, 4, 2], [4, 2, 2, 2])
+    base = _fmt(2, 2)
+    formats = layer_width_formats(base, key_bits=kbits, value_bits=vbits)
+    assert [(f.key.bits, f.value.bits) for f in formats] == list(zip(kbits, vbits))
+    assert all(f.sink_tokens == 3 and f.key.group_size == 64 for f in formats)
+    assert layer_width_formats(base, value_bits=vbits)[0].key == base.key
+    assert layer_key_formats(base, kbits) == layer_width_formats(base, key_bits=kbits)
+    cache = _cache(formats)
+    apply_to_cache(rot, cache, clip_bits="cache")
+    for layer, (kb, vb) in enumerate(zip(kbits, vbits)):
+        tr = cache.transforms[layer]
+        assert tr.key_clip == pytest.approx(float(rot.clips[(kb, "key")][layer]))
+        assert tr.value_clip == pytest.approx(float(rot.clips[(vb, "value")][layer]))
+    # (decode of caches whose layers' value widths differ: TOKEN_WISE, above)
+    with pytest.raises(ValueError, match="give key_bits, value_bits or both"):
+        layer_width_formats(base)
+    with pytest.raises(ValueError, match="key_bits of 4, value_bits of 3"):
+        layer_width_formats(base, key_bits=kbits, value_bits=vbits[:3])
+    with pytest.raises(ValueError, match=r"value_bits\[0\] must be 2 or 4, got 8"):
+        layer_width_formats(base, value_bits=[8, 2])
+    with pytest.raises(TypeError, match="fmt must be a KVFormat"):
+        layer_width_formats([base], key_bits=[2])
 
 
 def test_layer_key_formats_and_clips_of_each_layers_width():

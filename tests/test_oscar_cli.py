@@ -15,7 +15,7 @@ pytest.importorskip("safetensors", reason="rotations are saved as safetensors")
 
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from foscar.oscar import OscarRotations, layers_by_key_gain  # noqa: E402
+from foscar.oscar import OscarRotations, layers_by_gain, layers_by_key_gain  # noqa: E402
 from foscar.oscar import cli as oscar_cli  # noqa: E402
 
 
@@ -81,6 +81,8 @@ def test_calibrate_writes_a_loadable_file(toy):
     order = layers_by_key_gain(r)
     assert sorted(order) == [0, 1]
     assert f"layers whose keys gain most from INT4 over INT2, best first: {order}" in lines
+    order = layers_by_gain(r, role="value")
+    assert f"layers whose values gain most from INT4 over INT2, best first: {order}" in lines
     # the default 64/256 windows hold all of a 128-token sequence: no clip can be fitted there
     args.fit_windows = [64, 256]
     with pytest.raises(ValueError, match="longer than sink \\+ recent = 320"):
@@ -342,12 +344,17 @@ def test_prepare_rows_with_int4_keys_in_some_layers(toy, monkeypatch):
     model = LlamaForCausalLM.from_pretrained(toy / "model").eval()
     tok = AutoTokenizer.from_pretrained(toy / "model")
     monkeypatch.setattr(evaluate, "INT4_KEY_LAYERS", (1, 2))
+    monkeypatch.setattr(evaluate, "INT4_KEY_VALUE_LAYERS", ((1, 1), (1, 2)))
     wanted = "INT4 keys in"
     rows, info = evaluate.prepare(
         model, tok, tokens=256, seq_len=128, windows=(8, 16), gptq=True,
         wanted=lambda name: wanted in name,
     )  # fmt: skip
-    (row,) = [r for r in rows if wanted in r.name]
+    (row, both) = [r for r in rows if wanted in r.name]
+    assert both.name == (
+        "OSCAR-select per-KV-head INT2 + GPTQ keys, INT4 keys in 1 layers, INT4 values in 1 "
+        "layers + BF16 8/16 (fitted clips)"
+    )
     assert row.name == (
         "OSCAR-select per-KV-head INT2 + GPTQ keys, INT4 keys in 1 layers + BF16 8/16 "
         "(fitted clips)"
@@ -368,6 +375,18 @@ def test_prepare_rows_with_int4_keys_in_some_layers(toy, monkeypatch):
         assert tr.value_clip == float(rot.clips[(2, "value")][layer])
     # the file a user calibrates ranks the same way (foscar calibrate logs the order)
     assert evaluate.key_widths_by_error(rot, 1) == [f.key.bits for f in row.fmt]
+    # the row with INT4 values too: the same keys, values at INT4 where their error falls most
+    (wide_v,) = gptq_info["int4_value_layers"]["1"]
+    errors = gptq_info["value_relative_error_per_layer"]
+    gains = [a * a - b * b for a, b in zip(errors["int2"], errors["int4"])]
+    assert wide_v == max(range(2), key=lambda i: (gains[i], -i))
+    assert [f.key.bits for f in both.fmt] == [f.key.bits for f in row.fmt]
+    assert [f.value.bits for f in both.fmt] == [4 if i == wide_v else 2 for i in range(2)]
+    cache = both.make_cache(model, record_prefill(model, [list(range(5, 45))]), 4).kv
+    for layer, tr in enumerate(cache.transforms):
+        f = cache.layer_format(layer)
+        assert tr.key_clip == float(rot.clips[(f.key.bits, "key")][layer])
+        assert tr.value_clip == float(rot.clips[(f.value.bits, "value")][layer])
     # asked only for the group's INT2 rows: no INT4 fit, and no INT4-key rows built without it
     rows, info = evaluate.prepare(
         model, tok, tokens=256, seq_len=128, windows=(8, 16), gptq=True,

@@ -41,8 +41,11 @@ from .policy import (
     fold_value_rotations,
     key_widths_by_error,
     layer_key_formats,
+    layer_width_formats,
+    layers_by_gain,
     layers_by_key_gain,
     oscar_cache,
+    widths_by_error,
 )
 from .rotation import RECIPES, RotationRecipe, bit_reversal, hadamard, rotation
 
@@ -65,8 +68,11 @@ __all__ = [
     "hadamard",
     "key_widths_by_error",
     "layer_key_formats",
+    "layer_width_formats",
+    "layers_by_gain",
     "layers_by_key_gain",
     "oscar_cache",
     "rotation",
     "select_rotations",
+    "widths_by_error",
 ]

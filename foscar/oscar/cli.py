@@ -159,7 +159,7 @@ def run(args, log=print) -> int:
         gptq_factors,
         select_rotations,
     )
-    from .policy import layers_by_key_gain
+    from .policy import layers_by_gain
 
     _check(args)
     if args.threads:
@@ -242,9 +242,10 @@ def run(args, log=print) -> int:
                     f"min {float(c.min()):.2f}, max {float(c.max()):.2f}"
                 )
     if {2, 4} <= set(args.clip_bits):
-        # where INT4 keys buy most (foscar.oscar.key_widths_by_error, layer_key_formats)
-        order = layers_by_key_gain(rot)
-        log(f"layers whose keys gain most from INT4 over INT2, best first: {order}")
+        # where INT4 keys or values buy most (foscar.oscar.widths_by_error, layer_width_formats)
+        for role in ("key", "value"):
+            order = layers_by_gain(rot, role=role)
+            log(f"layers whose {role}s gain most from INT4 over INT2, best first: {order}")
     if args.gptq_keys:
         rot.header["gptq_key_metric"] = {"name": args.gptq_metric}
         if metrics is not None:

@@ -61,7 +61,7 @@ from .calibrate import (
     gptq_factors,
 )
 from .capture import model_shapes
-from .policy import OscarRotations, key_widths_by_error, oscar_cache
+from .policy import OscarRotations, key_widths_by_error, oscar_cache, widths_by_error
 
 __all__ = [
     "OscarEvalFormat",
@@ -652,6 +652,17 @@ def _gptq_metric_rows(
                     for n in INT4_KEY_LAYERS
                     if n < rot.num_layers
                 },
+                clips_int4_value=rot.clips[(4, "value")].tolist(),
+                value_relative_error_per_layer={
+                    f"int{b}": fit[f"int{b}.value"]["fitted_relative_error"] for b in (2, 4)
+                },
+                int4_value_layers={
+                    str(m): [
+                        i for i, b in enumerate(widths_by_error(rot, m, role="value")) if b == 4
+                    ]
+                    for _, m in INT4_KEY_VALUE_LAYERS
+                    if m < rot.num_layers
+                },
             )
     # OSCAR-select made again with every candidate's keys rounded by GPTQ: the rotation whose
     # GPTQ error is smallest need not be the one whose rounding-to-nearest error is
@@ -724,6 +735,9 @@ def _mixed_width_rows(
 #: how many layers the per-layer key width rows store at INT4 (EVAL_NOTES 15: on SmolLM2 the
 #: 6 layers of largest key error hold 57% of the keys' squared INT2 error)
 INT4_KEY_LAYERS = (6, 10)
+#: (INT4 key layers, INT4 value layers) of the rows that widen some layers' values too
+#: (EVAL_NOTES 20: what the values' INT2 costs once the keys' worst layers are INT4)
+INT4_KEY_VALUE_LAYERS = ((10, 6),)
 
 
 def _layer_width_rows(
@@ -737,18 +751,26 @@ def _layer_width_rows(
 ) -> list[OscarEvalFormat]:
     """``label`` + ``keys`` with ``windows``, its keys at INT4 in the ``n`` layers where INT4
     lowers their error most (:func:`foscar.oscar.key_widths_by_error`), for each ``n`` of
-    ``counts`` (default :data:`INT4_KEY_LAYERS`) below the layer count: one format per layer,
-    each layer's clips those fitted for its widths (``rot``'s clips of INT2 and INT4, fitted
-    with its GPTQ keys). ``names_only``: the rows' names are all that will be read (``rot``
-    may not be fitted yet)."""
+    ``counts`` (default :data:`INT4_KEY_LAYERS`) below the layer count, and (``counts`` None)
+    for each ``(n, m)`` of :data:`INT4_KEY_VALUE_LAYERS` its values at INT4 too in the ``m``
+    layers where that lowers their error most: one format per layer, each layer's clips those
+    fitted for its widths (``rot``'s clips of INT2 and INT4, fitted with its GPTQ keys).
+    ``names_only``: the rows' names are all that will be read (``rot`` may not be fitted
+    yet)."""
     s, r = windows
+    plan = [(n, 0) for n in (INT4_KEY_LAYERS if counts is None else counts)]
+    if counts is None:
+        plan += list(INT4_KEY_VALUE_LAYERS)
     rows = []
-    for n in INT4_KEY_LAYERS if counts is None else counts:
-        if n >= rot.num_layers:  # INT4 keys everywhere: the K INT4 rows
+    for n, m in plan:
+        if n >= rot.num_layers or m >= rot.num_layers:  # INT4 everywhere: the K INT4 rows
             continue
-        widths = [2] * rot.num_layers if names_only else key_widths_by_error(rot, n)
-        fmt = tuple(_fmt((kb, 2), g, None, s, r) for kb in widths)
-        name = f"{label} + {keys}, INT4 keys in {n} layers + BF16 {s}/{r} (fitted clips)"
+        two = [2] * rot.num_layers
+        kbits = two if names_only else widths_by_error(rot, n, role="key")
+        vbits = two if names_only or not m else widths_by_error(rot, m, role="value")
+        fmt = tuple(_fmt((kb, vb), g, None, s, r) for kb, vb in zip(kbits, vbits))
+        values = f", INT4 values in {m} layers" if m else ""
+        name = f"{label} + {keys}, INT4 keys in {n} layers{values} + BF16 {s}/{r} (fitted clips)"
         rows.append(OscarEvalFormat(name, fmt, 2, rot, "cache"))
     return rows
 

@@ -36,7 +36,10 @@ __all__ = [
     "fold_value_rotations",
     "key_widths_by_error",
     "layer_key_formats",
+    "layer_width_formats",
+    "layers_by_gain",
     "layers_by_key_gain",
+    "widths_by_error",
     "oscar_cache",
 ]
 
@@ -277,47 +280,75 @@ def key_widths_by_error(
     rotations: OscarRotations, num_wide_layers: int, *, narrow: int = 2, wide: int = 4
 ) -> list[int]:
     """Key width per layer: ``wide`` bits in the ``num_wide_layers`` layers whose keys gain
-    most from it, ``narrow`` in the rest.
+    most from it, ``narrow`` in the rest (:func:`widths_by_error` for the keys).
 
-    The gain of a layer is the fall of its keys' squared relative attention-output error from
-    INT``narrow`` to INT``wide``, as :func:`foscar.oscar.fit_clips` measured it on the
-    calibration text with the fitted clips (both widths must have been fitted, so
-    ``rotations.header["clip_fit"]`` holds ``int<bits>.key``, or for rotations chosen per
-    layer, the chosen candidate's fit does: ``foscar calibrate`` files of either kind, with
-    ``--clip-bits 2 4``, the default). On SmolLM2 a few layers hold
-    most of the keys' INT2 error (benchmarks/EVAL_NOTES.md 15), so a few INT4 layers buy most
-    of what INT4 keys everywhere would. Ties go to the earlier layer.
+    On SmolLM2 a few layers hold most of the keys' INT2 error (benchmarks/EVAL_NOTES.md 15),
+    so a few INT4 layers buy most of what INT4 keys everywhere would (EVAL_NOTES 17), and this
+    ranking picks nearly the layers the logits' KL would (EVAL_NOTES 19).
+    """
+    return widths_by_error(rotations, num_wide_layers, role="key", narrow=narrow, wide=wide)
+
+
+def widths_by_error(
+    rotations: OscarRotations,
+    num_wide_layers: int,
+    *,
+    role: str = "key",
+    narrow: int = 2,
+    wide: int = 4,
+) -> list[int]:
+    """Width of ``role`` (``"key"`` or ``"value"``) per layer: ``wide`` bits in the
+    ``num_wide_layers`` layers whose ``role`` gains most from it, ``narrow`` in the rest.
+
+    The gain of a layer is the fall of the squared relative attention-output error of its
+    ``role`` alone quantized from INT``narrow`` to INT``wide``, as
+    :func:`foscar.oscar.fit_clips` measured it on the calibration text with the fitted clips
+    (both widths must have been fitted, so ``rotations.header["clip_fit"]`` holds
+    ``int<bits>.<role>``, or for rotations chosen per layer, the chosen candidate's fit does:
+    ``foscar calibrate`` files of either kind, with ``--clip-bits 2 4``, the default). Ties go
+    to the earlier layer. Build the formats with :func:`layer_width_formats`.
     """
     n = rotations.num_layers
     if isinstance(num_wide_layers, bool) or not isinstance(num_wide_layers, int):
         raise TypeError(f"num_wide_layers must be an int, got {type(num_wide_layers).__name__}")
     if not 0 <= num_wide_layers <= n:
         raise ValueError(f"num_wide_layers must be in [0, {n}], got {num_wide_layers}")
-    wide_layers = set(layers_by_key_gain(rotations, narrow=narrow, wide=wide)[:num_wide_layers])
+    order = layers_by_gain(rotations, role=role, narrow=narrow, wide=wide)
+    wide_layers = set(order[:num_wide_layers])
     return [wide if layer in wide_layers else narrow for layer in range(n)]
 
 
 def layers_by_key_gain(rotations: OscarRotations, *, narrow: int = 2, wide: int = 4) -> list[int]:
     """The layers, those whose keys gain most from INT``wide`` over INT``narrow`` first (the
     order :func:`key_widths_by_error` takes them in)."""
-    errors = {bits: _key_errors(rotations, bits, (narrow, wide)) for bits in (narrow, wide)}
-    gain = errors[narrow].square() - errors[wide].square()
+    return layers_by_gain(rotations, role="key", narrow=narrow, wide=wide)
+
+
+def layers_by_gain(
+    rotations: OscarRotations, *, role: str = "key", narrow: int = 2, wide: int = 4
+) -> list[int]:
+    """The layers, those whose ``role`` (``"key"`` or ``"value"``) gains most from INT``wide``
+    over INT``narrow`` first (the order :func:`widths_by_error` takes them in)."""
+    if role not in ("key", "value"):
+        raise ValueError(f"role must be 'key' or 'value', got {role!r}")
+    e_narrow, e_wide = (_fitted_errors(rotations, role, b, (narrow, wide)) for b in (narrow, wide))
+    gain = e_narrow.square() - e_wide.square()
     return sorted(range(rotations.num_layers), key=lambda layer: (-float(gain[layer]), layer))
 
 
-def _key_errors(rotations: OscarRotations, bits: int, widths) -> torch.Tensor:
-    """``[L]`` fitted relative key errors at INT``bits`` from the header: one clip fit's, or,
-    for rotations chosen per layer (:func:`foscar.oscar.choose_rotations`), each layer's chosen
-    candidate's."""
+def _fitted_errors(rotations: OscarRotations, role: str, bits: int, widths) -> torch.Tensor:
+    """``[L]`` fitted relative errors of ``role`` at INT``bits`` from the header: one clip
+    fit's, or, for rotations chosen per layer (:func:`foscar.oscar.choose_rotations`), each
+    layer's chosen candidate's."""
     fit = rotations.header.get("clip_fit") or {}
-    choice = (rotations.header.get("selection") or {}).get("key")
+    choice = (rotations.header.get("selection") or {}).get(role)
     per_layer = []
     for layer in range(rotations.num_layers):
         f = fit[choice[layer]] if choice and choice[layer] in fit else fit
-        entry = f.get(f"int{bits}.key")
+        entry = f.get(f"int{bits}.{role}")
         if not isinstance(entry, dict) or "fitted_relative_error" not in entry:
             raise ValueError(
-                f"rotations: no INT{bits} key clip fit in the header (clip_fit has "
+                f"rotations: no INT{bits} {role} clip fit in the header (clip_fit has "
                 f"{sorted(k for k in f if str(k).startswith('int'))}); fit_clips with bits "
                 f"{tuple(widths)} records the per-layer errors this ranks by"
             )
@@ -328,13 +359,40 @@ def _key_errors(rotations: OscarRotations, bits: int, widths) -> torch.Tensor:
 def layer_key_formats(fmt: KVFormat, key_bits) -> tuple[KVFormat, ...]:
     """One format per layer: ``fmt`` with its keys at ``key_bits[layer]`` bits (for a cache
     with per-layer formats, e.g. from :func:`key_widths_by_error`)."""
+    return layer_width_formats(fmt, key_bits=key_bits)
+
+
+def layer_width_formats(fmt: KVFormat, *, key_bits=None, value_bits=None) -> tuple[KVFormat, ...]:
+    """One format per layer: ``fmt`` with its keys at ``key_bits[layer]`` and its values at
+    ``value_bits[layer]`` bits (2 or 4; None keeps ``fmt``'s width of that role in every
+    layer; given both, of one length), e.g. from :func:`widths_by_error`."""
     if not isinstance(fmt, KVFormat):
         raise TypeError(f"fmt must be a KVFormat, got {type(fmt).__name__}")
+    widths = {}
+    for name, bits in (("key_bits", key_bits), ("value_bits", value_bits)):
+        if bits is None:
+            continue
+        bits = list(bits)
+        for i, b in enumerate(bits):
+            if isinstance(b, bool) or not isinstance(b, int) or b not in (2, 4):
+                raise ValueError(f"{name}[{i}] must be 2 or 4, got {b!r}")
+        widths[name] = bits
+    if not widths:
+        raise ValueError("give key_bits, value_bits or both (one width per layer)")
+    lengths = {len(b) for b in widths.values()}
+    if len(lengths) != 1 or 0 in lengths:
+        raise ValueError(
+            "key_bits and value_bits must give one width per layer, of one non-zero length; got "
+            + ", ".join(f"{k} of {len(v)}" for k, v in widths.items())
+        )
     out = []
-    for i, b in enumerate(key_bits):
-        if isinstance(b, bool) or not isinstance(b, int) or b not in (2, 4):
-            raise ValueError(f"key_bits[{i}] must be 2 or 4, got {b!r}")
-        out.append(replace(fmt, key=replace(fmt.key, bits=b)))
+    for layer in range(lengths.pop()):
+        key, value = fmt.key, fmt.value
+        if "key_bits" in widths:
+            key = replace(key, bits=widths["key_bits"][layer])
+        if "value_bits" in widths:
+            value = replace(value, bits=widths["value_bits"][layer])
+        out.append(replace(fmt, key=key, value=value))
     return tuple(out)
 
 
