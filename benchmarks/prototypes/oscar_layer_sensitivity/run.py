@@ -15,6 +15,10 @@ calibration sequence); then per layer the mean KL over positions 512..2047 of tw
 sequences, and the fitted `e2^2 - e4^2`.
 
     OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python benchmarks/prototypes/oscar_layer_sensitivity/run.py OUT.json
+
+With ``screen`` after OUT.json: the four layers of largest KL only, each with other key
+formats (INT2 g 32 and g 16 with GPTQ, INT4 g 64), their clips fitted the same way, to see
+whether any INT2 format closes most of INT4's gain there (EVAL_NOTES 19).
 """
 
 import json
@@ -38,6 +42,8 @@ from foscar.oscar.calibrate import (
 )
 
 OUT = sys.argv[1] if len(sys.argv) > 1 else "layer_sensitivity.json"
+SCREEN = len(sys.argv) > 2 and sys.argv[2] == "screen"
+SCREEN_LAYERS = (18, 20, 7, 23)  # the largest KL of the full run, largest first
 WINDOWS = (64, 256)
 FIRST = 512  # positions scored: FIRST .. T-1
 
@@ -54,10 +60,16 @@ e2 = torch.tensor(fit["int2.key"]["fitted_relative_error"])
 e4 = torch.tensor(fit["int4.key"]["fitted_relative_error"])
 gain = e2.square() - e4.square()
 clips2 = rot.clips[(2, "key")]
+# key formats: (bits, group) -> per-layer clips
+CLIPS = {(2, 64): rot.clips[(2, "key")].clone(), (4, 64): rot.clips[(4, "key")].clone()}
+if SCREEN:
+    for g in (32, 16):
+        fit_clips(model, seqs[:1], rot, bits=(2,), group_size=g, windows=WINDOWS)
+        CLIPS[(2, g)] = rot.clips[(2, "key")].clone()
 print(f"calibrated and fitted {time.perf_counter() - t0:.0f}s", flush=True)
 
 NAME = "foscar_layer_sensitivity"
-state = {"layer": None, "bits": 2}
+state = {"layer": None, "bits": 2, "group": 64}
 
 
 @contextmanager
@@ -72,14 +84,16 @@ def quantized_keys_in(model):
         scaling = module.scaling if scaling is None else scaling
         layer = module.layer_idx
         if layer != state["layer"]:
-            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kw)
+            return sdpa_attention_forward(
+                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kw
+            )
         q, k, v = query[0].float(), key[0].float(), value[0].float()
         hq, t, d = q.shape
         g = hq // k.shape[0]
         rk = rot.key[layer]
         kr = _rotate(k, rk)
-        clip = float(rot.clips[(state["bits"], "key")][layer])
-        f = QuantFormat(state["bits"], "token", 64, None if clip == 1.0 else clip)
+        clip = float(CLIPS[(state["bits"], state["group"])][layer])
+        f = QuantFormat(state["bits"], "token", state["group"], None if clip == 1.0 else clip)
         kq = _fake_quantize(kr, f, rot.key_gptq[layer])
         kb = kr.to(torch.bfloat16).float()
         qr = _rotate(q, rk)
@@ -104,22 +118,56 @@ def quantized_keys_in(model):
 
 
 scored = seqs[:2]
+
+
+def sensitivity(layer):
+    """(KL, NLL increase) with ``layer``'s keys in ``state``'s format, the rest exact."""
+    state["layer"] = layer
+    kl = dnll = 0.0
+    with quantized_keys_in(model):
+        for s, ex, tg in zip(scored, exact, targets):
+            lq = torch.log_softmax(model(input_ids=s[None]).logits[0, FIRST:].float(), -1)
+            kl += float((ex.exp() * (ex - lq)).sum(-1).mean()) / len(scored)
+            n = len(tg)
+            dnll += float(
+                (lq[:n].gather(1, tg[:, None]) - ex[:n].gather(1, tg[:, None])).neg().mean()
+            ) / len(scored)
+    return kl, dnll
+
+
 with torch.no_grad():
-    exact = [torch.log_softmax(model(input_ids=s[None]).logits[0, FIRST:].float(), -1) for s in scored]
+    exact = [
+        torch.log_softmax(model(input_ids=s[None]).logits[0, FIRST:].float(), -1) for s in scored
+    ]
     targets = [s[FIRST + 1 :] for s in scored]
+    if SCREEN:
+        rows = {}
+        for layer in SCREEN_LAYERS:
+            for bits, g in CLIPS:
+                state.update(bits=bits, group=g)
+                k, n = sensitivity(layer)
+                rows[f"{layer}/int{bits}/g{g}"] = {
+                    "kl": k,
+                    "dnll": n,
+                    "clip": float(CLIPS[(bits, g)][layer]),
+                }
+                print(
+                    f"layer {layer} INT{bits} g{g}: KL {k:.5f}, NLL +{n:.5f}  {time.perf_counter() - t0:.0f}s",
+                    flush=True,
+                )
+        json.dump(
+            {"windows": WINDOWS, "first_scored": FIRST, "rows": rows}, open(OUT, "w"), indent=1
+        )
+        print(f"done {time.perf_counter() - t0:.0f}s")
+        sys.exit(0)
     kl = torch.zeros(L, dtype=torch.float64)
     dnll = torch.zeros(L, dtype=torch.float64)
-    with quantized_keys_in(model):
-        for layer in range(L):
-            state["layer"] = layer
-            for s, ex, tg in zip(scored, exact, targets):
-                lq = torch.log_softmax(model(input_ids=s[None]).logits[0, FIRST:].float(), -1)
-                kl[layer] += float((ex.exp() * (ex - lq)).sum(-1).mean()) / len(scored)
-                n = len(tg)
-                dnll[layer] += float(
-                    (lq[:n].gather(1, tg[:, None]) - ex[:n].gather(1, tg[:, None])).neg().mean()
-                ) / len(scored)
-            print(f"layer {layer}: KL {kl[layer]:.5f}, NLL +{dnll[layer]:.5f}, e2^2-e4^2 {gain[layer]:.5f}  {time.perf_counter() - t0:.0f}s", flush=True)
+    for layer in range(L):
+        kl[layer], dnll[layer] = sensitivity(layer)
+        print(
+            f"layer {layer}: KL {kl[layer]:.5f}, NLL +{dnll[layer]:.5f}, e2^2-e4^2 {gain[layer]:.5f}  {time.perf_counter() - t0:.0f}s",
+            flush=True,
+        )
 
 by_kl = torch.argsort(kl, descending=True).tolist()
 by_gain = torch.argsort(gain, descending=True).tolist()
@@ -127,8 +175,12 @@ rank = lambda x: torch.argsort(torch.argsort(x)).double()  # noqa: E731
 rho = float(torch.corrcoef(torch.stack([rank(kl), rank(gain)]))[0, 1])
 print(f"by KL:   {by_kl[:10]}")
 print(f"by gain: {by_gain[:10]}")
-print(f"Spearman rho {rho:.3f}; top-6 overlap {len(set(by_kl[:6]) & set(by_gain[:6]))}, top-10 {len(set(by_kl[:10]) & set(by_gain[:10]))}")
-print(f"KL share of the top 6 by KL {kl[by_kl[:6]].sum() / kl.sum():.3f}, of the top 6 by gain {kl[by_gain[:6]].sum() / kl.sum():.3f}")
+print(
+    f"Spearman rho {rho:.3f}; top-6 overlap {len(set(by_kl[:6]) & set(by_gain[:6]))}, top-10 {len(set(by_kl[:10]) & set(by_gain[:10]))}"
+)
+print(
+    f"KL share of the top 6 by KL {kl[by_kl[:6]].sum() / kl.sum():.3f}, of the top 6 by gain {kl[by_gain[:6]].sum() / kl.sum():.3f}"
+)
 json.dump(
     {
         "windows": WINDOWS,
