@@ -201,3 +201,43 @@ def test_cli_entry_points():
         [sys.executable, "-m", "foscar", "eval", "--help"], capture_output=True, text=True
     )
     assert res.returncode == 0 and "--full" in res.stdout and "--needle-depths" in res.stdout
+
+
+def test_needle_totals_count_each_distinct_trial_once(tmp_path, monkeypatch):
+    """benchmarks/needle_totals.py: runs with other depths add trials; a trial two runs share
+    (the BF16 row of runs with the same depths) counts once."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "needle_totals.py"
+    spec = importlib.util.spec_from_file_location("needle_totals", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def run(name, depths, values, hits_by_row):
+        rows = [
+            {
+                "format": row,
+                "needle": {
+                    "2048": {
+                        "found": sum(h),
+                        "trials": len(h),
+                        "depths": depths,
+                        "values": values,
+                        "hits": h,
+                    }
+                },
+            }
+            for row, h in hits_by_row.items()
+        ]
+        (tmp_path / f"{name}.json").write_text(json.dumps({"rows": rows}))
+
+    run("a", [0.1, 0.5], ["11111", "22222"], {"BF16": [True, False], "X": [True, True]})
+    run("b", [0.1, 0.5], ["11111", "22222"], {"BF16": [True, False], "Y": [False, False]})
+    run("c", [0.3], ["33333"], {"BF16": [True], "X": [False]})
+    monkeypatch.setattr(mod, "RESULTS", tmp_path)
+    assert mod.totals(["a", "b", "c"]) == {
+        "BF16": {"2048": [2, 3]},
+        "X": {"2048": [2, 3]},
+        "Y": {"2048": [0, 2]},
+    }
+    assert "| X | 2/3 |" in mod.table(["a", "b", "c"])

@@ -1,0 +1,51 @@
+"""Needle hits of foscar eval's committed runs, summed per row over several runs.
+
+Each run draws its passcodes and places them at its depths, so runs with other
+``--needle-depths`` add other trials; a trial (length, depth, passcode) that several runs
+measured for a row counts once (the BF16 row of runs with the same depths, and its first run's
+result). Rows are matched by their exact name; a row counts only the lengths its runs
+measured. Reads the JSONs under ``benchmarks/results/cpu/``; nothing is re-measured.
+
+    python benchmarks/needle_totals.py RUN [RUN ...]   # result names without .json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results" / "cpu"
+
+
+def totals(runs: list[str]) -> dict[str, dict[str, list[int]]]:
+    """``{row name: {length: [found, trials]}}`` over the distinct trials of ``runs``."""
+    seen: dict[str, dict[str, dict[tuple, bool]]] = {}
+    for run in runs:
+        for row in json.loads((RESULTS / f"{run}.json").read_text())["rows"]:
+            for length, n in row.get("needle", {}).items():
+                trials = seen.setdefault(row["format"], {}).setdefault(length, {})
+                for depth, value, hit in zip(n["depths"], n["values"], n["hits"], strict=True):
+                    trials.setdefault((float(depth), str(value)), bool(hit))
+    return {
+        name: {n: [sum(t.values()), len(t)] for n, t in row.items()} for name, row in seen.items()
+    }
+
+
+def table(runs: list[str]) -> str:
+    t = totals(runs)
+    lengths = sorted({k for row in t.values() for k in row}, key=int)
+    lines = [
+        "| row | " + " | ".join(f"needle {int(n) // 1024}K" for n in lengths) + " |",
+        "|---|" + "---|" * len(lengths),
+    ]
+    for name, row in t.items():
+        cells = [f"{row[n][0]}/{row[n][1]}" if n in row else "" for n in lengths]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    print(table(sys.argv[1:]))
