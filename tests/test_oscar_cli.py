@@ -120,13 +120,19 @@ def test_calibrate_gptq_keys(toy):
 
 def test_calibrated_file_serves_int4_keys_in_some_layers(toy):
     """README's recipe: a --select --select-kv-heads --gptq-keys file (clips of INT2 and INT4)
-    ranks the layers by its chosen candidates' fits; the cache takes one format per layer,
-    each clipped for its own widths, and generates."""
+    ranks the layers by its chosen candidates' fits, for keys and for values; the cache takes
+    one format per layer, each role clipped for its own width, and generates."""
     from transformers import AutoTokenizer
 
     from foscar import KVFormat, QuantFormat
     from foscar.integrations.transformers import cache_kwarg, use_foscar_attention
-    from foscar.oscar import key_widths_by_error, layer_key_formats, oscar_cache
+    from foscar.oscar import (
+        key_widths_by_error,
+        layer_key_formats,
+        layer_width_formats,
+        oscar_cache,
+        widths_by_error,
+    )
 
     out = toy / "w.safetensors"
     args = parse(
@@ -152,6 +158,18 @@ def test_calibrated_file_serves_int4_keys_in_some_layers(toy):
         assert cache.kv.layer_format(layer).key.bits == bits
         assert cache.kv.transforms[layer].key_clip == float(rot.clips[(bits, "key")][layer])
     assert cache.kv.memory_stats()["quantized_tokens"] > 0
+    # values too, ranked by the values' chosen candidates' fits
+    vwidths = widths_by_error(rot, 1, role="value")
+    assert sorted(vwidths) == [2, 4]
+    assert any(line.endswith(f"best first: {layers_by_gain(rot, role='value')}") for line in lines)
+    fmt = layer_width_formats(fmt[0], key_bits=widths, value_bits=vwidths)
+    cache = oscar_cache(fmt, model.config, rot, clip_bits="cache", max_cache_len=256)
+    model.generate(**enc, max_new_tokens=4, do_sample=False, **{cache_kwarg(model): cache})
+    for layer, (kb, vb) in enumerate(zip(widths, vwidths)):
+        f_layer, tr = cache.kv.layer_format(layer), cache.kv.transforms[layer]
+        assert (f_layer.key.bits, f_layer.value.bits) == (kb, vb)
+        assert tr.key_clip == float(rot.clips[(kb, "key")][layer])
+        assert tr.value_clip == float(rot.clips[(vb, "value")][layer])
 
 
 def test_calibrate_rejects_bad_arguments(toy):
