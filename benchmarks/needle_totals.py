@@ -6,6 +6,12 @@ measured for a row counts once (the BF16 row of runs with the same depths, and i
 result). Rows are matched by their exact name; a row counts only the lengths its runs
 measured. Reads the JSONs under ``benchmarks/results/cpu/``; nothing is re-measured.
 
+Two counts per cell: ``hits`` (foscar eval's score: the argmax at every answer position is
+the answer's token, so greedy decoding would emit `` 60494``) and ``digits`` (the argmax
+tokens after the first answer position spell the passcode's digits: what a trial whose first
+token is `` "`` instead of `` `` still retrieved; teacher-forced, so the digits are predicted
+after the right first token, not after the one the model chose).
+
     python benchmarks/needle_totals.py RUN [RUN ...]   # result names without .json
 """
 
@@ -19,16 +25,22 @@ RESULTS = Path(__file__).resolve().parent / "results" / "cpu"
 
 
 def totals(runs: list[str]) -> dict[str, dict[str, list[int]]]:
-    """``{row name: {length: [found, trials]}}`` over the distinct trials of ``runs``."""
-    seen: dict[str, dict[str, dict[tuple, bool]]] = {}
+    """``{row name: {length: [hits, digits, trials]}}`` over the distinct trials of ``runs``."""
+    seen: dict[str, dict[str, dict[tuple, tuple[bool, bool]]]] = {}
     for run in runs:
         for row in json.loads((RESULTS / f"{run}.json").read_text())["rows"]:
             for length, n in row.get("needle", {}).items():
                 trials = seen.setdefault(row["format"], {}).setdefault(length, {})
-                for depth, value, hit in zip(n["depths"], n["values"], n["hits"], strict=True):
-                    trials.setdefault((float(depth), str(value)), bool(hit))
+                cells = zip(n["depths"], n["values"], n["hits"], n["argmax"], strict=True)
+                for depth, value, hit, argmax in cells:
+                    digits = argmax.endswith(str(value))
+                    trials.setdefault((float(depth), str(value)), (bool(hit), digits))
     return {
-        name: {n: [sum(t.values()), len(t)] for n, t in row.items()} for name, row in seen.items()
+        name: {
+            n: [sum(h for h, _ in t.values()), sum(d for _, d in t.values()), len(t)]
+            for n, t in row.items()
+        }
+        for name, row in seen.items()
     }
 
 
@@ -36,11 +48,11 @@ def table(runs: list[str]) -> str:
     t = totals(runs)
     lengths = sorted({k for row in t.values() for k in row}, key=int)
     lines = [
-        "| row | " + " | ".join(f"needle {int(n) // 1024}K" for n in lengths) + " |",
+        "| row | " + " | ".join(f"needle {int(n) // 1024}K: hits (digits)" for n in lengths) + " |",
         "|---|" + "---|" * len(lengths),
     ]
     for name, row in t.items():
-        cells = [f"{row[n][0]}/{row[n][1]}" if n in row else "" for n in lengths]
+        cells = [f"{row[n][0]}/{row[n][2]} ({row[n][1]})" if n in row else "" for n in lengths]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

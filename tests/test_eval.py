@@ -214,6 +214,9 @@ def test_needle_totals_count_each_distinct_trial_once(tmp_path, monkeypatch):
     spec.loader.exec_module(mod)
 
     def run(name, depths, values, hits_by_row):
+        def argmax(value, hit):  # a miss: the right digits after a quote, or wrong digits
+            return f" {value}" if hit else (f' "{value}' if value != "22222" else " 22223")
+
         rows = [
             {
                 "format": row,
@@ -224,6 +227,7 @@ def test_needle_totals_count_each_distinct_trial_once(tmp_path, monkeypatch):
                         "depths": depths,
                         "values": values,
                         "hits": h,
+                        "argmax": [argmax(v, hit) for v, hit in zip(values, h)],
                     }
                 },
             }
@@ -235,9 +239,10 @@ def test_needle_totals_count_each_distinct_trial_once(tmp_path, monkeypatch):
     run("b", [0.1, 0.5], ["11111", "22222"], {"BF16": [True, False], "Y": [False, False]})
     run("c", [0.3], ["33333"], {"BF16": [True], "X": [False]})
     monkeypatch.setattr(mod, "RESULTS", tmp_path)
+    # [hits, digits right, trials]: 22222's misses have wrong digits, the others a stray quote
     assert mod.totals(["a", "b", "c"]) == {
-        "BF16": {"2048": [2, 3]},
-        "X": {"2048": [2, 3]},
-        "Y": {"2048": [0, 2]},
+        "BF16": {"2048": [2, 2, 3]},
+        "X": {"2048": [2, 3, 3]},
+        "Y": {"2048": [0, 1, 2]},
     }
-    assert "| X | 2/3 |" in mod.table(["a", "b", "c"])
+    assert "| X | 2/3 (3) |" in mod.table(["a", "b", "c"])
