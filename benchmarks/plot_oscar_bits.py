@@ -23,10 +23,13 @@ ROWS = [
     ("oscar_smollm2_gptq_64_1024_4k", "+ BF16 64/1024", "K2 V2, 64/1024 windows", "windows"),
     ("oscar_smollm2_int4_key_layers6_4k", "INT4 keys in 6 layers", "K4 in 6 layers", "layers"),
     ("oscar_smollm2_int4_key_layers10_4k", "INT4 keys in 10 layers", "K4 in 10 layers", "layers"),
+    ("oscar_smollm2_int4_key10_value6_4k", "INT4 values in 6", "K4 in 10, V4 in 6", "layers"),
     ("oscar_smollm2_mixed_widths_4k", "K INT4, V INT2", "K4 V2", "roles"),
     ("oscar_smollm2_mixed_widths_4k", "K INT2 + GPTQ keys, V INT4", "K2 V4", "roles"),
 ]
 COLORS = {"INT2": "black", "windows": "tab:blue", "layers": "tab:red", "roles": "tab:green"}
+#: label offsets (points) where the default, up and right, would overlap another label
+OFFSETS = {"K4 in 10, V4 in 6": (-20, -16)}
 
 
 def gap(row: dict, bf16: dict, prefix: str = "4096") -> tuple[float, float, float]:
@@ -66,7 +69,8 @@ def main() -> None:
             p["bits"], p["gap"], yerr=[[p["gap"] - p["lo"]], [p["hi"] - p["gap"]]], fmt="o",
             color=c, capsize=3,
         )  # fmt: skip
-        ax.annotate(p["label"], (p["bits"], p["gap"]), textcoords="offset points", xytext=(6, 4))
+        xy = OFFSETS.get(p["label"], (6, 4))
+        ax.annotate(p["label"], (p["bits"], p["gap"]), textcoords="offset points", xytext=xy)
     ax.axhline(5, color="gray", ls=":", lw=1)
     ax.text(ax.get_xlim()[0], 5.2, " issue 6's target: 5%", color="gray", fontsize=8)
     ax.set_xlabel(
@@ -76,7 +80,7 @@ def main() -> None:
     ax.set_title(
         "SmolLM2-135M, OSCAR-select per-KV-head, GPTQ keys: where the bits go\n"
         "(BF16 64/256 windows unless named; black: INT2; blue: wider windows;\n"
-        "red: INT4 keys in some layers; green: one role at INT4)",
+        "red: INT4 keys (and values) in some layers; green: one role at INT4)",
         fontsize=9,
     )
     fig.tight_layout()
