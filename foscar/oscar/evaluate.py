@@ -37,6 +37,11 @@ OSCAR-select by GPTQ per-KV-head ...   (``gptq``) OSCAR-select per-KV-head made 
                                        rotation is the one of smallest GPTQ error; none (s/r)
 OSCAR-select per-KV-head K INTa, V INTb (``gptq``) K INT2 by GPTQ with V INT4, and K INT4 with V
                                        INT2: what each role's INT2 costs alone; fitted; s/r
+... INT4 keys in N layers[, INT4       (``gptq``) one format per layer: INT4 keys (values) in
+values in M layers]                    the N (M) layers whose fitted error falls most from INT2
+                                       to INT4 (:data:`INT4_KEY_LAYERS`,
+                                       :data:`INT4_KEY_VALUE_LAYERS`), INT2 elsewhere; each
+                                       layer's clips fitted for its widths; s/r
 =====================================  =========================================================
 
 From a saved :class:`~foscar.oscar.OscarRotations` alone (no ablations): the OSCAR INT2/INT4
