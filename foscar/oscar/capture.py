@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["capture_attention", "model_shapes"]
+__all__ = ["attention_implementation", "capture_attention", "model_shapes"]
 
 _NAME = "foscar_oscar_capture"
 
@@ -33,6 +33,24 @@ def model_shapes(model) -> dict:
 
 
 @contextmanager
+def attention_implementation(model, name: str, attention: Callable) -> Iterator[None]:
+    """Within the block, ``model``'s attention layers call ``attention`` (transformers'
+    attention-function signature, registered under ``name`` with SDPA's mask); the model's
+    previous attention implementation comes back on exit."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+
+
+@contextmanager
 def capture_attention(
     model, callback: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], None]
 ) -> Iterator[None]:
@@ -42,9 +60,7 @@ def capture_attention(
     attention of that one row. The model's previous attention implementation comes back on
     exit.
     """
-    from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kw):
         if query.shape[0] != 1:
@@ -58,11 +74,5 @@ def capture_attention(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kw
         )
 
-    AttentionInterface.register(_NAME, attention)
-    AttentionMaskInterface.register(_NAME, sdpa_mask)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(_NAME)
-    try:
+    with attention_implementation(model, _NAME, attention):
         yield
-    finally:
-        model.set_attn_implementation(previous)

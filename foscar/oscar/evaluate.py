@@ -766,11 +766,11 @@ def _layer_width_rows(
     plan = [(n, 0) for n in (INT4_KEY_LAYERS if counts is None else counts)]
     if counts is None:
         plan += list(INT4_KEY_VALUE_LAYERS)
+    two = [2] * rot.num_layers
     rows = []
     for n, m in plan:
         if n >= rot.num_layers or m >= rot.num_layers:  # INT4 everywhere: the K INT4 rows
             continue
-        two = [2] * rot.num_layers
         kbits = two if names_only else widths_by_error(rot, n, role="key")
         vbits = two if names_only or not m else widths_by_error(rot, m, role="value")
         fmt = tuple(_fmt((kb, vb), g, None, s, r) for kb, vb in zip(kbits, vbits))

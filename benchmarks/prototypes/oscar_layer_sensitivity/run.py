@@ -35,11 +35,13 @@ from foscar.formats import QuantFormat
 from foscar.oscar.calibrate import (
     _fake_quantize,
     _rotate,
+    _window_mask,
     calibrate,
     default_sequences,
     fit_clips,
     gptq_factors,
 )
+from foscar.oscar.capture import attention_implementation
 
 OUT = sys.argv[1] if len(sys.argv) > 1 else "layer_sensitivity.json"
 SCREEN = len(sys.argv) > 2 and sys.argv[2] == "screen"
@@ -76,9 +78,7 @@ state = {"layer": None, "bits": 2, "group": 64}
 def quantized_keys_in(model):
     """Within the block, layer ``state['layer']``'s keys outside each query's BF16 windows are
     read INT``state['bits']`` (rotated, GPTQ-rounded, the fitted clip)."""
-    from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kw):
         scaling = module.scaling if scaling is None else scaling
@@ -100,21 +100,14 @@ def quantized_keys_in(model):
         s = torch.einsum("hnd,htd->hnt", qr, kb.repeat_interleave(g, 0))
         sq = torch.einsum("hnd,htd->hnt", qr, kq.repeat_interleave(g, 0))
         i = torch.arange(t)
-        window = (i[None, :] < WINDOWS[0]) | (i[None, :] > i[:, None] - WINDOWS[1])
-        s = torch.where(window, s, sq) * scaling
+        s = torch.where(_window_mask(i, t, WINDOWS), s, sq) * scaling
         s = s.masked_fill(i[None, :] > i[:, None], float("-inf"))
         p = torch.softmax(s, -1)
         o = torch.einsum("hnt,htd->hnd", p, v.to(torch.bfloat16).float().repeat_interleave(g, 0))
         return o.transpose(0, 1)[None].to(query.dtype), None
 
-    AttentionInterface.register(NAME, attention)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(NAME)
-    try:
+    with attention_implementation(model, NAME, attention):
         yield
-    finally:
-        model.set_attn_implementation(previous)
 
 
 scored = seqs[:2]
