@@ -21,8 +21,10 @@ from foscar.eval import run as eval_run  # noqa: E402
 from foscar.eval.calibrate import fake_quantize  # noqa: E402
 from foscar.eval.metrics import (  # noqa: E402
     decode_nll,
+    first_number,
     greedy_tokens,
     make_cache,
+    needle_answers,
     needle_scores,
     record_prefill,
 )
@@ -113,6 +115,44 @@ def test_needle_score_is_greedy_decoding():
     assert hit4.shape == (2,) and torch.isfinite(nll4).all()
 
 
+@torch.no_grad()
+def test_needle_answers_are_greedy_decoding_after_the_question():
+    """The generated answer is the greedy continuation of prompt + question, computed by full
+    forward passes without a cache; through a quantized cache it decodes every row."""
+    model = _tiny()
+    use_foscar_attention(model)
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (41, 17, 29)]
+    question = torch.randint(0, 96, (7,), generator=g).tolist()
+    pre = record_prefill(model, rows)
+    said = needle_answers(model, make_cache(model, "FP32", pre, 16), pre, question, 5)
+    assert said.shape == (3, 5)
+    for b, row in enumerate(rows):
+        ids = torch.tensor([row + question])
+        for i in range(5):  # greedy by full forward passes
+            nxt = model(input_ids=ids).logits[0, -1].argmax()
+            assert said[b, i] == nxt, (b, i)
+            ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
+    fmt = KVFormat(QuantFormat(4, "token", 32), QuantFormat(2, "token", 32))
+    said4 = needle_answers(model, make_cache(model, fmt, pre, 16), pre, question, 5)
+    assert said4.shape == (3, 5) and ((said4 >= 0) & (said4 < 96)).all()
+
+
+@pytest.mark.parametrize(
+    "text, number",
+    [
+        (" 60494.", "60494"),
+        (' "60494".', "60494"),
+        (" 6049 4", "6049"),  # the first run of digits only: a split number is a miss
+        (" 604941", "604941"),  # a longer number is not the passcode
+        (" unknown", None),
+        ("", None),
+    ],
+)
+def test_first_number(text, number):
+    assert first_number(text) == number
+
+
 @pytest.fixture(scope="module")
 def toy_setup(tmp_path_factory):
     """A tiny random Llama with SmolLM2's tokenizer, and small 'papers' from Python's docs."""
@@ -177,12 +217,19 @@ def test_eval_end_to_end_at_toy_sizes(toy_setup, monkeypatch):
     assert result["config"]["ppl_windows"]["128"] == {"windows": 2, "tokens": 4}
     assert result["config"]["decode"] == "dequantized"  # the CPU default
     assert all(r["needle"]["256"]["trials"] == 1 for r in rows.values())
+    for r in rows.values():  # the generated answer is scored beside the strict one
+        needle = r["needle"]["256"]
+        assert len(needle["generated"]) == 1 and needle["found_generated"] in (0, 1)
+        assert needle["hits_generated"] == [
+            first_number(needle["generated"][0]) == needle["values"][0]
+        ]
     assert rows["INT2 KIVI (K channel, V token)"]["bits_per_element"] == 2 + 64 / 32  # head_dim 32
     cal = result["config"]["calibration"]
     assert all(p < 1 for c in cal["clips"].values() for p in c.values())
     paths = write_results(result, toy_setup / "out", "toy")
     assert json.loads(paths["json"].read_text())["rows"][1]["format"] == "BF16"
     assert "| INT2 KIVI + BF16 64/256 |" in paths["md"].read_text()
+    assert "needle 256 generated" in paths["md"].read_text()
     if importlib.util.find_spec("matplotlib") is not None:  # the plot needs foscar[bench]
         assert paths["png"].stat().st_size > 10000
     # --from-json: the selected rows of a results file rewritten, nothing measured

@@ -19,7 +19,10 @@ precision over the K/V it just computed), so each prompt is prefilled once into 
   cache's extend path: the stored K/V dequantized, as a continued conversation reads them). The
   trial counts when the argmax at every answer position is the right token, i.e. exactly when
   greedy decoding would emit the number; the answer's NLL is kept as a graded score. One step
-  instead of one per answer token: a CPU can afford more depths.
+  instead of one per answer token: a CPU can afford more depths. Beside it, the **generated**
+  score: after the question (one step) a few tokens are decoded greedily through the quantized
+  cache, as a server would answer, and the trial counts when the first number in the answer is
+  the passcode (`` "60494".`` counts, where the strict score wants exactly `` 60494``).
 
 ``"FP32"`` runs the same loops over a ``DynamicCache`` holding the model's own K/V (fp32 on a
 CPU): the model without any KV rounding.
@@ -27,6 +30,7 @@ CPU): the model without any KV rounding.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +44,8 @@ __all__ = [
     "decode_nll",
     "greedy_tokens",
     "needle_scores",
+    "needle_answers",
+    "first_number",
 ]
 
 
@@ -149,19 +155,25 @@ def decode_nll(model, cache, prefill: Prefill, inputs: torch.Tensor, targets: to
     return torch.stack(nll, dim=1)
 
 
-def greedy_tokens(model, cache, prefill: Prefill, count: int, suppress: list[int]):
-    """``count`` greedy tokens per row (the first from the prefill), ``suppress`` ids banned."""
-    step = _Stepper(model, cache, prefill)
+def _greedy(step: _Stepper, first_logits: torch.Tensor, count: int, suppress=()):
+    """``count`` greedy tokens ``[B, count]``: the first from ``first_logits: [B, vocab]``, each
+    next one from a decode step over the one before; ``suppress`` ids banned."""
 
     def pick(logits):
-        logits = logits.clone()
-        logits[:, suppress] = float("-inf")
+        if suppress:
+            logits = logits.clone()
+            logits[:, list(suppress)] = float("-inf")
         return logits.argmax(dim=-1, keepdim=True)
 
-    tokens = [pick(prefill.last_logits)]
+    tokens = [pick(first_logits)]
     for _ in range(count - 1):
         tokens.append(pick(step(tokens[-1])))
     return torch.cat(tokens, dim=1)
+
+
+def greedy_tokens(model, cache, prefill: Prefill, count: int, suppress: list[int]):
+    """``count`` greedy tokens per row (the first from the prefill), ``suppress`` ids banned."""
+    return _greedy(_Stepper(model, cache, prefill), prefill.last_logits, count, suppress)
 
 
 def needle_scores(model, cache, prefill: Prefill, question: list[int], answers: torch.Tensor):
@@ -179,3 +191,21 @@ def needle_scores(model, cache, prefill: Prefill, question: list[int], answers: 
     nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), answers, reduction="none")
     argmax = logits.argmax(dim=-1)
     return (argmax == answers).all(dim=1), nll.sum(dim=1), argmax
+
+
+def needle_answers(model, cache, prefill: Prefill, question: list[int], count: int):
+    """Greedy decoding after ``question`` over ``cache``: ``[B, count]`` token ids.
+
+    The question goes in as one step (the extend path, as in :func:`needle_scores`); each
+    answer token is a decode step over the quantized cache, as a server would emit it. No
+    token is banned: an answer may end early (end of turn) or say the number in any form.
+    """
+    step = _Stepper(model, cache, prefill)
+    q = torch.tensor([question], device=prefill.mask.device).expand(prefill.mask.shape[0], -1)
+    return _greedy(step, step(q), count)
+
+
+def first_number(text: str) -> str | None:
+    """The first run of digits in ``text`` (``'"60494".'`` -> ``"60494"``), or None."""
+    match = re.search(r"\d+", text)
+    return match.group(0) if match else None

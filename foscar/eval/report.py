@@ -69,6 +69,11 @@ def _ppl_cell(row: dict, n: str, base: dict | None) -> str:
     return f"{ppl:.2f} ({gap:+.1f}% ±{half:.1f})"
 
 
+def _needle_cell(row: dict, n: str, key: str) -> str:
+    needle = row.get("needle", {}).get(n, {})
+    return f"{needle[key]}/{needle['trials']}" if key in needle else ""
+
+
 def markdown_table(result: dict) -> str:
     """One row per format: bits, decode-path perplexity (gap to BF16 with its 95% interval),
     greedy agreement, needle retrievals."""
@@ -81,19 +86,20 @@ def markdown_table(result: dict) -> str:
     head += [f"PPL {_k(int(n))} (vs BF16)" for n in prefixes]
     if has["agreement"]:
         head.append("greedy agreement")
+    # the generated score where a run measured it (runs before it only hold the strict one)
+    generated = [
+        n for n in lengths if any("found_generated" in r.get("needle", {}).get(n, {}) for r in rows)
+    ]
     head += [f"needle {_k(int(n))}" for n in lengths]
+    head += [f"needle {_k(int(n))} generated" for n in generated]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["format"], f"{r['bits_per_element']:.2f}"]
         cells += [_ppl_cell(r, n, base) for n in prefixes]
         if has["agreement"]:
             cells.append(f"{100 * r['agreement']:.1f}%" if "agreement" in r else "")
-        cells += [
-            f"{r['needle'][n]['found']}/{r['needle'][n]['trials']}"
-            if n in r.get("needle", {})
-            else ""
-            for n in lengths
-        ]
+        cells += [_needle_cell(r, n, "found") for n in lengths]
+        cells += [_needle_cell(r, n, "found_generated") for n in generated]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -170,12 +176,13 @@ def plot(result: dict, path: Path) -> None:
     ax.set_title("greedy agreement")
     ax = axes[2]
     lengths = [str(n) for n in result["config"].get("needle_lengths", [])]
+    needles = [r["needle"][n] for r in result["rows"] for n in lengths if n in r.get("needle", {})]
+    # the generated score when every cell has it (runs before it hold the strict one only)
+    key = "found_generated" if needles and all("found_generated" in c for c in needles) else "found"
     h = 0.8 / max(len(lengths), 1)
     for j, n in enumerate(lengths):
         rates = [
-            100 * r["needle"][n]["found"] / r["needle"][n]["trials"]
-            if n in r.get("needle", {})
-            else 0
+            100 * r["needle"][n][key] / r["needle"][n]["trials"] if n in r.get("needle", {}) else 0
             for r in result["rows"]
         ]
         ax.barh(
@@ -185,7 +192,10 @@ def plot(result: dict, path: Path) -> None:
     ax.invert_yaxis()
     ax.set_xlim(0, 100)
     ax.set_xlabel("needles retrieved (%)")
-    ax.set_title("needle in a haystack")
+    ax.set_title(
+        "needle in a haystack: "
+        + ("generated answers" if key == "found_generated" else "teacher-forced, exact")
+    )
     ax.legend(fontsize=8)
     model = result["config"].get("model", "")
     fig.suptitle(f"foscar eval: {model}, KV formats against the BF16 cache")

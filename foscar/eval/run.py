@@ -51,6 +51,7 @@ __all__ = ["add_arguments", "run", "evaluate"]
 NEEDLE = "The secret passcode is {value}."
 QUESTION = "What is the secret passcode mentioned in the text above?"
 LEAD = "The secret passcode is"
+ANSWER_TOKENS = 10  # greedy tokens after the lead: room for ' "60494".' and a stray word
 PPL_OFFSET = 256  # scored windows start after this many tokens of the paper (its header)
 PASSAGE_TOKENS = 700
 
@@ -268,7 +269,15 @@ def evaluate(args, out=sys.stdout, extra_formats=()) -> dict:
     a row needs), filtered by ``--formats`` like them.
     """
     from ..integrations.transformers import FoscarCache, use_foscar_attention
-    from .metrics import decode_nll, greedy_tokens, make_cache, needle_scores, record_prefill
+    from .metrics import (
+        decode_nll,
+        first_number,
+        greedy_tokens,
+        make_cache,
+        needle_answers,
+        needle_scores,
+        record_prefill,
+    )
     from .model import load_model
 
     _sizes(args)
@@ -350,8 +359,11 @@ def evaluate(args, out=sys.stdout, extra_formats=()) -> dict:
         weights["agreement"] = nf * args.agreement_tokens * args.agreement_prompts * 1.5
     if "needle" in args.metrics:
         for n in args.needle_lengths:
-            # per row: the cache's load and one step (the shared prefill spread over the rows)
-            weights[f"needle {n}"] = nf * 4 * len(args.needle_depths) * (1 + n / 1024)
+            # per row: two cache loads, one step and the answer's decode steps (the shared
+            # prefill spread over the rows)
+            weights[f"needle {n}"] = (
+                nf * (8 + ANSWER_TOKENS) * len(args.needle_depths) * (1 + n / 1024)
+            )
     bar = Progress(sum(weights.values()), out)
 
     # ---- calibration of the clipping ratios (Python reference, its first tokens)
@@ -472,20 +484,27 @@ def evaluate(args, out=sys.stdout, extra_formats=()) -> dict:
             for name in names:
                 cache = cache_for(name, pre, len(question) + len(answers[0]) + 8)
                 hit, nll, argmax = needle_scores(model, cache, pre, question, target)
+                cache = cache_for(name, pre, len(question) + ANSWER_TOKENS + 8)
+                said = needle_answers(model, cache, pre, question, ANSWER_TOKENS)
                 del cache
+                said = [tok.decode(a, skip_special_tokens=True) for a in said]
+                got = [first_number(a) == v for a, v in zip(said, values, strict=True)]
                 rows[name].setdefault("needle", {})[str(length)] = {
                     "found": int(hit.sum()),
+                    "found_generated": sum(got),
                     "trials": len(values),
                     "depths": args.needle_depths,
                     "hits": hit.tolist(),
+                    "hits_generated": got,
                     "answer_nll": nll.tolist(),
                     "values": values,
                     "argmax": [tok.decode(a) for a in argmax],
+                    "generated": said,
                 }
                 bar.step(
                     weights[f"needle {length}"] / nf,
-                    f"needle {length}: {name}: {int(hit.sum())}/{len(values)} "
-                    f"(answer NLL {nll.mean().item():.2f})",
+                    f"needle {length}: {name}: {int(hit.sum())}/{len(values)}, generated "
+                    f"{sum(got)}/{len(values)} (answer NLL {nll.mean().item():.2f})",
                 )
             del pre
             _partial(rows)
