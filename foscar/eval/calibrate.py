@@ -39,7 +39,7 @@ def _attention(q, k, v, positions, scaling):
     group = q.shape[0] // k.shape[0]
     k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
     s = torch.einsum("hnd,htd->hnt", q, k) * scaling
-    visible = torch.arange(k.shape[1]).unsqueeze(0) <= positions.unsqueeze(1)
+    visible = torch.arange(k.shape[1], device=k.device).unsqueeze(0) <= positions.unsqueeze(1)
     s = s.masked_fill(~visible, float("-inf"))
     return torch.einsum("hnt,htd->hnd", torch.softmax(s, -1), v)
 
@@ -47,7 +47,7 @@ def _attention(q, k, v, positions, scaling):
 def _layer_errors(q, k, v, scaling, group_size, num_queries, grid):
     """``{(bits, axis, "k"|"v", p): relative error}`` for one layer (batch 1)."""
     t = k.shape[1]
-    positions = torch.linspace(t // 2, t - 1, num_queries).round().long()
+    positions = torch.linspace(t // 2, t - 1, num_queries, device=q.device).round().long()
     qs = q[:, positions].float()
     k, v = k.float(), v.float()
     exact = _attention(qs, k, v, positions, scaling)
