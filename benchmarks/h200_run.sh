@@ -76,7 +76,7 @@
 #   bash benchmarks/h200_run.sh s15-step # session 15: GPU time per step of OSCAR INT2 with INT4 keys in every third layer, beside INT2 / INT4
 #   bash benchmarks/h200_run.sh s17-check # session 17, call 1 of 2: carry .evalmodel/a (benchmarks/eval_model_parts.sh); it stays for the next call
 #   bash benchmarks/h200_run.sh s17-eval  # session 17, call 2: carry .evalmodel/b; foscar eval on the H200 (kernels, bf16 model): GPU test, perplexity 1K/4K/8K
-#   bash benchmarks/h200_run.sh s17-needle # session 17, call 3 (model still there): needles at 49 depths, greedy agreement
+#   bash benchmarks/h200_run.sh s17-needle # session 17 (after s17-check): perplexity at 4K/8K in 64 windows of 60 tokens, needles at 49 depths
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -849,10 +849,16 @@ case "$mode" in
         --ppl-windows 1024:16x240 4096:16x240 8192:16x240 --out "$OUT" \
         --name oscar_smollm2_h200_ppl 2>&1 | tee "$OUT/eval_ppl.log" | grep -v "^\[" | tail -40
     else
-      FOSCAR_EVAL_PARTIAL="$OUT/partial_needle.json" timeout 540 python3 -m foscar eval \
-        --oscar --oscar-gptq --formats "${rows[@]}" --metrics needle agreement \
-        --agreement-prompts 8 --needle-depths $(seq 0.02 0.02 0.98) --out "$OUT" \
-        --name oscar_smollm2_h200_needle 2>&1 | tee "$OUT/eval_needle.log" | grep -v "^\[" | tail -40
+      # s17-eval's run stopped at its limit in the 1K rows: a decode step of this model costs
+      # ~70 ms whatever the batch (FP32's DynamicCache too), so many short windows, not few
+      # long ones; 4K and 8K only (the target's length and the longest)
+      rows=('INT2 token min-max' 'INT2 KIVI' Hadamard 'OSCAR INT' 'INT4 token min-max'
+        'select per-KV-head INT2 + GPTQ keys + BF16' 'INT4 keys in 10 layers +'
+        'INT4 values in 6 layers')
+      FOSCAR_EVAL_PARTIAL="$OUT/partial.json" timeout 530 python3 -m foscar eval --oscar \
+        --oscar-gptq --formats "${rows[@]}" --metrics ppl needle --ppl-prefixes 4096 8192 \
+        --ppl-windows 4096:64x60 8192:64x60 --needle-depths $(seq 0.02 0.02 0.98) \
+        --out "$OUT" --name oscar_smollm2_h200 2>&1 | tee "$OUT/eval.log" | grep -v "^\[" | tail -40
     fi
     ;;
   e2e-1k)
