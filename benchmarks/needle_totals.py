@@ -4,13 +4,16 @@ Each run draws its passcodes and places them at its depths, so runs with other
 ``--needle-depths`` add other trials; a trial (length, depth, passcode) that several runs
 measured for a row counts once (the BF16 row of runs with the same depths, and its first run's
 result). Rows are matched by their exact name; a row counts only the lengths its runs
-measured. Reads the JSONs under ``benchmarks/results/cpu/``; nothing is re-measured.
+measured. Reads the JSONs under ``benchmarks/results/cpu/`` (``../h200/NAME`` for a
+device run); nothing is re-measured.
 
 Two counts per cell: ``hits`` (foscar eval's score: the argmax at every answer position is
 the answer's token, so greedy decoding would emit `` 60494``) and ``digits`` (the argmax
 tokens after the first answer position spell the passcode's digits: what a trial whose first
 token is `` "`` instead of `` `` still retrieved; teacher-forced, so the digits are predicted
-after the right first token, not after the one the model chose).
+after the right first token, not after the one the model chose); and ``generated`` (runs
+from session 17 on: the first number of the greedily decoded answer is the passcode; ``-``
+where some trial of the cell was measured before that).
 
     python benchmarks/needle_totals.py RUN [RUN ...]   # result names without .json
 """
@@ -24,35 +27,48 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results" / "cpu"
 
 
-def totals(runs: list[str]) -> dict[str, dict[str, list[int]]]:
-    """``{row name: {length: [hits, digits, trials]}}`` over the distinct trials of ``runs``."""
-    seen: dict[str, dict[str, dict[tuple, tuple[bool, bool]]]] = {}
+def totals(runs: list[str]) -> dict[str, dict[str, list]]:
+    """``{row name: {length: [hits, digits, generated, trials]}}`` over the distinct trials of
+    ``runs``; ``generated`` is None where a trial's run did not score the generated answer."""
+    seen: dict[str, dict[str, dict[tuple, tuple]]] = {}
     for run in runs:
         for row in json.loads((RESULTS / f"{run}.json").read_text())["rows"]:
             for length, n in row.get("needle", {}).items():
                 trials = seen.setdefault(row["format"], {}).setdefault(length, {})
-                cells = zip(n["depths"], n["values"], n["hits"], n["argmax"], strict=True)
-                for depth, value, hit, argmax in cells:
+                generated = n.get("hits_generated", [None] * len(n["hits"]))
+                cells = zip(
+                    n["depths"], n["values"], n["hits"], n["argmax"], generated, strict=True
+                )
+                for depth, value, hit, argmax, said in cells:
                     digits = argmax.endswith(str(value))
-                    trials.setdefault((float(depth), str(value)), (bool(hit), digits))
-    return {
-        name: {
-            n: [sum(h for h, _ in t.values()), sum(d for _, d in t.values()), len(t)]
-            for n, t in row.items()
-        }
-        for name, row in seen.items()
-    }
+                    trials.setdefault((float(depth), str(value)), (bool(hit), digits, said))
+    out = {}
+    for name, row in seen.items():
+        out[name] = {}
+        for n, t in row.items():
+            said = [g for _, _, g in t.values()]
+            generated = None if None in said else sum(said)
+            out[name][n] = [sum(h for h, _, _ in t.values()), sum(d for _, d, _ in t.values()),
+                            generated, len(t)]  # fmt: skip
+    return out
 
 
 def table(runs: list[str]) -> str:
     t = totals(runs)
     lengths = sorted({k for row in t.values() for k in row}, key=int)
     lines = [
-        "| row | " + " | ".join(f"needle {int(n) // 1024}K: hits (digits)" for n in lengths) + " |",
+        "| row | "
+        + " | ".join(f"needle {int(n) // 1024}K: hits (digits; generated)" for n in lengths)
+        + " |",
         "|---|" + "---|" * len(lengths),
     ]
+
+    def cell(c):
+        hits, digits, generated, trials = c
+        return f"{hits}/{trials} ({digits}; {'-' if generated is None else generated})"
+
     for name, row in t.items():
-        cells = [f"{row[n][0]}/{row[n][2]} ({row[n][1]})" if n in row else "" for n in lengths]
+        cells = [cell(row[n]) if n in row else "" for n in lengths]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

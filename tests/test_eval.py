@@ -286,10 +286,20 @@ def test_needle_totals_count_each_distinct_trial_once(tmp_path, monkeypatch):
     run("b", [0.1, 0.5], ["11111", "22222"], {"BF16": [True, False], "Y": [False, False]})
     run("c", [0.3], ["33333"], {"BF16": [True], "X": [False]})
     monkeypatch.setattr(mod, "RESULTS", tmp_path)
-    # [hits, digits right, trials]: 22222's misses have wrong digits, the others a stray quote
+    # [hits, digits right, generated, trials]: 22222's misses have wrong digits, the others a
+    # stray quote; no run scored generated answers
     assert mod.totals(["a", "b", "c"]) == {
-        "BF16": {"2048": [2, 2, 3]},
-        "X": {"2048": [2, 3, 3]},
-        "Y": {"2048": [0, 1, 2]},
+        "BF16": {"2048": [2, 2, None, 3]},
+        "X": {"2048": [2, 3, None, 3]},
+        "Y": {"2048": [0, 1, None, 2]},
     }
-    assert "| X | 2/3 (3) |" in mod.table(["a", "b", "c"])
+    assert "| X | 2/3 (3; -) |" in mod.table(["a", "b", "c"])
+    # a run with generated answers: counted where every trial of the cell has one
+    run("d", [0.7], ["44444"], {"X": [False], "Z": [False]})
+    data = json.loads((tmp_path / "d.json").read_text())
+    for row in data["rows"]:
+        row["needle"]["2048"]["hits_generated"] = [row["format"] == "Z"]
+    (tmp_path / "d.json").write_text(json.dumps(data))
+    t = mod.totals(["a", "c", "d"])
+    assert t["Z"] == {"2048": [0, 1, 1, 1]} and t["X"]["2048"][2] is None
+    assert "| Z | 0/1 (1; 1) |" in mod.table(["d"])
