@@ -303,3 +303,29 @@ def test_needle_totals_count_each_distinct_trial_once(tmp_path, monkeypatch):
     t = mod.totals(["a", "c", "d"])
     assert t["Z"] == {"2048": [0, 1, 1, 1]} and t["X"]["2048"][2] is None
     assert "| Z | 0/1 (1; 1) |" in mod.table(["d"])
+
+
+def test_eval_partial_keeps_what_every_row_finished(tmp_path):
+    """benchmarks/eval_partial.py: the rows of a stopped run, metrics every row holds only."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "eval_partial.py"
+    spec = importlib.util.spec_from_file_location("eval_partial", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    needle = {"found": 1, "found_generated": 1, "trials": 1}
+    full = {"ppl": {"64": 2.0}, "nll": {"64": [0.7]}, "needle": {"256": needle, "512": needle}}
+    rows = [
+        {"format": "BF16", "bits_per_element": 16.0, **full},
+        {"format": "X", "bits_per_element": 3.0, **full, "needle": {"256": needle}},
+    ]
+    result = mod.complete(rows)
+    assert result["config"] == {"ppl_prefixes": [64], "needle_lengths": [256]}
+    assert all(list(r["needle"]) == ["256"] for r in result["rows"])
+    assert list(rows[0]["needle"]) == ["256", "512"]  # the input is left as it was
+    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    assert mod.main([str(tmp_path / "rows.json"), "--out", str(tmp_path), "--name", "p"]) == 0
+    md = (tmp_path / "p.md").read_text()
+    assert (
+        "| X | 3.00 | 2.00 (+0.0% ±0.0) | 1/1 | 1/1 |" in md and "stopped at its time limit" in md
+    )
