@@ -4,8 +4,8 @@
 # may carry beside the working tree (64 MiB in all), with the gguf wheel transformers reads it
 # with, and the papers the eval reads its texts from. From the repository root:
 #   bash benchmarks/eval_model_parts.sh          # writes .evalmodel/a and .evalmodel/b (ignored)
-# then carry .evalmodel/a in one call (h200_run.sh s17-check) and .evalmodel/b in the next,
-# while the machine is still warm: ignored files a call left stay there for the next one.
+# then carry .evalmodel/a in one call (h200_run.sh s17-check, which copies it to /tmp: a carried
+# path is gone in the next call) and .evalmodel/b in the next, while the machine is still warm.
 set -euo pipefail
 top=$(git rev-parse --show-toplevel)
 cd "$top"

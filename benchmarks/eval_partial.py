@@ -54,16 +54,16 @@ def main(argv: list[str]) -> int:
     p.add_argument("--note", default="")
     args = p.parse_args(argv)
     from foscar.eval.report import write_results
+    from foscar.eval.run import PPL_OFFSET
+    from foscar.eval.texts import NEEDLE_OFFSET
 
     rows = json.loads(Path(args.rows).read_text())
     if not rows:
         raise ValueError(f"{args.rows} holds no rows")
     result = complete(rows)
-    measured = ", ".join(
-        [f"perplexity at {result['config']['ppl_prefixes']}"]
-        + [f"needles at {result['config']['needle_lengths']}"]
-        * bool(result["config"]["needle_lengths"])
-    )
+    measured = f"perplexity at {result['config']['ppl_prefixes']}"
+    if result["config"]["needle_lengths"]:
+        measured += f", needles at {result['config']['needle_lengths']}"
     result["config"].update(
         model=args.model,
         device=args.device,
@@ -72,8 +72,10 @@ def main(argv: list[str]) -> int:
         # foscar eval's texts (foscar.eval.texts); pydoc_data is the running Python's
         texts={
             "calibration": f"pydoc_data.topics of Python {args.python}, first tokens".strip(),
-            "perplexity": "foscar-paper.txt (../shared/papers), windows from token 256",
-            "needle haystack": f"pydoc_data.topics of Python {args.python}, from token 40000",
+            "perplexity": f"foscar-paper.txt (../shared/papers), windows from token {PPL_OFFSET}",
+            "needle haystack": (
+                f"pydoc_data.topics of Python {args.python}, from token {NEEDLE_OFFSET}"
+            ),
         },
         sizes=f"rows saved by a run stopped at its time limit ({measured} finished for every "
         f"row; the rest dropped). {args.note}".strip(),

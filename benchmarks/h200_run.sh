@@ -838,10 +838,10 @@ case "$mode" in
       cp -r .evalmodel/b/papers /tmp/evalmodel/ || exit 1
     fi
     export PYTHONPATH=/tmp/site:$PWD FOSCAR_PAPERS=/tmp/evalmodel/papers
-    rows=('INT2 token min-max' 'INT2 KIVI' Hadamard 'OSCAR INT' 'INT4 token min-max' 'INT4 KIVI'
-      'select per-KV-head INT2 + GPTQ keys + BF16' 'INT4 keys in 10 layers +'
-      'INT4 values in 6 layers')
     if [ "$mode" = s17-eval ]; then
+      rows=('INT2 token min-max' 'INT2 KIVI' Hadamard 'OSCAR INT' 'INT4 token min-max' 'INT4 KIVI'
+        'select per-KV-head INT2 + GPTQ keys + BF16' 'INT4 keys in 10 layers +'
+        'INT4 values in 6 layers')
       timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_oscar_cli.py \
         -k gpu 2>&1 | tee "$OUT/gpu_tests_eval.log" | tail -4
       FOSCAR_EVAL_PARTIAL="$OUT/partial_ppl.json" timeout 380 python3 -m foscar eval --oscar \
