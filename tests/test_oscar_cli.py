@@ -95,6 +95,24 @@ def test_calibrate_writes_a_loadable_file(toy):
         oscar_cli.run(args, log=lines.append)
 
 
+def test_calibrate_fits_clips_on_one_sequence_of_seq_len_by_default(toy):
+    """Without --clip-tokens the clip fit reads one --seq-len sequence, as foscar eval's fit
+    does (a fixed 2,048 would fit long-context calibrations at short positions); an explicit
+    --clip-tokens still reads that many tokens in --seq-len pieces."""
+    base = ["--model", str(toy / "model"), "--text", str(toy / "text.txt"), "--tokens", "300",
+            "--seq-len", "200", "--clip-queries", "8", "--clip-bits", "2", "--fit-windows", "8",
+            "32"]  # fmt: skip
+    cases = (([], 200), (["--clip-tokens", "300"], 300), (["--clip-tokens", "90"], 90))
+    for extra, tokens in cases:
+        out = toy / "c.safetensors"
+        assert oscar_cli.run(parse([*base, "--out", str(out), *extra]), log=lambda s: None) == 0
+        r = OscarRotations.load(out)
+        assert r.header["calibration_sequences"] == [200, 100]
+        assert r.header["clip_fit"]["tokens"] == tokens, extra
+    with pytest.raises(ValueError, match="--clip-tokens must be >= 1"):
+        oscar_cli.run(parse([*base, "--clip-tokens", "0"]), log=lambda s: None)
+
+
 def test_calibrate_gptq_keys(toy):
     """--gptq-keys stores GPTQ factors for the file's rotations and fits the clips with keys
     so rounded; with --select every candidate's keys are so rounded, so the choice is made by

@@ -4,7 +4,7 @@ Default: SmolLM2-135M-Instruct (the ``foscar eval`` model) over the first 8192 t
 CPython's language reference (``pydoc_data.topics``, the text ``foscar eval`` calibrates its
 clipping on and never scores), in sequences of 2048 tokens; one rotation per layer for K and V
 (``R = U * H * P_br`` of the query covariance and of the score-weighted value covariance), and
-per-layer clip ratios fitted for INT2 and INT4 on the first 2048 tokens, with the 64 sink and 256
+per-layer clip ratios fitted for INT2 and INT4 on the first sequence, with the 64 sink and 256
 recent tokens the cache keeps in BF16 left exact.
 """
 
@@ -79,7 +79,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=[2, 4],
         help="bit widths to fit per-layer clip ratios for (none: skip the fit)",
     )
-    p.add_argument("--clip-tokens", type=int, default=2048, help="tokens the clip fit reads")
+    p.add_argument(
+        "--clip-tokens",
+        type=int,
+        default=None,
+        help="tokens the clip fit reads, in --seq-len sequences (default: one sequence, as "
+        "foscar eval fits them; its queries sit in the sequence's second half, so the fit sees "
+        "the positions a --seq-len context serves)",
+    )
     p.add_argument("--clip-queries", type=int, default=64, help="query positions per sequence")
     p.add_argument(
         "--fit-windows",
@@ -98,7 +105,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _check(args) -> None:
     for name in ("tokens", "seq_len", "clip_tokens", "clip_queries", "chunk"):
-        if getattr(args, name) < 1:
+        value = getattr(args, name)
+        if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.seq_len < 2:
         raise ValueError("--seq-len must be >= 2")
@@ -211,7 +219,8 @@ def run(args, log=print) -> int:
     t_fit = 0.0
     if args.clip_bits:
         t3 = time.perf_counter()
-        clip_seqs = default_sequences(tok, min(args.clip_tokens, args.tokens), args.seq_len, text)
+        clip_tokens = args.seq_len if args.clip_tokens is None else args.clip_tokens
+        clip_seqs = default_sequences(tok, min(clip_tokens, args.tokens), args.seq_len, text)
         fit = dict(
             bits=tuple(args.clip_bits),
             num_queries=args.clip_queries,
