@@ -82,6 +82,8 @@ def test_calibrate_writes_a_loadable_file(toy):
     )
     assert set(r.clips) == {(2, "key"), (2, "value"), (4, "key"), (4, "value")}
     assert h["clip_fit"]["tokens"] == 128 and h["timing_seconds"]["targets"] >= 0
+    # by default the statistics cover the model's 512 positions (RoPE shifts of 128 tokens)
+    assert h["position_shifts"] == h["clip_fit"]["position_shifts"] == [0, 128, 256, 384]
     assert h["clip_fit"]["windows"] == [8, 32]
     assert any("wrote" in line for line in lines)
     order = layers_by_key_gain(r)
@@ -199,6 +201,8 @@ def test_calibrated_file_serves_int4_keys_in_some_layers(toy):
 def test_calibrate_rejects_bad_arguments(toy):
     with pytest.raises(ValueError, match="--tokens must be >= 1"):
         oscar_cli.run(parse(["--tokens", "0"]))
+    with pytest.raises(ValueError, match="--context must be >= 1"):
+        oscar_cli.run(parse(["--context", "0"]))
     with pytest.raises(ValueError, match="--clip-bits must be 2 or 4"):
         oscar_cli.run(parse(["--clip-bits", "3"]))
     with pytest.raises(ValueError, match="--fit-windows must be non-negative"):
@@ -310,6 +314,8 @@ def test_prepare_rows_for_foscar_eval(toy):
     # extra OSCAR-select group sizes need a calibration, and another size than the head row's
     with pytest.raises(ValueError, match="group_sizes need a calibration in the run"):
         prepare(model, tok, path=str(path), group_sizes=(16,))
+    with pytest.raises(ValueError, match="context shapes a calibration in the run"):
+        prepare(model, tok, path=str(path), context=4096)
     with pytest.raises(ValueError, match="group size 32 is the default"):
         prepare(model, tok, group_sizes=(32,))
     with pytest.raises(ValueError, match="group.group_size must be one of"):
@@ -535,7 +541,7 @@ def test_foscar_eval_with_oscar_rows(toy, monkeypatch):
 
     result = evaluate(
         "--oscar", "--oscar-tokens", "256", "--oscar-seq-len", "128", "--oscar-windows", "8", "16",
-        "--formats", "OSCAR INT2 + BF16 8/16 (fitted", "w/o H",
+        "--oscar-context", "256", "--formats", "OSCAR INT2 + BF16 8/16 (fitted", "w/o H",
     )  # fmt: skip
     names = [r["format"] for r in result["rows"]]
     assert names == [
@@ -549,6 +555,7 @@ def test_foscar_eval_with_oscar_rows(toy, monkeypatch):
     oscar = result["config"]["oscar"]
     assert oscar["calibration"]["calibration_tokens"] == 256 and oscar["windows"] == [8, 16]
     assert oscar["calibration"]["calibration_sequences"] == [128, 128]  # --oscar-seq-len
+    assert oscar["calibration"]["position_shifts"] == [0, 128]  # --oscar-context 256
     assert "foscar-paper.txt" in oscar["attention_errors_heldout"]["text"]
     paths = write_results(result, toy / "out", "oscar")
     assert "### OSCAR calibration" in paths["md"].read_text()
@@ -568,6 +575,10 @@ def test_foscar_eval_with_oscar_rows(toy, monkeypatch):
         evaluate("--oscar", "--oscar-groups", "32")
     with pytest.raises(ValueError, match="pass --oscar-gptq"):
         evaluate("--oscar", "--oscar-gptq-metric", "attention")
+    with pytest.raises(ValueError, match="--oscar-context shapes the calibration of --oscar"):
+        evaluate("--oscar-file", str(path), "--oscar-context", "4096")
+    with pytest.raises(ValueError, match="--oscar-context must be >= 1, got 0"):
+        evaluate("--oscar", "--oscar-context", "0")
 
 
 @pytest.mark.skipif(

