@@ -855,6 +855,10 @@ case "$mode" in
           --needle-lengths 4096 8192 --needle-depths $(seq 0.02 0.02 0.98) --out "$OUT" \
           --name "oscar_smollm2_h200_s18-paired-$run" 2>&1 | tee "$OUT/eval_$run.log" \
           | grep -v "^\[" | tail -12
+        # at most 8 files come back: a finished run's partial rows and plot stay behind
+        if [ -f "$OUT/oscar_smollm2_h200_s18-paired-$run.json" ]; then
+          rm -f "$OUT/partial_$run.json" "$OUT/oscar_smollm2_h200_s18-paired-$run.png"
+        fi
       done
     elif [ "${mode%-*}" = s18 ]; then
       # session 18: the OSCAR rows of s17-needle (same windows, depths and texts, so the two
