@@ -16,7 +16,10 @@ the shifted copies of a sequence are its statistics at the shifted positions.
 - :func:`position_shifts`: the shifts of ``seq_len``-token sequences that cover positions
   ``0 .. context - 1``;
 - :func:`rope_shifter`: ``shift(x, delta)`` for a transformers model's RoPE (its own rotary
-  embedding module, so scaled RoPE variants shift as the model rotates).
+  embedding module, so scaled RoPE variants shift as the model rotates);
+- :func:`shifted_views`: what :func:`foscar.oscar.calibrate`, :func:`~foscar.oscar.fit_clips`
+  and the other calibration passes read for each attention call, one ``(q, k)`` per shift
+  (:func:`check_shifts` validates the shifts).
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ __all__ = ["position_shifts", "rope_shifter", "check_shifts", "shifted_views", "
 MAX_SHIFTS = 8
 
 
-def position_shifts(seq_len: int, context: int | None, max_shifts: int = MAX_SHIFTS) -> tuple:
+def position_shifts(
+    seq_len: int, context: int | None, max_shifts: int = MAX_SHIFTS
+) -> tuple[int, ...]:
     """RoPE shifts under which ``seq_len``-token sequences cover positions ``0 .. context - 1``.
 
     ``(0,)`` when ``context`` is None or at most ``seq_len``. Otherwise ``0``, then steps of
