@@ -5,7 +5,9 @@ CPython's language reference (``pydoc_data.topics``, the text ``foscar eval`` ca
 clipping on and never scores), in sequences of 2048 tokens; one rotation per layer for K and V
 (``R = U * H * P_br`` of the query covariance and of the score-weighted value covariance), and
 per-layer clip ratios fitted for INT2 and INT4 on the first sequence, with the 64 sink and 256
-recent tokens the cache keeps in BF16 left exact.
+recent tokens the cache keeps in BF16 left exact. The keys' statistics and clip fits cover the
+model's ``max_position_embeddings`` by RoPE shifts of the sequences (``--context``,
+:mod:`foscar.oscar.positions`).
 """
 
 from __future__ import annotations
