@@ -130,6 +130,42 @@ def test_gptq_rounding(clip):
     assert metric(c3) < 0.2 * metric(codes)
 
 
+def _gptq_codes_row_major(x, f, factor):
+    """GPTQ's codes written as the algorithm reads: channel after channel of each [H, T, D]
+    row, each rounding error fed forward (the textbook form quantize_gptq reorders)."""
+    _, scale, lo = quantize(x, f)
+    g = f.group_size
+    s, z = scale.repeat_interleave(g, dim=-1), lo.repeat_interleave(g, dim=-1)
+    w = x.to(torch.float32).clone()
+    codes = torch.empty_like(w)
+    for j in range(w.shape[-1]):
+        q = torch.floor((w[..., j] - z[..., j]) / s[..., j] + 0.5).clamp_(0, f.levels)
+        codes[..., j] = q
+        err = (w[..., j] - (q * s[..., j] + z[..., j])) / factor[:, j, j][:, None]
+        w[..., j + 1 :] -= err[..., None] * factor[:, None, j, j + 1 :]
+    return codes.to(torch.uint8)
+
+
+@pytest.mark.parametrize("shape,group", [((3, 257, 64), 64), ((8, 17, 128), 32), ((1, 1, 32), 32)])
+@pytest.mark.parametrize("clip", [None, 0.92])
+def test_gptq_codes_equal_the_channel_by_channel_algorithm(shape, group, clip):
+    """quantize_gptq's channel-major loop gives the textbook loop's codes bit for bit (bf16
+    input as the cache writes it, several groups per row, one token), contiguous [H, T, D]."""
+    from foscar.quantize import gptq_factor, quantize_gptq
+
+    g = torch.Generator().manual_seed(2)
+    h, _, d = shape
+    x = (torch.randn(shape, generator=g) * (torch.rand(d, generator=g) * 4)).to(torch.bfloat16)
+    a = torch.randn(h, d, d, generator=g, dtype=torch.float64)
+    factor = gptq_factor(a @ a.transpose(-1, -2)).float()
+    f = QuantFormat(2, "token", group, clip)
+    codes, scale, offset = quantize_gptq(x, f, factor)
+    assert codes.is_contiguous() and codes.shape == shape and codes.dtype == torch.uint8
+    assert torch.equal(codes, _gptq_codes_row_major(x, f, factor))
+    _, s_ref, z_ref = quantize(x, f)
+    assert torch.equal(scale, s_ref) and torch.equal(offset, z_ref)
+
+
 def test_gptq_rounding_rejects_what_it_does_not_cover():
     from foscar.quantize import quantize_gptq
 
