@@ -11,7 +11,8 @@ import torch
 pytest.importorskip("transformers", reason="calibration runs a transformers model")
 pytest.importorskip("safetensors", reason="rotations are saved as safetensors")
 
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from conftest import tiny_llama  # noqa: E402
+from transformers import DynamicCache, LlamaConfig  # noqa: E402
 
 from foscar import KVFormat, QuantFormat, QuantizedKVCache  # noqa: E402
 from foscar.integrations.transformers import cache_kwarg  # noqa: E402
@@ -31,17 +32,7 @@ LAYERS, HQ, H, D = 2, 4, 2, 32
 
 @pytest.fixture(scope="module")
 def tiny():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=96,
-        hidden_size=HQ * D,
-        intermediate_size=256,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HQ,
-        num_key_value_heads=H,
-        max_position_embeddings=256,
-    )
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_llama(layers=LAYERS, q_heads=HQ, kv_heads=H, head_dim=D)
 
 
 def sequences(lengths=(40, 23), seed=0):

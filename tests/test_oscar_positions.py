@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("transformers", reason="calibration runs a transformers model")
 
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from conftest import tiny_llama  # noqa: E402
 
 from foscar.oscar import calibrate, fit_clips  # noqa: E402
 from foscar.oscar.calibrate import attention_key_metrics  # noqa: E402
@@ -26,18 +26,15 @@ DELTA = 700  # far past the 40-token sequences: RoPE's fast pairs turn many time
 
 @pytest.fixture(scope="module")
 def tiny():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=96,
-        hidden_size=HQ * D,
-        intermediate_size=256,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HQ,
-        num_key_value_heads=H,
+    # slow pairs that 40 positions barely turn, as a long context has
+    return tiny_llama(
+        layers=LAYERS,
+        q_heads=HQ,
+        kv_heads=H,
+        head_dim=D,
         max_position_embeddings=1024,
-        rope_theta=500.0,  # slow pairs that 40 positions barely turn, as a long context has
+        rope_theta=500.0,
     )
-    return LlamaForCausalLM(cfg).eval()
 
 
 class AtPositions:
