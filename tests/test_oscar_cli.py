@@ -558,7 +558,8 @@ def test_foscar_eval_with_oscar_rows(toy, monkeypatch):
     assert oscar["calibration"]["position_shifts"] == [0, 128]  # --oscar-context 256
     assert "foscar-paper.txt" in oscar["attention_errors_heldout"]["text"]
     paths = write_results(result, toy / "out", "oscar")
-    assert "### OSCAR calibration" in paths["md"].read_text()
+    md = paths["md"].read_text()
+    assert "### OSCAR calibration" in md and "at the RoPE shifts [0, 128]" in md
     # the rows of a saved file
     path = toy / "eval.safetensors"
     oscar_cli.run(

@@ -879,8 +879,12 @@ def report(info: dict) -> str:
     lines = ["### OSCAR calibration", ""]
     if cal:
         sec = info.get("seconds", {})
+        shifts = cal.get("position_shifts", [0])  # (results before session 18: none)
+        where = (
+            f", the keys' statistics and fits at the RoPE shifts {shifts}" if shifts != [0] else ""
+        )
         lines.append(
-            f"{cal['calibration_tokens']} tokens ({cal['calibration_text']}); targets "
+            f"{cal['calibration_tokens']} tokens ({cal['calibration_text']}){where}; targets "
             f"{sec.get('targets', 0):.0f} s, clip fit and selection "
             f"{sec.get('clip_fit_and_selection', 0):.0f} s."
         )
