@@ -863,7 +863,8 @@ case "$mode" in
     elif [ "${mode%-*}" = s18 ]; then
       # session 18: the OSCAR rows of s17-needle (same windows, depths and texts, so the two
       # runs compare row by row) with the keys' statistics and fits taken over positions 0-8K
-      # by RoPE shifts of the 2,048-token calibration sequences (EVAL_NOTES 23)
+      # by RoPE shifts of the 2,048-token calibration sequences (EVAL_NOTES 23); s18-base
+      # without the shifts
       rows=('OSCAR INT2 + BF16 64/256 (fitted' 'select per-KV-head INT2 + GPTQ keys + BF16'
         'INT4 keys in 10 layers')
       context=(--oscar-context 8192)

@@ -137,6 +137,17 @@ def test_shift_of_a_partial_rotary_model_leaves_the_other_channels():
         shift(torch.randn(2, 6), 1)
 
 
+def test_a_model_with_two_ropes_of_different_frequencies_is_refused():
+    class FakeRotaryEmbedding(torch.nn.Module):
+        def __init__(self, theta):
+            super().__init__()
+            self.register_buffer("inv_freq", theta ** -torch.arange(0, 1, 0.25))
+
+    rope_shifter(torch.nn.Sequential(FakeRotaryEmbedding(1e4), FakeRotaryEmbedding(1e4)))
+    with pytest.raises(ValueError, match="rotary embeddings of different frequencies"):
+        rope_shifter(torch.nn.Sequential(FakeRotaryEmbedding(1e4), FakeRotaryEmbedding(1e6)))
+
+
 def test_a_model_without_rope_is_refused_unless_nothing_is_shifted():
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="position shifts need a RoPE model"):

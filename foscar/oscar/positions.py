@@ -69,8 +69,9 @@ def position_shifts(
 
 
 def _rotary_embedding(model) -> torch.nn.Module:
-    """The model's rotary embedding module (transformers: ``model.model.rotary_emb``, called
-    as ``(cos, sin) = rotary(x, position_ids)``)."""
+    """The model's rotary embedding module (transformers: ``model.model.rotary_emb``), whose
+    ``inv_freq`` the shifts read; ValueError if there is none, or several with different
+    frequencies (e.g. one RoPE for local and one for global layers)."""
     found = [
         m
         for m in model.modules()
@@ -81,10 +82,11 @@ def _rotary_embedding(model) -> torch.nn.Module:
             f"{type(model).__name__} has no rotary embedding module (…RotaryEmbedding with "
             "inv_freq): position shifts need a RoPE model"
         )
-    if len({id(m) for m in found}) > 1 and len({tuple(m.inv_freq.shape) for m in found}) > 1:
+    first = found[0].inv_freq
+    if any(m.inv_freq.shape != first.shape or not torch.equal(m.inv_freq, first) for m in found):
         raise ValueError(
-            f"{type(model).__name__} has rotary embeddings of several shapes (one per layer "
-            "type): position shifts need one RoPE for every layer"
+            f"{type(model).__name__} has rotary embeddings of different frequencies (one per "
+            "layer type): position shifts need one RoPE for every layer"
         )
     return found[0]
 
