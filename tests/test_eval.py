@@ -20,10 +20,12 @@ from foscar import KVFormat, QuantFormat, QuantizedKVCache  # noqa: E402
 from foscar.eval import run as eval_run  # noqa: E402
 from foscar.eval.calibrate import fake_quantize  # noqa: E402
 from foscar.eval.metrics import (  # noqa: E402
+    DYNAMIC_CACHE,
     decode_nll,
     first_number,
     greedy_tokens,
     make_cache,
+    model_row_name,
     needle_answers,
     needle_scores,
     record_prefill,
@@ -71,7 +73,7 @@ def test_decode_nll_is_teacher_forcing():
     targets = torch.randint(0, 96, (2, 6), generator=g)
     inputs = torch.cat([torch.tensor([[r[-1]] for r in rows]), targets[:, :-1]], 1)
     pre = record_prefill(model, [r[:-1] for r in rows])
-    nll = decode_nll(model, make_cache(model, "FP32", pre, 8), pre, inputs, targets)
+    nll = decode_nll(model, make_cache(model, DYNAMIC_CACHE, pre, 8), pre, inputs, targets)
     for b, row in enumerate(rows):
         ids = torch.tensor([row + targets[b, :-1].tolist()])
         logits = model(input_ids=ids).logits[0, len(row) - 1 :]
@@ -94,10 +96,10 @@ def test_needle_score_is_greedy_decoding():
     question = torch.randint(0, 96, (5,), generator=g).tolist()
     pre = record_prefill(model, [r + question for r in rows])
     # greedy continuation after the question: the first token comes from the prefill's logits
-    greedy = greedy_tokens(model, make_cache(model, "FP32", pre, 8), pre, 4, [])
+    greedy = greedy_tokens(model, make_cache(model, DYNAMIC_CACHE, pre, 8), pre, 4, [])
     pre = record_prefill(model, rows)
     hit, nll, argmax = needle_scores(
-        model, make_cache(model, "FP32", pre, 16), pre, question, greedy
+        model, make_cache(model, DYNAMIC_CACHE, pre, 16), pre, question, greedy
     )
     assert hit.all() and torch.equal(argmax, greedy)
     for b, row in enumerate(rows):
@@ -107,7 +109,9 @@ def test_needle_score_is_greedy_decoding():
         torch.testing.assert_close(nll[b], ref, atol=1e-4, rtol=1e-4)
     wrong = greedy.clone()
     wrong[1, 2] = (wrong[1, 2] + 1) % 96
-    hit, _, _ = needle_scores(model, make_cache(model, "FP32", pre, 16), pre, question, wrong)
+    hit, _, _ = needle_scores(
+        model, make_cache(model, DYNAMIC_CACHE, pre, 16), pre, question, wrong
+    )
     assert hit.tolist() == [True, False]
     # through a quantized cache (the extend path) the step runs and scores every row
     fmt = KVFormat(QuantFormat(4, "token", 32), QuantFormat(4, "token", 32))
@@ -125,7 +129,7 @@ def test_needle_answers_are_greedy_decoding_after_the_question():
     rows = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (41, 17, 29)]
     question = torch.randint(0, 96, (7,), generator=g).tolist()
     pre = record_prefill(model, rows)
-    said = needle_answers(model, make_cache(model, "FP32", pre, 16), pre, question, 5)
+    said = needle_answers(model, make_cache(model, DYNAMIC_CACHE, pre, 16), pre, question, 5)
     assert said.shape == (3, 5)
     for b, row in enumerate(rows):
         ids = torch.tensor([row + question])
@@ -258,6 +262,49 @@ def test_needle_passcodes_depend_on_seed_and_length_alone():
     assert eval_run.needle_values(0, 4096, 10) == a[:10]  # fewer depths: the first ones
     assert len(set(a)) > 40 and all(len(v) == 5 and v.isdigit() and v[0] != "0" for v in a)
     assert a != eval_run.needle_values(0, 8192, 49) and a != eval_run.needle_values(1, 4096, 49)
+
+
+def test_model_row_is_named_after_the_model_dtype():
+    """The DynamicCache row says what it holds: FP32 on a CPU, the bf16 model's K/V on a GPU
+    (session 18's H200 tables called that bf16 row FP32)."""
+    assert model_row_name(torch.float32) == "FP32"
+    assert model_row_name(torch.bfloat16) == "BF16 DynamicCache"
+    assert model_row_name(torch.float16) == "FP16 DynamicCache"
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        model_row_name(torch.int8)
+
+
+@pytest.mark.parametrize("metrics", [("needle",), ("ppl",), ("ppl", "agreement", "needle")])
+def test_plot_draws_a_panel_per_measured_metric_without_warnings(tmp_path, metrics):
+    """A needle-only run drew empty perplexity and agreement panels, with matplotlib warnings
+    about an empty legend and a layout that did not fit the long row names."""
+    pytest.importorskip("matplotlib", reason="the plot needs foscar[bench]")
+    import warnings
+
+    from foscar.eval.report import plot
+
+    long = "OSCAR-select per-KV-head INT2 + GPTQ keys, INT4 keys in 10 layers + BF16 64/256"
+    rows = []
+    for i, name in enumerate(["BF16 DynamicCache", "BF16", long]):
+        row = {"format": name, "short": "model" if i == 0 else "x"}
+        if "ppl" in metrics:
+            row["ppl"] = {"1024": 10.0 + i, "4096": 9.0 + i}
+        if "agreement" in metrics:
+            row["agreement"] = 1.0 - 0.1 * i
+        if "needle" in metrics:
+            row["needle"] = {"4096": {"found": 3 - i, "found_generated": 3 - i, "trials": 3}}
+        rows.append(row)
+    config = {"model": "toy", "ppl_prefixes": [1024, 4096] if "ppl" in metrics else []}
+    if "needle" in metrics:
+        config["needle_lengths"] = [4096]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plot({"rows": rows, "config": config}, tmp_path / "p.png")
+    import matplotlib.image
+
+    height, width = matplotlib.image.imread(tmp_path / "p.png").shape[:2]
+    # one panel is 8 inches wide at 110 dpi, three 20
+    assert width == 110 * (6 * len(metrics) + 2) and height == int(110 * 7.5)
 
 
 def test_needle_totals_count_each_distinct_trial_once(tmp_path, monkeypatch):

@@ -24,8 +24,10 @@ precision over the K/V it just computed), so each prompt is prefilled once into 
   cache, as a server would answer, and the trial counts when the first number in the answer is
   the passcode (`` "60494".`` counts, where the strict score wants exactly `` 60494``).
 
-``"FP32"`` runs the same loops over a ``DynamicCache`` holding the model's own K/V (fp32 on a
-CPU): the model without any KV rounding.
+The model's own row (``model_row_name``: "FP32" for an fp32 model on a CPU, "BF16 DynamicCache"
+for the bf16 model the GPU kernels run with) runs the same loops over a ``DynamicCache`` holding
+the model's own K/V (``make_cache(model, DYNAMIC_CACHE, ...)``): no KV rounding beyond the
+model's dtype.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ __all__ = [
     "Prefill",
     "record_prefill",
     "make_cache",
+    "DYNAMIC_CACHE",
+    "model_row_name",
     "decode_nll",
     "greedy_tokens",
     "needle_scores",
@@ -99,9 +103,22 @@ def record_prefill(model, rows: list[list[int]]) -> Prefill:
     return Prefill(keys, values, mask, torch.stack(logits))
 
 
+DYNAMIC_CACHE = "DynamicCache"
+
+
+def model_row_name(dtype: torch.dtype) -> str:
+    """The name of the row that keeps the model's own K/V (a DynamicCache in ``dtype``)."""
+    names = {torch.float32: "FP32", torch.bfloat16: "BF16", torch.float16: "FP16"}
+    if dtype not in names:
+        raise ValueError(f"dtype must be one of {list(names)}, got {dtype}")
+    # "BF16" alone is the foscar BF16 cache's row
+    return names[dtype] if dtype == torch.float32 else f"{names[dtype]} DynamicCache"
+
+
 def make_cache(model, fmt, prefill: Prefill, extra_tokens: int):
-    """A cache holding ``prefill``: a loaded FoscarCache, or (``fmt="FP32"``) a DynamicCache."""
-    if fmt == "FP32":
+    """A cache holding ``prefill``: a loaded FoscarCache of the format ``fmt``, or
+    (``fmt=DYNAMIC_CACHE``) a DynamicCache of the model's own K/V."""
+    if fmt == DYNAMIC_CACHE:
         from transformers import DynamicCache
 
         cache = DynamicCache()

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -141,7 +142,8 @@ def _k(n: int) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    """Three panels: perplexity gap to BF16 against prefix length, greedy agreement, needle."""
+    """One panel per measured metric: perplexity gap to BF16 against prefix length, greedy
+    agreement, needle retrieval (a needle-only run draws the needle panel alone)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -149,54 +151,79 @@ def plot(result: dict, path: Path) -> None:
 
     rows = [r for r in result["rows"] if r["format"] not in ("BF16",)]
     base = next(r for r in result["rows"] if r["format"] == "BF16")
-    fig, axes = plt.subplots(1, 3, figsize=(18, 7.5))
-    ax = axes[0]
-    prefixes = [str(n) for n in result["config"]["ppl_prefixes"]]
-    for r in rows:
-        if "ppl" not in r:
-            continue
-        gaps = [100 * (r["ppl"][n] / base["ppl"][n] - 1) for n in prefixes]
-        style = "--" if r["format"] == "FP32" else ("-o" if "INT4" in r["format"] else "-s")
-        ax.plot([int(n) for n in prefixes], gaps, style, label=r["format"])
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("symlog", linthresh=1)
-    ax.axhline(1, color="gray", lw=0.8, ls=":")
-    ax.set_xlabel("prefix tokens")
-    ax.set_ylabel("decode-path perplexity vs BF16 (%)")
-    ax.set_title("perplexity gap (dotted: +1%)")
-    if ax.lines:  # below the panel: the gaps of every sign are data
-        ax.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.12))
-    names = [r["format"] for r in result["rows"]]
-    ax = axes[1]
-    agree = [100 * r.get("agreement", math.nan) for r in result["rows"]]
-    ax.barh(names, agree, color="tab:blue")
-    ax.invert_yaxis()
-    ax.set_xlim(0, 100)
-    ax.set_xlabel(f"% of the first {result['config'].get('agreement_tokens', 64)} tokens = BF16's")
-    ax.set_title("greedy agreement")
-    ax = axes[2]
+    # bar labels wrapped: a long format name must not squeeze the bars out of the figure
+    names = [textwrap.fill(r["format"], 48) for r in result["rows"]]
+    prefixes = [str(n) for n in result["config"].get("ppl_prefixes", [])]
     lengths = [str(n) for n in result["config"].get("needle_lengths", [])]
-    needles = [r["needle"][n] for r in result["rows"] for n in lengths if n in r.get("needle", {})]
-    # the generated score when every cell has it (runs before it hold the strict one only)
-    key = "found_generated" if needles and all("found_generated" in c for c in needles) else "found"
-    h = 0.8 / max(len(lengths), 1)
-    for j, n in enumerate(lengths):
-        rates = [
-            100 * r["needle"][n][key] / r["needle"][n]["trials"] if n in r.get("needle", {}) else 0
-            for r in result["rows"]
-        ]
-        ax.barh(
-            [i + j * h for i in range(len(names))], rates, height=h, label=f"{_k(int(n))} tokens"
+    panels = [
+        name
+        for name, present in (
+            ("ppl", prefixes and "ppl" in base and any("ppl" in r for r in rows)),
+            ("agreement", any("agreement" in r for r in rows)),
+            ("needle", any(n in r.get("needle", {}) for r in result["rows"] for n in lengths)),
         )
-    ax.set_yticks([i + h * (len(lengths) - 1) / 2 for i in range(len(names))], names)
-    ax.invert_yaxis()
-    ax.set_xlim(0, 100)
-    ax.set_xlabel("needles retrieved (%)")
-    ax.set_title(
-        "needle in a haystack: "
-        + ("generated answers" if key == "found_generated" else "teacher-forced, exact")
-    )
-    ax.legend(fontsize=8)
+        if present
+    ]
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels) + 2, 7.5), squeeze=False)
+    axes = dict(zip(panels, axes[0]))
+    if "ppl" in axes:
+        ax = axes["ppl"]
+        for r in rows:
+            if "ppl" not in r:
+                continue
+            gaps = [100 * (r["ppl"][n] / base["ppl"][n] - 1) for n in prefixes]
+            own = r.get("short") in ("model", "fp32")  # the model's own K/V, dashed
+            style = "--" if own else ("-o" if "INT4" in r["format"] else "-s")
+            ax.plot([int(n) for n in prefixes], gaps, style, label=r["format"])
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("symlog", linthresh=1)
+        ax.axhline(1, color="gray", lw=0.8, ls=":")
+        ax.set_xlabel("prefix tokens")
+        ax.set_ylabel("decode-path perplexity vs BF16 (%)")
+        ax.set_title("perplexity gap (dotted: +1%)")
+        # below the panel: the gaps of every sign are data
+        ax.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.12))
+    if "agreement" in axes:
+        ax = axes["agreement"]
+        agree = [100 * r.get("agreement", math.nan) for r in result["rows"]]
+        ax.barh(names, agree, color="tab:blue")
+        ax.invert_yaxis()
+        ax.set_xlim(0, 100)
+        tokens = result["config"].get("agreement_tokens", 64)
+        ax.set_xlabel(f"% of the first {tokens} tokens = BF16's")
+        ax.set_title("greedy agreement")
+    if "needle" in axes:
+        ax = axes["needle"]
+        needles = [
+            r["needle"][n] for r in result["rows"] for n in lengths if n in r.get("needle", {})
+        ]
+        # the generated score when every cell has it (runs before it hold the strict one only)
+        key = "found_generated" if all("found_generated" in c for c in needles) else "found"
+        h = 0.8 / len(lengths)
+        for j, n in enumerate(lengths):
+            rates = [
+                100 * r["needle"][n][key] / r["needle"][n]["trials"]
+                if n in r.get("needle", {})
+                else 0
+                for r in result["rows"]
+            ]
+            ax.barh(
+                [i + j * h for i in range(len(names))],
+                rates,
+                height=h,
+                label=f"{_k(int(n))} tokens",
+            )
+        ax.set_yticks([i + h * (len(lengths) - 1) / 2 for i in range(len(names))], names)
+        ax.invert_yaxis()
+        ax.set_xlim(0, 100)
+        ax.set_xlabel("needles retrieved (%)")
+        ax.set_title(
+            "needle in a haystack: "
+            + ("generated answers" if key == "found_generated" else "teacher-forced, exact")
+        )
+        ax.legend(fontsize=8)
     model = result["config"].get("model", "")
     fig.suptitle(f"foscar eval: {model}, KV formats against the BF16 cache")
     fig.tight_layout()

@@ -287,10 +287,12 @@ def evaluate(args, out=sys.stdout, extra_formats=()) -> dict:
     """
     from ..integrations.transformers import FoscarCache, use_foscar_attention
     from .metrics import (
+        DYNAMIC_CACHE,
         decode_nll,
         first_number,
         greedy_tokens,
         make_cache,
+        model_row_name,
         needle_answers,
         needle_scores,
         record_prefill,
@@ -367,12 +369,13 @@ def evaluate(args, out=sys.stdout, extra_formats=()) -> dict:
     probe = eval_formats(
         head_dim, max_len, {(b, a): (0.9, 0.9) for b in (4, 2) for a in ("token", "channel")}
     )
-    names = ["FP32"] + [f.name for f in probe] + [f.name for f in extra_formats]
+    model_row = model_row_name(dtype)  # the model's own K/V in a DynamicCache
+    names = [model_row] + [f.name for f in probe] + [f.name for f in extra_formats]
     if len(set(names)) != len(names):
         raise ValueError(f"format names must be unique, got {names}")
     wanted = _wanted(args.formats)
     if wanted:
-        names = [n for n in names if n in ("FP32", "BF16") or wanted(n)]
+        names = [n for n in names if n in (model_row, "BF16") or wanted(n)]
     nf = len(names)
     weights = {"calibration": 10.0}
     if "ppl" in args.metrics:
@@ -408,16 +411,16 @@ def evaluate(args, out=sys.stdout, extra_formats=()) -> dict:
     formats = {f.name: f for f in [*eval_formats(head_dim, max_len, clips), *extra_formats]}
     rows = {n: {"format": n} for n in names}
     for n, row in rows.items():
-        if n == "FP32":
-            row.update(short="fp32", bits_per_element=float(torch.finfo(dtype).bits))
+        if n == model_row:
+            row.update(short="model", bits_per_element=float(torch.finfo(dtype).bits))
         else:
             # stored bits per K/V element at 4K tokens (fp32 scales and offsets, windows)
             bits = 16.0 if n == "BF16" else effective_bits(4096, formats[n].fmt)
             row.update(short=formats_short(formats[n].fmt), bits_per_element=bits)
 
     def cache_for(name, prefill, extra_tokens):
-        if name == "FP32":
-            return make_cache(model, "FP32", prefill, extra_tokens)
+        if name == model_row:
+            return make_cache(model, DYNAMIC_CACHE, prefill, extra_tokens)
         cache = formats[name].make_cache(model, prefill, extra_tokens)
         if isinstance(cache, FoscarCache):
             cache.decode = decode_path
@@ -647,17 +650,19 @@ def _versions() -> str:
     return f"torch {torch.__version__}, transformers {transformers.__version__}"
 
 
+def _is_reference(row: dict) -> bool:
+    """BF16 or the model's own row ("fp32" in results from before session 19's name)."""
+    return row["format"] == "BF16" or row.get("short") in ("model", "fp32")
+
+
 def select_rows(result: dict, patterns: list[str], source: str) -> dict:
-    """``result`` with only the rows whose format contains one of ``patterns`` (FP32 and BF16
-    always kept), in their order; ``source`` is recorded as ``config.selected_from``."""
+    """``result`` with only the rows whose format contains one of ``patterns`` (the model's own
+    row and BF16 always kept), in their order; ``source`` is recorded as
+    ``config.selected_from``."""
     import copy
 
     out = copy.deepcopy(result)
-    keep = [
-        r
-        for r in out["rows"]
-        if r["format"] in ("FP32", "BF16") or any(p in r["format"] for p in patterns)
-    ]
+    keep = [r for r in out["rows"] if _is_reference(r) or any(p in r["format"] for p in patterns)]
     if len(keep) <= 2:
         raise ValueError(f"--formats {patterns} select no row of {source}")
     out["rows"] = keep
