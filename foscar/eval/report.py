@@ -141,6 +141,12 @@ def _k(n: int) -> str:
     return f"{n / 1024:.0f}K" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
+def is_model_row(row: dict) -> bool:
+    """The row of the model's own K/V in a DynamicCache (short "model"; "fp32" in results
+    written before session 19 named it after the model's dtype)."""
+    return row.get("short") in ("model", "fp32")
+
+
 def plot(result: dict, path: Path) -> None:
     """One panel per measured metric: perplexity gap to BF16 against prefix length, greedy
     agreement, needle retrieval (a needle-only run draws the needle panel alone)."""
@@ -174,8 +180,7 @@ def plot(result: dict, path: Path) -> None:
             if "ppl" not in r:
                 continue
             gaps = [100 * (r["ppl"][n] / base["ppl"][n] - 1) for n in prefixes]
-            own = r.get("short") in ("model", "fp32")  # the model's own K/V, dashed
-            style = "--" if own else ("-o" if "INT4" in r["format"] else "-s")
+            style = "--" if is_model_row(r) else ("-o" if "INT4" in r["format"] else "-s")
             ax.plot([int(n) for n in prefixes], gaps, style, label=r["format"])
         ax.set_xscale("log", base=2)
         ax.set_yscale("symlog", linthresh=1)

@@ -42,7 +42,7 @@ from ..formats import KVFormat
 from . import texts
 from .calibrate import CANDIDATES, calibrate_clips
 from .formats import eval_formats
-from .report import Progress, markdown_table, write_results
+from .report import Progress, is_model_row, markdown_table, write_results
 
 __all__ = ["add_arguments", "run", "evaluate"]
 
@@ -650,11 +650,6 @@ def _versions() -> str:
     return f"torch {torch.__version__}, transformers {transformers.__version__}"
 
 
-def _is_reference(row: dict) -> bool:
-    """BF16 or the model's own row ("fp32" in results from before session 19's name)."""
-    return row["format"] == "BF16" or row.get("short") in ("model", "fp32")
-
-
 def select_rows(result: dict, patterns: list[str], source: str) -> dict:
     """``result`` with only the rows whose format contains one of ``patterns`` (the model's own
     row and BF16 always kept), in their order; ``source`` is recorded as
@@ -662,7 +657,11 @@ def select_rows(result: dict, patterns: list[str], source: str) -> dict:
     import copy
 
     out = copy.deepcopy(result)
-    keep = [r for r in out["rows"] if _is_reference(r) or any(p in r["format"] for p in patterns)]
+    keep = [
+        r
+        for r in out["rows"]
+        if r["format"] == "BF16" or is_model_row(r) or any(p in r["format"] for p in patterns)
+    ]
     if len(keep) <= 2:
         raise ValueError(f"--formats {patterns} select no row of {source}")
     out["rows"] = keep
