@@ -220,6 +220,7 @@ def test_eval_end_to_end_at_toy_sizes(toy_setup, monkeypatch):
     assert [len(w) for w in rows["BF16"]["nll_windows"]["64"]] == [3]
     assert result["config"]["ppl_windows"]["128"] == {"windows": 2, "tokens": 4}
     assert result["config"]["decode"] == "dequantized"  # the CPU default
+    assert result["config"]["ppl_first_token"] == 256 + 128  # after the header, longest prefix
     assert all(r["needle"]["256"]["trials"] == 1 for r in rows.values())
     for r in rows.values():  # the generated answer is scored beside the strict one
         needle = r["needle"]["256"]
@@ -262,6 +263,34 @@ def test_needle_passcodes_depend_on_seed_and_length_alone():
     assert eval_run.needle_values(0, 4096, 10) == a[:10]  # fewer depths: the first ones
     assert len(set(a)) > 40 and all(len(v) == 5 and v.isdigit() and v[0] != "0" for v in a)
     assert a != eval_run.needle_values(0, 8192, 49) and a != eval_run.needle_values(1, 4096, 49)
+
+
+def test_ppl_first_pins_the_windows_whatever_the_prefixes(toy_setup, monkeypatch):
+    """A run's scored windows start after its longest prefix, so a 64-only run scored other
+    tokens than a 64 + 128 run (session 19 compared such runs); --ppl-first pins them."""
+    monkeypatch.setenv("FOSCAR_PAPERS", str(toy_setup / "papers"))
+    parser = argparse.ArgumentParser()
+    eval_run.add_arguments(parser)
+
+    def bf16_nll(*extra):
+        args = parser.parse_args(
+            ["--model", str(toy_setup / "model"), "--device", "cpu", "--metrics", "ppl",
+             "--ppl-windows", "64:2x3", "--calibration-tokens", "96", "--formats", "KIVI +",
+             *extra]
+        )  # fmt: skip
+        result = eval_run.evaluate(args, out=io.StringIO())
+        rows = {r["format"]: r for r in result["rows"]}
+        return rows["BF16"]["nll_windows"]["64"], result["config"]
+
+    both, config = bf16_nll("--ppl-prefixes", "64", "128")
+    alone, config_alone = bf16_nll("--ppl-prefixes", "64")
+    pinned, config_pinned = bf16_nll("--ppl-prefixes", "64", "--ppl-first", "384")
+    assert config["ppl_first_token"] == config_pinned["ppl_first_token"] == 384
+    assert config_alone["ppl_first_token"] == 256 + 64
+    assert pinned == both and alone != both
+    assert "scored windows from token 384" in config_pinned["texts"]["perplexity"]
+    with pytest.raises(ValueError, match=r"--ppl-first must be >= 384 .* got 383"):
+        bf16_nll("--ppl-prefixes", "64", "128", "--ppl-first", "383")
 
 
 def test_model_row_is_named_after_the_model_dtype():

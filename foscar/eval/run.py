@@ -107,6 +107,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "prefix, decoded as one batch (other prefixes: --ppl-segments x --ppl-tokens)",
     )
     p.add_argument(
+        "--ppl-first",
+        type=int,
+        default=None,
+        metavar="TOKEN",
+        help="the paper's token where every prefix's scored windows start (default: "
+        f"{PPL_OFFSET} + the longest prefix, so a run's windows depend on its longest prefix: "
+        "pass the same TOKEN to compare runs with other --ppl-prefixes)",
+    )
+    p.add_argument(
         "--decode",
         choices=["auto", "kernel", "dequantized"],
         default="auto",
@@ -325,6 +334,16 @@ def evaluate(args, out=sys.stdout, extra_formats=()) -> dict:
     plan = args.ppl_plan  # nominal prefix -> (windows, scored tokens per window)
     # nominal prefix -> tokens: the prefix and its scored tokens fit the model's positions
     prefixes = {n: min(n, max_pos - plan[n][1]) for n in args.ppl_prefixes}
+    # the first scored token of every prefix's windows (after the longest prefix, or
+    # --ppl-first), so every prefix scores the same first tokens
+    first = PPL_OFFSET + max(prefixes.values())
+    if args.ppl_first is not None:
+        if args.ppl_first < first:
+            raise ValueError(
+                f"--ppl-first must be >= {first} (the paper's {PPL_OFFSET}-token header, then "
+                f"the longest prefix's {max(prefixes.values())} tokens), got {args.ppl_first}"
+            )
+        first = args.ppl_first
     max_len = max(max(prefixes[n] + plan[n][1] for n in prefixes), max(args.needle_lengths)) + 64
     decode_path = (
         args.decode
@@ -337,6 +356,16 @@ def evaluate(args, out=sys.stdout, extra_formats=()) -> dict:
     paper_ids = _encode(tok, texts.paper().text)
     ref_ids = _encode(tok, texts.python_reference().text)
     summary_text = texts.oscar_summary().text
+    windows = {  # nominal prefix -> the first token of each scored window
+        nominal: [first + j * plan[nominal][1] for j in range(plan[nominal][0])]
+        for nominal in prefixes
+    }
+    ppl_end = max(windows[k][-1] + plan[k][1] for k in windows)
+    if "ppl" in args.metrics and ppl_end > len(paper_ids):
+        raise ValueError(
+            f"the paper has {len(paper_ids)} tokens, too few for these windows (up to token "
+            f"{ppl_end}: --ppl-first, --ppl-prefixes, --ppl-windows)"
+        )
 
     # ---- OSCAR's rows: calibrated here (or read from a file) before anything is measured
     oscar = None
@@ -426,17 +455,8 @@ def evaluate(args, out=sys.stdout, extra_formats=()) -> dict:
             cache.decode = decode_path
         return cache
 
-    # ---- decode-path perplexity: each prefix's windows are contiguous from the same token
-    # (after the longest prefix), so every prefix scores the same first tokens
-    first = PPL_OFFSET + max(prefixes.values())
-    windows = {
-        nominal: [first + j * plan[nominal][1] for j in range(plan[nominal][0])]
-        for nominal in prefixes
-    }
-    ppl_end = max(windows[k][-1] + plan[k][1] for k in windows)
+    # ---- decode-path perplexity: each prefix's windows are contiguous from ``first``
     if "ppl" in args.metrics:
-        if ppl_end > len(paper_ids):
-            raise ValueError(f"the paper has {len(paper_ids)} tokens, too few for these windows")
         for nominal, n in prefixes.items():
             starts, m = windows[nominal], plan[nominal][1]
             pre = record_prefill(model, [paper_ids[s - n : s - 1] for s in starts])
@@ -550,6 +570,7 @@ def evaluate(args, out=sys.stdout, extra_formats=()) -> dict:
             "ppl_windows": {
                 str(k): {"windows": plan[k][0], "tokens": plan[k][1]} for k in prefixes
             },
+            "ppl_first_token": first,
             "decode": decode_path,
             "agreement_prompts": args.agreement_prompts,
             "agreement_tokens": args.agreement_tokens,
@@ -559,7 +580,8 @@ def evaluate(args, out=sys.stdout, extra_formats=()) -> dict:
             "sizes": _sizes_text(args, list(prefixes.values()), int(cal.shape[1])),
             "texts": {
                 "calibration": texts.python_reference().source + ", first tokens",
-                "perplexity": texts.paper().source + f", windows from token {PPL_OFFSET}",
+                "perplexity": texts.paper().source
+                + f", scored windows from token {first} (prefixes after token {PPL_OFFSET})",
                 "agreement": texts.oscar_summary().source
                 + " and prose passages of "
                 + texts.paper().source
