@@ -11,8 +11,9 @@ the 95% interval of that mean over the scored positions (as ``foscar eval``'s ta
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
+
+from foscar.eval.report import paired_gap
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cpu"
 
@@ -34,12 +35,7 @@ OFFSETS = {"K4 in 10, V4 in 6": (-20, -16)}
 
 def gap(row: dict, bf16: dict, prefix: str = "4096") -> tuple[float, float, float]:
     """(gap, low, high) of ``row`` against ``bf16`` in percent, paired per scored position."""
-    d = [a - b for a, b in zip(row["nll"][prefix], bf16["nll"][prefix], strict=True)]
-    n = len(d)
-    mean = sum(d) / n
-    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1))
-    half = 1.96 * sd / math.sqrt(n)
-    return tuple(100 * (math.exp(x) - 1) for x in (mean, mean - half, mean + half))
+    return paired_gap([a - b for a, b in zip(row["nll"][prefix], bf16["nll"][prefix], strict=True)])
 
 
 def points() -> list[dict]:

@@ -291,6 +291,31 @@ def test_ppl_first_pins_the_windows_whatever_the_prefixes(toy_setup, monkeypatch
     assert "scored windows from token 384" in config_pinned["texts"]["perplexity"]
     with pytest.raises(ValueError, match=r"--ppl-first must be >= 384 .* got 383"):
         bf16_nll("--ppl-prefixes", "64", "128", "--ppl-first", "383")
+    with pytest.raises(ValueError, match=r"--metrics must include ppl, got \['needle'\]"):
+        bf16_nll("--ppl-first", "384", "--metrics", "needle")
+
+
+def test_results_before_the_model_row_was_renamed_still_select_and_plot(tmp_path):
+    """Results up to session 18 call the model's own row "FP32" (short "fp32"): --from-json's
+    selection keeps it as the reference it is, and the plot dashes it."""
+    from foscar.eval.report import is_model_row
+
+    old = {"format": "FP32", "short": "fp32", "ppl": {"64": 10.1}}
+    rows = [
+        old,
+        {"format": "BF16", "short": "bf16", "ppl": {"64": 10.0}},
+        {"format": "INT2 KIVI + BF16 64/256", "short": "x", "ppl": {"64": 12.0}},
+        {"format": "INT4 token min-max", "short": "y", "ppl": {"64": 10.5}},
+    ]
+    result = {"rows": rows, "config": {"model": "toy", "ppl_prefixes": [64], "formats": {}}}
+    assert is_model_row(old) and not is_model_row(rows[1])
+    picked = eval_run.select_rows(result, ["KIVI"], "old.json")
+    assert [r["format"] for r in picked["rows"]] == ["FP32", "BF16", "INT2 KIVI + BF16 64/256"]
+    if importlib.util.find_spec("matplotlib") is not None:
+        from foscar.eval.report import plot
+
+        plot(picked, tmp_path / "old.png")
+        assert (tmp_path / "old.png").stat().st_size > 10000
 
 
 def test_model_row_is_named_after_the_model_dtype():

@@ -48,16 +48,21 @@ class Progress:
         )
 
 
-def ppl_gap(row: dict, base: dict, n: str) -> tuple[float, float]:
-    """Perplexity gap to ``base`` in %, and the half-width of its 95% interval in % (paired
-    over the scored positions: ``exp(mean(d) +- 1.96 * std(d) / sqrt(M)) - 1`` with ``d`` the
-    per-token NLL differences)."""
-    d = [a - b for a, b in zip(row["nll"][n], base["nll"][n])]
+def paired_gap(d: list[float]) -> tuple[float, float, float]:
+    """``(gap, low, high)`` in %: the perplexity ratio of mean NLL differences ``d`` (paired
+    samples: scored positions, or windows' means) and its 95% interval,
+    ``exp(mean(d) +- 1.96 * std(d) / sqrt(len(d))) - 1``."""
     mean = sum(d) / len(d)
     sd = math.sqrt(sum((x - mean) ** 2 for x in d) / max(len(d) - 1, 1))
     half = 1.96 * sd / math.sqrt(len(d))
-    gap = 100 * (row["ppl"][n] / base["ppl"][n] - 1)
-    return gap, 100 * (math.exp(mean + half) - math.exp(mean - half)) / 2
+    return tuple(100 * (math.exp(x) - 1) for x in (mean, mean - half, mean + half))
+
+
+def ppl_gap(row: dict, base: dict, n: str) -> tuple[float, float]:
+    """Perplexity gap to ``base`` in %, and the half-width of its 95% interval in % (paired
+    over the scored positions: :func:`paired_gap` of the per-position NLL differences)."""
+    _, low, high = paired_gap([a - b for a, b in zip(row["nll"][n], base["nll"][n])])
+    return 100 * (row["ppl"][n] / base["ppl"][n] - 1), (high - low) / 2
 
 
 def _ppl_cell(row: dict, n: str, base: dict | None) -> str:
@@ -160,13 +165,18 @@ def plot(result: dict, path: Path) -> None:
     # bar labels wrapped: a long format name must not squeeze the bars out of the figure
     names = [textwrap.fill(r["format"], 48) for r in result["rows"]]
     prefixes = [str(n) for n in result["config"].get("ppl_prefixes", [])]
-    lengths = [str(n) for n in result["config"].get("needle_lengths", [])]
+    # the needle lengths some row measured (a row without one draws no bar there)
+    lengths = [
+        str(n)
+        for n in result["config"].get("needle_lengths", [])
+        if any(str(n) in r.get("needle", {}) for r in result["rows"])
+    ]
     panels = [
         name
         for name, present in (
             ("ppl", prefixes and "ppl" in base and any("ppl" in r for r in rows)),
             ("agreement", any("agreement" in r for r in rows)),
-            ("needle", any(n in r.get("needle", {}) for r in result["rows"] for n in lengths)),
+            ("needle", bool(lengths)),
         )
         if present
     ]
@@ -179,7 +189,12 @@ def plot(result: dict, path: Path) -> None:
         for r in rows:
             if "ppl" not in r:
                 continue
-            gaps = [100 * (r["ppl"][n] / base["ppl"][n] - 1) for n in prefixes]
+            gaps = [
+                100 * (r["ppl"][n] / base["ppl"][n] - 1)
+                if n in r["ppl"] and n in base["ppl"]
+                else math.nan
+                for n in prefixes
+            ]
             style = "--" if is_model_row(r) else ("-o" if "INT4" in r["format"] else "-s")
             ax.plot([int(n) for n in prefixes], gaps, style, label=r["format"])
         ax.set_xscale("log", base=2)
@@ -211,7 +226,7 @@ def plot(result: dict, path: Path) -> None:
             rates = [
                 100 * r["needle"][n][key] / r["needle"][n]["trials"]
                 if n in r.get("needle", {})
-                else 0
+                else math.nan
                 for r in result["rows"]
             ]
             ax.barh(

@@ -113,7 +113,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="TOKEN",
         help="the paper's token where every prefix's scored windows start (default: "
         f"{PPL_OFFSET} + the longest prefix, so a run's windows depend on its longest prefix: "
-        "pass the same TOKEN to compare runs with other --ppl-prefixes)",
+        "pass a run's config.ppl_first_token to score its windows with other --ppl-prefixes; "
+        "the agreement prompts follow the windows)",
     )
     p.add_argument(
         "--decode",
@@ -244,6 +245,11 @@ def _sizes(args) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if any(not 0 < d < 1 for d in args.needle_depths):
         raise ValueError(f"--needle-depths must lie in (0, 1), got {args.needle_depths}")
+    if args.ppl_first is not None and "ppl" not in args.metrics:
+        raise ValueError(
+            f"--ppl-first places the perplexity windows: --metrics must include ppl, got "
+            f"{args.metrics}"
+        )
     args.ppl_plan = {n: (args.ppl_segments, args.ppl_tokens) for n in args.ppl_prefixes}
     for spec in args.ppl_windows:
         try:
