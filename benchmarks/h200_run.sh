@@ -78,6 +78,9 @@
 #   bash benchmarks/h200_run.sh s17-eval  # session 17 (after stashing all pieces but the last, carry the last): foscar eval on the H200 (kernels, bf16 model): GPU test, perplexity 1K/4K/8K
 #   bash benchmarks/h200_run.sh s17-needle # session 17 (likewise): perplexity at 4K/8K in 64 windows of 60 tokens, needles at 49 depths
 #   bash benchmarks/h200_run.sh s18-ppl # session 18 (likewise): s17-needle's OSCAR rows calibrated with RoPE shifts over 0-8K: GPU tests, perplexity 4K/8K, needles 2K/4K
+#   bash benchmarks/h200_run.sh s18-needle # session 18 (after s18-ppl, nothing carried): the same rows' needles at 8K
+#   bash benchmarks/h200_run.sh s18-base # session 18 (likewise): the same rows without the shifts (session 17's calibration), needles at 4K and 8K, which s17-needle did not reach
+#   bash benchmarks/h200_run.sh s18-paired # session 18 (likewise): needles at 4K/8K without and with the shifts, the same trials in both (passcodes now drawn per length)
 #   bash benchmarks/h200_run.sh s19-stash-write # session 19: stash carrying .evalmodel/p0, and the fused write's GPU tests after session 18's GPTQ reorder
 #   bash benchmarks/h200_run.sh s19-stash-oscar # session 19: stash carrying p1, and the per-layer formats' and OSCAR's other GPU tests
 #   bash benchmarks/h200_run.sh s19-short # session 19 (carry p2): foscar eval's GPU test; INT2 everywhere and the 4.51-bit row calibrated for 0-4K (--oscar-context 4096): perplexity 4K, needles 2K/4K
@@ -85,9 +88,6 @@
 #   bash benchmarks/h200_run.sh s19-contexts # session 19 (likewise): s19-short's INT2 row on its own windows calibrated for 0-2K and 0-8K
 #   bash benchmarks/h200_run.sh s19-refine # session 19 (likewise): INT2 everywhere (0-4K) with GPTQ keys refined (prototypes/oscar_gptq_refine/eval.py) on s19-windows' and s19-short's windows
 #   bash benchmarks/h200_run.sh s19-split # session 19 (likewise): INT2 everywhere, rotations and GPTQ calibrated for different positions (prototypes/oscar_context_split/eval.py)
-#   bash benchmarks/h200_run.sh s18-needle # session 18 (after s18-ppl, nothing carried): the same rows' needles at 8K
-#   bash benchmarks/h200_run.sh s18-base # session 18 (likewise): the same rows without the shifts (session 17's calibration), needles at 4K and 8K, which s17-needle did not reach
-#   bash benchmarks/h200_run.sh s18-paired # session 18 (likewise): needles at 4K/8K without and with the shifts, the same trials in both (passcodes now drawn per length)
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
