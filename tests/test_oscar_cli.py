@@ -382,8 +382,9 @@ def test_prepare_gptq_rows(toy):
 
 def test_prepare_rows_with_int4_keys_in_some_layers(toy, monkeypatch):
     """The per-layer key width rows: GPTQ keys at INT2 and INT4 in the layers where INT4 lowers
-    the fitted key error most, each layer's clips of its own width; rows whose count is not
-    below the layer count are left out (K INT4 everywhere has its own row)."""
+    the fitted key error most, each layer's clips of its own width, one row per
+    ``int4_layers`` pair; a count not below the layer count is refused before any calibration
+    (K INT4 everywhere has its own row)."""
     from transformers import AutoTokenizer
 
     from foscar.eval.metrics import record_prefill
@@ -391,12 +392,23 @@ def test_prepare_rows_with_int4_keys_in_some_layers(toy, monkeypatch):
 
     model = LlamaForCausalLM.from_pretrained(toy / "model").eval()
     tok = AutoTokenizer.from_pretrained(toy / "model")
-    monkeypatch.setattr(evaluate, "INT4_KEY_LAYERS", (1, 2))
-    monkeypatch.setattr(evaluate, "INT4_KEY_VALUE_LAYERS", ((1, 1), (1, 2)))
+    calls = []
+    monkeypatch.setattr(evaluate, "calibrate", lambda *a, **kw: calls.append(1))
+    for bad, match in (
+        (((1, 2),), "each count must be below the model's 2 layers"),
+        (((2, 0),), "each count must be below the model's 2 layers"),
+        (((0, 1),), "INT4 key layers must be >= 1"),
+        (((1, 0), (1, 0)), "must be distinct pairs"),
+        (((1,),), "must hold .key_layers, value_layers. pairs"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            evaluate.prepare(model, tok, gptq=True, int4_layers=bad)
+        assert not calls  # refused before the calibration
+    monkeypatch.undo()
     wanted = "INT4 keys in"
     rows, info = evaluate.prepare(
         model, tok, tokens=256, seq_len=128, windows=(8, 16), gptq=True,
-        wanted=lambda name: wanted in name,
+        int4_layers=((1, 0), (1, 1)), wanted=lambda name: wanted in name,
     )  # fmt: skip
     (row, both) = [r for r in rows if wanted in r.name]
     assert both.name == (
@@ -580,6 +592,32 @@ def test_foscar_eval_with_oscar_rows(toy, monkeypatch):
         evaluate("--oscar-file", str(path), "--oscar-context", "4096")
     with pytest.raises(ValueError, match="--oscar-context must be >= 1, got 0"):
         evaluate("--oscar", "--oscar-context", "0")
+    with pytest.raises(ValueError, match="--oscar-int4-layers picks rows of --oscar-gptq"):
+        evaluate("--oscar", "--oscar-int4-layers", "1")
+    with pytest.raises(ValueError, match="below the model's 2 layers"):  # before calibrating
+        evaluate("--oscar", "--oscar-gptq", "--oscar-int4-layers", "1:2")
+
+
+def test_oscar_int4_layers_argument(capsys):
+    """--oscar-int4-layers N[:M]: (N, M) pairs, M 0 when left out; malformed ones are refused
+    by the parser, naming the argument and the form expected."""
+    from foscar.eval import run as eval_run
+
+    p = argparse.ArgumentParser()
+    eval_run.add_arguments(p)
+    assert p.parse_args([]).oscar_int4_layers is None
+    args = p.parse_args(["--oscar-int4-layers", "15:10", "20", "6:0"])
+    assert args.oscar_int4_layers == [(15, 10), (20, 0), (6, 0)]
+    for bad, says in (
+        ("3:x", "expected N or N:M"),
+        ("1:2:3", "expected N or N:M"),
+        ("-1", "expected N or N:M"),
+        ("0:4", "N (INT4 key layers) must be >= 1"),
+    ):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--oscar-int4-layers", bad])
+        err = capsys.readouterr().err
+        assert "--oscar-int4-layers" in err and says in err, err
 
 
 @pytest.mark.skipif(
@@ -593,7 +631,6 @@ def test_foscar_eval_on_a_gpu(toy, monkeypatch):
     import io
 
     from foscar.eval import run as eval_run
-    from foscar.oscar import evaluate as oscar_evaluate
 
     if not (toy / "model64").exists():
         from transformers import AutoTokenizer
@@ -601,8 +638,6 @@ def test_foscar_eval_on_a_gpu(toy, monkeypatch):
         tok = AutoTokenizer.from_pretrained(toy / "model")
         _save_toy_llama(toy / "model64", tok, seed=1, hidden_size=384, num_attention_heads=6)
     monkeypatch.setenv("FOSCAR_PAPERS", str(toy / "papers"))
-    monkeypatch.setattr(oscar_evaluate, "INT4_KEY_LAYERS", (1,))
-    monkeypatch.setattr(oscar_evaluate, "INT4_KEY_VALUE_LAYERS", ((1, 1),))
 
     def evaluate(decode):
         p = argparse.ArgumentParser()
@@ -613,6 +648,7 @@ def test_foscar_eval_on_a_gpu(toy, monkeypatch):
              "--agreement-tokens", "3", "--needle-lengths", "256", "--needle-depths", "0.3",
              "0.6", "--calibration-tokens", "96", "--oscar", "--oscar-gptq",
              "--oscar-tokens", "256", "--oscar-seq-len", "128", "--oscar-windows", "8", "16",
+             "--oscar-int4-layers", "1:1",
              "--formats", "OSCAR INT2 + BF16 8/16 (fitted", "INT4 keys in 1 layers",
              "INT2 KIVI +"]
         )  # fmt: skip

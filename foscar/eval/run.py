@@ -216,6 +216,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(weighted by what a key error costs the output under the windows; rows "
         "'... + attention-GPTQ keys ...')",
     )
+    p.add_argument(
+        "--oscar-int4-layers",
+        nargs="+",
+        type=_int4_layers,
+        default=None,
+        metavar="N[:M]",
+        help="with --oscar-gptq, the rows with INT4 keys in the N layers where INT4 lowers the "
+        "keys' fitted error most (and INT4 values in the M layers where it lowers theirs "
+        "most), INT2 elsewhere; one row per N[:M] (default: 6 10 10:6; rows named "
+        "'... INT4 keys in N layers[, INT4 values in M layers] ...')",
+    )
+
+
+def _int4_layers(text: str) -> tuple[int, int]:
+    """``--oscar-int4-layers``' ``N`` or ``N:M`` as ``(N, M)``."""
+    parts = text.split(":")
+    if len(parts) > 2 or not all(x.strip().isdigit() for x in parts):
+        raise argparse.ArgumentTypeError(
+            f"expected N or N:M (INT4 key layers[:INT4 value layers], integers), got {text!r}"
+        )
+    n, m = (int(x) for x in (*parts, "0")[:2])
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"N (INT4 key layers) must be >= 1, got {text!r}")
+    return n, m
 
 
 def _wanted(patterns):
@@ -319,6 +343,11 @@ def evaluate(args, out=sys.stdout, extra_formats=()) -> dict:
         raise ValueError(
             "--oscar-gptq-metric chooses the metric of --oscar-gptq: pass --oscar-gptq"
         )
+    if args.oscar_int4_layers is not None and not args.oscar_gptq:
+        raise ValueError(
+            "--oscar-int4-layers picks rows of --oscar-gptq (INT4 in some layers, GPTQ keys "
+            "elsewhere): pass --oscar-gptq"
+        )
     if args.oscar_context is not None:
         if not args.oscar:
             raise ValueError("--oscar-context shapes the calibration of --oscar: pass --oscar")
@@ -390,6 +419,7 @@ def evaluate(args, out=sys.stdout, extra_formats=()) -> dict:
             path=args.oscar_file,
             gptq=args.oscar_gptq,
             gptq_metrics=tuple(dict.fromkeys(args.oscar_gptq_metric)),
+            **({"int4_layers": args.oscar_int4_layers} if args.oscar_int4_layers else {}),
             wanted=_wanted(args.formats),
             held_out=held_out,
             log=lambda s: print(f"OSCAR {s}", file=out, flush=True),

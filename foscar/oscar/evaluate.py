@@ -39,8 +39,8 @@ OSCAR-select per-KV-head K INTa, V INTb (``gptq``) K INT2 by GPTQ with V INT4, a
                                        INT2: what each role's INT2 costs alone; fitted; s/r
 ... INT4 keys in N layers[, INT4       (``gptq``) one format per layer: INT4 keys (values) in
 values in M layers]                    the N (M) layers whose fitted error falls most from INT2
-                                       to INT4 (:data:`INT4_KEY_LAYERS`,
-                                       :data:`INT4_KEY_VALUE_LAYERS`), INT2 elsewhere; each
+                                       to INT4 (``int4_layers``, default
+                                       :data:`INT4_LAYERS`), INT2 elsewhere; each
                                        layer's clips fitted for its widths; s/r
 =====================================  =========================================================
 
@@ -375,6 +375,44 @@ def attention_errors(
     return out
 
 
+#: (INT4 key layers, INT4 value layers) of the per-layer width rows by default: 6 and 10 key
+#: layers (EVAL_NOTES 15: on SmolLM2 the 6 layers of largest key error hold 57% of the keys'
+#: squared INT2 error), and 10 with 6 value layers (EVAL_NOTES 20: what the values' INT2 costs
+#: once the keys' worst layers are INT4). ``foscar eval --oscar-int4-layers`` picks others.
+INT4_LAYERS = ((6, 0), (10, 0), (10, 6))
+
+
+def check_int4_layers(int4_layers, num_layers: int | None = None) -> tuple[tuple[int, int], ...]:
+    """``int4_layers`` as distinct ``(key_layers, value_layers)`` pairs of ints: at least one
+    key layer, no negative count, and (with ``num_layers``) fewer than ``num_layers`` of each
+    (INT4 in every layer is the "K INT4" and "OSCAR INT4" rows). None: the pairs of
+    :data:`INT4_LAYERS` below ``num_layers`` (a small model gets fewer rows, not an error)."""
+    if int4_layers is None:
+        below = num_layers if num_layers is not None else float("inf")
+        return tuple((n, m) for n, m in INT4_LAYERS if n < below and m < below)
+    pairs = []
+    for item in int4_layers:
+        try:
+            n, m = (int(x) for x in item)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"int4_layers must hold (key_layers, value_layers) pairs, got {item!r}"
+            ) from None
+        if n < 1 or m < 0:
+            raise ValueError(
+                f"int4_layers: INT4 key layers must be >= 1 and value layers >= 0, got {n}:{m}"
+            )
+        if num_layers is not None and (n >= num_layers or m >= num_layers):
+            raise ValueError(
+                f"int4_layers: each count must be below the model's {num_layers} layers (INT4 "
+                f"everywhere is the 'K INT4' and 'OSCAR INT4' rows), got {n}:{m}"
+            )
+        pairs.append((n, m))
+    if len(set(pairs)) != len(pairs):  # (none: no such rows)
+        raise ValueError(f"int4_layers must be distinct pairs, got {pairs}")
+    return tuple(pairs)
+
+
 def prepare(
     model,
     tok,
@@ -388,6 +426,7 @@ def prepare(
     held_out: list | None = None,
     gptq: bool = False,
     gptq_metrics: Sequence[str] = ("query",),
+    int4_layers: Sequence[tuple[int, int]] | None = None,
     wanted=None,
     log=None,
 ) -> tuple[list[OscarEvalFormat], dict]:
@@ -407,8 +446,11 @@ def prepare(
     sequences of the evaluation text for the attention-error table (skipped when None).
     ``gptq``: also the rows of OSCAR INT2 and OSCAR-select per-KV-head INT2 with GPTQ-rounded
     keys (:func:`gptq_rows`; their clips fitted again with the keys so rounded; they come last),
-    one set per metric of ``gptq_metrics``. ``wanted``: a predicate on row names; GPTQ rows it
-    takes none of are not fitted. ``info`` goes into the result's config.
+    one set per metric of ``gptq_metrics``; ``int4_layers``: the ``(key_layers,
+    value_layers)`` counts of their rows with INT4 in some layers (None: those of
+    :data:`INT4_LAYERS` below the model's layer count). ``wanted``: a predicate on
+    row names; GPTQ rows it takes none of are not fitted. ``info`` goes into the result's
+    config.
     """
     import time
 
@@ -428,6 +470,7 @@ def prepare(
     if path is not None and context is not None:
         raise ValueError("context shapes a calibration in the run, not a file's rotations")
     gptq_metrics = _check_gptq_metrics(gptq_metrics)
+    int4_layers = check_int4_layers(int4_layers, model_shapes(model)["num_layers"])
     if path is not None:
         rot = OscarRotations.load(path)
         return oscar_formats(rot.head_dim, rotations=rot, windows=windows), {
@@ -491,6 +534,7 @@ def prepare(
             metrics=gptq_metrics,
             metric_sequences=seqs,
             position_shifts=shifts,
+            int4_layers=int4_layers,
             wanted=wanted,
             log=log,
         )
@@ -559,6 +603,7 @@ def gptq_rows(
     metrics: Sequence[str] = ("query",),
     metric_sequences=None,
     position_shifts: Sequence[int] = (0,),
+    int4_layers: Sequence[tuple[int, int]] | None = None,
     wanted=None,
     log=None,
 ) -> tuple[list[OscarEvalFormat], dict]:
@@ -573,10 +618,13 @@ def gptq_rows(
     ``metric_sequences``, default ``sequences``). ``wanted``: a predicate on row names
     (``foscar eval --formats``); a set of rows it takes none of is not fitted (a fit costs
     minutes). ``position_shifts``: every fit's and metric's RoPE shifts
-    (:func:`foscar.oscar.fit_clips`). ``info`` is keyed by the rows' names before their
-    windows.
+    (:func:`foscar.oscar.fit_clips`). ``int4_layers``: the ``(key_layers, value_layers)``
+    counts of the rows with INT4 in some layers (:func:`check_int4_layers`; None: the
+    defaults below the layer count). ``info`` is
+    keyed by the rows' names before their windows.
     """
     metrics = _check_gptq_metrics(metrics)
+    int4_layers = check_int4_layers(int4_layers, calibration.num_layers)
     rows, info = [], {}
     for metric in metrics:
         weights = None
@@ -604,6 +652,7 @@ def gptq_rows(
             windows=windows,
             damp=damp,
             int4_keys=metric == metrics[0],
+            int4_layers=int4_layers,
             position_shifts=position_shifts,
             wanted=wanted,
             log=log,
@@ -625,6 +674,7 @@ def _gptq_metric_rows(
     windows,
     damp: float,
     int4_keys: bool,
+    int4_layers: Sequence[tuple[int, int]],
     position_shifts: Sequence[int],
     wanted,
     log,
@@ -660,7 +710,9 @@ def _gptq_metric_rows(
         if base is selected_per_head:
             out += _mixed_width_rows(g, rot, base, windows, keys, int4_keys)
             if layer_widths:
-                out += _layer_width_rows(label, g, rot, windows, keys, names_only=names_only)
+                out += _layer_width_rows(
+                    label, g, rot, windows, keys, int4_layers, names_only=names_only
+                )
         return out
 
     rows, info = [], {}
@@ -670,7 +722,7 @@ def _gptq_metric_rows(
             continue  # (only the names are read: no factors, no metric, no fit)
         # INT4 clips too (GPTQ keys at INT4) where a row puts some layers' keys at INT4
         wide = base is selected_per_head and needed(
-            _layer_width_rows(label, g, unfitted, windows, keys, names_only=True)
+            _layer_width_rows(label, g, unfitted, windows, keys, int4_layers, names_only=True)
         )
         rot = rounded_by_gptq(base)
         fit_clips(
@@ -699,8 +751,7 @@ def _gptq_metric_rows(
                 },
                 int4_key_layers={
                     str(n): [i for i, b in enumerate(key_widths_by_error(rot, n)) if b == 4]
-                    for n in INT4_KEY_LAYERS
-                    if n < rot.num_layers
+                    for n in dict.fromkeys(n for n, _ in int4_layers)
                 },
                 clips_int4_value=rot.clips[(4, "value")].tolist(),
                 value_relative_error_per_layer={
@@ -710,8 +761,8 @@ def _gptq_metric_rows(
                     str(m): [
                         i for i, b in enumerate(widths_by_error(rot, m, role="value")) if b == 4
                     ]
-                    for _, m in INT4_KEY_VALUE_LAYERS
-                    if m < rot.num_layers
+                    for m in dict.fromkeys(m for _, m in int4_layers)
+                    if m
                 },
             )
     # OSCAR-select made again with every candidate's keys rounded by GPTQ: the rotation whose
@@ -790,40 +841,26 @@ def _mixed_width_rows(
     return rows
 
 
-#: how many layers the per-layer key width rows store at INT4 (EVAL_NOTES 15: on SmolLM2 the
-#: 6 layers of largest key error hold 57% of the keys' squared INT2 error)
-INT4_KEY_LAYERS = (6, 10)
-#: (INT4 key layers, INT4 value layers) of the rows that widen some layers' values too
-#: (EVAL_NOTES 20: what the values' INT2 costs once the keys' worst layers are INT4)
-INT4_KEY_VALUE_LAYERS = ((10, 6),)
-
-
 def _layer_width_rows(
     label: str,
     g: int,
     rot: OscarRotations,
     windows,
     keys: str,
-    counts: Sequence[int] | None = None,
+    int4_layers: Sequence[tuple[int, int]] = INT4_LAYERS,
     names_only: bool = False,
 ) -> list[OscarEvalFormat]:
-    """``label`` + ``keys`` with ``windows``, its keys at INT4 in the ``n`` layers where INT4
-    lowers their error most (:func:`foscar.oscar.key_widths_by_error`), for each ``n`` of
-    ``counts`` (default :data:`INT4_KEY_LAYERS`) below the layer count, and (``counts`` None)
-    for each ``(n, m)`` of :data:`INT4_KEY_VALUE_LAYERS` its values at INT4 too in the ``m``
-    layers where that lowers their error most: one format per layer, each layer's clips those
+    """``label`` + ``keys`` with ``windows``, for each ``(n, m)`` of ``int4_layers``: its keys
+    at INT4 in the ``n`` layers where INT4 lowers their error most
+    (:func:`foscar.oscar.key_widths_by_error`) and its values at INT4 in the ``m`` layers where
+    that lowers theirs most, INT2 elsewhere: one format per layer, each layer's clips those
     fitted for its widths (``rot``'s clips of INT2 and INT4, fitted with its GPTQ keys).
     ``names_only``: the rows' names are all that will be read (``rot`` may not be fitted
     yet)."""
     s, r = windows
-    plan = [(n, 0) for n in (INT4_KEY_LAYERS if counts is None else counts)]
-    if counts is None:
-        plan += list(INT4_KEY_VALUE_LAYERS)
     two = [2] * rot.num_layers
     rows = []
-    for n, m in plan:
-        if n >= rot.num_layers or m >= rot.num_layers:  # INT4 everywhere: the K INT4 rows
-            continue
+    for n, m in int4_layers:
         kbits = two if names_only else widths_by_error(rot, n, role="key")
         vbits = two if names_only or not m else widths_by_error(rot, m, role="value")
         fmt = tuple(_fmt((kb, vb), g, None, s, r) for kb, vb in zip(kbits, vbits))
