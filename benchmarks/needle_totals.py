@@ -16,11 +16,18 @@ from session 17 on: the first number of the greedily decoded answer is the passc
 where some trial of the cell was measured before that).
 
     python benchmarks/needle_totals.py RUN [RUN ...]   # result names without .json
+    python benchmarks/needle_totals.py --paired RUN [RUN ...]
+
+``--paired``: each row against the BF16 row of the same runs, trial by trial (strict hits):
+trials both retrieve, only the row, only BF16, and the exact two-sided McNemar p-value of
+the discordant ones (a sign test: under "the row retrieves as BF16 does" each discordant
+trial goes either way with probability 1/2).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -73,7 +80,69 @@ def table(runs: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _strict_hits(runs: list[str]) -> dict[str, dict[str, dict[tuple, bool]]]:
+    """``{row name: {length: {(depth, passcode): hit}}}`` over ``runs`` (first run wins)."""
+    seen: dict[str, dict[str, dict[tuple, bool]]] = {}
+    for run in runs:
+        for row in json.loads((RESULTS / f"{run}.json").read_text())["rows"]:
+            for length, n in row.get("needle", {}).items():
+                trials = seen.setdefault(row["format"], {}).setdefault(length, {})
+                for depth, value, hit in zip(n["depths"], n["values"], n["hits"], strict=True):
+                    trials.setdefault((float(depth), str(value)), bool(hit))
+    return seen
+
+
+def mcnemar_p(only_row: int, only_ref: int) -> float:
+    """Exact two-sided McNemar p-value of ``only_row`` against ``only_ref`` discordant trials."""
+    n, k = only_row + only_ref, min(only_row, only_ref)
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def paired_table(runs: list[str], reference: str = "BF16") -> str:
+    """Each row's strict hits against ``reference``'s on the trials both measured."""
+    seen = _strict_hits(runs)
+    if reference not in seen:
+        raise SystemExit(f"no row named {reference!r} in {runs}")
+    ref = seen[reference]
+    lengths = sorted({k for row in seen.values() for k in row}, key=int)
+    lines = [
+        "| row | "
+        + " | ".join(
+            f"needle {int(n) // 1024}K: row / {reference} (only row, only {reference}; McNemar p)"
+            for n in lengths
+        )  # fmt: skip
+        + " |",
+        "|---|" + "---|" * len(lengths),
+    ]
+    for name, row in seen.items():
+        if name == reference:
+            continue
+        cells = []
+        for n in lengths:
+            common = sorted(set(row.get(n, {})) & set(ref.get(n, {})))
+            if not common:
+                cells.append("")
+                continue
+            mine = [row[n][t] for t in common]
+            theirs = [ref[n][t] for t in common]
+            only_row = sum(a and not b for a, b in zip(mine, theirs))
+            only_ref = sum(b and not a for a, b in zip(mine, theirs))
+            cells.append(
+                f"{sum(mine)} / {sum(theirs)} of {len(common)} ({only_row}, {only_ref}; "
+                f"p = {mcnemar_p(only_row, only_ref):.2f})"
+            )
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
+    args = sys.argv[1:]
+    paired = args[:1] == ["--paired"]
+    if paired:
+        args = args[1:]
+    if not args:
         sys.exit(__doc__)
-    print(table(sys.argv[1:]))
+    print(paired_table(args) if paired else table(args))
