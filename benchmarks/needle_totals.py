@@ -80,7 +80,7 @@ def table(runs: list[str]) -> str:
     return "\n".join(lines)
 
 
-def _strict_hits(runs: list[str]) -> dict[str, dict[str, dict[tuple, bool]]]:
+def strict_hits(runs: list[str]) -> dict[str, dict[str, dict[tuple, bool]]]:
     """``{row name: {length: {(depth, passcode): hit}}}`` over ``runs`` (first run wins)."""
     seen: dict[str, dict[str, dict[tuple, bool]]] = {}
     for run in runs:
@@ -103,7 +103,7 @@ def mcnemar_p(only_row: int, only_ref: int) -> float:
 
 def paired_table(runs: list[str], reference: str = "BF16") -> str:
     """Each row's strict hits against ``reference``'s on the trials both measured."""
-    seen = _strict_hits(runs)
+    seen = strict_hits(runs)
     if reference not in seen:
         raise SystemExit(f"no row named {reference!r} in {runs}")
     ref = seen[reference]

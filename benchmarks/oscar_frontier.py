@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from needle_totals import strict_hits  # (benchmarks/, this script's folder)
+
 from foscar.eval.report import paired_gap
 
 RESULTS = Path(__file__).resolve().parent / "results" / "h200"
@@ -43,11 +45,10 @@ def _rows(run: str) -> dict[str, dict]:
     return {r["format"]: r for r in json.loads((RESULTS / f"{run}.json").read_text())["rows"]}
 
 
-def _needle_gap(row: dict, bf16: dict, length: str) -> tuple[int, int, int]:
-    """(row hits, BF16 hits, trials) on the trials both measured at ``length``."""
-    a, b = row["needle"][length], bf16["needle"][length]
-    mine = dict(zip(zip(a["depths"], a["values"]), a["hits"], strict=True))
-    theirs = dict(zip(zip(b["depths"], b["values"]), b["hits"], strict=True))
+def _needle_gap(run: str, name: str, length: str) -> tuple[int, int, int]:
+    """(row hits, BF16 hits, trials) on the trials both measured at ``length`` in ``run``."""
+    hits = strict_hits([f"../h200/{run}"])
+    mine, theirs = hits[name][length], hits["BF16"][length]
     common = set(mine) & set(theirs)
     return sum(mine[t] for t in common), sum(theirs[t] for t in common), len(common)
 
@@ -61,10 +62,11 @@ def points() -> list[dict]:
         for prefix in sorted(row["nll"], key=int):
             d = [x - y for x, y in zip(row["nll"][prefix], bf16["nll"][prefix], strict=True)]
             p["ppl"][prefix] = paired_gap(d)
-        needle_rows = _rows(needle_run) if needle_run else rows
         for length in LENGTHS:
-            src = needle_rows if length in needle_rows[name].get("needle", {}) else rows
-            p["needle"][length] = _needle_gap(src[name], src["BF16"], length)
+            in_needle_run = needle_run and length in _rows(needle_run)[name].get("needle", {})
+            p["needle"][length] = _needle_gap(
+                needle_run if in_needle_run else ppl_run, name, length
+            )
         out.append(p)
     return out
 

@@ -414,6 +414,18 @@ def test_needle_totals_count_each_distinct_trial_once(tmp_path, monkeypatch):
     t = mod.totals(["a", "c", "d"])
     assert t["Z"] == {"2048": [0, 1, 1, 1]} and t["X"]["2048"][2] is None
     assert "| Z | 0/1 (1; 1) |" in mod.table(["d"])
+    # paired with BF16 over the trials both measured (Z: only in d, which has no BF16 row)
+    paired = mod.paired_table(["a", "b", "c"])
+    assert "| X | 2 / 2 of 3 (1, 1; p = 1.00) |" in paired  # X: 0.5 only; BF16: 0.3 only
+    assert "| Y | 0 / 1 of 2 (0, 1; p = 1.00) |" in paired
+    assert "BF16 |" not in paired.split("\n", 2)[2]  # no row against itself
+    with pytest.raises(SystemExit, match="no row named 'BF16'"):
+        mod.paired_table(["d"])
+    # the exact McNemar p-value: two-sided binomial tail of the discordant trials at 1/2
+    assert mod.mcnemar_p(0, 0) == 1.0
+    assert mod.mcnemar_p(10, 2) == pytest.approx(2 * (1 + 12 + 66) / 2**12)  # 0.0386
+    assert mod.mcnemar_p(4, 8) == mod.mcnemar_p(8, 4) == pytest.approx(2 * 794 / 2**12)
+    assert mod.mcnemar_p(0, 8) == pytest.approx(2 / 2**8)
 
 
 def test_eval_partial_keeps_what_every_row_finished(tmp_path):
