@@ -1,0 +1,169 @@
+# ruff: noqa: E402, E501
+"""Pinned BF16 tokens (prototype): is INT2 keys' error concentrated on a few tokens?
+
+Decode attention is a sum over the cached tokens, so a token kept in BF16 need not be one of
+the first or the last ones: a cache could keep any token's key exact (a "pinned" set beside
+the sink window). Worth a format only if a small set of tokens, chosen when the token is
+written, carries much of the error. Per layer, the held-out attention-output error of the
+shipped INT2 keys (GPTQ, select of U*H*P_br / H*P_br per KV head, best clip) when the top
+f of the tokens are kept exact, by:
+- "oracle": the attention the held-out queries actually give the token (mean over query heads
+  and queries; not known at write time: the bound of what any choice can do);
+- "error": the token's GPTQ error in the queries' metric, sum over KV heads of e^T H e;
+- "norm": the key's size in that metric, k^T H k;
+- "magnet": the token's logit under the calibration's mean query of each KV head (tokens every
+  query attends to, like the sink).
+Keys only (values exact), BF16 64/256 windows exact as in oscar_key_residual. A pinned key costs
+16 - 3 = 13 more bits: f = 1% of the tokens is +0.13 key bits per element.
+
+    OMP_NUM_THREADS=2 python benchmarks/prototypes/oscar_pinned_tokens/run.py OUT.json
+"""
+
+import json
+import sys
+import time
+
+import torch
+
+torch.set_grad_enabled(False)
+from foscar.eval import texts
+from foscar.eval.model import load_model
+from foscar.formats import QuantFormat
+from foscar.oscar.calibrate import _causal_attention, _rotate, _window_mask, default_sequences
+from foscar.oscar.capture import capture_attention, model_shapes
+from foscar.oscar.positions import position_shifts, shifted_views
+from foscar.oscar.rotation import RECIPES, rotation
+from foscar.quantize import gptq_factor, quantize_gptq
+
+OUT = sys.argv[1] if len(sys.argv) > 1 else "pinned_tokens.json"
+CLIPS = (1.0, 0.96, 0.92, 0.88, 0.85)
+WINDOWS = (64, 256)
+NQ = 64
+FRACTIONS = (0.005, 0.01, 0.02, 0.04)
+CRITERIA = ("oracle", "error", "norm", "magnet")
+
+t0 = time.perf_counter()
+model, tok = load_model()
+shapes = model_shapes(model)
+L, H, d = shapes["num_layers"], shapes["num_kv_heads"], shapes["head_dim"]
+views = shifted_views(model, position_shifts(2048, 8192))
+qq = torch.zeros(L, H, d, d, dtype=torch.float64)
+kk = torch.zeros(L, H, d, d, dtype=torch.float64)
+qsum = torch.zeros(L, H, d, dtype=torch.float64)
+qcount = torch.zeros(L, dtype=torch.float64)
+
+
+def accumulate(layer, q, k, v, scaling):
+    g = q.shape[0] // H
+    for qv, kv in views(q, k):
+        qs = qv.double().reshape(H, -1, d)
+        qq[layer] += (qs.transpose(1, 2) @ qs) / g
+        qsum[layer] += qs.sum(1) / g
+        qcount[layer] += qs.shape[1] / g
+        kk[layer] += kv.double().transpose(1, 2) @ kv.double()
+
+
+with capture_attention(model, accumulate):
+    for s in default_sequences(tok, 8192, 2048, texts.python_reference().text):
+        model(input_ids=s[None], use_cache=False, logits_to_keep=1)
+print(f"statistics: {time.perf_counter() - t0:.0f}s", flush=True)
+
+
+def sym(c):
+    return (c + c.transpose(-1, -2)) / 2
+
+
+rot = {}
+for name in ("full", "no-u"):
+    per_layer = []
+    for layer in range(L):
+        r = rotation(sym(kk[layer]), RECIPES[name])
+        hmat = sym(r.transpose(-1, -2) @ sym(qq[layer]) @ r)
+        mean_q = (qsum[layer] / qcount[layer])[:, None, :] @ r  # [H, 1, d] rotated
+        per_layer.append({"r": r.float(), "factor": gptq_factor(hmat).float(),
+                          "h": hmat.float(), "mean_q": mean_q.float()})  # fmt: skip
+    rot[name] = per_layer
+
+ids = tok(texts.paper().text, return_tensors="pt").input_ids[0]
+HELD = [ids[256 : 256 + 4096], ids[256 + 4096 : 256 + 8192]]
+VARIANTS = ["none", *(f"{c} {f}" for c in CRITERIA for f in FRACTIONS)]
+err = {(n, v): torch.zeros(L, len(CLIPS), dtype=torch.float64) for n in rot for v in VARIANTS}
+norm = {n: torch.zeros(L, dtype=torch.float64) for n in rot}
+# how much of the pinned set each criterion shares with the oracle's (at 1%)
+overlap = {c: torch.zeros(L, dtype=torch.float64) for c in CRITERIA}
+
+
+def top_mask(score: torch.Tensor, fraction: float, sink: int) -> torch.Tensor:
+    """[T] bool: the top ``fraction`` of the tokens after the sink by ``score``."""
+    t = score.shape[0]
+    k = max(1, round(fraction * t))
+    s = score.clone()
+    s[:sink] = float("-inf")
+    mask = torch.zeros(t, dtype=torch.bool)
+    mask[torch.topk(s, k).indices] = True
+    return mask
+
+
+def measure(layer, q, k, v, scaling):
+    t = k.shape[1]
+    positions = torch.linspace(t - 512, t - 1, NQ).round().long()
+    window = _window_mask(positions, t, WINDOWS)
+    vb = v.to(torch.bfloat16).float()
+    for name, per_layer in rot.items():
+        entry = per_layer[layer]
+        qs = _rotate(q[:, positions], entry["r"])
+        kr = _rotate(k, entry["r"]).to(torch.bfloat16)
+        x = kr.float()
+        exact = _causal_attention(qs, x, vb, positions, scaling)
+        norm[name][layer] += float(exact.double().square().sum())
+        # the attention each token receives from the held-out queries (exact keys)
+        group = qs.shape[0] // H
+        logits = torch.einsum("hnd,htd->hnt", qs, x.repeat_interleave(group, 0)) * scaling
+        visible = torch.arange(t) <= positions[:, None]
+        p = torch.softmax(logits.masked_fill(~visible, float("-inf")), -1)
+        received = p.mean((0, 1))
+        magnet = (torch.einsum("hod,htd->ht", entry["mean_q"], x) * scaling).amax(0)
+        keynorm = torch.einsum("htd,hde,hte->t", x, entry["h"], x)
+        for j, clip in enumerate(CLIPS):
+            f = QuantFormat(2, "token", 64, None if clip == 1.0 else clip)
+            codes, sc, lo = quantize_gptq(kr, f, entry["factor"])
+            kq = codes.float() * sc + lo
+            e = x - kq
+            score = {"oracle": received, "error": torch.einsum("htd,hde,hte->t", e, entry["h"], e),
+                     "norm": keynorm, "magnet": magnet}  # fmt: skip
+            out = _causal_attention(qs, x, vb, positions, scaling, kq=kq, window=window)
+            err[name, "none"][layer, j] += float((out - exact).double().square().sum())
+            for c in CRITERIA:
+                for frac in FRACTIONS:
+                    pinned = top_mask(score[c], frac, WINDOWS[0])
+                    out = _causal_attention(qs, x, vb, positions, scaling, kq=kq, window=window | pinned)
+                    err[name, f"{c} {frac}"][layer, j] += float((out - exact).double().square().sum())
+                if name == "full" and j == 2:
+                    a, b = top_mask(score[c], 0.01, WINDOWS[0]), top_mask(received, 0.01, WINDOWS[0])
+                    overlap[c][layer] += float((a & b).sum() / b.sum()) / len(HELD)
+    print(f"  layer {layer}: {time.perf_counter() - t0:.0f}s", flush=True)
+
+
+with capture_attention(model, measure):
+    for s in HELD:
+        model(input_ids=s[None], use_cache=False, logits_to_keep=1)
+print(f"held-out: {time.perf_counter() - t0:.0f}s", flush=True)
+
+rows = {}
+for (name, var), e in err.items():
+    rel = (e / norm[name][:, None]).sqrt()
+    rows[f"{name}/{var}"] = rel.min(1).values.tolist()
+sel = {v: torch.minimum(torch.tensor(rows[f"full/{v}"]), torch.tensor(rows[f"no-u/{v}"])) for v in VARIANTS}
+base = sel["none"]
+worst6 = torch.topk(base, 6).indices
+print(f"select, INT2 GPTQ keys, nothing pinned: mean {base.mean():.4f}, six worst layers {base[worst6].mean():.4f}")
+for c in CRITERIA:
+    cells = []
+    for frac in FRACTIONS:
+        v = sel[f"{c} {frac}"]
+        cells.append(f"{100 * frac:.1f}%: {v.mean():.4f} ({(v.mean() / base.mean() - 1) * 100:+.0f}%)")
+    print(f"{c:7s} " + "  ".join(cells) + f"   overlap with oracle at 1%: {overlap[c].mean():.2f}")
+for frac in FRACTIONS:
+    print(f"pinning {100 * frac:.1f}% of the keys: +{13 * frac:.3f} key bits per element")
+json.dump({"select": {v: t.tolist() for v, t in sel.items()}, "overlap_with_oracle_1pct": {c: o.tolist() for c, o in overlap.items()}}, open(OUT, "w"), indent=1)
+print(f"done {time.perf_counter() - t0:.0f}s")
