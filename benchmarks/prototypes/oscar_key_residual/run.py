@@ -11,9 +11,8 @@ Variants:
   them exactly, so the codes need not spend effort there), then the residual;
 - "int4": INT4 GPTQ keys, the per-layer upgrade the 4.51-bit recipe buys (2 bits per key
   element in that layer), to compare what a bit buys each way.
-Held out as in oscar_gptq_refine (the FOSCAR paper, 2 x 4,096 tokens, 64 queries in the last
-512 positions, BF16 64/256 windows exact, V exact), calibration 4 x 2,048 at RoPE shifts
-0-8K, rotation U*H*P_br of K^T K per KV head and H*P_br; best clip per layer.
+The measure is ``oscar_heldout``'s (as oscar_gptq_refine's): held-out attention-output error,
+best clip per layer, "select" of U*H*P_br / H*P_br of K^T K per KV head.
 
     OMP_NUM_THREADS=2 python benchmarks/prototypes/oscar_key_residual/run.py OUT.json
 """
@@ -21,65 +20,57 @@ Held out as in oscar_gptq_refine (the FOSCAR paper, 2 x 4,096 tokens, 64 queries
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 torch.set_grad_enabled(False)
-from foscar.eval import texts
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/prototypes
+from oscar_heldout import (
+    CLIPS,
+    ROTATIONS,
+    WINDOWS,
+    best_clip_errors,
+    calibration_statistics,
+    held_out,
+    key_rotations,
+    query_positions,
+    select,
+)
+
 from foscar.eval.model import load_model
 from foscar.formats import QuantFormat
-from foscar.oscar.calibrate import _causal_attention, _rotate, _window_mask, default_sequences
+from foscar.oscar.calibrate import _causal_attention, _rotate, _window_mask
 from foscar.oscar.capture import capture_attention, model_shapes
-from foscar.oscar.positions import position_shifts, shifted_views
-from foscar.oscar.rotation import RECIPES, rotation
 from foscar.quantize import gptq_factor, quantize_gptq
 
 OUT = sys.argv[1] if len(sys.argv) > 1 else "key_residual.json"
-CLIPS = (1.0, 0.96, 0.92, 0.88, 0.85)
-WINDOWS = (64, 256)
-NQ = 64
 RANKS = (1, 2, 4)
 
 t0 = time.perf_counter()
 model, tok = load_model()
-shapes = model_shapes(model)
-L, H, d = shapes["num_layers"], shapes["num_kv_heads"], shapes["head_dim"]
-views = shifted_views(model, position_shifts(2048, 8192))
-qq = torch.zeros(L, H, d, d, dtype=torch.float64)
-kk = torch.zeros(L, H, d, d, dtype=torch.float64)
-
-
-def accumulate(layer, q, k, v, scaling):
-    g = q.shape[0] // H
-    for qv, kv in views(q, k):
-        qs = qv.double().reshape(H, -1, d)
-        qq[layer] += (qs.transpose(1, 2) @ qs) / g
-        kk[layer] += kv.double().transpose(1, 2) @ kv.double()
-
-
-with capture_attention(model, accumulate):
-    for s in default_sequences(tok, 8192, 2048, texts.python_reference().text):
-        model(input_ids=s[None], use_cache=False, logits_to_keep=1)
+L = model_shapes(model)["num_layers"]
+stats = calibration_statistics(model, tok)
 print(f"statistics: {time.perf_counter() - t0:.0f}s", flush=True)
-
-
-def sym(c):
-    return (c + c.transpose(-1, -2)) / 2
 
 
 VARIANTS = ("gptq", *(f"res {r}" for r in RANKS), *(f"proj {r}" for r in RANKS), "int4")
 rot = {}
 spectrum = {}
-for name in ("full", "no-u"):
+for name in ROTATIONS:
     per_layer = []
     top_share = torch.zeros(L, len(RANKS), dtype=torch.float64)
     for layer in range(L):
-        r = rotation(sym(kk[layer]), RECIPES[name])
-        hmat = sym(r.transpose(-1, -2) @ sym(qq[layer]) @ r)
+        r, hmat = key_rotations(stats, name, layer)
         evals, evecs = torch.linalg.eigh(hmat)  # ascending
         evals, evecs = evals.flip(-1), evecs.flip(-1)
         trace = evals.sum(-1)
-        entry = {"r": r.float(), "factor": gptq_factor(hmat).float(), "basis": {}, "proj_factor": {}}
+        entry = {
+            "r": r.float(),
+            "factor": gptq_factor(hmat).float(),
+            "basis": {},
+            "proj_factor": {},
+        }
         for i, rank in enumerate(RANKS):
             top_share[layer, i] = (evals[:, :rank].sum(-1) / trace).mean()
             u = evecs[:, :, :rank]  # [H, d, r]
@@ -89,11 +80,13 @@ for name in ("full", "no-u"):
         per_layer.append(entry)
     rot[name] = per_layer
     spectrum[name] = top_share
-    print(f"{name}: share of tr(H) in the top 1/2/4 directions, mean over layers and heads: "
-          + " / ".join(f"{float(top_share[:, i].mean()):.3f}" for i in range(len(RANKS))), flush=True)
+    print(
+        f"{name}: share of tr(H) in the top 1/2/4 directions, mean over layers and heads: "
+        + " / ".join(f"{float(top_share[:, i].mean()):.3f}" for i in range(len(RANKS))),
+        flush=True,
+    )
 
-ids = tok(texts.paper().text, return_tensors="pt").input_ids[0]
-HELD = [ids[256 : 256 + 4096], ids[256 + 4096 : 256 + 8192]]
+HELD = held_out(tok)
 err = {(n, v): torch.zeros(L, len(CLIPS), dtype=torch.float64) for n in rot for v in VARIANTS}
 norm = {n: torch.zeros(L, dtype=torch.float64) for n in rot}
 
@@ -106,7 +99,7 @@ def with_residual(x, kq, basis):
 
 def measure(layer, q, k, v, scaling):
     t = k.shape[1]
-    positions = torch.linspace(t - 512, t - 1, NQ).round().long()
+    positions = query_positions(t)
     window = _window_mask(positions, t, WINDOWS)
     vb = v.to(torch.bfloat16).float()
     for name, per_layer in rot.items():
@@ -123,7 +116,9 @@ def measure(layer, q, k, v, scaling):
             keys = {"gptq": base}
             for rank in RANKS:
                 keys[f"res {rank}"] = with_residual(x, base, entry["basis"][rank])
-                c2, s2, z2 = quantize_gptq(kr, QuantFormat(2, "token", 64, clip), entry["proj_factor"][rank])
+                c2, s2, z2 = quantize_gptq(
+                    kr, QuantFormat(2, "token", 64, clip), entry["proj_factor"][rank]
+                )
                 keys[f"proj {rank}"] = with_residual(x, c2.float() * s2 + z2, entry["basis"][rank])
             c4, s4, z4 = quantize_gptq(kr, QuantFormat(4, "token", 64, clip), entry["factor"])
             keys["int4"] = c4.float() * s4 + z4
@@ -140,16 +135,17 @@ print(f"held-out: {time.perf_counter() - t0:.0f}s", flush=True)
 
 rows = {}
 for (name, var), e in err.items():
-    rel = (e / norm[name][:, None]).sqrt()
-    best = rel.min(1)
-    rows[f"{name}/{var}"] = {"per_layer": best.values.tolist(), "mean": float(best.values.mean())}
+    best = best_clip_errors(e, norm[name])
+    rows[f"{name}/{var}"] = {"per_layer": best.tolist(), "mean": float(best.mean())}
 sel = {
-    var: torch.minimum(torch.tensor(rows[f"full/{var}"]["per_layer"]), torch.tensor(rows[f"no-u/{var}"]["per_layer"]))
+    var: select({n: torch.tensor(rows[f"{n}/{var}"]["per_layer"]) for n in ROTATIONS})
     for var in VARIANTS
 }
 for var, v in sel.items():
     worst6 = torch.topk(sel["gptq"], 6).indices
-    print(f"select {var:7s} mean {v.mean():.4f}  ratio {(v / sel['gptq']).mean():.3f}  six worst layers {v[worst6].mean():.4f} (gptq {sel['gptq'][worst6].mean():.4f})")
+    print(
+        f"select {var:7s} mean {v.mean():.4f}  ratio {(v / sel['gptq']).mean():.3f}  six worst layers {v[worst6].mean():.4f} (gptq {sel['gptq'][worst6].mean():.4f})"
+    )
     rows[f"select/{var}"] = {"per_layer": v.tolist(), "mean": float(v.mean())}
 # the 4.51-bit recipe's key side at equal bits: INT4 in the k layers where it helps most
 gain = sel["gptq"] - sel["int4"]
@@ -158,10 +154,16 @@ for k_layers in (4, 8, 10, 15):
     mixed = sel["gptq"].clone()
     mixed[pick] = sel["int4"][pick]
     extra = 2 * k_layers / L  # key bits per key element, averaged over layers
-    print(f"INT4 keys in {k_layers:2d} layers: mean {mixed.mean():.4f}  (+{extra:.2f} key bits/elem)")
-    rows[f"select/int4 in {k_layers} layers"] = {"per_layer": mixed.tolist(), "mean": float(mixed.mean()), "extra_key_bits": extra}
+    print(
+        f"INT4 keys in {k_layers:2d} layers: mean {mixed.mean():.4f}  (+{extra:.2f} key bits/elem)"
+    )
+    rows[f"select/int4 in {k_layers} layers"] = {
+        "per_layer": mixed.tolist(),
+        "mean": float(mixed.mean()),
+        "extra_key_bits": extra,
+    }
 for rank in RANKS:
-    print(f"residual rank {rank}: +{rank * 16 / d:.2f} key bits/elem")
+    print(f"residual rank {rank}: +{rank * 16 / model_shapes(model)['head_dim']:.2f} key bits/elem")
 rows["spectrum_top_share"] = {n: s.tolist() for n, s in spectrum.items()}
 json.dump(rows, open(OUT, "w"), indent=1)
 print(f"done {time.perf_counter() - t0:.0f}s")

@@ -13,7 +13,7 @@ f of the tokens are kept exact, by:
 - "norm": the key's size in that metric, k^T H k;
 - "magnet": the token's logit under the calibration's mean query of each KV head (tokens every
   query attends to, like the sink).
-Keys only (values exact), BF16 64/256 windows exact as in oscar_key_residual. A pinned key costs
+Keys only (values exact), BF16 64/256 windows exact: ``oscar_heldout``'s measure. A pinned key costs
 16 - 3 = 13 more bits: f = 1% of the tokens is +0.13 key bits per element.
 
     OMP_NUM_THREADS=2 python benchmarks/prototypes/oscar_pinned_tokens/run.py OUT.json
@@ -22,70 +22,51 @@ Keys only (values exact), BF16 64/256 windows exact as in oscar_key_residual. A 
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 torch.set_grad_enabled(False)
-from foscar.eval import texts
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/prototypes
+from oscar_heldout import (
+    CLIPS,
+    ROTATIONS,
+    WINDOWS,
+    best_clip_errors,
+    calibration_statistics,
+    held_out,
+    key_rotations,
+    query_positions,
+    select,
+)
+
 from foscar.eval.model import load_model
 from foscar.formats import QuantFormat
-from foscar.oscar.calibrate import _causal_attention, _rotate, _window_mask, default_sequences
+from foscar.oscar.calibrate import _causal_attention, _rotate, _window_mask
 from foscar.oscar.capture import capture_attention, model_shapes
-from foscar.oscar.positions import position_shifts, shifted_views
-from foscar.oscar.rotation import RECIPES, rotation
 from foscar.quantize import gptq_factor, quantize_gptq
 
 OUT = sys.argv[1] if len(sys.argv) > 1 else "pinned_tokens.json"
-CLIPS = (1.0, 0.96, 0.92, 0.88, 0.85)
-WINDOWS = (64, 256)
-NQ = 64
 FRACTIONS = (0.005, 0.01, 0.02, 0.04)
 CRITERIA = ("oracle", "error", "norm", "magnet")
 
 t0 = time.perf_counter()
 model, tok = load_model()
-shapes = model_shapes(model)
-L, H, d = shapes["num_layers"], shapes["num_kv_heads"], shapes["head_dim"]
-views = shifted_views(model, position_shifts(2048, 8192))
-qq = torch.zeros(L, H, d, d, dtype=torch.float64)
-kk = torch.zeros(L, H, d, d, dtype=torch.float64)
-qsum = torch.zeros(L, H, d, dtype=torch.float64)
-qcount = torch.zeros(L, dtype=torch.float64)
-
-
-def accumulate(layer, q, k, v, scaling):
-    g = q.shape[0] // H
-    for qv, kv in views(q, k):
-        qs = qv.double().reshape(H, -1, d)
-        qq[layer] += (qs.transpose(1, 2) @ qs) / g
-        qsum[layer] += qs.sum(1) / g
-        qcount[layer] += qs.shape[1] / g
-        kk[layer] += kv.double().transpose(1, 2) @ kv.double()
-
-
-with capture_attention(model, accumulate):
-    for s in default_sequences(tok, 8192, 2048, texts.python_reference().text):
-        model(input_ids=s[None], use_cache=False, logits_to_keep=1)
+L, H = model_shapes(model)["num_layers"], model_shapes(model)["num_kv_heads"]
+stats = calibration_statistics(model, tok)
 print(f"statistics: {time.perf_counter() - t0:.0f}s", flush=True)
 
-
-def sym(c):
-    return (c + c.transpose(-1, -2)) / 2
-
-
 rot = {}
-for name in ("full", "no-u"):
+for name in ROTATIONS:
     per_layer = []
     for layer in range(L):
-        r = rotation(sym(kk[layer]), RECIPES[name])
-        hmat = sym(r.transpose(-1, -2) @ sym(qq[layer]) @ r)
-        mean_q = (qsum[layer] / qcount[layer])[:, None, :] @ r  # [H, 1, d] rotated
+        r, hmat = key_rotations(stats, name, layer)
+        mean_q = stats["mean_q"][layer][:, None, :] @ r  # [H, 1, d] rotated
         per_layer.append({"r": r.float(), "factor": gptq_factor(hmat).float(),
                           "h": hmat.float(), "mean_q": mean_q.float()})  # fmt: skip
     rot[name] = per_layer
 
-ids = tok(texts.paper().text, return_tensors="pt").input_ids[0]
-HELD = [ids[256 : 256 + 4096], ids[256 + 4096 : 256 + 8192]]
+HELD = held_out(tok)
 VARIANTS = ["none", *(f"{c} {f}" for c in CRITERIA for f in FRACTIONS)]
 err = {(n, v): torch.zeros(L, len(CLIPS), dtype=torch.float64) for n in rot for v in VARIANTS}
 norm = {n: torch.zeros(L, dtype=torch.float64) for n in rot}
@@ -106,7 +87,7 @@ def top_mask(score: torch.Tensor, fraction: float, sink: int) -> torch.Tensor:
 
 def measure(layer, q, k, v, scaling):
     t = k.shape[1]
-    positions = torch.linspace(t - 512, t - 1, NQ).round().long()
+    positions = query_positions(t)
     window = _window_mask(positions, t, WINDOWS)
     vb = v.to(torch.bfloat16).float()
     for name, per_layer in rot.items():
@@ -136,10 +117,17 @@ def measure(layer, q, k, v, scaling):
             for c in CRITERIA:
                 for frac in FRACTIONS:
                     pinned = top_mask(score[c], frac, WINDOWS[0])
-                    out = _causal_attention(qs, x, vb, positions, scaling, kq=kq, window=window | pinned)
-                    err[name, f"{c} {frac}"][layer, j] += float((out - exact).double().square().sum())
+                    out = _causal_attention(
+                        qs, x, vb, positions, scaling, kq=kq, window=window | pinned
+                    )
+                    err[name, f"{c} {frac}"][layer, j] += float(
+                        (out - exact).double().square().sum()
+                    )
                 if name == "full" and j == 2:
-                    a, b = top_mask(score[c], 0.01, WINDOWS[0]), top_mask(received, 0.01, WINDOWS[0])
+                    a, b = (
+                        top_mask(score[c], 0.01, WINDOWS[0]),
+                        top_mask(received, 0.01, WINDOWS[0]),
+                    )
                     overlap[c][layer] += float((a & b).sum() / b.sum()) / len(HELD)
     print(f"  layer {layer}: {time.perf_counter() - t0:.0f}s", flush=True)
 
@@ -149,21 +137,28 @@ with capture_attention(model, measure):
         model(input_ids=s[None], use_cache=False, logits_to_keep=1)
 print(f"held-out: {time.perf_counter() - t0:.0f}s", flush=True)
 
-rows = {}
-for (name, var), e in err.items():
-    rel = (e / norm[name][:, None]).sqrt()
-    rows[f"{name}/{var}"] = rel.min(1).values.tolist()
-sel = {v: torch.minimum(torch.tensor(rows[f"full/{v}"]), torch.tensor(rows[f"no-u/{v}"])) for v in VARIANTS}
+sel = {v: select({n: best_clip_errors(err[n, v], norm[n]) for n in ROTATIONS}) for v in VARIANTS}
 base = sel["none"]
 worst6 = torch.topk(base, 6).indices
-print(f"select, INT2 GPTQ keys, nothing pinned: mean {base.mean():.4f}, six worst layers {base[worst6].mean():.4f}")
+print(
+    f"select, INT2 GPTQ keys, nothing pinned: mean {base.mean():.4f}, six worst layers {base[worst6].mean():.4f}"
+)
 for c in CRITERIA:
     cells = []
     for frac in FRACTIONS:
         v = sel[f"{c} {frac}"]
-        cells.append(f"{100 * frac:.1f}%: {v.mean():.4f} ({(v.mean() / base.mean() - 1) * 100:+.0f}%)")
+        cells.append(
+            f"{100 * frac:.1f}%: {v.mean():.4f} ({(v.mean() / base.mean() - 1) * 100:+.0f}%)"
+        )
     print(f"{c:7s} " + "  ".join(cells) + f"   overlap with oracle at 1%: {overlap[c].mean():.2f}")
 for frac in FRACTIONS:
     print(f"pinning {100 * frac:.1f}% of the keys: +{13 * frac:.3f} key bits per element")
-json.dump({"select": {v: t.tolist() for v, t in sel.items()}, "overlap_with_oracle_1pct": {c: o.tolist() for c, o in overlap.items()}}, open(OUT, "w"), indent=1)
+json.dump(
+    {
+        "select": {v: t.tolist() for v, t in sel.items()},
+        "overlap_with_oracle_1pct": {c: o.tolist() for c, o in overlap.items()},
+    },
+    open(OUT, "w"),
+    indent=1,
+)
 print(f"done {time.perf_counter() - t0:.0f}s")
