@@ -91,6 +91,7 @@
 #   bash benchmarks/h200_run.sh s20-stash-test # session 20: stash carrying .evalmodel/p0, and foscar eval's GPU test (now with --oscar-int4-layers)
 #   bash benchmarks/h200_run.sh s20-replicate # session 20 (likewise): 15:10 on other needle trials (--seed 1) and the 4K windows B, beside 12:8 and 15:0
 #   bash benchmarks/h200_run.sh s20-seeds # session 20 (likewise): 15:10's needles on two more sets of 49 trials per length (--seed 2, 3)
+#   bash benchmarks/h200_run.sh s20-step # session 20: GPU time per step of the 15:10 shares (INT4 keys in every other layer, values in every third) beside OSCAR INT2, foscar INT2 / INT4
 #   bash benchmarks/h200_run.sh s20-frontier # session 20 (stash p1, then carry p2): INT4 in more layers (10:6, 15:10, 20:15) and OSCAR INT4 + windows: perplexity 4K/8K, needles 2K/4K/8K
 #   bash benchmarks/h200_run.sh e2e-1k  # 1K decoded tokens at 32K: BF16 B=16, foscar B=32
 #   bash benchmarks/h200_run.sh e2e-32k # foscar bench --e2e: Qwen3-8B shapes, 32K-token prompts
@@ -841,6 +842,16 @@ case "$mode" in
     fi
     timeout 480 python3 -m pytest -q -p no:cacheprovider -rs "${tests[@]}" 2>&1 \
       | tee "$OUT/gpu_tests_$mode.log" | tail -8
+    ;;
+  s20-step)
+    # session 20: what the recipe that matched BF16 on SmolLM2 (INT4 keys in 15 of 30 layers,
+    # values in 10) costs a decode step at 32K with Qwen3-8B's shapes: its shares of layers
+    # (e2e method foscar-oscar-k4half-v4third-int2) beside s15-step's methods
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -rs tests/test_bench_e2e.py 2>&1 | tail -3
+    timeout 420 python3 benchmarks/oscar_step_profile.py --gpu-time --steps 16 --batches 1 16 32 \
+      --methods foscar-int2 foscar-int4 foscar-oscar-int2 foscar-oscar-k4third-int2 \
+      foscar-oscar-k4half-v4third-int2 2>&1 | tee "$OUT/oscar_k4half_v4third_gpu_time.log" \
+      | grep -v "^\[" | grep -v "^ "
     ;;
   s20-stash-test)
     # session 20: a piece of the eval model stashed as by stash, and foscar eval's GPU test

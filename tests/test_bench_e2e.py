@@ -51,6 +51,7 @@ def test_decode_points_on_a_small_model(small_model, tmp_path):
             "foscar-int2",
             "foscar-oscar-int2",
             "foscar-oscar-k4third-int2",
+            "foscar-oscar-k4half-v4third-int2",
         )
     ]
     for r in rows:
@@ -72,6 +73,18 @@ def test_decode_points_on_a_small_model(small_model, tmp_path):
     assert [f.key.bits for f in cache.kv.formats] == [2, 4]
     for layer, tr in enumerate(cache.kv.transforms):
         assert tr.key_clip == (0.99 if layer == 1 else 0.85) and tr.value_clip == 0.92
+    # INT4 keys in every other layer and INT4 values in every third (layer 1 of 0-1 here):
+    # both roles of layer 1 at INT4, each clipped for its width
+    assert kv["foscar-oscar-k4third-int2"] < kv["foscar-oscar-k4half-v4third-int2"]
+    assert kv["foscar-oscar-k4half-v4third-int2"] < kv["foscar-int4"]
+    cache = e2e.make_cache("foscar-oscar-k4half-v4third-int2", small_model, 2, 400, 8, seed=0)
+    assert [(f.key.bits, f.value.bits) for f in cache.kv.formats] == [(2, 2), (4, 4)]
+    for layer, tr in enumerate(cache.kv.transforms):
+        assert (tr.key_clip, tr.value_clip) == ((0.99, 0.99) if layer == 1 else (0.85, 0.92))
+    # which layers, on a deeper model: keys 1, 3, 5, ..., values 1, 4, 7, ...
+    formats = e2e.method_formats("foscar-oscar-k4half-v4third-int2", 12)
+    assert [i for i, f in enumerate(formats) if f.key.bits == 4] == [1, 3, 5, 7, 9, 11]
+    assert [i for i, f in enumerate(formats) if f.value.bits == 4] == [1, 4, 7, 10]
     # folded: the value rotations live in the weights, the cache rotates K and Q only
     cache = e2e.make_cache("foscar-oscar-folded-int2", small_model, 2, 400, 8, seed=0)
     for tr in cache.kv.transforms:

@@ -27,7 +27,9 @@ factors, :func:`synthetic_oscar`, since decode cost does not depend on their val
 weights' values change, which a step's cost does not depend on, so only the identity value
 rotations folding leaves are set), ``foscar-oscar-k4third-int2`` (``foscar-oscar-int2`` with
 INT4 keys in every third layer, one format per layer: the share of layers SmolLM2's best mixed
-row took, EVAL_NOTES 17; which layers does not change a step's cost), and
+row took, EVAL_NOTES 17; which layers does not change a step's cost),
+``foscar-oscar-k4half-v4third-int2`` (INT4 keys in every other layer and INT4 values in every
+third: the shares of SmolLM2's 15:10 row, which matched BF16, EVAL_NOTES 25), and
 ``hf-quantized-int4/int2``
 (transformers' ``QuantizedCache`` with the first importable backend of quanto, hqq; skipped with
 the reason when none is). A point that runs out of memory is recorded as such, and larger
@@ -75,6 +77,7 @@ METHODS = (
     "foscar-oscar-int2",
     "foscar-oscar-folded-int2",
     "foscar-oscar-k4third-int2",
+    "foscar-oscar-k4half-v4third-int2",
     "hf-quantized-int4",
     "hf-quantized-int2",
 )
@@ -144,14 +147,19 @@ def foscar_format(bits: int) -> KVFormat:
 
 
 def method_formats(method: str, num_layers: int) -> tuple[KVFormat, ...]:
-    """One KVFormat per layer of a foscar method: its width everywhere, or for ``-k4third``
-    INT4 keys in every third layer (layers 1, 4, 7, ...)."""
+    """One KVFormat per layer of a foscar method: its width everywhere; for ``-k4third`` INT4
+    keys in every third layer (layers 1, 4, 7, ...); for ``-k4half-v4third`` INT4 keys in every
+    other layer (1, 3, 5, ...) and INT4 values in every third (1, 4, 7, ...)."""
     base = foscar_format(int(method[-1]))
-    if "-k4third" not in method:
-        return (base,) * num_layers
-    from ..oscar import layer_key_formats
+    third = [4 if layer % 3 == 1 else 2 for layer in range(num_layers)]
+    from ..oscar import layer_width_formats
 
-    return layer_key_formats(base, [4 if layer % 3 == 1 else 2 for layer in range(num_layers)])
+    if "-k4third" in method:
+        return layer_width_formats(base, key_bits=third)
+    if "-k4half-v4third" in method:
+        half = [4 if layer % 2 == 1 else 2 for layer in range(num_layers)]
+        return layer_width_formats(base, key_bits=half, value_bits=third)
+    return (base,) * num_layers
 
 
 def synthetic_oscar(
@@ -183,7 +191,8 @@ def synthetic_oscar(
         {
             (2, "key"): full * clips[0],
             (2, "value"): full * clips[1],
-            # for INT4 keys in some layers (-k4third): nearly min-max, as fitted
+            # for INT4 keys / values in some layers (-k4third, -k4half-v4third): nearly
+            # min-max, as fitted
             (4, "key"): full * 0.99,
             (4, "value"): full * 0.99,
         },
@@ -492,6 +501,8 @@ def run(args) -> int:
                 + " with synthetic OSCAR rotations, clips 0.85/0.92 and GPTQ keys",
                 "foscar-oscar-k4third-int2": "foscar-oscar-int2 with INT4 keys (clip 0.99) in "
                 "every third layer",
+                "foscar-oscar-k4half-v4third-int2": "foscar-oscar-int2 with INT4 keys in every "
+                "other layer and INT4 values in every third (clips 0.99)",
             },
         },
         "env": env,
