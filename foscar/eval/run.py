@@ -419,7 +419,7 @@ def evaluate(args, out=sys.stdout, extra_formats=()) -> dict:
             path=args.oscar_file,
             gptq=args.oscar_gptq,
             gptq_metrics=tuple(dict.fromkeys(args.oscar_gptq_metric)),
-            **({"int4_layers": args.oscar_int4_layers} if args.oscar_int4_layers else {}),
+            int4_layers=args.oscar_int4_layers,
             wanted=_wanted(args.formats),
             held_out=held_out,
             log=lambda s: print(f"OSCAR {s}", file=out, flush=True),

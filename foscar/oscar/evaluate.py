@@ -620,8 +620,8 @@ def gptq_rows(
     minutes). ``position_shifts``: every fit's and metric's RoPE shifts
     (:func:`foscar.oscar.fit_clips`). ``int4_layers``: the ``(key_layers, value_layers)``
     counts of the rows with INT4 in some layers (:func:`check_int4_layers`; None: the
-    defaults below the layer count). ``info`` is
-    keyed by the rows' names before their windows.
+    defaults below the layer count). ``info`` is keyed by the rows' names before their
+    windows.
     """
     metrics = _check_gptq_metrics(metrics)
     int4_layers = check_int4_layers(int4_layers, calibration.num_layers)
