@@ -17,7 +17,7 @@ from pathlib import Path
 
 from needle_totals import strict_hits  # (benchmarks/, this script's folder)
 
-from foscar.eval.report import paired_gap
+from foscar.eval.report import nll_gap
 
 RESULTS = Path(__file__).resolve().parent / "results" / "h200"
 OUT = RESULTS / "session20"
@@ -60,8 +60,7 @@ def points() -> list[dict]:
         row, bf16 = rows[name], rows["BF16"]
         p = dict(label=label, bits=row["bits_per_element"], ppl={}, needle={})
         for prefix in sorted(row["nll"], key=int):
-            d = [x - y for x, y in zip(row["nll"][prefix], bf16["nll"][prefix], strict=True)]
-            p["ppl"][prefix] = paired_gap(d)
+            p["ppl"][prefix] = nll_gap(row, bf16, prefix)
         for length in LENGTHS:
             in_needle_run = needle_run and length in _rows(needle_run)[name].get("needle", {})
             p["needle"][length] = _needle_gap(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from foscar.eval.report import paired_gap
+from foscar.eval.report import nll_gap
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cpu"
 
@@ -33,18 +33,13 @@ COLORS = {"INT2": "black", "windows": "tab:blue", "layers": "tab:red", "roles": 
 OFFSETS = {"K4 in 10, V4 in 6": (-20, -16)}
 
 
-def gap(row: dict, bf16: dict, prefix: str = "4096") -> tuple[float, float, float]:
-    """(gap, low, high) of ``row`` against ``bf16`` in percent, paired per scored position."""
-    return paired_gap([a - b for a, b in zip(row["nll"][prefix], bf16["nll"][prefix], strict=True)])
-
-
 def points() -> list[dict]:
     out = []
     for name, match, label, family in ROWS:
         rows = json.loads((RESULTS / f"{name}.json").read_text())["rows"]
         bf16 = next(r for r in rows if r["format"] == "BF16")
         (row,) = [r for r in rows if match in r["format"] and "(fitted clips)" in r["format"]]
-        g, lo, hi = gap(row, bf16)
+        g, lo, hi = nll_gap(row, bf16, "4096")
         out.append(
             dict(label=label, family=family, bits=row["bits_per_element"], gap=g, lo=lo, hi=hi)
         )

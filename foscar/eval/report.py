@@ -58,10 +58,16 @@ def paired_gap(d: list[float]) -> tuple[float, float, float]:
     return tuple(100 * (math.exp(x) - 1) for x in (mean, mean - half, mean + half))
 
 
+def nll_gap(row: dict, base: dict, n: str) -> tuple[float, float, float]:
+    """:func:`paired_gap` of ``row`` against ``base`` at prefix ``n``, paired over the scored
+    positions (their per-position NLL differences)."""
+    return paired_gap([a - b for a, b in zip(row["nll"][n], base["nll"][n], strict=True)])
+
+
 def ppl_gap(row: dict, base: dict, n: str) -> tuple[float, float]:
-    """Perplexity gap to ``base`` in %, and the half-width of its 95% interval in % (paired
-    over the scored positions: :func:`paired_gap` of the per-position NLL differences)."""
-    _, low, high = paired_gap([a - b for a, b in zip(row["nll"][n], base["nll"][n])])
+    """Perplexity gap to ``base`` in %, and the half-width of its 95% interval in %
+    (:func:`nll_gap`'s)."""
+    _, low, high = nll_gap(row, base, n)
     return 100 * (row["ppl"][n] / base["ppl"][n] - 1), (high - low) / 2
 
 
