@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from foscar.eval import texts
-from foscar.oscar.calibrate import default_sequences
+from foscar.oscar.calibrate import _causal_attention, _rotate, _window_mask, default_sequences
 from foscar.oscar.capture import capture_attention, model_shapes
 from foscar.oscar.positions import position_shifts, shifted_views
 from foscar.oscar.rotation import RECIPES, rotation
@@ -74,6 +74,27 @@ def held_out(tok) -> list[torch.Tensor]:
 def query_positions(length: int) -> torch.Tensor:
     """The held-out queries' positions in a sequence of ``length`` tokens."""
     return torch.linspace(length - 512, length - 1, NUM_QUERIES).round().long()
+
+
+def rotated_layer(q, k, v, r: torch.Tensor, scaling: float) -> dict[str, torch.Tensor]:
+    """One layer's held-out capture in rotation ``r [H, d, d]``: the queries' ``positions``,
+    the BF16 ``window`` mask, the rotated queries ``qs`` there, the rotated keys in BF16
+    (``kr``) and fp32 (``x``), the values in BF16 as fp32 (``vb``), and the ``exact``
+    attention output (V exact, keys unquantized)."""
+    t = k.shape[1]
+    positions = query_positions(t)
+    qs = _rotate(q[:, positions], r)
+    kr = _rotate(k, r).to(torch.bfloat16)
+    x, vb = kr.float(), v.to(torch.bfloat16).float()
+    return {
+        "positions": positions,
+        "window": _window_mask(positions, t, WINDOWS),
+        "qs": qs,
+        "kr": kr,
+        "x": x,
+        "vb": vb,
+        "exact": _causal_attention(qs, x, vb, positions, scaling),
+    }
 
 
 def best_clip_errors(err: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:

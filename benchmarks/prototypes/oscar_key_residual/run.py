@@ -29,18 +29,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/proto
 from oscar_heldout import (
     CLIPS,
     ROTATIONS,
-    WINDOWS,
     best_clip_errors,
     calibration_statistics,
     held_out,
     key_rotations,
-    query_positions,
+    rotated_layer,
     select,
 )
 
 from foscar.eval.model import load_model
 from foscar.formats import QuantFormat
-from foscar.oscar.calibrate import _causal_attention, _rotate, _window_mask
+from foscar.oscar.calibrate import _causal_attention
 from foscar.oscar.capture import capture_attention, model_shapes
 from foscar.quantize import gptq_factor, quantize_gptq
 
@@ -98,16 +97,12 @@ def with_residual(x, kq, basis):
 
 
 def measure(layer, q, k, v, scaling):
-    t = k.shape[1]
-    positions = query_positions(t)
-    window = _window_mask(positions, t, WINDOWS)
-    vb = v.to(torch.bfloat16).float()
     for name, per_layer in rot.items():
         entry = per_layer[layer]
-        qs = _rotate(q[:, positions], entry["r"])
-        kr = _rotate(k, entry["r"]).to(torch.bfloat16)
-        x = kr.float()
-        exact = _causal_attention(qs, x, vb, positions, scaling)
+        held = rotated_layer(q, k, v, entry["r"], scaling)
+        positions, window, qs, kr, x, vb, exact = (
+            held[n] for n in ("positions", "window", "qs", "kr", "x", "vb", "exact")
+        )
         norm[name][layer] += float(exact.double().square().sum())
         for j, p in enumerate(CLIPS):
             clip = None if p == 1.0 else p
