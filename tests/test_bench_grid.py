@@ -10,7 +10,7 @@ import pytest
 
 from foscar.bench.grid import markdown_table, speedups
 
-RESULTS = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "h200")
+RESULTS = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results")
 
 
 def _rows(name):

@@ -64,7 +64,7 @@ def test_channel_wise_key_configs():
 
 
 def _registers_and_smem(ka, va, sink, recent, reconstruct=False):
-    """Compile the Triton kernel for sm_90a with foscar's config (benchmarks/sass_count.py, in
+    """Compile the Triton kernel for sm_90a with foscar's config (benchmarks/tools/sass_count.py, in
     a subprocess: the tests run with TRITON_INTERPRET=1) -> (registers, dynamic smem bytes)."""
     import os
     import re
@@ -76,7 +76,7 @@ def _registers_and_smem(ka, va, sink, recent, reconstruct=False):
     args = ["--k-axis", ka, "--v-axis", va, "--sink", str(sink), "--recent", str(recent)]
     args += ["--reconstruct"] if reconstruct else []
     r = subprocess.run(
-        [sys.executable, os.path.join(root, "benchmarks", "sass_count.py"), "--config", *args],
+        [sys.executable, os.path.join(root, "benchmarks/tools/sass_count.py"), "--config", *args],
         capture_output=True,
         text=True,
         env=env,

@@ -1,8 +1,8 @@
 """Where a kernel's warps stall, from an ncu source-page export (per SASS instruction).
 
-    ncu -i REPORT.ncu-rep --page source --csv --print-source sass > sass.csv   (on the device;
-        `bash benchmarks/h200_run.sh s6-profile` writes it gzipped)
-    python benchmarks/ncu_stalls.py sass.csv[.gz] [--top 30]
+    ncu -i REPORT.ncu-rep --page source --csv --print-source sass > sass.csv   (on the GPU
+        machine; ``ncu_launch.py`` says how to make REPORT with the SourceCounters section)
+    python benchmarks/tools/ncu_stalls.py sass.csv[.gz] [--top 30]
 
 Prints the stall reasons over all samples, the samples per loop (backward branches: a consumer's
 tile loop, the producer's), the reasons inside the hottest loop, the samples by opcode and the

@@ -1,29 +1,27 @@
-"""Where an OSCAR decode step's extra time goes (H200): ``foscar bench --e2e``'s Qwen3-8B-shaped
-model at 32K-token synthetic prompts, ``foscar-int2`` against ``foscar-oscar-int2`` (the same
-format with OSCAR's rotations, clips and GPTQ keys, ``foscar.bench.e2e.synthetic_oscar``).
+"""Where an OSCAR decode step's time goes on a GPU: ``foscar bench --e2e``'s Qwen3-8B-shaped model
+(random weights) over 32K-token synthetic prompts, ``foscar-int2`` against ``foscar-oscar-int2``
+(the same format with OSCAR's rotations, clips and GPTQ keys) or any other e2e methods.
 
-For each method and batch: the mean wall time of 30 decode steps (after 8 warm-up steps), then
-cProfile over 10 more, printing the functions with the most own time and the cumulative time of
-foscar's functions, so the difference between the two methods can be read function by function.
+Default: for each method and batch, the mean wall time of 30 decode steps (after 8 warm-up
+steps), then cProfile over 10 more, printing the functions with the most own time and the
+cumulative time of foscar's functions, so two methods compare function by function.
 
-    python benchmarks/oscar_step_profile.py [--batches 1 32]
+    python benchmarks/tools/oscar_step_profile.py [--batches 1 32]
 
-``--reps N`` (session 13) times instead of profiling: every method's cache is built first, then
-``N`` rounds each run ``--steps`` decode steps of every method in turn, so slow drifts of the
-host's speed (session 12 saw plain INT2 move 65-89 ms per step between calls) fall on every
-method alike; prints each round's ms per step and the medians.
+``--reps N`` times instead of profiling: every method's cache is built first, then ``N``
+rounds each run ``--steps`` decode steps of every method in turn, so slow drifts of the host's
+speed (eager transformers is host-bound at 60-120 ms per step here) fall on every method alike;
+prints each round's ms per step and the medians.
 
-    python benchmarks/oscar_step_profile.py --reps 7 --batches 1 16 \
+    python benchmarks/tools/oscar_step_profile.py --reps 7 --batches 1 16 \
         --methods foscar-int2 foscar-oscar-int2 foscar-oscar-folded-int2
 
-``--gpu-time`` (session 14) sums the GPU's kernel time per step under ``torch.profiler``
-instead: the host's speed drops out (session 14's rerun of s13-fold moved every method by 20-40
-ms between rounds, since the HF model is launch-bound at 60-120 ms per step), leaving the work
-a CUDA-graph decode (as vLLM runs it) would pay. Prints each method's kernel milliseconds and
-launches per step and its kernels with the most time.
+``--gpu-time`` sums the GPU's kernel time per step under ``torch.profiler`` instead: the host
+drops out, leaving the work a CUDA-graph decode (as serving engines run it) pays. Prints each
+method's kernel milliseconds and launches per step and its kernels with the most time.
 
-    python benchmarks/oscar_step_profile.py --gpu-time --batches 1 16 \
-        --methods foscar-int2 foscar-oscar-int2 foscar-oscar-folded-int2
+    python benchmarks/tools/oscar_step_profile.py --gpu-time --batches 1 16 32 \
+        --methods foscar-int2 foscar-int4 foscar-oscar-int2
 """
 
 from __future__ import annotations

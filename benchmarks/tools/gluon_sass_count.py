@@ -1,11 +1,11 @@
 """Instructions, barriers and local-memory accesses in the Gluon kernel's tile loops, per 64
 tokens, compiled for sm_90a on the CPU (triton's bundled ptxas and cuobjdump; no GPU):
 
-    python benchmarks/gluon_sass_count.py
+    python benchmarks/tools/gluon_sass_count.py
 
 The configs: one-page tiles (bf16 and E4M3 operands at 2 CTAs per SM, E4M3 INT2 at 3) and
 packed heads (configs.gluon_packed_config, bf16 and E4M3), INT2 and INT4 token-wise K and V,
-4 query heads per KV head. benchmarks/NOTES.md 20 quotes them.
+4 query heads per KV head.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import tempfile
 
 import triton
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
 
 from test_gluon_kernel import tile_loops  # noqa: E402
 

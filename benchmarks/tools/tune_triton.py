@@ -1,10 +1,10 @@
 """Sweep launch configurations of the Triton decode kernel on the GPU (H200).
 
-    python benchmarks/tune_triton.py [--bits 2 4] [--out results.json]
+    python benchmarks/tools/tune_triton.py [--bits 2 4] [--out results.json]
 
 For each (bits, axes, batch, kv_len) point, times the decode step under every
 (block_n, num_warps, num_stages) config and split count policy, cold L2, median of 20 calls.
-The winners go into foscar/configs.py; benchmarks/NOTES.md records the sweep.
+The winners go into foscar/configs.py (``bash benchmarks/run_device.sh tune`` runs it).
 """
 
 from __future__ import annotations

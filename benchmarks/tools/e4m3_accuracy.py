@@ -1,5 +1,5 @@
 """Accuracy of the Gluon kernel's E4M3 operand path (backend "gluon-e4m3") against its bf16 path,
-measured on the GPU (sm_90), beside the CPU model of benchmarks/fp8_operand_accuracy.py.
+measured on a Hopper GPU (sm_90).
 
 The same token-wise INT2/INT4 cache (g = D = 128) is decoded by both operand mappings; each
 output's relative L2 error is taken against fp64 attention over the dequantized cache (what
@@ -10,7 +10,7 @@ D = 128; zero-mean Gaussian K/V (channel spreads as the tests use), the same wit
 outlier channel in K (post-RoPE keys of real models have some), and with V rows offset by 20
 (offsets far beyond each row's range, where the offset term must not carry P's rounding).
 
-    python benchmarks/e4m3_accuracy.py [--lengths 32768 4099] [--seeds 3]
+    python benchmarks/tools/e4m3_accuracy.py [--lengths 32768 4099] [--seeds 3]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
 
 from kernel_cases import e4m3_torch_attention, rel_l2  # noqa: E402
 

@@ -1,13 +1,13 @@
 """Compile the Triton decode kernel for sm_90a on any machine (no GPU needed) and count SASS.
 
-    python benchmarks/sass_count.py [--bits 2] [--k-axis channel] [--v-axis token] [--block-n 64]
-        [--config] [--reconstruct] [--dump out.sass]
+    python benchmarks/tools/sass_count.py [--bits 2] [--k-axis channel] [--v-axis token]
+        [--block-n 64] [--config] [--reconstruct] [--dump out.sass]
 
 Counts the instructions of the main loop (the largest backward branch's body) by class and
 prints lane-instructions per stored value = loop instructions * 32 * num_warps / (2 * tokens * D),
 where one iteration covers BLOCK_N tokens, or a whole channel-wise K group when the group is
 longer than a tile (the kernel folds Q once per group and runs the group's tiles in one iteration).
-Uses triton's bundled ptxas and cuobjdump; benchmarks/NOTES.md records the results.
+Uses triton's bundled ptxas and cuobjdump.
 """
 
 from __future__ import annotations

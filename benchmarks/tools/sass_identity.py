@@ -2,11 +2,11 @@
 (addresses stripped) of 14 configs, compiled on the CPU (triton's ptxas and cuobjdump) from
 each git ref's ``foscar`` package (``WORKTREE``: this checkout as it is):
 
-    python benchmarks/sass_identity.py 1847b6b HEAD
-    python benchmarks/sass_identity.py HEAD WORKTREE
+    python benchmarks/tools/sass_identity.py REF HEAD
+    python benchmarks/tools/sass_identity.py HEAD WORKTREE
 
 A refactor of a kernel validated on the H200 keeps its device results when every hash of the
-configs it touches is equal (benchmarks/NOTES.md 20-22 cite runs of this).
+configs it touches is equal.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _HASHES = r"""
 import dataclasses, hashlib, json, os, re, subprocess, sys, tempfile
