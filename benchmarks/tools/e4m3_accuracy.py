@@ -21,6 +21,7 @@ import os
 import sys
 
 import torch
+import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
 
@@ -72,9 +73,15 @@ def main():
     ap.add_argument("--lengths", type=int, nargs="+", default=[32768, 4099])
     ap.add_argument("--seeds", type=int, default=3)
     args = ap.parse_args()
+    print("# Gluon kernel: E4M3 operands against bf16 operands\n")
+    print(
+        f"{torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}; "
+        f"lengths {args.lengths}, worst of {args.seeds} seeds. Command: "
+        f"`python benchmarks/tools/e4m3_accuracy.py {' '.join(sys.argv[1:])}`\n"
+    )
     print(
         "relative L2 error of the output, worst over seeds; 'dequant' = against fp64 attention "
-        "over the dequantized cache, 'exact' = against fp64 over the unquantized K/V"
+        "over the dequantized cache, 'exact' = against fp64 over the unquantized K/V\n"
     )
     print(
         "| bits | data | gluon bf16 (dequant) | gluon e4m3 (dequant) | e4m3 torch bar | "
