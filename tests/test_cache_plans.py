@@ -114,11 +114,11 @@ def test_plans_stay_valid_while_their_sequences_do_not_change():
     """The integrations' decode loop: every step appends each layer, plans once after layer 0's
     append and points that plan at the other layers; a plan is reused as a CUDA graph replays
     it; unrelated sequences come and go."""
-    cache = _cache(num_layers=3, num_pages=24)
-    ids = _prefill(cache, [46, 27])
-    for step in range(8):  # 42 -> 50 quantized tokens: crosses a page boundary
+    cache = _cache(num_layers=2, num_pages=24)
+    ids = _prefill(cache, [47, 27])
+    for step in range(6):  # 43 -> 49 quantized tokens: crosses a page boundary
         batch = None
-        for layer in range(3):
+        for layer in range(2):
             _step(cache, ids, layer, seed=step)
             if batch is None:
                 batch = cache.plan(ids, layer)
@@ -126,10 +126,12 @@ def test_plans_stay_valid_while_their_sequences_do_not_change():
             batch.layer = layer
             q = _q(batch)
             o = decode_attention(q, cache, batch)
-            torch.testing.assert_close(o, decode_attention(q, cache, batch))  # replayed
-            expected = decode_attention(q, cache, cache.plan(ids, layer))
-            torch.testing.assert_close(o, expected, atol=0, rtol=0)
+            if step == 5:  # the reused plan reads what a fresh one reads; replays agree
+                expected = decode_attention(q, cache, cache.plan(ids, layer))
+                torch.testing.assert_close(o, expected, atol=0, rtol=0)
+                torch.testing.assert_close(decode_attention(q, cache, batch), o, atol=0, rtol=0)
         assert planned_at == 0
+    assert len(cache.pages_of(ids[0])) == 4  # 3 pages after the prefill
     # a plan of layer 0 outlives appends to layer 1, and other sequences' lives
     batch = cache.plan(ids, 0)
     other = cache.add_sequence()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -338,12 +339,23 @@ class PageTable:
         stamp = self._stamps[layer]
         if batch._valid_at.get(layer) == stamp:
             return
-        if len(batch._sequences) != len(batch.seq_ids):
+        seqs = batch._sequences
+        if len(seqs) != len(batch.seq_ids):
             raise ValueError("batch was not made by cache.plan(); plan the sequences with it")
-        for i, (sid, seq, n) in enumerate(
-            zip(batch.seq_ids, batch._sequences, batch.seq_lens_host)
+        # C-level loops: this runs once per layer and decode step (Note [stale plans])
+        live = list(map(self._seqs.get, batch.seq_ids))
+        if any(map(operator.is_not, live, seqs)) or batch.seq_lens_host != [
+            s.lengths[layer] for s in seqs
+        ]:
+            self._raise_stale(batch, layer, live)
+        batch._valid_at[layer] = stamp
+
+    def _raise_stale(self, batch: DecodeBatch, layer: int, live: list) -> None:
+        """The error of :meth:`check_plan`, naming the first sequence that changed."""
+        for i, (sid, seq, now, n) in enumerate(
+            zip(batch.seq_ids, batch._sequences, live, batch.seq_lens_host)
         ):
-            if self._seqs.get(sid) is not seq:
+            if now is not seq:
                 raise ValueError(
                     f"batch is a stale plan: seq_ids[{i}] = {sid!r} was freed after "
                     "cache.plan() made it (or the plan is another cache's); its pages may hold "
@@ -355,4 +367,3 @@ class PageTable:
                     f"tokens in layer {layer}, the plan {n}: call cache.plan() after the step's "
                     "appends"
                 )
-        batch._valid_at[layer] = stamp
