@@ -1,4 +1,4 @@
-"""Public decode entry: validate -> pick a backend -> launch."""
+"""Public decode entry: validate -> pick a backend (foscar.backends' registry) -> launch."""
 
 from __future__ import annotations
 
@@ -6,30 +6,16 @@ import math
 
 import torch
 
-from . import configs, reference
-from .backends import gluon as gluon_backend
-from .backends import on_device
-from .backends import triton as triton_backend
+from . import backends, configs, reference
 from .cache import DecodeBatch, QuantizedKVCache
 
 __all__ = ["decode_attention", "default_backend", "BACKENDS"]
 
-#: ``"triton-reconstruct"`` and ``"gluon-reconstruct"`` are the per-value reconstruction
-#: baselines of the two kernels (benchmarks only); ``"gluon-e4m3"`` is the Gluon kernel with FP8
-#: (E4M3) operands, faster and less accurate (never picked by ``"auto"``).
-BACKENDS = (
-    "auto",
-    "gluon",
-    "triton",
-    "reference",
-    "triton-reconstruct",
-    "gluon-reconstruct",
-    "gluon-e4m3",
-)
-#: Tokens per tile of the CPU reference backend. Per-tile Python work dominates on a CPU: at
-#: 8K tokens (3 KV heads, D=64) one call takes 67 ms with 256-token tiles and 31 ms with 1024
-#: (2 cores); the result changes only by fp32 rounding.
-REFERENCE_BLOCK_N = 1024
+#: ``"auto"`` and the registered backends (foscar.backends): ``"triton-reconstruct"`` and
+#: ``"gluon-reconstruct"`` are the per-value reconstruction baselines of the two kernels
+#: (benchmarks only); ``"gluon-e4m3"`` is the Gluon kernel with FP8 (E4M3) operands, faster and
+#: less accurate (never picked by ``"auto"``).
+BACKENDS = ("auto", *backends.names())
 
 
 def default_backend(cache: QuantizedKVCache, q: torch.Tensor, layer: int = 0) -> str:
@@ -40,11 +26,12 @@ def default_backend(cache: QuantizedKVCache, q: torch.Tensor, layer: int = 0) ->
     faster), else the Triton kernel on a GPU when it covers the format, else the reference.
     ``layer``: whose format decides, where the cache holds one per layer (Gluon serves such a
     cache only where it covers every layer's format)."""
+    gluon, triton = backends.get("gluon"), backends.get("triton")
     if (
         q.is_cuda
         and q.dtype == torch.bfloat16
-        and gluon_backend.available(q.device)
-        and gluon_backend.supports(cache, q.shape[1]) is None
+        and gluon.available(q.device)
+        and gluon.supports(cache, q.shape[1]) is None
     ):
         fmt = cache.layer_format(layer)
         k, v = fmt.key, fmt.value
@@ -59,8 +46,8 @@ def default_backend(cache: QuantizedKVCache, q: torch.Tensor, layer: int = 0) ->
             return "gluon"
     if (
         q.is_cuda
-        and triton_backend.available(q.device)
-        and triton_backend.supports(cache, q.shape[1]) is None
+        and triton.available(q.device)
+        and triton.supports(cache, q.shape[1]) is None
         and q.dtype == torch.bfloat16
     ):
         return "triton"
@@ -90,6 +77,9 @@ def decode_attention(
         From ``cache.plan(seq_ids, layer)``; row ``i`` of ``q`` belongs to ``batch.seq_ids[i]``.
         It also holds the kernels' split workspace, so reusing one plan across layers and
         CUDA-graph replays allocates nothing.
+        Plan after the step's appends: a plan whose sequences were freed, or appended to in
+        its layer, since ``cache.plan`` raises ``ValueError`` (checked on the host, no device
+        sync).
     sm_scale : float, optional
         Logit scale (default ``1 / sqrt(head_dim)``).
     backend : ``"auto"``, ``"gluon"``, ``"triton"``, ``"reference"``, ``"triton-reconstruct"``,
@@ -108,8 +98,8 @@ def decode_attention(
         same ablation in the Gluon kernel's pipeline. ``"gluon-e4m3"`` is the Gluon kernel with
         FP8 wgmma operands built from the same cache (the paper's Blackwell mapping, codes as
         E4M3 ``q 2^-9``; token-wise K and V at head_dim 128): Q and the probabilities go to the
-        tensor cores as per-head scaled E4M3, so its error is E4M3's (about 20x bf16's,
-        ``benchmarks/NOTES.md`` 17); ``"auto"`` never picks it.
+        tensor cores as per-head scaled E4M3, so its error is E4M3's (about 20x bf16's);
+        ``"auto"`` never picks it.
     return_lse : bool
         Also return ``lse: [batch, num_q_heads]`` float32, the natural log of each head's
         softmax denominator over the scaled logits.
@@ -143,7 +133,8 @@ def decode_attention(
         raise ValueError(f"q is on {q.device}, expected the cache's device {cache.device}")
     if not q.is_floating_point():
         raise TypeError(f"q must be a floating tensor (bfloat16 for the kernels), got {q.dtype}")
-    reference._check_q(q, cache, batch)
+    reference.check_query(q, cache, batch)
+    cache.check_plan(batch)  # a plan made before a free or an append raises here
     sm_scale = 1.0 / math.sqrt(cache.head_dim) if sm_scale is None else float(sm_scale)
     if backend == "auto":
         backend = default_backend(cache, q, batch.layer)
@@ -162,54 +153,15 @@ def decode_attention(
     return (o, lse_o) if return_lse else o
 
 
-#: the kernel backends: (module, what it needs when unavailable)
-_KERNELS = {
-    "gluon": (gluon_backend, "triton's Gluon and a Hopper (sm_90) GPU"),
-    "triton": (
-        triton_backend,
-        "Triton and a CUDA device (or TRITON_INTERPRET=1 on the CPU)",
-    ),
-}
-
-
-def _decode(q, cache, batch, sm_scale, backend, return_lse, out, lse):
+def _decode(q, cache, batch, sm_scale, name, return_lse, out, lse):
     """The backend call of :func:`decode_attention` (validated arguments, stored coordinates)."""
-    kernel = backend.removesuffix("-reconstruct").removesuffix("-e4m3")
-    if kernel in _KERNELS:
-        module, needs = _KERNELS[kernel]
-        if not module.available(q.device):
-            raise ValueError(f"backend {backend!r} needs {needs}; q is on {q.device}")
-        reason = (backend == "gluon-e4m3" and module.supports_e4m3(cache)) or module.supports(
-            cache, q.shape[1]
-        )
-        if reason:
-            raise ValueError(f"backend {backend!r} does not cover this cache: {reason}")
-        if q.dtype != torch.bfloat16:
-            raise TypeError(f"backend {backend!r} needs bfloat16 queries, got {q.dtype}")
-        extra = {"operands": "e4m3"} if backend == "gluon-e4m3" else {}
-        with on_device(q.device):  # a cache on cuda:1 while cuda:0 is current
-            return module.decode(
-                q,
-                cache,
-                batch,
-                sm_scale,
-                out=out,
-                lse=lse,
-                return_lse=return_lse,
-                reconstruct=backend.endswith("-reconstruct"),
-                **extra,
-            )
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    o, lse_ref = reference.attend_folded(
-        q, cache, batch, sm_scale, block_n=REFERENCE_BLOCK_N, dtype=dtype
-    )
-    o = o.to(q.dtype)
-    if out is not None:
-        out.copy_(o)
-        o = out
-    if not return_lse:
-        return o
-    if lse is not None:
-        lse.copy_(lse_ref)
-        return o, lse
-    return o, lse_ref.to(torch.float32)
+    backend = backends.get(name)
+    if not backend.available(q.device):
+        raise ValueError(f"backend {name!r} needs {backend.requirement}; q is on {q.device}")
+    reason = backend.supports(cache, q.shape[1])
+    if reason:
+        raise ValueError(f"backend {name!r} does not cover this cache: {reason}")
+    if backend.query_dtypes is not None and q.dtype not in backend.query_dtypes:
+        dtypes = " or ".join(str(d).removeprefix("torch.") for d in backend.query_dtypes)
+        raise TypeError(f"backend {name!r} needs {dtypes} queries, got {q.dtype}")
+    return backend.launch(q, cache, batch, sm_scale, out=out, lse=lse, return_lse=return_lse)

@@ -28,6 +28,7 @@ from .quantize import dequantize
 __all__ = [
     "attend_dequantized",
     "attend_folded",
+    "check_query",
     "dequantize_sequence",
     "attention",
     "merge_partials",
@@ -99,6 +100,7 @@ def dequantize_sequence(
     In the model's coordinates: a layer's OSCAR rotations are undone (``k R_K^T``, ``v R_V^T``,
     in float64) unless ``stored``, which returns what the pages hold.
     """
+    cache.check_plan(batch)
     tr = cache.transforms[batch.layer]
     out = []
     lq = batch.num_quantized_host[i]
@@ -131,7 +133,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float
     return torch.einsum("hql,hld->hqd", p, v), lse
 
 
-def _check_q(q: torch.Tensor, cache: QuantizedKVCache, batch: DecodeBatch) -> int:
+def check_query(q: torch.Tensor, cache: QuantizedKVCache, batch: DecodeBatch) -> int:
+    """Raise unless ``q`` is ``[batch.batch_size, num_q_heads, head_dim]`` with ``num_q_heads``
+    a multiple of the cache's KV heads; returns the query heads per KV head."""
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
     if q.dim() != 3 or q.shape[0] != batch.batch_size or q.shape[2] != cache.head_dim:
@@ -157,7 +161,8 @@ def attend_dequantized(
 
     Returns ``o: [batch, num_q_heads, head_dim]`` and ``lse: [batch, num_q_heads]`` in ``dtype``.
     """
-    hq = _check_q(q, cache, batch)
+    hq = check_query(q, cache, batch)
+    cache.check_plan(batch)
     sm_scale = 1.0 / math.sqrt(cache.head_dim) if sm_scale is None else sm_scale
     h, d = cache.num_kv_heads, cache.head_dim
     outs, lses = [], []
@@ -321,7 +326,8 @@ def attend_folded(
     Like a kernel, it works in the stored coordinates: with OSCAR rotations, ``q`` must be
     rotated already and ``o`` comes out rotated (:func:`foscar.decode_attention` does both).
     """
-    hq = _check_q(q, cache, batch)
+    hq = check_query(q, cache, batch)
+    cache.check_plan(batch)
     if block_n <= 0 or num_splits <= 0:
         raise ValueError(f"block_n and num_splits must be positive, got {block_n}, {num_splits}")
     sm_scale = 1.0 / math.sqrt(cache.head_dim) if sm_scale is None else sm_scale

@@ -9,6 +9,7 @@ from conftest import KERNEL_DEVICE
 
 from foscar import KVFormat, QuantFormat, QuantizedKVCache
 from foscar.backends import triton as triton_backend
+from foscar.cache import fused_write
 
 pytestmark = pytest.mark.skipif(
     not triton_backend.available(torch.device(KERNEL_DEVICE)), reason="Triton is not installed"
@@ -57,9 +58,9 @@ def _pair(fmt, head_dim, max_seqs=4, paths=("torch", "fused"), **kw):
 def test_fused_write_equals_torch_write(case, monkeypatch):
     kb, vb, g, d, sink, recent, mapping = case
     launches = []
-    launch = triton_backend.write_decode_tokens
+    launch = fused_write.write_decode_tokens
     monkeypatch.setattr(
-        triton_backend, "write_decode_tokens", lambda *a: launches.append(a[2]) or launch(*a)
+        fused_write, "write_decode_tokens", lambda *a: launches.append(a[2]) or launch(*a)
     )
     fmt = KVFormat(
         QuantFormat(kb, "token", g),
@@ -269,7 +270,7 @@ def test_auto_falls_back_to_torch_when_the_kernel_fails(monkeypatch):
     def broken(*args):
         raise RuntimeError("no compiler")
 
-    monkeypatch.setattr(triton_backend, "write_decode_tokens", broken)
+    monkeypatch.setattr(fused_write, "write_decode_tokens", broken)
     ids = [c.add_sequence() for c in (torch_cache, auto)]
     x = torch.randn(5, 2, 64).to(KERNEL_DEVICE)
     for c, sid in zip((torch_cache, auto), ids):

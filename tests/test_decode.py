@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from foscar import KVFormat, QuantFormat, QuantizedKVCache, decode_attention
-from foscar.decode import REFERENCE_BLOCK_N
+from foscar.backends import REFERENCE_BLOCK_N
 from foscar.reference import attend_dequantized
 
 AXES = [("token", "token"), ("channel", "token"), ("token", "channel"), ("channel", "channel")]

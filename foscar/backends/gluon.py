@@ -28,6 +28,7 @@ from ..configs import (
     gluon_packed_config,
 )
 from ..formats import GroupAxis, OperandMapping
+from . import combine
 from . import triton as triton_backend
 
 __all__ = [
@@ -350,11 +351,11 @@ def decode(
     if reconstruct:  # the ablation: per-value s' y + z' instead of the folds (kernel OPT 128)
         cfg = dataclasses.replace(cfg, opt=cfg.opt | 128)
     if splits is None:
-        sms = triton_backend._num_sms(q.device.index or 0)
+        sms = combine.num_sms(q.device.index or 0)
         splits = num_splits(bsz, cache.num_kv_heads, max(batch.num_quantized_host), cfg, sms)
-    has_windows = triton_backend.has_window_program(fmt)
+    has_windows = combine.has_window_program(fmt)
     parts = splits + int(has_windows)
-    o_part, lse_part = triton_backend._workspace(batch, (bsz, num_q_heads, parts, d), q.device)
+    o_part, lse_part = combine.workspace(batch, (bsz, num_q_heads, parts, d), q.device)
     if out is None:
         out = torch.empty_like(q)
     if return_lse and lse is None:
@@ -406,13 +407,13 @@ def decode(
     )
     if parts > 1:
         if has_windows:
-            triton_backend.window_partial(
+            combine.window_partial(
                 q, cache, batch, sm_scale, o_part[:, :, splits:], lse_part[:, :, splits:]
             )
         # OPT 8192: the merge's launch overlaps the split kernel's tail (a programmatic dependent
         # launch; the split CTAs signal after storing their partials). Not with BF16 windows:
         # the window program runs in between
-        triton_backend.merge_partials(
+        combine.merge_partials(
             o_part,
             lse_part,
             out,

@@ -1,0 +1,389 @@
+"""The paged quantized KV cache: one pool per layer behind one page table (layout and rules in
+the foscar.cache docstring)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..formats import KVFormat, QuantFormat, Role, _bit_offsets, channel_order
+from . import fused_write, write
+from .layout import check_int, layer_formats, num_quantized
+from .pages import PageTable
+from .transforms import LayerTransform, history_format, make_transform
+
+__all__ = ["QuantizedKVCache"]
+
+_ALLOWED_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+class QuantizedKVCache(PageTable):
+    """A fixed pool of quantized KV pages for ``num_layers`` layers, with BF16 windows.
+
+    Parameters
+    ----------
+    fmt : KVFormat or sequence of KVFormat
+        K/V quantization, operand mapping and BF16 windows; or one format per layer, which may
+        differ in K and V (e.g. INT4 keys in the layers that need them) but share the mapping,
+        the windows and the demotion quantum (:func:`layer_formats`);
+        ``cache.layer_format(layer)`` is a layer's.
+    num_kv_heads, head_dim : int
+    num_pages : int
+        Pages in the pool (shared by all sequences; one page holds ``page_size`` tokens of every
+        layer).
+    max_seqs : int
+        Sequences alive at once (rows of the BF16 window buffers).
+    num_layers : int
+    page_size : int
+        A power of two from 16 to 256 (default 64).
+    device : torch.device or str
+    window_dtype : torch.dtype
+        Storage of the BF16 sink/tail (default ``torch.bfloat16``).
+    check_finite : bool
+        Reject K/V containing NaN or Inf (default True; see the foscar.cache docstring).
+    decode_write : {"auto", "fused", "torch"}
+        How a decode step (one new token per sequence) is written: "fused" is one Triton launch
+        per role (foscar.cache.fused_write; token-wise history formats, clipped and
+        GPTQ-rounded ones included, a CUDA device or the Triton interpreter), "torch" the tensor
+        operations of a prefill's path, "auto" fused wherever it applies on a CUDA device. Both
+        store the same bits.
+
+    Example
+    -------
+    >>> fmt = KVFormat(QuantFormat(2, "token", 128), QuantFormat(2, "token", 128))
+    >>> cache = QuantizedKVCache(fmt, num_kv_heads=8, head_dim=128, num_pages=64, max_seqs=4)
+    >>> sid = cache.add_sequence()
+    >>> k = v = torch.randn(300, 8, 128, dtype=torch.bfloat16)
+    >>> cache.append([sid], k, v, num_new_tokens=[300])  # prefill 300 tokens into layer 0
+    >>> batch = cache.plan([sid])                         # page tables for decode_attention
+    >>> step = torch.randn(1, 8, 128, dtype=torch.bfloat16)
+    >>> cache.append([sid], step, step)                   # a decode step: one token each
+    >>> batch = cache.plan([sid])                         # plan after each step's appends
+    """
+
+    def __init__(
+        self,
+        fmt: KVFormat | Sequence[KVFormat],
+        *,
+        num_kv_heads: int,
+        head_dim: int,
+        num_pages: int,
+        max_seqs: int,
+        num_layers: int = 1,
+        page_size: int = 64,
+        device: torch.device | str = "cpu",
+        window_dtype: torch.dtype = torch.bfloat16,
+        check_finite: bool = True,
+        decode_write: str = "auto",
+    ) -> None:
+        check_int(num_kv_heads, "num_kv_heads", low=1)
+        check_int(head_dim, "head_dim", low=1)
+        check_int(num_pages, "num_pages", low=1)
+        check_int(max_seqs, "max_seqs", low=1)
+        check_int(num_layers, "num_layers", low=1)
+        check_int(page_size, "page_size", low=1)
+        if page_size < 16 or page_size > 256 or page_size & (page_size - 1):
+            raise ValueError(f"page_size must be a power of two from 16 to 256, got {page_size}")
+        formats = layer_formats(fmt, num_layers)
+        if isinstance(fmt, KVFormat):
+            fmt.check_head_dim(head_dim)
+        else:
+            for i, f in enumerate(formats):
+                try:
+                    f.check_head_dim(head_dim)
+                except ValueError as e:
+                    raise ValueError(f"fmt[{i}]: {e}") from None
+        if window_dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+            raise TypeError(f"window_dtype must be a floating dtype, got {window_dtype}")
+        write.check_decode_write(decode_write)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            # "cuda" and "cuda:0" must compare equal to the tensors' devices
+            device = torch.device("cuda", torch.cuda.current_device())
+        # the mapping and windows every layer shares (``layer_formats``) set the page table
+        super().__init__(
+            num_pages=num_pages,
+            max_seqs=max_seqs,
+            num_layers=num_layers,
+            page_size=page_size,
+            windows=formats[0],
+            device=device,
+        )
+        #: one KVFormat per layer (all the same unless ``fmt`` gave one per layer)
+        self.formats = formats
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.window_dtype = window_dtype
+        self.check_finite = check_finite
+        self.decode_write = decode_write
+        self._desc_memo: tuple | None = None  # (descriptor rows, their device tensor)
+        self._fused_failure: str | None = None  # why "auto" stopped taking the fused write
+        self.layers = [write.allocate_layer(self, f) for f in formats]
+        self.transforms = [LayerTransform() for _ in range(num_layers)]
+        if decode_write == "fused":
+            self._fused_write(0)  # raises if the fused write cannot serve this cache
+
+    # ------------------------------------------------------------------ formats
+    @property
+    def fmt(self) -> KVFormat:
+        """The format of every layer; a cache built with one format per layer that differ has
+        none (ask :meth:`layer_format`)."""
+        if self.mixed_formats:
+            raise ValueError(
+                "this cache's layers have different formats (cache.formats); ask "
+                "cache.layer_format(layer)"
+            )
+        return self._windows
+
+    @property
+    def mixed_formats(self) -> bool:
+        """Whether the layers' formats differ."""
+        return any(f != self._windows for f in self.formats)
+
+    def layer_format(self, layer: int) -> KVFormat:
+        """The KVFormat of ``layer`` (the cache's format unless it was given one per layer)."""
+        return self.formats[self._check_layer(layer)]
+
+    def role_format(self, layer: int, name: str) -> QuantFormat:
+        """The QuantFormat of ``"k"`` or ``"v"`` in ``layer``, before the layer's own clip."""
+        if name not in ("k", "v"):
+            raise ValueError(f"name must be 'k' or 'v', got {name!r}")
+        f = self.formats[self._check_layer(layer)]
+        return f.key if name == "k" else f.value
+
+    def _history_format(self, layer: int, name: str) -> QuantFormat:
+        """:meth:`role_format` with the layer's clip ratio, if its transform sets one."""
+        return history_format(self.transforms[layer], self.role_format(layer, name), name)
+
+    # ------------------------------------------------------------------ storage
+    def scale_entries_per_page(self, f: QuantFormat) -> int:
+        return self.page_size * self.head_dim // f.group_size
+
+    def channel_order(self, name: str, layer: int = 0) -> torch.Tensor:
+        """Channel order of the packed rows of ``"k"`` or ``"v"`` in ``layer``
+        (foscar.formats; it depends on the role and its width)."""
+        bits = self.role_format(layer, name).bits
+        orders = self.__dict__.setdefault("_channel_orders", {})
+        if (name, bits) not in orders:  # kept on the cache's device: packing then copies nothing
+            role = Role.KEY if name == "k" else Role.VALUE
+            order = channel_order(role, bits, self.head_dim, self._windows.mapping)
+            orders[(name, bits)] = order.to(self.device)
+        return orders[(name, bits)]
+
+    def packing_tables(self, name: str, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(order [D], bit offsets [32 // bits])`` int32 on the device, for the fused write."""
+        bits = self.role_format(layer, name).bits
+        tables = self.__dict__.setdefault("_packing_tables", {})
+        if (name, bits) not in tables:
+            order = self.channel_order(name, layer).to(torch.int32)
+            shifts = _bit_offsets(bits, self._windows.mapping, self.device).to(torch.int32)
+            tables[(name, bits)] = (order, shifts)
+        return tables[(name, bits)]
+
+    def fused_write_reason(self, layer: int = 0) -> str | None:
+        """``None`` if a decode step of ``layer`` can take the fused write, else why not."""
+        return fused_write.fused_write_reason(self, layer)
+
+    def _fused_write(self, layer: int) -> bool:
+        """Whether a decode step of ``layer`` takes the fused write; raises (before any write)
+        where ``decode_write="fused"`` cannot."""
+        if self.decode_write == "torch" or (
+            self.decode_write == "auto" and (self.device.type != "cuda" or self._fused_failure)
+        ):
+            return False
+        reason = self.fused_write_reason(layer)
+        if reason is not None and self.decode_write == "fused":
+            raise ValueError(f"decode_write='fused' cannot write this cache: {reason}")
+        return reason is None
+
+    # ------------------------------------------------------------------ OSCAR transforms
+    def set_transform(
+        self,
+        layer: int,
+        *,
+        key_rotation: torch.Tensor | None = None,
+        value_rotation: torch.Tensor | None = None,
+        key_clip: float | None = None,
+        value_clip: float | None = None,
+        key_gptq: torch.Tensor | None = None,
+    ) -> None:
+        """Rotate and/or re-clip what ``layer`` stores (OSCAR, oscar.md Sec. 2-3).
+
+        Parameters
+        ----------
+        key_rotation, value_rotation : ``[D, D]`` or ``[1, D, D]`` (shared by the KV heads) or
+            ``[H, D, D]``
+            orthogonal matrices, or None for none. Appended tokens are stored as ``k R_K`` and
+            ``v R_V`` (rows; every segment), :func:`foscar.decode_attention` rotates queries by
+            ``R_K`` and the output by ``R_V^T``, and
+            :func:`foscar.reference.dequantize_sequence` returns the model's coordinates.
+        key_clip, value_clip : per-token clip ratio in ``(0, 1]`` of this layer's quantized K / V
+            (replacing the format's; 1 clips nothing), or None for the format's.
+        key_gptq : ``[D, D]`` or ``[H, D, D]`` upper-triangular factor with a positive diagonal
+            (:func:`foscar.quantize.gptq_factor` of the keys' metric in the stored basis): the
+            keys' codes are chosen by GPTQ's rounding (:func:`foscar.quantize.quantize_gptq`)
+            instead of to nearest; token-wise keys only. The stored format, the decode kernels
+            and the reference are unchanged; the fused decode-step write covers it.
+
+        The layer must hold no tokens (a rotation cannot apply to tokens stored before it).
+        Each call replaces the layer's whole transform.
+        """
+        layer = self._check_layer(layer)
+        busy = [s for s, seq in self._seqs.items() if seq.lengths[layer]]
+        if busy:
+            raise ValueError(
+                f"layer {layer} already stores tokens of sequences {busy}: set its transform "
+                "before appending"
+            )
+        self.transforms[layer] = make_transform(
+            self.formats[layer],
+            layer,
+            self.num_kv_heads,
+            self.head_dim,
+            self.device,
+            key_rotation=key_rotation,
+            value_rotation=value_rotation,
+            key_clip=key_clip,
+            value_clip=value_clip,
+            key_gptq=key_gptq,
+        )
+
+    # ------------------------------------------------------------------ append
+    def append(
+        self,
+        seq_ids: Sequence,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        num_new_tokens: Sequence[int] | None = None,
+        *,
+        layer: int = 0,
+    ) -> None:
+        """Append tokens to sequences of one layer: a prefill (many each) or a decode step (one).
+
+        Parameters
+        ----------
+        seq_ids : live sequence ids, distinct.
+        k, v : [num_tokens, num_kv_heads, head_dim], floating, on the cache's device; the tokens
+            of ``seq_ids[0]`` first, then ``seq_ids[1]``'s, ... (a ragged batch).
+        num_new_tokens : tokens per sequence (default: one each, a decode step); required for
+            any other count, e.g. ``[300]`` to prefill 300 tokens of one sequence.
+        layer : which layer's pool to write.
+
+        Plans of the appended sequences made for ``layer`` before this call go stale
+        (:meth:`plan`).
+        """
+        layer = self._check_layer(layer)
+        seq_ids = list(seq_ids)
+        seqs = [self._lookup(s, f"seq_ids[{i}]") for i, s in enumerate(seq_ids)]
+        if len(set(map(id, seqs))) != len(seqs):
+            raise ValueError(f"seq_ids must be distinct, got {seq_ids}")
+        h, d = self.num_kv_heads, self.head_dim
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if num_new_tokens is None:
+            if k.dim() == 3 and k.shape[0] != len(seq_ids):
+                raise ValueError(
+                    f"k holds {k.shape[0]} tokens, not one per sequence ({len(seq_ids)}): "
+                    "without num_new_tokens, append writes one token per sequence (a decode "
+                    "step); pass num_new_tokens, the tokens of each sequence (e.g. "
+                    f"num_new_tokens=[{k.shape[0]}] for one sequence)"
+                )
+            num_new_tokens = [1] * len(seq_ids)
+        if isinstance(num_new_tokens, torch.Tensor):
+            num_new_tokens = num_new_tokens.tolist()
+        num_new_tokens = list(num_new_tokens)
+        if len(num_new_tokens) != len(seq_ids):
+            raise ValueError(
+                f"num_new_tokens has {len(num_new_tokens)} entries, expected one per sequence "
+                f"({len(seq_ids)})"
+            )
+        for i, n in enumerate(num_new_tokens):
+            check_int(n, f"num_new_tokens[{i}]", low=1)
+        total = sum(num_new_tokens)
+        for name, t in (("k", k), ("v", v)):
+            if t.dtype not in _ALLOWED_INPUT_DTYPES:
+                raise TypeError(
+                    f"{name} must be bfloat16, float16, float32 or float64, got {t.dtype}"
+                )
+            if t.device != self.device:
+                raise ValueError(
+                    f"{name} is on {t.device}, expected the cache's device {self.device}"
+                )
+            if tuple(t.shape) != (total, h, d):
+                raise ValueError(
+                    f"{name} must have shape [num_tokens={total}, num_kv_heads={h}, "
+                    f"head_dim={d}], got {list(t.shape)}"
+                )
+        if self.check_finite:
+            for name, t in (("k", k), ("v", v)):
+                if not bool(torch.isfinite(t).all()):
+                    raise ValueError(f"{name} contains NaN or Inf (the cache stores finite values)")
+        new_lengths = [s.lengths[layer] + n for s, n in zip(seqs, num_new_tokens)]
+        need = self._pages_needed(seqs, new_lengths)  # raises before anything is written
+        decode_step = all(n == 1 for n in num_new_tokens)
+        fused = decode_step and self._fused_write(layer)  # may raise: before any write
+        tr = self.transforms[layer]
+        if tr.key_rotation is not None:
+            k = tr.rotate(k, "key")
+        if tr.value_rotation is not None:
+            v = tr.rotate(v, "value")
+        # ---- nothing below can fail for a reason of the caller's
+        self._take_pages(seqs, need)
+        self._touch((layer,))
+        if decode_step:
+            write.write_decode_step(self, layer, seqs, new_lengths, k, v, fused)
+        else:
+            write.write_tokens(self, layer, seqs, new_lengths, num_new_tokens, k, v)
+        for s, n in zip(seqs, new_lengths):
+            s.lengths[layer] = n
+
+    # ------------------------------------------------------------------ accounting
+    def pool_bytes(self) -> int:
+        """Bytes allocated by every layer's pool and window buffers."""
+        return sum(
+            t.numel() * t.element_size() for st in self.layers for t in st.tensors().values()
+        )
+
+    def memory_stats(self) -> dict:
+        """Bytes the live sequences occupy and their effective bits per K/V element.
+
+        ``used_bytes`` counts what the live tokens need (codes, scales and offsets of the
+        quantized history, BF16 sink and tail tokens) over all layers; ``page_bytes`` counts
+        whole pages held (the last page of a sequence is partly empty); ``bf16_bytes`` is the
+        same tokens in a BF16 cache.
+        """
+        h, d = self.num_kv_heads, self.head_dim
+        bytes_per_quant_token = [  # per layer: codes, and an fp32 (s', z') pair per group
+            h * sum(d * f.bits / 8 + 8 * d / f.group_size for f in (fmt.key, fmt.value))
+            for fmt in self.formats
+        ]
+        bf16_bytes_per_token = 2 * h * d * 2
+        window_bytes_per_token = (
+            2 * h * d * torch.tensor([], dtype=self.window_dtype).element_size()
+        )
+        used = quant_tokens = window_tokens = tokens = 0
+        for s in self._seqs.values():
+            for layer, n in enumerate(s.lengths):
+                q = num_quantized(n, self._windows)
+                used += q * bytes_per_quant_token[layer] + (n - q) * window_bytes_per_token
+                quant_tokens += q
+                window_tokens += n - q
+                tokens += n
+        page_bytes = (
+            sum(len(s.pages) for s in self._seqs.values())
+            * self.page_size
+            * sum(bytes_per_quant_token)
+        )
+        return {
+            "tokens": tokens,
+            "quantized_tokens": quant_tokens,
+            "window_tokens": window_tokens,
+            "used_bytes": int(used),
+            "page_bytes": int(page_bytes),
+            "bf16_bytes": tokens * bf16_bytes_per_token,
+            "effective_bits": (used * 8 / (tokens * 2 * h * d)) if tokens else float("nan"),
+            "pool_bytes": self.pool_bytes(),
+            "free_pages": len(self._free_pages),
+        }

@@ -1,0 +1,369 @@
+"""The page allocator of the cache: the pool's free pages and window slots, the live sequences
+with their pages and per-layer lengths, and the decode plans (:class:`DecodeBatch`) made from
+them.
+
+A sequence's quantized history lives in pages of ``page_size`` tokens, listed in FlashInfer's
+CSR convention (``kv_indptr``, ``kv_indices``, ``kv_last_page_len``, int32). Pages are shared
+by all layers (one page table per sequence); each layer has its own pool tensors. This module
+holds no pool tensor: it decides where tokens go, the writers (foscar.cache.write) put them
+there.
+
+Note [stale plans]: a DecodeBatch copies page lists and lengths to the device once, so the
+kernels never ask the host; a plan is therefore only right while the sequences it covers keep
+the state it was made from. :meth:`PageTable.check_plan` (run by :func:`foscar.decode_attention`
+before any launch) compares them on the host, with no device sync: each sequence must be the
+same live sequence (not freed, its id not reused) holding the planned number of tokens in the
+plan's layer. An append to another layer leaves the plan right: it writes only that layer's
+pool tensors, and a live sequence's page list only grows, so the planned pages stay its first
+pages. Every change bumps a per-layer stamp; a plan remembers the stamp it was last found right
+at, so a plan reused with nothing changed (a CUDA-graph replay, the layers of one step) is
+checked in constant time.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..formats import KVFormat
+from .layout import check_int, num_quantized
+
+__all__ = ["DecodeBatch", "PageTable", "SequenceState", "host_to"]
+
+#: stamps of the layers' states, unique over every cache of the process: a plan that matches a
+#: stamp belongs to that cache and layer, unchanged since (Note [stale plans])
+_STAMPS = itertools.count()
+
+
+def host_to(device: torch.device, values, dtype=torch.long) -> torch.Tensor:
+    """A host list or CPU tensor on ``device`` without a stream sync: CUDA copies go through
+    pinned memory, non-blocking (a plain ``torch.tensor(..., device="cuda")`` waits for every
+    kernel queued before it, which serialised each layer's append with the GPU)."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+@dataclass
+class DecodeBatch:
+    """Where each sequence of a decode batch lives in the cache, as the kernels read it.
+
+    Device tensors (int32), ``B`` sequences::
+
+        kv_indptr:        [B + 1]  CSR offsets into kv_indices
+        kv_indices:       [nnz]    pages of the quantized history, in order
+        kv_last_page_len: [B]      tokens in the last page (1..page_size; 0 if no pages)
+        seq_lens:         [B]      total tokens L (sink + history + tail)
+        num_quantized:    [B]      tokens in the quantized history Lq
+        slots:            [B]      row of the sequence in the sink/tail buffers
+
+    The sink holds ``min(L, sink_tokens)`` tokens; the tail holds positions
+    ``sink_tokens + Lq .. L - 1`` at ring slots ``(p - sink_tokens) % tail_capacity``.
+    ``*_host`` lists mirror the device tensors for host-side planning.
+
+    A plan stays valid until a sequence it covers is freed or appended to in ``layer``
+    (Note [stale plans] in foscar.cache.pages); :func:`foscar.decode_attention` raises on a
+    stale one. It may be pointed at another layer (``batch.layer = l``) whose lengths agree.
+    """
+
+    seq_ids: tuple
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_page_len: torch.Tensor
+    seq_lens: torch.Tensor
+    num_quantized: torch.Tensor
+    slots: torch.Tensor
+    seq_lens_host: list[int]
+    num_quantized_host: list[int]
+    pages_host: list[list[int]]
+    slots_host: list[int]
+    page_size: int
+    sink_tokens: int
+    tail_capacity: int
+    layer: int
+    #: the planned sequences' records (compared by identity: Note [stale plans])
+    _sequences: tuple = field(default=(), repr=False, compare=False)
+    #: layer -> the stamp at which this plan was last found valid for it
+    _valid_at: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    #: the backends' split partials, by shape and device (a CUDA-graph replay allocates nothing)
+    _workspaces: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_ids)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_host, default=0)
+
+    def sink_len(self, i: int) -> int:
+        return min(self.seq_lens_host[i], self.sink_tokens)
+
+    def tail_range(self, i: int) -> tuple[int, int]:
+        """Positions ``[start, end)`` of sequence ``i``'s BF16 tail."""
+        start = self.sink_tokens + self.num_quantized_host[i]
+        return min(start, self.seq_lens_host[i]), self.seq_lens_host[i]
+
+
+@dataclass
+class SequenceState:
+    """One live sequence: its row in the window buffers, its pages, its tokens per layer."""
+
+    slot: int
+    pages: list[int]
+    lengths: list[int]
+
+
+class PageTable:
+    """Free pages and window slots of a pool, the live sequences, their decode plans.
+
+    The base of :class:`foscar.cache.QuantizedKVCache`, which adds the pool tensors and the
+    writers. ``windows``: the format whose sink, recent window and demotion quantum every layer
+    shares (it sets how many tokens are quantized, so how many pages a length needs).
+    """
+
+    def __init__(
+        self,
+        *,
+        num_pages: int,
+        max_seqs: int,
+        num_layers: int,
+        page_size: int,
+        windows: KVFormat,
+        device: torch.device,
+    ) -> None:
+        self.num_pages = num_pages
+        self.max_seqs = max_seqs
+        self.num_layers = num_layers
+        self.page_size = page_size
+        self.device = device
+        self._windows = windows
+        self._free_pages: list[int] = list(range(num_pages - 1, -1, -1))  # pop() gives 0 first
+        self._free_slots: list[int] = list(range(max_seqs - 1, -1, -1))
+        self._seqs: dict[object, SequenceState] = {}
+        self._next_id = 0
+        self._stamps = [next(_STAMPS) for _ in range(num_layers)]
+
+    # ------------------------------------------------------------------ sequences
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free_pages)
+
+    @property
+    def sequences(self) -> tuple:
+        return tuple(self._seqs)
+
+    def seq_len(self, seq_id, layer: int = 0) -> int:
+        return self._lookup(seq_id, "seq_id").lengths[self._check_layer(layer)]
+
+    def pages_of(self, seq_id) -> list[int]:
+        return list(self._lookup(seq_id, "seq_id").pages)
+
+    def add_sequence(self, seq_id=None, *, pages: Sequence[int] | None = None):
+        """Start an empty sequence and return its id.
+
+        ``pages`` optionally hands the sequence specific pool pages (e.g. from a serving
+        engine's block manager); they are used first, in order, and more come from the free
+        list as the sequence grows. They must be in ``[0, num_pages)``, distinct, and not held by
+        another sequence.
+        """
+        if seq_id is None:
+            while self._next_id in self._seqs:
+                self._next_id += 1
+            seq_id = self._next_id
+        elif seq_id in self._seqs:
+            raise ValueError(f"seq_id {seq_id!r} is already a live sequence")
+        if not self._free_slots:
+            raise ValueError(f"max_seqs ({self.max_seqs}) sequences are already live")
+        pages = self._check_pages(pages)
+        self._free_pages = [p for p in self._free_pages if p not in set(pages)]
+        slot = self._free_slots.pop()
+        self._seqs[seq_id] = SequenceState(
+            slot=slot, pages=list(pages), lengths=[0] * self.num_layers
+        )
+        return seq_id
+
+    def _check_pages(self, pages) -> list[int]:
+        if pages is None:
+            return []
+        if isinstance(pages, torch.Tensor):
+            pages = pages.tolist()
+        pages = list(pages)
+        for i, p in enumerate(pages):
+            if isinstance(p, bool) or not isinstance(p, int):
+                raise TypeError(f"pages[{i}] must be an int, got {type(p).__name__}")
+            if not 0 <= p < self.num_pages:
+                raise ValueError(
+                    f"pages[{i}] = {p} points outside the pool (expected 0 <= page < "
+                    f"{self.num_pages})"
+                )
+        if len(set(pages)) != len(pages):
+            raise ValueError(f"pages lists a page twice: {pages}")
+        free = set(self._free_pages)
+        for i, p in enumerate(pages):
+            if p not in free:
+                owner = next((s for s, q in self._seqs.items() if p in q.pages), None)
+                raise ValueError(f"pages[{i}] = {p} overlaps the pages of sequence {owner!r}")
+        return pages
+
+    def free(self, seq_id) -> None:
+        """End a sequence: its pages and window slot return to the pool for reuse (and the plans
+        that cover it go stale)."""
+        seq = self._lookup(seq_id, "seq_id")
+        del self._seqs[seq_id]
+        self._free_pages.extend(reversed(seq.pages))
+        self._free_slots.append(seq.slot)
+        self._touch(range(self.num_layers))
+
+    def _lookup(self, seq_id, name: str) -> SequenceState:
+        try:
+            return self._seqs[seq_id]
+        except (KeyError, TypeError):
+            raise ValueError(
+                f"{name} {seq_id!r} is not a live sequence (unknown or already freed)"
+            ) from None
+
+    def _check_layer(self, layer) -> int:
+        check_int(layer, "layer")
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
+        return layer
+
+    def _touch(self, layers) -> None:
+        """Mark ``layers`` changed: plans must be checked again (Note [stale plans])."""
+        for layer in layers:
+            self._stamps[layer] = next(_STAMPS)
+
+    # ------------------------------------------------------------------ growing
+    def _pages_needed(self, seqs: list[SequenceState], new_lengths: list[int]) -> list[int]:
+        """Pages each sequence must take to hold ``new_lengths`` tokens; raises (before any
+        change) if the pool has too few free."""
+        need = [
+            max(0, math.ceil(num_quantized(n, self._windows) / self.page_size) - len(s.pages))
+            for s, n in zip(seqs, new_lengths)
+        ]
+        if sum(need) > len(self._free_pages):
+            raise ValueError(
+                f"page pool exhausted: this append needs {sum(need)} more pages, "
+                f"{len(self._free_pages)} of {self.num_pages} are free"
+            )
+        return need
+
+    def _take_pages(self, seqs: list[SequenceState], need: list[int]) -> None:
+        for s, n in zip(seqs, need):
+            for _ in range(n):
+                s.pages.append(self._free_pages.pop())
+
+    def _assume_appended(self, seq_id, length: int) -> None:
+        """Benchmarks only: mark ``length`` tokens of every layer present without writing them.
+
+        Pages are taken as an append would take them, but the pool keeps whatever bits it
+        holds (decode cost does not depend on the values). Tests and serving never call this.
+        """
+        seq = self._lookup(seq_id, "seq_id")
+        need = math.ceil(num_quantized(length, self._windows) / self.page_size) - len(seq.pages)
+        if need > len(self._free_pages):
+            raise ValueError(
+                f"page pool exhausted: {need} more pages needed, {len(self._free_pages)} free"
+            )
+        for _ in range(max(0, need)):
+            seq.pages.append(self._free_pages.pop())
+        seq.lengths = [length] * self.num_layers
+        self._touch(range(self.num_layers))
+
+    # ------------------------------------------------------------------ planning
+    def plan(self, seq_ids: Sequence, layer: int = 0) -> DecodeBatch:
+        """Page tables and window descriptors of ``seq_ids`` (in that order) for decoding.
+
+        Plan after the step's appends: the plan is valid until a sequence it covers is freed or
+        appended to in ``layer`` (Note [stale plans]).
+        """
+        layer = self._check_layer(layer)
+        seq_ids = tuple(seq_ids)
+        if not seq_ids:
+            raise ValueError("seq_ids must name at least one sequence")
+        seqs = [self._lookup(s, f"seq_ids[{i}]") for i, s in enumerate(seq_ids)]
+        lens, nq, pages = [], [], []
+        for i, s in enumerate(seqs):
+            n = s.lengths[layer]
+            if n == 0:
+                raise ValueError(f"seq_ids[{i}] = {seq_ids[i]!r} has no tokens in layer {layer}")
+            q = num_quantized(n, self._windows)
+            lens.append(n)
+            nq.append(q)
+            pages.append(s.pages[: math.ceil(q / self.page_size)])
+        indptr = [0]
+        for p in pages:
+            indptr.append(indptr[-1] + len(p))
+        last = [(q - 1) % self.page_size + 1 if q else 0 for q in nq]
+        dev = self.device
+
+        def i32(values):
+            return host_to(dev, values, torch.int32)
+
+        batch = DecodeBatch(
+            seq_ids=seq_ids,
+            kv_indptr=i32(indptr),
+            kv_indices=i32([p for ps in pages for p in ps]),
+            kv_last_page_len=i32(last),
+            seq_lens=i32(lens),
+            num_quantized=i32(nq),
+            slots=i32([s.slot for s in seqs]),
+            seq_lens_host=lens,
+            num_quantized_host=nq,
+            pages_host=pages,
+            slots_host=[s.slot for s in seqs],
+            page_size=self.page_size,
+            sink_tokens=self._windows.sink_tokens,
+            tail_capacity=self._windows.tail_capacity,
+            layer=layer,
+            _sequences=tuple(seqs),
+        )
+        batch._valid_at[layer] = self._stamps[layer]
+        return batch
+
+    def check_plan(self, batch: DecodeBatch) -> None:
+        """Raise ``ValueError`` if ``batch`` no longer describes its sequences in
+        ``batch.layer`` of this cache: one was freed (its pages may hold another sequence now)
+        or appended to since :meth:`plan`. Host-side only, no device sync (Note [stale
+        plans])."""
+        layer = batch.layer
+        if not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"batch.layer must be in [0, {self.num_layers}), got {layer!r}")
+        stamp = self._stamps[layer]
+        if batch._valid_at.get(layer) == stamp:
+            return
+        seqs = batch._sequences
+        if len(seqs) != len(batch.seq_ids):
+            raise ValueError("batch was not made by cache.plan(); plan the sequences with it")
+        # C-level loops: this runs once per layer and decode step (Note [stale plans])
+        live = list(map(self._seqs.get, batch.seq_ids))
+        if any(map(operator.is_not, live, seqs)) or batch.seq_lens_host != [
+            s.lengths[layer] for s in seqs
+        ]:
+            self._raise_stale(batch, layer, live)
+        batch._valid_at[layer] = stamp
+
+    def _raise_stale(self, batch: DecodeBatch, layer: int, live: list) -> None:
+        """The error of :meth:`check_plan`, naming the first sequence that changed."""
+        for i, (sid, seq, now, n) in enumerate(
+            zip(batch.seq_ids, batch._sequences, live, batch.seq_lens_host)
+        ):
+            if now is not seq:
+                raise ValueError(
+                    f"batch is a stale plan: seq_ids[{i}] = {sid!r} was freed after "
+                    "cache.plan() made it (or the plan is another cache's); its pages may hold "
+                    "another sequence now: plan again"
+                )
+            if seq.lengths[layer] != n:
+                raise ValueError(
+                    f"batch is a stale plan: seq_ids[{i}] = {sid!r} holds {seq.lengths[layer]} "
+                    f"tokens in layer {layer}, the plan {n}: call cache.plan() after the step's "
+                    "appends"
+                )

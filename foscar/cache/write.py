@@ -1,0 +1,361 @@
+"""The cache's writers: quantize, pack and scatter new tokens into one layer's pool tensors.
+
+Two paths store the same bits (``tests/test_cache_decode.py``, ``tests/test_cache_write.py``):
+
+* :func:`write_tokens`, any number of tokens per sequence (a prefill): index tensors built per
+  sequence with ``arange``, so a 100K-token prefill costs a few tensor operations;
+* :func:`write_decode_step`, one token per sequence (a decode step): the same scatter with index
+  lists built in Python, or the fused Triton write (foscar.cache.fused_write).
+
+Every token is rounded to the window dtype on entry, so a token quantizes to the same bits
+whether it is demoted from the tail ring or written straight into the history by a prefill.
+A demoted token leaves the tail ring (or, with no recent window, is the new token itself), is
+quantized per group with the layer's history format (its clip ratio and, for keys, GPTQ
+rounding: foscar.cache.transforms), folded to ``(s', z')`` and packed in the role's channel
+order (foscar.formats). Shapes: ``H`` KV heads, ``D`` head_dim, ``n`` demoted tokens.
+
+These functions take the :class:`foscar.cache.QuantizedKVCache` whose append has checked every
+argument; they read its pools, formats and transforms.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from ..formats import GroupAxis, KVFormat, fold_scale_offset, pack_codes, words_per_row
+from ..quantize import quantize, quantize_gptq
+from . import fused_write
+from .layout import num_quantized
+from .pages import host_to
+
+__all__ = [
+    "DECODE_WRITE_PATHS",
+    "LayerStorage",
+    "allocate_layer",
+    "check_decode_write",
+    "write_decode_step",
+    "write_tokens",
+]
+
+DECODE_WRITE_PATHS = ("auto", "fused", "torch")
+
+
+def check_decode_write(decode_write: str) -> None:
+    """Raise ``ValueError`` unless ``decode_write`` names a decode-step write path."""
+    if decode_write not in DECODE_WRITE_PATHS:
+        raise ValueError(f"decode_write must be one of {DECODE_WRITE_PATHS}, got {decode_write!r}")
+
+
+@dataclass
+class LayerStorage:
+    """The pool tensors of one layer (shapes in the foscar.cache docstring)."""
+
+    k_words: torch.Tensor
+    k_scales: torch.Tensor
+    v_words: torch.Tensor
+    v_scales: torch.Tensor
+    k_sink: torch.Tensor
+    v_sink: torch.Tensor
+    k_tail: torch.Tensor
+    v_tail: torch.Tensor
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return dict(vars(self))
+
+
+def allocate_layer(cache, fmt: KVFormat) -> LayerStorage:
+    """Zeroed pool and window tensors of one layer of format ``fmt``."""
+    p, h, d, ps = cache.num_pages, cache.num_kv_heads, cache.head_dim, cache.page_size
+    dev = cache.device
+
+    def words(f):
+        return torch.zeros(p, h, ps, words_per_row(d, f.bits), dtype=torch.int32, device=dev)
+
+    def scales(f):
+        e = cache.scale_entries_per_page(f)
+        return torch.zeros(p, h, e, 2, dtype=torch.float32, device=dev)
+
+    s, r = fmt.sink_tokens, fmt.tail_capacity
+    wd = cache.window_dtype
+    return LayerStorage(
+        k_words=words(fmt.key),
+        k_scales=scales(fmt.key),
+        v_words=words(fmt.value),
+        v_scales=scales(fmt.value),
+        k_sink=torch.zeros(cache.max_seqs, h, s, d, dtype=wd, device=dev),
+        v_sink=torch.zeros(cache.max_seqs, h, s, d, dtype=wd, device=dev),
+        k_tail=torch.zeros(cache.max_seqs, h, r, d, dtype=wd, device=dev),
+        v_tail=torch.zeros(cache.max_seqs, h, r, d, dtype=wd, device=dev),
+    )
+
+
+# ---------------------------------------------------------------------------- any token count
+def write_tokens(cache, layer, seqs, new_lengths, counts, k, v) -> None:
+    """Scatter ``counts[i]`` new tokens of each sequence (``k, v: [sum(counts), H, D]``, the
+    sequences' tokens one after another) to the sink, the history (quantized) and the tail ring;
+    ``new_lengths``: the sequences' lengths after the call."""
+    fmt = cache._windows
+    st = cache.layers[layer]
+    sink, cap, ps = fmt.sink_tokens, fmt.tail_capacity, cache.page_size
+    ar = torch.arange
+    sink_src, sink_slot, sink_pos = [], [], []
+    tail_src, tail_slot, tail_pos = [], [], []
+    old_slot, old_ring, old_dst = [], [], []  # demoted tokens read back from the tail ring
+    new_src, new_dst = [], []  # demoted tokens taken straight from this call's input
+    hist_page, hist_row = [], []  # destination of each demoted token, in demotion order
+    segments = []  # (pages of the sequence, first quantized index, count)
+    offset = n_demoted = 0
+    for seq, l1, n in zip(seqs, new_lengths, counts):
+        l0 = l1 - n
+        lq0, lq1 = num_quantized(l0, fmt), num_quantized(l1, fmt)
+        pages = torch.tensor(seq.pages, dtype=torch.long)
+        if l0 < sink:
+            p = ar(l0, min(l1, sink))
+            sink_src.append(offset + p - l0)
+            sink_pos.append(p)
+            sink_slot.append(torch.full_like(p, seq.slot))
+        if lq1 > lq0:
+            split = min(max(l0 - sink, lq0), lq1)  # history indices below it come from the ring
+            t_old, t_new = ar(lq0, split), ar(split, lq1)
+            old_slot.append(torch.full_like(t_old, seq.slot))
+            old_ring.append(t_old % cap)
+            old_dst.append(n_demoted + t_old - lq0)
+            new_src.append(offset + sink + t_new - l0)
+            new_dst.append(n_demoted + t_new - lq0)
+            t = ar(lq0, lq1)
+            hist_page.append(pages[t // ps])
+            hist_row.append(t % ps)
+            segments.append((pages, lq0, lq1 - lq0))
+            n_demoted += lq1 - lq0
+        first_tail = max(l0, sink + lq1)
+        p = ar(first_tail, max(first_tail, l1))
+        tail_src.append(offset + p - l0)
+        tail_pos.append((p - sink) % cap)
+        tail_slot.append(torch.full_like(p, seq.slot))
+        offset += n
+
+    dev = cache.device
+
+    def cat(parts):
+        return (
+            host_to(dev, torch.cat(parts))
+            if parts
+            else torch.empty(0, dtype=torch.long, device=dev)
+        )
+
+    if n_demoted:
+        _write_demoted(
+            cache,
+            layer,
+            k,
+            v,
+            (cat(old_slot), cat(old_ring), cat(old_dst)),
+            (cat(new_src), cat(new_dst)),
+            segments,
+            cat(hist_page),
+            cat(hist_row),
+        )
+    wd = cache.window_dtype
+    if sink_src:
+        src, slot, pos = cat(sink_src), cat(sink_slot), cat(sink_pos)
+        st.k_sink[slot, :, pos] = k[src].to(wd)
+        st.v_sink[slot, :, pos] = v[src].to(wd)
+    src, slot, pos = cat(tail_src), cat(tail_slot), cat(tail_pos)
+    if src.numel():
+        st.k_tail[slot, :, pos] = k[src].to(wd)
+        st.v_tail[slot, :, pos] = v[src].to(wd)
+
+
+# ---------------------------------------------------------------------------- one token each
+def write_decode_step(cache, layer, seqs, new_lengths, k, v, fused: bool = False) -> None:
+    """:func:`write_tokens` for one new token per sequence (``k, v: [B, H, D]``), bit for bit.
+
+    The same scatter, with index lists built in Python: per sequence that is a few integer
+    operations, where :func:`write_tokens` spends a dozen tensor operations (27 ms for 32
+    sequences on 2 CPU cores against 2 ms here). ``fused``: quantize, pack and scatter in one
+    Triton launch per role instead (foscar.cache.fused_write); where that launch fails and the
+    cache's ``decode_write`` is "auto", warn once and write with torch from then on.
+    """
+    st = cache.layers[layer]
+    if fused:
+        try:
+            _write_decode_fused(cache, layer, seqs, new_lengths, k, v)
+            return
+        except Exception as e:  # e.g. Triton cannot compile here
+            if cache.decode_write == "fused":
+                raise
+            # "auto": the torch path below writes the same destinations with the same bits
+            # (a K written before a failed V launch is overwritten identically)
+            cache._fused_failure = f"{type(e).__name__}: {e}"
+            warnings.warn(
+                f"foscar: the fused decode write failed ({cache._fused_failure}); this cache "
+                "writes decode steps with torch operations from now on",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    sink_src, sink_slot, sink_pos = [], [], []
+    tail_src, tail_slot, tail_pos = [], [], []
+    old_slot, old_ring, old_dst, new_src, new_dst = [], [], [], [], []
+    hist_page, hist_row, segments = [], [], []
+    for i, (seq, l1) in enumerate(zip(seqs, new_lengths)):
+        at_sink, at_tail, demoted = _decode_step_places(cache, seq, l1)
+        if at_sink is not None:
+            sink_src.append(i)
+            sink_slot.append(seq.slot)
+            sink_pos.append(at_sink)
+        for ring, page, row in demoted:  # from the ring, or this token (ring None)
+            if ring is None:
+                new_src.append(i)
+                new_dst.append(len(hist_page))
+            else:
+                old_slot.append(seq.slot)
+                old_ring.append(ring)
+                old_dst.append(len(hist_page))
+            hist_page.append(page)
+            hist_row.append(row)
+        if demoted:
+            lq0 = num_quantized(l1 - 1, cache._windows)
+            segments.append((seq.pages, lq0, len(demoted)))
+        if at_tail is not None:
+            tail_src.append(i)
+            tail_slot.append(seq.slot)
+            tail_pos.append(at_tail)
+    dev = cache.device
+
+    def idx(values):
+        return host_to(dev, values)
+
+    if hist_page:
+        _write_demoted(
+            cache,
+            layer,
+            k,
+            v,
+            (idx(old_slot), idx(old_ring), idx(old_dst)),
+            (idx(new_src), idx(new_dst)),
+            segments,
+            idx(hist_page),
+            idx(hist_row),
+        )
+    wd = cache.window_dtype
+    if sink_src:
+        src, slot, pos = idx(sink_src), idx(sink_slot), idx(sink_pos)
+        st.k_sink[slot, :, pos] = k[src].to(wd)
+        st.v_sink[slot, :, pos] = v[src].to(wd)
+    if tail_src:
+        src, slot, pos = idx(tail_src), idx(tail_slot), idx(tail_pos)
+        st.k_tail[slot, :, pos] = k[src].to(wd)
+        st.v_tail[slot, :, pos] = v[src].to(wd)
+
+
+def _decode_step_places(cache, seq, l1: int) -> tuple:
+    """Where a decode step puts the token that makes ``seq`` ``l1`` tokens long:
+    ``(sink position or None, tail ring position or None, demoted)`` with ``demoted`` the
+    history tokens this step quantizes, each ``(ring position or None for the new token
+    itself, page, row)`` (one per step for token-wise K and V; a group for channel-wise)."""
+    fmt = cache._windows
+    sink, cap, ps = fmt.sink_tokens, fmt.tail_capacity, cache.page_size
+    l0 = l1 - 1
+    lq0, lq1 = num_quantized(l0, fmt), num_quantized(l1, fmt)
+    demoted = [
+        (None if t == l0 - sink else t % cap, seq.pages[t // ps], t % ps) for t in range(lq0, lq1)
+    ]
+    at_sink = l0 if l0 < sink else None
+    at_tail = (l0 - sink) % cap if l0 >= sink + lq1 else None
+    return at_sink, at_tail, demoted
+
+
+def _write_decode_fused(cache, layer, seqs, new_lengths, k, v) -> None:
+    """The fused decode write: per sequence the six integers of the kernel's descriptor
+    (token-wise history: at most one token is demoted per step), one launch per role."""
+    rows = []
+    for seq, l1 in zip(seqs, new_lengths):
+        at_sink, at_tail, demoted = _decode_step_places(cache, seq, l1)
+        ring, page, row = demoted[0] if demoted else (-1, -1, -1)
+        rows.append(
+            (
+                seq.slot,
+                -1 if at_sink is None else at_sink,
+                -1 if at_tail is None else at_tail,
+                -1 if ring is None else ring,
+                page,
+                row,
+            )
+        )
+    rows = tuple(rows)
+    # every layer of a step has the same descriptor: one host-to-device copy per step
+    if cache._desc_memo is None or cache._desc_memo[0] != rows:
+        cache._desc_memo = (rows, host_to(cache.device, list(rows), torch.int32))
+    desc = cache._desc_memo[1]
+    wd = cache.window_dtype
+    for name, x in (("k", k), ("v", v)):
+        x = x if x.dtype == wd else x.to(wd)
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        # looked up at call time: tests replace the launcher
+        fused_write.write_decode_tokens(cache, layer, name, x, desc)
+
+
+# ---------------------------------------------------------------------------- the history
+def _write_demoted(cache, layer, k, v, old, new, segments, hist_page, hist_row) -> None:
+    """Quantize the demoted tokens of K and V into the history, in demotion order.
+
+    old: ``(slot, ring position, destination)`` of the tokens leaving the tail rings;
+    new: ``(source row, destination)`` of the tokens taken straight from this call's K/V;
+    hist_page, hist_row: where each demoted token lands (``[n]`` device indices).
+    """
+    st = cache.layers[layer]
+    (old_slot, old_ring, old_dst), (new_src, new_dst) = old, new
+    for name, src in (("k", k), ("v", v)):
+        tail = getattr(st, f"{name}_tail")
+        demoted = torch.empty(
+            len(hist_page),
+            cache.num_kv_heads,
+            cache.head_dim,
+            dtype=tail.dtype,
+            device=tail.device,
+        )
+        demoted[old_dst] = tail[old_slot, :, old_ring]
+        demoted[new_dst] = src[new_src].to(tail.dtype)
+        _write_history(cache, layer, name, demoted, segments, hist_page, hist_row)
+
+
+def _write_history(cache, layer: int, name, demoted, segments, hist_page, hist_row) -> None:
+    """Quantize the demoted tokens ``[n, H, D]`` of K or V; store codes, s' and z'."""
+    st = cache.layers[layer]
+    f = cache._history_format(layer, name)
+    mapping = cache._windows.mapping
+    x = demoted.transpose(0, 1)  # [H, n, D]: channel-wise groups run along tokens
+    gptq = cache.transforms[layer].key_gptq if name == "k" else None
+    codes, scale, offset = quantize(x, f) if gptq is None else quantize_gptq(x, f, gptq)
+    scale, offset = fold_scale_offset(scale, offset, f.bits, mapping)
+    words = pack_codes(codes, f.bits, mapping, cache.channel_order(name, layer))  # [H, n, W]
+    getattr(st, f"{name}_words")[hist_page, :, hist_row] = words.transpose(0, 1)
+    # Scales in flat group order per sequence (the foscar.cache docstring) -> (page, entry).
+    per_page = cache.scale_entries_per_page(f)
+    d, g = cache.head_dim, f.group_size
+    flat_page, flat_entry, list_page, list_entry = [], [], [], []
+    for pages, lq0, count in segments:
+        if f.axis is GroupAxis.TOKEN:
+            lo, hi = lq0 * d // g, (lq0 + count) * d // g
+        else:
+            lo, hi = lq0 // g * d, (lq0 + count) // g * d
+        if isinstance(pages, list):  # a decode step: few entries, Python beats tensor ops
+            list_page += [pages[e // per_page] for e in range(lo, hi)]
+            list_entry += [e % per_page for e in range(lo, hi)]
+        else:
+            e = torch.arange(lo, hi)
+            flat_page.append(pages[e // per_page])
+            flat_entry.append(e % per_page)
+    if list_page:
+        flat_page.append(torch.tensor(list_page, dtype=torch.long))
+        flat_entry.append(torch.tensor(list_entry, dtype=torch.long))
+    fp = host_to(cache.device, torch.cat(flat_page))
+    fe = host_to(cache.device, torch.cat(flat_entry))
+    # token-wise scale [H, n, D/g], channel-wise [H, n/g, D]: both flatten to flat order.
+    h = cache.num_kv_heads
+    pairs = torch.stack([scale.reshape(h, -1), offset.reshape(h, -1)], dim=-1)  # [H, n_e, 2]
+    getattr(st, f"{name}_scales")[fp, :, fe] = pairs.transpose(0, 1)
