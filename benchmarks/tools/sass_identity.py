@@ -49,7 +49,12 @@ KINDS = ("gluon", "triton", "merge", "write")
 FAST_MAX, FAST_RCP, RECONSTRUCT, SCALED_INT2 = 1, 4, 128, 512
 E4M3, Q_IN_CONSUMERS, MERGE_PDL, PACKED_HEADS = 1024, 2048, 8192, 262144
 BIT_PAIRS = ((2, 2), (4, 4), (2, 4), (4, 2))
-AXIS_PAIRS = (("token", "token"), ("token", "channel"), ("channel", "token"), ("channel", "channel"))
+AXIS_PAIRS = (
+    ("token", "token"),
+    ("token", "channel"),
+    ("channel", "token"),
+    ("channel", "channel"),
+)
 
 
 # ------------------------------------------------------------------------------ configs
@@ -121,7 +126,9 @@ def gluon_cases():
     for h in (1, 3, 8):
         add(f"e4m3 one-page H{h} K2V2", _flags(one, E4M3), 2, 2, heads=h)
     for h in (1, 2, 3):
-        add(f"e4m3 packed H{h} K2V2", _flags(configs.gluon_packed_config(2, 2), E4M3), 2, 2, heads=h)
+        add(
+            f"e4m3 packed H{h} K2V2", _flags(configs.gluon_packed_config(2, 2), E4M3), 2, 2, heads=h
+        )
     three = configs.gluon_e4m3_config(2, 2, configs.E4M3_THREE_CTAS_MIN_TILES, heads_per_kv=8)
     for h in (5, 8):
         add(f"e4m3 3-CTA H{h} K2V2", _flags(three, E4M3), 2, 2, heads=h)
@@ -133,7 +140,13 @@ def gluon_cases():
             add(f"e4m3 one-page page{ps} K{kb}V{vb}", _flags(one, E4M3), kb, vb, ps=ps)
         pk = configs.gluon_packed_config(2, 2)
         add(f"bf16 packed page{ps} K2V2", pk, 2, 2, ps=ps)
-        add(f"e4m3 packed page{ps} K4V4", _flags(configs.gluon_packed_config(4, 4), E4M3), 4, 4, ps=ps)
+        add(
+            f"e4m3 packed page{ps} K4V4",
+            _flags(configs.gluon_packed_config(4, 4), E4M3),
+            4,
+            4,
+            ps=ps,
+        )
         add(f"e4m3 3-CTA H8 page{ps} K2V2", _flags(three, E4M3), 2, 2, heads=8, ps=ps)
         add(f"bf16 reconstruct KtVt page{ps} K2V2", _flags(one, RECONSTRUCT), 2, 2, ps=ps)
     for ps in (128, 256):
@@ -144,16 +157,33 @@ def gluon_cases():
         default_tp = by_axis(k_axis).tile_pages
         for kb, vb in ((2, 2), (2, 4)):
             cfg = _flags(by_axis(k_axis), RECONSTRUCT)
-            add(f"reconstruct {_axes_name(k_axis, v_axis)} TP{default_tp} K{kb}V{vb}", cfg, kb,
-                vb, k_axis, v_axis)
+            add(
+                f"reconstruct {_axes_name(k_axis, v_axis)} TP{default_tp} K{kb}V{vb}",
+                cfg,
+                kb,
+                vb,
+                k_axis,
+                v_axis,
+            )
         cfg = _flags(by_axis(k_axis, 3 - default_tp), RECONSTRUCT)
-        add(f"reconstruct {_axes_name(k_axis, v_axis)} TP{3 - default_tp} K2V4", cfg, 2, 4,
-            k_axis, v_axis)
+        add(
+            f"reconstruct {_axes_name(k_axis, v_axis)} TP{3 - default_tp} K2V4",
+            cfg,
+            2,
+            4,
+            k_axis,
+            v_axis,
+        )
     add("reconstruct KtVt d64 K2V2", _flags(one, RECONSTRUCT), 2, 2, hd=64)
     # flag variants the tests compile beside the defaults
     add("bf16 KtVt TP1 unscaled K2V2", _flags(one, remove=SCALED_INT2), 2, 2)
-    add("bf16 KcVt TP2 unscaled K2V2", _flags(by_axis("channel"), remove=SCALED_INT2), 2, 2,
-        "channel")
+    add(
+        "bf16 KcVt TP2 unscaled K2V2",
+        _flags(by_axis("channel"), remove=SCALED_INT2),
+        2,
+        2,
+        "channel",
+    )
     for kb, vb in ((2, 2), (2, 4)):
         add(f"e4m3 one-page unscaled K{kb}V{vb}", _flags(one, E4M3, SCALED_INT2), kb, vb)
     add("bf16 KtVt TP1 Q in prologue K2V2", _flags(one, remove=Q_IN_CONSUMERS), 2, 2)
@@ -166,37 +196,116 @@ def triton_formats():
     from foscar.formats import KVFormat, QuantFormat
 
     def fmt(kb, ka, kg, vb, va, vg, sink=0, recent=0):
-        return KVFormat(QuantFormat(kb, ka, kg), QuantFormat(vb, va, vg), sink_tokens=sink,
-                        recent_tokens=recent)
+        return KVFormat(
+            QuantFormat(kb, ka, kg), QuantFormat(vb, va, vg), sink_tokens=sink, recent_tokens=recent
+        )
 
     cases = {}
     for kb, vb in BIT_PAIRS:
-        cases[f"KtVt g128 K{kb}V{vb}"] = (fmt(kb, "token", 128, vb, "token", 128), 128, 4, 64, False)
+        cases[f"KtVt g128 K{kb}V{vb}"] = (
+            fmt(kb, "token", 128, vb, "token", 128),
+            128,
+            4,
+            64,
+            False,
+        )
     cases["KtVt g64 K2V2"] = (fmt(2, "token", 64, 2, "token", 64), 128, 4, 64, False)
-    cases["Kt g32 Vt g128 K2V2 (32-token tiles)"] = (fmt(2, "token", 32, 2, "token", 128), 128, 4, 64, False)
+    cases["Kt g32 Vt g128 K2V2 (32-token tiles)"] = (
+        fmt(2, "token", 32, 2, "token", 128),
+        128,
+        4,
+        64,
+        False,
+    )
     cases["Kt g128 Vt g32 K2V2"] = (fmt(2, "token", 128, 2, "token", 32), 128, 4, 64, False)
     cases["Kt g128 Vt g32 K4V4"] = (fmt(4, "token", 128, 4, "token", 32), 128, 4, 64, False)
     for kb, vb in ((2, 2), (4, 4), (2, 4)):
-        cases[f"Kc g128 Vt g128 K{kb}V{vb}"] = (fmt(kb, "channel", 128, vb, "token", 128), 128, 4, 64, False)
-        cases[f"Kt g128 Vc g128 K{kb}V{vb}"] = (fmt(kb, "token", 128, vb, "channel", 128), 128, 4, 64, False)
+        cases[f"Kc g128 Vt g128 K{kb}V{vb}"] = (
+            fmt(kb, "channel", 128, vb, "token", 128),
+            128,
+            4,
+            64,
+            False,
+        )
+        cases[f"Kt g128 Vc g128 K{kb}V{vb}"] = (
+            fmt(kb, "token", 128, vb, "channel", 128),
+            128,
+            4,
+            64,
+            False,
+        )
     cases["Kc g64 Vt g128 K2V2"] = (fmt(2, "channel", 64, 2, "token", 128), 128, 4, 64, False)
     cases["Kc g32 Vt g128 K2V2"] = (fmt(2, "channel", 32, 2, "token", 128), 128, 4, 64, False)
     cases["Kt g128 Vc g64 K2V2"] = (fmt(2, "token", 128, 2, "channel", 64), 128, 4, 64, False)
     cases["KcVc g128 K2V2"] = (fmt(2, "channel", 128, 2, "channel", 128), 128, 4, 64, False)
     cases["KcVc g128 K4V2"] = (fmt(4, "channel", 128, 2, "channel", 128), 128, 4, 64, False)
     for kb, vb in ((2, 2), (4, 4), (2, 4)):
-        cases[f"KtVt d64 g64 K{kb}V{vb}"] = (fmt(kb, "token", 64, vb, "token", 64), 64, 4, 64, False)
-    cases["KtVt d64 g64 H3 windows K2V2"] = (fmt(2, "token", 64, 2, "token", 64, 64, 256), 64, 3, 64, False)
-    cases["KtVt g128 windows K2V2"] = (fmt(2, "token", 128, 2, "token", 128, 64, 256), 128, 4, 64, False)
-    cases["KtVt g128 windows K2V4"] = (fmt(2, "token", 128, 4, "token", 128, 4, 37), 128, 4, 64, False)
-    cases["Kc g128 Vt g128 windows K2V2"] = (fmt(2, "channel", 128, 2, "token", 128, 64, 256), 128, 4, 64, False)
+        cases[f"KtVt d64 g64 K{kb}V{vb}"] = (
+            fmt(kb, "token", 64, vb, "token", 64),
+            64,
+            4,
+            64,
+            False,
+        )
+    cases["KtVt d64 g64 H3 windows K2V2"] = (
+        fmt(2, "token", 64, 2, "token", 64, 64, 256),
+        64,
+        3,
+        64,
+        False,
+    )
+    cases["KtVt g128 windows K2V2"] = (
+        fmt(2, "token", 128, 2, "token", 128, 64, 256),
+        128,
+        4,
+        64,
+        False,
+    )
+    cases["KtVt g128 windows K2V4"] = (
+        fmt(2, "token", 128, 4, "token", 128, 4, 37),
+        128,
+        4,
+        64,
+        False,
+    )
+    cases["Kc g128 Vt g128 windows K2V2"] = (
+        fmt(2, "channel", 128, 2, "token", 128, 64, 256),
+        128,
+        4,
+        64,
+        False,
+    )
     for h in (1, 8, 16):
         cases[f"KtVt g128 H{h} K2V2"] = (fmt(2, "token", 128, 2, "token", 128), 128, h, 64, False)
-    cases["Kc g128 Vc g128 H8 K2V2"] = (fmt(2, "channel", 128, 2, "channel", 128), 128, 8, 64, False)
+    cases["Kc g128 Vc g128 H8 K2V2"] = (
+        fmt(2, "channel", 128, 2, "channel", 128),
+        128,
+        8,
+        64,
+        False,
+    )
     for ps in (16, 32, 128, 256):
-        cases[f"KtVt g128 page{ps} K2V2"] = (fmt(2, "token", 128, 2, "token", 128), 128, 4, ps, False)
-    cases["Kc g128 Vt g128 page32 K2V2"] = (fmt(2, "channel", 128, 2, "token", 128), 128, 4, 32, False)
-    cases["Kt g128 Vc g128 page128 K2V2"] = (fmt(2, "token", 128, 2, "channel", 128), 128, 4, 128, False)
+        cases[f"KtVt g128 page{ps} K2V2"] = (
+            fmt(2, "token", 128, 2, "token", 128),
+            128,
+            4,
+            ps,
+            False,
+        )
+    cases["Kc g128 Vt g128 page32 K2V2"] = (
+        fmt(2, "channel", 128, 2, "token", 128),
+        128,
+        4,
+        32,
+        False,
+    )
+    cases["Kt g128 Vc g128 page128 K2V2"] = (
+        fmt(2, "token", 128, 2, "channel", 128),
+        128,
+        4,
+        128,
+        False,
+    )
     for name, f in (
         ("KtVt g128 K2V2", fmt(2, "token", 128, 2, "token", 128)),
         ("KtVt g128 K4V4", fmt(4, "token", 128, 4, "token", 128)),
@@ -219,7 +328,9 @@ def _sass_hash(cubin: bytes, tmp: str) -> tuple[str, int]:
     with open(path, "wb") as f:
         f.write(cubin)
     sass = subprocess.run(
-        [os.path.join(tools, "cuobjdump"), "-sass", path], capture_output=True, text=True,
+        [os.path.join(tools, "cuobjdump"), "-sass", path],
+        capture_output=True,
+        text=True,
         check=True,
     ).stdout
     # every instruction line (``/*addr*/ OPCODE ...``; the encodings are ``/* 0x... */``): the
@@ -262,23 +373,44 @@ def _triton_decode_kernel(fmt, d, ratio, page, reconstruct):
     cfg = configs.triton_decode_config(fmt, d, ratio, reconstruct, ctas=64)
     hs, hpk, hpv = configs.column_widths(fmt, d, ratio, cfg.block_n, reconstruct)
     consts = dict(
-        H=ratio, HS=hs, D=d, PAGE=page, BLOCK_N=cfg.block_n, K_BITS=fmt.key.bits,
-        V_BITS=fmt.value.bits, K_CHANNEL=fmt.key.axis.value == "channel",
-        V_CHANNEL=fmt.value.axis.value == "channel", K_GROUP=fmt.key.group_size,
-        V_GROUP=fmt.value.group_size, SINK=fmt.sink_tokens, TAIL=fmt.tail_capacity,
-        HAS_WINDOWS=fmt.sink_tokens > 0 or fmt.tail_capacity > 1, BLOCK_W=cfg.block_window,
-        HPK=hpk, HPV=hpv, RECONSTRUCT=reconstruct, INTERP=False, TILE_ACC=cfg.tile_acc,
+        H=ratio,
+        HS=hs,
+        D=d,
+        PAGE=page,
+        BLOCK_N=cfg.block_n,
+        K_BITS=fmt.key.bits,
+        V_BITS=fmt.value.bits,
+        K_CHANNEL=fmt.key.axis.value == "channel",
+        V_CHANNEL=fmt.value.axis.value == "channel",
+        K_GROUP=fmt.key.group_size,
+        V_GROUP=fmt.value.group_size,
+        SINK=fmt.sink_tokens,
+        TAIL=fmt.tail_capacity,
+        HAS_WINDOWS=fmt.sink_tokens > 0 or fmt.tail_capacity > 1,
+        BLOCK_W=cfg.block_window,
+        HPK=hpk,
+        HPV=hpv,
+        RECONSTRUCT=reconstruct,
+        INTERP=False,
+        TILE_ACC=cfg.tile_acc,
     )
     fn = triton_decode.decode_split_kernel
     dtypes = {n: "*i32" for n in fn.arg_names if n.endswith("_ptr")}
-    dtypes.update({n: "*bf16" for n in ("q_ptr", "k_sink_ptr", "v_sink_ptr", "k_tail_ptr",
-                                        "v_tail_ptr")})
-    dtypes.update({n: "*fp32" for n in ("k_scales_ptr", "v_scales_ptr", "o_part_ptr",
-                                        "lse_part_ptr")})
+    dtypes.update(
+        {n: "*bf16" for n in ("q_ptr", "k_sink_ptr", "v_sink_ptr", "k_tail_ptr", "v_tail_ptr")}
+    )
+    dtypes.update(
+        {n: "*fp32" for n in ("k_scales_ptr", "v_scales_ptr", "o_part_ptr", "lse_part_ptr")}
+    )
     dtypes.update(qk_scale="fp32", zero="fp32")
-    divisible = [n for n in fn.arg_names if n.startswith("stride_") and not n.startswith("stride_lp")]
-    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                   **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
+    divisible = [
+        n for n in fn.arg_names if n.startswith("stride_") and not n.startswith("stride_lp")
+    ]
+    options = dict(
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
+    )
     return _compile_triton(fn, consts, dtypes, options, divisible)
 
 
@@ -286,8 +418,12 @@ def merge_cases():
     return {
         f"merge d{d} parts<={p}{' lse' if lse else ''}{' pdl' if pdl else ''}": (d, p, lse, pdl)
         for d, p, lse, pdl in (
-            (128, 2, False, False), (128, 2, True, False), (128, 8, True, False),
-            (128, 8, False, True), (128, 64, True, True), (64, 4, True, False),
+            (128, 2, False, False),
+            (128, 2, True, False),
+            (128, 8, True, False),
+            (128, 8, False, True),
+            (128, 64, True, True),
+            (64, 4, True, False),
             (64, 4, False, True),
         )
     }
@@ -322,12 +458,27 @@ def _write_kernel(bits, d, group, sink, recent, clip, gptq, mapping):
 
     alpha, beta = OperandMapping(mapping).alpha_beta(bits)
     consts = dict(
-        D=d, GROUP=group, BITS=bits, LEVELS=float((1 << bits) - 1), ALPHA_INV=1.0 / alpha,
-        BETA=float(beta), CLIP=clip, GPTQ=gptq, PREFETCH=True,
+        D=d,
+        GROUP=group,
+        BITS=bits,
+        LEVELS=float((1 << bits) - 1),
+        ALPHA_INV=1.0 / alpha,
+        BETA=float(beta),
+        CLIP=clip,
+        GPTQ=gptq,
+        PREFETCH=True,
     )
-    dtypes = dict(src_ptr="*bf16", desc_ptr="*i32", sink_ptr="*bf16", tail_ptr="*bf16",
-                  words_ptr="*i32", scales_ptr="*fp32", order_ptr="*i32", shifts_ptr="*i32",
-                  factor_ptr="*fp32")
+    dtypes = dict(
+        src_ptr="*bf16",
+        desc_ptr="*i32",
+        sink_ptr="*bf16",
+        tail_ptr="*bf16",
+        words_ptr="*i32",
+        scales_ptr="*fp32",
+        order_ptr="*i32",
+        shifts_ptr="*i32",
+        factor_ptr="*fp32",
+    )
     options = dict(num_warps=1 if d <= 64 else 2, enable_fp_fusion=False)
     return _compile_triton(cache_write.decode_write_kernel, consts, dtypes, options)
 
@@ -383,8 +534,16 @@ def ref_hashes(ref: str, kinds, pattern) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         root = _root(ref, tmp)
         env = dict(os.environ, PYTHONPATH=root, TRITON_INTERPRET="0")
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", root,
-               "--only", ",".join(kinds), "-k", pattern]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--child",
+            root,
+            "--only",
+            ",".join(kinds),
+            "-k",
+            pattern,
+        ]
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp)
         if done.returncode:
             raise SystemExit(f"{ref}: {done.stderr[-3000:]}")
@@ -395,26 +554,50 @@ def ref_hashes(ref: str, kinds, pattern) -> dict:
         return out
 
 
-def table(refs, results) -> str:
+def describe(ref: str) -> str:
+    """``ref`` and the commit it names (a git ref, or a directory that is a git checkout)."""
+    where = REPO if ref == "WORKTREE" or not os.path.isdir(ref) else ref
+    rev = ref if where is REPO and ref != "WORKTREE" else "HEAD"
+    done = subprocess.run(
+        ["git", "-C", where, "rev-parse", "--short", rev], capture_output=True, text=True
+    )
+    commit = done.stdout.strip() if done.returncode == 0 else "not a git checkout"
+    dirty = " plus uncommitted changes" if ref == "WORKTREE" else ""
+    return f"{ref}: commit {commit}{dirty}"
+
+
+def table(refs, results) -> tuple[str, int, int]:
+    """The markdown table, the number of configs, and how many have one hash in every ref."""
     names = list(dict.fromkeys(n for r in refs for n in results[r]))
-    lines = ["| config | " + " | ".join(refs) + " | instructions | same |",
-             "|---|" + "---|" * (len(refs) + 2)]
+    lines = [
+        "| config | " + " | ".join(refs) + " | instructions | same |",
+        "|---|" + "---|" * (len(refs) + 2),
+    ]
+    same_count = 0
     for n in names:
         row = [results[r].get(n) for r in refs]
         digests = [x[0] if x else "-" for x in row]
         count = next((x[1] for x in row if x), 0)
         ok = all(len(d) == 12 for d in digests)  # a hash, not "-" or an error
         same = "yes" if ok and len(set(digests)) == 1 else "NO"
+        same_count += same == "yes"
         lines.append(f"| {n} | " + " | ".join(digests) + f" | {count} | {same} |")
-    return "\n".join(lines)
+    return "\n".join(lines), len(names), same_count
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("refs", nargs="*", default=["HEAD", "WORKTREE"],
-                    help="git refs, WORKTREE, or directories holding foscar/ (default: HEAD WORKTREE)")
-    ap.add_argument("--only", default=",".join(KINDS),
-                    help=f"comma-separated kinds of kernels among {','.join(KINDS)}")
+    ap.add_argument(
+        "refs",
+        nargs="*",
+        default=["HEAD", "WORKTREE"],
+        help="git refs, WORKTREE, or directories holding foscar/ (default: HEAD WORKTREE)",
+    )
+    ap.add_argument(
+        "--only",
+        default=",".join(KINDS),
+        help=f"comma-separated kinds of kernels among {','.join(KINDS)}",
+    )
     ap.add_argument("-k", default="", help="only configs whose names contain this text")
     ap.add_argument("--out", help="also write the table (and the command) to this file")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -428,11 +611,25 @@ def main(argv=None):
         hashes(kinds, a.k)
         return
     results = {ref: ref_hashes(ref, kinds, a.k) for ref in a.refs}
-    text = table(a.refs, results)
-    print(text)
+    text, total, same = table(a.refs, results)
+    import triton
+
+    command = " ".join(
+        ["python benchmarks/tools/sass_identity.py", *a.refs]
+        + (["--only", a.only] if kinds != list(KINDS) else [])
+        + (["-k", a.k] if a.k else [])
+    )
+    head = [
+        f"SASS of foscar's kernels for sm_90a, compiled on the CPU (triton {triton.__version__}'s "
+        "ptxas, cuobjdump), instruction addresses stripped, md5 (first 12 hex digits).",
+        f"Regenerate: {command}",
+        *[describe(ref) for ref in a.refs],
+        f"{same} of {total} configs have the same SASS in every version.",
+    ]
+    print("\n".join(head) + "\n\n" + text)
     if a.out:
         with open(a.out, "w") as f:
-            f.write(text + "\n")
+            f.write("\n".join(head) + "\n\n" + text + "\n")
 
 
 if __name__ == "__main__":
