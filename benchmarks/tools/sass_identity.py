@@ -562,7 +562,14 @@ def describe(ref: str) -> str:
         ["git", "-C", where, "rev-parse", "--short", rev], capture_output=True, text=True
     )
     commit = done.stdout.strip() if done.returncode == 0 else "not a git checkout"
-    dirty = " plus uncommitted changes" if ref == "WORKTREE" else ""
+    dirty = ""
+    if ref == "WORKTREE":
+        status = subprocess.run(
+            ["git", "-C", REPO, "status", "--porcelain", "--", "foscar"],
+            capture_output=True,
+            text=True,
+        ).stdout
+        dirty = " plus uncommitted changes to foscar/" if status.strip() else " (foscar/ clean)"
     return f"{ref}: commit {commit}{dirty}"
 
 
