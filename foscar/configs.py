@@ -1,25 +1,31 @@
-"""Launch configurations of the decode kernels and the heuristics that pick them.
+"""Launch configurations of the decode kernels, the measured tables, and the heuristics that pick
+them: one place for every knob of foscar.kernels.
 
-Knobs live in frozen dataclasses; :func:`triton_decode_config` and :func:`num_splits` own the
-heuristics. TUNING (H200; `bash benchmarks/h200_run.sh tune`, results in
-benchmarks/results/h200/tune/, discussion in benchmarks/NOTES.md):
-    round 1: num_stages=3 beats 1 (cp.async prefetch of the next tiles; INT2 B=64 L=16K 818 ->
-        546 us at 128-token tiles); 8 warps lose.
-    rounds 2-3: 64-token tiles capped at 128 registers (4 CTAs/SM, some spills) beat 128-token
-        tiles at 255 registers (2 CTAs/SM) at every point measured, B=1 included once the
-        split count fills the 4 slots (INT2 B=1 L=128K 78 -> 74 us, B=64 L=16K 544 -> 495 us).
-    round 4: the split count that fills the resident slots exactly once wins; one CTA more
-        than the slots costs a second wave (INT2 B=8 L=128K: 8 splits 495 us, 9 splits 703 us).
-    session 3 (static SASS only, not yet measured on the H200): channel-wise K at 64 tokens
-        capped at 168 registers (3 CTAs/SM, no spills) instead of 128 (4 CTAs/SM, spills).
+Knobs live in frozen dataclasses (:class:`TritonDecodeConfig`, :class:`GluonDecodeConfig`; the
+Gluon kernel's compile-time switches are the named flags :class:`GluonFlag`); the functions
+below own the heuristics, each beside the measurements it follows. Every number was measured on
+the H200 (docs/tuning.md gives each knob's command, the gain, and what was tried and did not
+pay).
+
+TUNING of the Triton kernel:
+    num_stages=3 beats 1 (cp.async prefetch of the next tiles; INT2 B=64 L=16K 818 -> 546 us at
+        128-token tiles); 8 warps lose.
+    64-token tiles capped at 128 registers (4 CTAs/SM, some spills) beat 128-token tiles at 255
+        registers (2 CTAs/SM) at every point measured, B=1 included once the split count fills
+        the 4 slots (INT2 B=1 L=128K 78 -> 74 us, B=64 L=16K 544 -> 495 us).
+    the split count that fills the resident slots exactly once wins; one CTA more than the
+        slots costs a second wave (INT2 B=8 L=128K: 8 splits 495 us, 9 splits 703 us).
+    channel-wise K at 64 tokens capped at 168 registers (3 CTAs/SM, no spills) instead of 128
+        (4 CTAs/SM, spills): chosen from the static SASS (register counts), not timed apart.
     block_n=64 uncapped when a product needs more than 16 columns, and for the reconstruct
         baseline, which spills at block_n=128; block_n=32 for token-wise K with 4+ groups per
-        row (larger tiles fault, NOTES.md 5).
+        row (larger tiles fault on the H200).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from dataclasses import dataclass
 
@@ -28,8 +34,13 @@ __all__ = [
     "triton_decode_config",
     "num_splits",
     "column_widths",
+    "GluonFlag",
+    "GLUON_DEFAULT_FLAGS",
     "GluonDecodeConfig",
     "gluon_decode_config",
+    "gluon_packed_config",
+    "gluon_e4m3_config",
+    "bf16_packs_heads",
     "GLUON_OVER_TRITON_US",
     "gluon_min_ctas",
     "auto_takes_gluon",
@@ -42,13 +53,13 @@ class TritonDecodeConfig:
     num_warps: int = 4  # one warpgroup: tokens are the wgmma M dimension
     num_stages: int = 3  # cp.async stages: the next tiles' words load while this one computes
     # tokens per tile of the BF16 sink/tail: at 64 its pipelined tiles took 96 KB of shared
-    # memory (2 CTAs/SM for every format with a tail, NOTES.md 11); 32 takes 46 KB in all
+    # memory (2 CTAs/SM for every format with a tail); 32 takes 46 KB in all
     block_window: int = 32
     maxnreg: int | None = None  # register cap per thread (more CTAs per SM, maybe spills)
     tile_acc: bool = True  # token-wise V: fresh PV accumulator per tile (triton_decode Note)
     min_tiles_per_split: int = 2
     # CTAs of this config resident per SM (ptxas registers: 254 -> 2, ~160 -> 3, capped at
-    # 128 -> 4; `python benchmarks/sass_count.py` prints them): the split count fills them
+    # 128 -> 4, as ptxas reports them for sm_90a): the split count fills them
     ctas_per_sm: int = 2
 
 
@@ -78,15 +89,15 @@ def triton_decode_config(
     fmt, head_dim: int, heads_per_kv: int, reconstruct: bool = False, ctas: int = 1
 ) -> TritonDecodeConfig:
     """The launch config for a format; ``ctas`` (sequences x KV heads) is kept for callers and
-    future tuning: round 3 found one config best from 8 to 512 of them."""
+    future tuning: one config measured best from 8 to 512 of them."""
     _, hpk, hpv = column_widths(fmt, head_dim, heads_per_kv, 128, reconstruct=False)
     if not reconstruct and fmt.key.axis.value == "token" and head_dim // fmt.key.group_size >= 4:
         # 4+ channel groups per K row: at 64 tokens and up the fold spills ~4.5 KB per thread
         # and the kernel faults on the H200 ("out-of-range shared or local address" in the PV
-        # product, benchmarks/NOTES.md 5); 32-token tiles (mma.sync) run correctly
+        # product); 32-token tiles (mma.sync) run correctly
         return TritonDecodeConfig(block_n=32)
     if not reconstruct and fmt.key.axis.value == "channel":
-        # channel-wise K (NOTES.md 11): the Q fold needs ~168 registers at 64 tokens (g >= 64);
+        # channel-wise K: the Q fold needs ~168 registers at 64 tokens (g >= 64);
         # under the 128 cap it spilled 96-128 B per thread. 168 is the most that keeps 3 CTAs
         # per SM (65536 / (3 * 128) = 170.7, allocated in steps of 8). With g = 32 (two groups
         # per tile) it needs 186-255 registers: 2 CTAs per SM, uncapped.
@@ -95,7 +106,7 @@ def triton_decode_config(
         return TritonDecodeConfig(block_n=64, ctas_per_sm=2)
     if reconstruct:
         # 157-255 registers (sm_90a, D = 128, 4 heads per KV head): 2 CTAs per SM for all but
-        # KcVc; the split count assumed 3, which ran the baseline in 1.5 waves (NOTES.md 11)
+        # KcVc; the split count assumed 3, which ran the baseline in 1.5 waves
         return TritonDecodeConfig(block_n=64, ctas_per_sm=2)
     if hpk > 16 or hpv > 16:
         # token-wise V with 4+ groups per row (K tok g=128 / V tok g=32: 197-199 registers,
@@ -111,8 +122,8 @@ def num_splits(
     """Splits per (sequence, KV head): as many as fill every resident CTA slot once.
 
     Rounded down: a split count whose CTAs exceed the slots by one runs a second wave as long
-    as the first (tuning round 4, INT2 B=8 L=128K at 4 CTAs/SM: 8 splits 495 us, 9 splits
-    703 us, 16 splits 495 us). At least ``cfg.min_tiles_per_split`` tiles per split.
+    as the first (INT2 B=8 L=128K at 4 CTAs/SM: 8 splits 495 us, 9 splits 703 us, 16 splits
+    495 us). At least ``cfg.min_tiles_per_split`` tiles per split.
     """
     tiles = math.ceil(max_tokens / cfg.block_n)
     if tiles == 0:
@@ -123,24 +134,82 @@ def num_splits(
 
 
 # ------------------------------------------------------------------------------ Gluon (sm_90)
+class GluonFlag(enum.IntFlag):
+    """Compile-time switches of the Gluon kernel (foscar.kernels.gluon): a config's ``flags``,
+    passed to the kernel as the int of its ``OPT`` constexpr (the values are the kernel's bit
+    numbers). Which configs set each, and what it gained on the H200 (docs/tuning.md):
+
+    ``FAST_MAX``
+        The tile's max over its 64 token rows by per-warp shuffles and one exchange of the four
+        warp maxima through shared memory (one barrier) instead of ``gl.max``'s reduction.
+        Every shipped config.
+    ``FAST_RCP``
+        Token-wise V's offset ratio z'/s' by ``rcp.approx`` and a multiply instead of a
+        division (channel-wise K's z'/s' always divides). Every shipped config.
+    ``RECONSTRUCT``
+        The reconstruct ablation (backend ``"gluon-reconstruct"``): ``s' y + z'`` on every K and
+        V operand value in registers, P unscaled, no folds. Set by the launcher for that
+        backend only; it measures what folding gains (1.15x at B=1 L=8K up to 1.86x at B=64
+        L=128K, INT2).
+    ``SCALED_INT2``
+        The scaled extraction of INT2 operands at head_dim 128: 2 shifts per 8 K pairs instead
+        of 7, 1 per 4 V pairs instead of 3, a field landing at mantissa bit 2 (f % 3) so its
+        operand is 128 + 4^(f % 3) q; Q, the offsets and the output fold the powers of 4 back,
+        exactly. INT2 KtVt at L=128K 7% faster at B=8 and B=64, 3% at B=1. Every shipped
+        config (INT4 and head_dim 64 ignore it).
+    ``E4M3``
+        E4M3 operands for FP8 wgmma instead of bf16 mantissa injection (token-wise K and V at
+        head_dim 128; Q and P' rounded to per-head scaled E4M3, about 20x bf16's error). Set by
+        the launcher for ``operands="e4m3"`` (backend ``"gluon-e4m3"``).
+    ``Q_IN_CONSUMERS``
+        Each consumer stages Q into its own buffer after the partitions start, instead of the
+        prologue, so the producer's first copies do not wait for Q's load (B=1: 0.3-0.6 us of
+        15-47 us; neutral at B >= 8). Every shipped config; packed heads require it.
+    ``MERGE_PDL``
+        The split merge as a programmatic dependent launch that the split CTAs signal after
+        storing their partials (1.3-1.8 us less at every multi-split point; INT2 geomean over
+        the grid 2.97x -> 3.05x, E4M3 3.30x -> 3.39x). Every shipped config; the launcher
+        launches without PDL when BF16 windows put the window program in between.
+    ``PACKED_HEADS``
+        Two-page tiles with both pages' scores in one [64, 8] tile when a KV head serves at most
+        4 query heads (the wgmma's N = 8 columns are otherwise half padding): the softmax side
+        runs once per 128 tokens. Token-wise K and V at head_dim 128, bf16 or E4M3 operands;
+        :func:`gluon_packed_config`, taken from :data:`BF16_PACKED_MIN_TILES` /
+        :data:`E4M3_PACKED_MIN_TILES` on.
+    """
+
+    FAST_MAX = 1
+    FAST_RCP = 4
+    RECONSTRUCT = 128
+    SCALED_INT2 = 512
+    E4M3 = 1024
+    Q_IN_CONSUMERS = 2048
+    MERGE_PDL = 8192
+    PACKED_HEADS = 262144
+
+
+#: the flags of every shipped config (the launcher and the factories below add E4M3,
+#: RECONSTRUCT and PACKED_HEADS where they apply)
+GLUON_DEFAULT_FLAGS = (
+    GluonFlag.FAST_MAX
+    | GluonFlag.FAST_RCP
+    | GluonFlag.SCALED_INT2
+    | GluonFlag.Q_IN_CONSUMERS
+    | GluonFlag.MERGE_PDL
+)
+_GLUON_ALL_FLAGS = int(sum(GluonFlag))
+
+
 @dataclass(frozen=True)
 class GluonDecodeConfig:
-    """Launch knobs of foscar.kernels.gluon_decode (12 warps per CTA: 2 consumer warpgroups and
-    a producer warp padded to a warpgroup).
+    """Launch knobs of foscar.kernels.gluon (12 warps per CTA: 2 consumer warpgroups and a
+    producer warp padded to a warpgroup).
 
     Default: 2 CTAs per SM (``maxnreg=80`` at launch, consumers raised to 112 registers, the
-    producer lowered to 24; no spills) with 4 ring stages per consumer. Measured on the H200
-    (benchmarks/NOTES.md 12, `bash benchmarks/h200_run.sh gluon-first time`): 2 CTAs/SM beat 1
-    (232 registers) at every point, INT2 B=64 L=128K 2686 -> 2233 us, B=1 L=128K 87 -> 49-55 us;
-    4 stages per consumer equal 2 except B=1 L=128K (48.5 vs 54.7 us). ``opt`` 517 = 5 | 512:
-    the scaled extraction of INT2 operands (session 6, `h200_run.sh s6-scaled`: INT2 KtVt at
-    L=128K 7% faster at B=8 and B=64, 3% at B=1; benchmarks/NOTES.md 16). ``opt`` 2565 = 517 |
-    2048 (session 8, `h200_run.sh s8-launch`, benchmarks/NOTES.md 18): each consumer stages Q
-    itself, so the producer's first copies no longer wait for Q's load in the prologue (B=1:
-    0.3-0.6 us of 15-47 us; neutral at B >= 8). ``opt`` 10757 = 2565 | 8192 (`h200_run.sh
-    s8-pdl`): the merge is a programmatic dependent launch that the split CTAs signal after
-    storing their partials (1.3-1.8 us less at every multi-split point; INT2 geomean 2.97x ->
-    3.05x, E4M3 3.30x -> 3.39x).
+    producer lowered to 24; no spills) with 4 ring stages per consumer. Measured on the H200:
+    2 CTAs/SM beat 1 (232 registers) at every point, INT2 B=64 L=128K 2686 -> 2233 us, B=1
+    L=128K 87 -> 49-55 us; 4 stages per consumer equal 2 except B=1 L=128K (48.5 vs 54.7 us).
+    ``flags``: :class:`GluonFlag` (an int is taken as its bits; unknown bits are refused).
     """
 
     stages_per_consumer: int = 4
@@ -148,8 +217,17 @@ class GluonDecodeConfig:
     producer_regs: int = 24
     maxnreg: int | None = 80
     ctas_per_sm: int = 2
-    opt: int = 10757  # kernel variant bits (foscar.kernels.gluon_decode, consumer section)
+    flags: GluonFlag = GLUON_DEFAULT_FLAGS
     tile_pages: int = 1  # pages per tile and stage: 1, or 2 (a channel-wise group; packed heads)
+
+    def __post_init__(self):
+        flags = int(self.flags)
+        if flags & ~_GLUON_ALL_FLAGS:
+            raise ValueError(
+                f"flags must be a combination of GluonFlag {[f.name for f in GluonFlag]}; got "
+                f"{flags} (unknown bits {flags & ~_GLUON_ALL_FLAGS})"
+            )
+        object.__setattr__(self, "flags", GluonFlag(flags))
 
 
 def gluon_decode_config(
@@ -159,18 +237,16 @@ def gluon_decode_config(
     consumers at 232 registers): at the 2-CTA default its outputs changed from call to call on
     the H200 (INT2 KcVt at 32K: worst of 6 calls 1.1e-1 against fp64, 6.5e-2 with 2 stages,
     unchanged by a late stage release or by moving its offsets out of shared memory; with
-    two-page tiles 3.9e-2, session 6), at 1 CTA per SM they are identical across calls and
-    within the bar (4.1e-3; `bash benchmarks/h200_run.sh s5-variants` and `s6-tp2`,
-    benchmarks/NOTES.md 15-16). The cause is not found.
+    two-page tiles 3.9e-2), at 1 CTA per SM they are identical across calls and within the bar
+    (4.1e-3). The cause is not found.
 
     ``tile_pages``: pages per tile and ring stage. 2: one stage wait and release, one cross-warp
     max exchange and one P' barrier per 128 tokens, and a channel-wise group (2 pages) is one
     tile, so channel-wise K folds Q once per group instead of once per page in each consumer;
     2 stages per consumer (8 pages in flight per CTA as with one-page tiles; INT4's 18 KiB
-    stages still fit 2 CTAs per SM). Default (``None``): what the H200 measured faster
-    (`s6-tp2`, `s6-axes`, NOTES 16): 2 for channel-wise K (24-27% faster at B = 8, every
-    format), 1 for token-wise K (two-page tiles were within 2% at B >= 8 and 5-10% slower at
-    B = 1)."""
+    stages still fit 2 CTAs per SM). Default (``None``): what the H200 measured faster: 2 for
+    channel-wise K (24-27% faster at B = 8, every format), 1 for token-wise K (two-page tiles
+    were within 2% at B >= 8 and 5-10% slower at B = 1)."""
     if tile_pages is None:
         tile_pages = 2 if key_axis == "channel" else 1
     if tile_pages not in (1, 2):
@@ -186,35 +262,27 @@ def gluon_decode_config(
 
 #: E4M3 operands (backend "gluon-e4m3") need half the operand registers, so INT2 K and V fit 3
 #: CTAs per SM (56 registers at launch, consumers 72, the producer 24; the tile loops keep their
-#: instructions without local memory). Measured on the H200 (`h200_run.sh s7-ctas`,
-#: results/h200/session7/gluon_e4m3_ctas.md, benchmarks/NOTES.md 17), 3 against 2 CTAs per SM:
-#: faster from 32K tiles per launch (KV heads x 64-token pages) on (B=8 L=32K 72.2 -> 70.6 us,
-#: B=8 L=512K 947 -> 900 us, B=64 L=128K 1868 -> 1814 us, B=1 L=512K 133 -> 128 us), even at
-#: 16K (B=1 L=128K 42.1 / 42.2 us), slower below (B=1 L=8K 13.6 -> 14.8 us, B=8 L=8K 27.1 ->
-#: 28.3 us). INT4 stays at 2: three rings of 3 stages starve it (73% against 89% of peak).
+#: instructions without local memory). Measured on the H200, 3 against 2 CTAs per SM: faster
+#: from 32K tiles per launch (KV heads x 64-token pages) on (B=8 L=32K 72.2 -> 70.6 us, B=8
+#: L=512K 947 -> 900 us, B=64 L=128K 1868 -> 1814 us, B=1 L=512K 133 -> 128 us), even at 16K
+#: (B=1 L=128K 42.1 / 42.2 us), slower below (B=1 L=8K 13.6 -> 14.8 us, B=8 L=8K 27.1 -> 28.3
+#: us). INT4 stays at 2: three rings of 3 stages starve it (73% against 89% of peak).
 E4M3_THREE_CTAS_MIN_TILES = 32768
 
 
-#: kernel OPT bit of packed heads (foscar.kernels.gluon_decode._tile_pair_packed and its bf16
-#: sibling): two-page tiles with both pages' scores in one [64, 8] tile when a KV head serves at
-#: most 4 query heads (the wgmma's N = 8 columns are otherwise half padding); E4M3 or bf16
-#: operands, token-wise K and V at head_dim 128
-PACKED_HEADS = 262144
-
-
 def gluon_packed_config(k_bits: int, v_bits: int) -> GluonDecodeConfig:
-    """Packed heads (token-wise K and V, bf16 or, with the E4M3 bit the caller adds, E4M3
-    operands): two-page tiles (2 stages of 2 pages per consumer, the bytes in flight of the
-    one-page ring), 2 CTAs per SM (at 72 registers the E4M3 consumers spill; at 112 none)."""
+    """Packed heads (:attr:`GluonFlag.PACKED_HEADS`; token-wise K and V, bf16 or, with the E4M3
+    flag the launcher adds, E4M3 operands): two-page tiles (2 stages of 2 pages per consumer,
+    the bytes in flight of the one-page ring), 2 CTAs per SM (at 72 registers the E4M3
+    consumers spill; at 112 none)."""
     cfg = gluon_decode_config("token", tile_pages=2)
-    return dataclasses.replace(cfg, opt=cfg.opt | PACKED_HEADS)
+    return dataclasses.replace(cfg, flags=cfg.flags | GluonFlag.PACKED_HEADS)
 
 
 #: From how many tiles (64-token pages x KV heads per launch) the E4M3 path takes packed heads
 #: when a KV head serves at most 4 query heads, by the wider of the K and V bit widths. Measured
-#: on the H200 beside the one-page configs (`bash benchmarks/h200_run.sh s10-packed`,
-#: results/h200/session10/packed/, benchmarks/NOTES.md 20; 8 KV heads): INT2 packed from B=1
-#: L=128K (16K tiles) on, 38.6 against 40.5 us, up to B=64 L=128K 1620 against 1867 us (3
+#: on the H200 beside the one-page configs (8 KV heads): INT2 packed from B=1 L=128K (16K
+#: tiles) on, 38.6 against 40.5 us, up to B=64 L=128K 1620 against 1867 us (3
 #: CTAs) and 1882 (2); equal at B=8 L=8K (8K tiles, 25.1 / 25.0 us), slower below (B=1 L=32K
 #: 18.5 against 18.0, B=1 L=8K 13.6 against 12.0). INT4 faster from B=1 L=32K (4K tiles,
 #: 20.1 against 20.7 us) on, slower at B=1 L=8K (13.4 against 12.5). Mixed widths take the
@@ -223,8 +291,7 @@ E4M3_PACKED_MIN_TILES = {2: 8192, 4: 4096}
 
 
 #: From how many tiles (64-token pages x KV heads per launch) the bf16 operand path takes packed
-#: heads, for INT2 K and V at head_dim 128 when a KV head serves at most 4 query heads (H200,
-#: `bash benchmarks/h200_run.sh s10-bf16`, results/h200/session10/bf16/, benchmarks/NOTES.md 20):
+#: heads, for INT2 K and V at head_dim 128 when a KV head serves at most 4 query heads (H200):
 #: faster from B=8 L=8K (8K tiles: 27.6 against 28.5 us) on, up to B=64 L=128K (1939 against
 #: 2082 us, 58% against 54% of peak), equal at B=1 L=32K (4K tiles), slower at B=1 L=8K (14.4
 #: against 13.5 us). INT4 was 1-3% slower packed at most points, so it keeps one page per tile.
@@ -252,7 +319,7 @@ def gluon_e4m3_config(
     64-token pages over all sequences and KV heads: packed heads (:func:`gluon_packed_config`)
     from :data:`E4M3_PACKED_MIN_TILES` on when ``heads_per_kv`` <= 4, else 3 CTAs per SM for INT2
     K and V from :data:`E4M3_THREE_CTAS_MIN_TILES` on, else ``gluon_decode_config("token")``. The
-    caller adds the E4M3 bit (kernel OPT 1024)."""
+    launcher adds :attr:`GluonFlag.E4M3`."""
     if heads_per_kv <= 4 and tiles >= E4M3_PACKED_MIN_TILES[max(k_bits, v_bits)]:
         return gluon_packed_config(k_bits, v_bits)
     cfg = gluon_decode_config("token")
@@ -264,24 +331,22 @@ def gluon_e4m3_config(
 
 
 #: Where ``backend="auto"`` takes the Gluon kernel over the Triton one, from the H200 grids
-#: (`bash benchmarks/h200_run.sh grid` in session 3, `s5-bench` / `s5-final` in session 5,
-#: `s6-axes` in session 6; results/h200/decode_grid.*, decode_axes.*, decode_grid_d64.*,
-#: session6/gluon_tile_pages_axes.*; H_Q=32, H_KV=8, microseconds as (Triton, Gluon), each with
-#: its default config). :func:`gluon_min_ctas` reads the rule off this table: token-wise K with
+#: (docs/tuning.md; H_Q=32, H_KV=8, microseconds as (Triton, Gluon), each with its default
+#: config). :func:`gluon_min_ctas` reads the rule off this table: token-wise K with
 #: token- or channel-wise V, head_dim 128 or 64: Gluon won every point measured, so auto always
-#: takes it; channel-wise K (two-page tiles since session 6): Gluon won every point from 64
+#: takes it; channel-wise K (two-page tiles): Gluon won every point from 64
 #: sequences x KV heads on (B = 8), Triton below. A shape (axis pair, head_dim, bit widths)
 #: without rows is not taken by auto.
 GLUON_OVER_TRITON_US = {
     # (bits, k_axis, v_axis, head_dim, batch, kv_len): (triton, gluon)
-    # token-wise K and V, session 3 (decode_grid.*, a subset of the 13 points)
+    # token-wise K and V (a subset of the 13 points of the grid)
     (2, "token", "token", 128, 1, 8192): (14.7, 13.6),
     (2, "token", "token", 128, 1, 131072): (73.3, 47.6),
     (2, "token", "token", 128, 8, 131072): (493.7, 304.9),
     (2, "token", "token", 128, 64, 131072): (3804.8, 2246.7),
     (4, "token", "token", 128, 1, 8192): (16.0, 13.9),
     (4, "token", "token", 128, 64, 131072): (4466.9, 2342.6),
-    # session 5 axes grid (decode_axes.*; the session-3 B=1 outliers did not recur)
+    # token-wise K, channel-wise V (the axes grid)
     (2, "token", "channel", 128, 1, 32768): (28.3, 26.5),
     (2, "token", "channel", 128, 1, 131072): (80.2, 55.9),
     (2, "token", "channel", 128, 8, 32768): (148.4, 128.3),
@@ -290,9 +355,8 @@ GLUON_OVER_TRITON_US = {
     (4, "token", "channel", 128, 1, 131072): (90.0, 57.3),
     (4, "token", "channel", 128, 8, 32768): (168.2, 100.0),
     (4, "token", "channel", 128, 8, 131072): (623.2, 332.4),
-    # channel-wise K, session 6 (1 CTA/SM, two-page tiles; `s6-axes`, gluon_tile_pages_axes.*):
-    # Gluon won every B=8 point, Triton most B=1 points (three B=1 Gluon points were 2-7x their
-    # neighbours, NOTES 16)
+    # channel-wise K (1 CTA/SM, two-page tiles): Gluon won every B=8 point, Triton most B=1
+    # points (three B=1 Gluon points were 2-7x their neighbours)
     (2, "channel", "token", 128, 1, 32768): (32.6, 34.0),
     (2, "channel", "token", 128, 1, 131072): (87.3, 109.4),
     (2, "channel", "token", 128, 8, 32768): (166.0, 163.4),
@@ -309,7 +373,7 @@ GLUON_OVER_TRITON_US = {
     (4, "channel", "channel", 128, 1, 131072): (113.9, 88.0),
     (4, "channel", "channel", 128, 8, 32768): (217.7, 161.3),
     (4, "channel", "channel", 128, 8, 131072): (820.0, 585.5),
-    # head_dim 64, session 5 (decode_grid_d64.*; g = 64)
+    # head_dim 64 (g = 64)
     (2, "token", "token", 64, 1, 8192): (13.3, 12.4),
     (2, "token", "token", 64, 1, 32768): (22.7, 17.5),
     (2, "token", "token", 64, 1, 131072): (60.9, 38.1),
@@ -338,10 +402,10 @@ GLUON_GRID_KV_HEADS = 8  # H_KV of every row above: a row's CTAs are batch x 8
 #: default config. ``auto`` takes Gluon at such a page size only where every row of it (of the
 #: format's bit widths) was measured faster. Two points per page size, bf16 operands, and the
 #: packed-heads and split rules measured at page 64: a thin basis, enough to show Gluon ahead
-#: of Triton by 1.25-1.91x at both (pages of 128 and 256 were timed too, NOTES 22, but
-#: gluon.supports leaves them to Triton).
+#: of Triton by 1.25-1.91x at both (pages of 128 and 256 were timed too, but gluon.supports
+#: leaves them to Triton: only 128 at INT2 ran its GPU cases).
 GLUON_OVER_TRITON_PAGE_US: dict[tuple[int, int, int, int], tuple[float, float]] = {
-    # `bash benchmarks/h200_run.sh s11-pages` (session11/pages/decode_quick_p*): the quick grid
+    # the quick grid at each page size
     (2, 16, 1, 32768): (27.1, 21.6),
     (2, 16, 64, 16384): (505.1, 321.5),
     (4, 16, 1, 32768): (31.3, 21.4),

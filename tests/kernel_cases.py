@@ -88,7 +88,7 @@ def _e4m3_round_rows(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def e4m3_torch_attention(q, cache, batch, sm_scale):
-    """The error bar of the E4M3 operand path (Gluon OPT 1024), as the kernel rounds: attention
+    """The error bar of the Gluon E4M3 operand path (GluonFlag.E4M3), as it rounds: attention
     over the same dequantized cache in fp64 with Q rounded to E4M3 per head, and the
     probabilities rounded (per head, relative to their largest) where they meet the centred
     codes only: ``sum_t P^_t (x_t - m_t) + P_t m_t`` with m_t the middle of the row's range
@@ -113,7 +113,7 @@ def e4m3_torch_attention(q, cache, batch, sm_scale):
 def check_e4m3_against_reference(o, lse, q, cache, batch, *, sm_scale=None):
     """The E4M3 operand path's error against fp64 over the dequantized cache is at E4M3 level:
     within 2x that of an fp64 attention with Q and P rounded to E4M3 (e4m3_torch_attention);
-    bf16's 5e-3 bar does not apply (3 mantissa bits: benchmarks/NOTES.md 15 and 17)."""
+    bf16's 5e-3 bar does not apply (3 mantissa bits; docs/tuning.md)."""
     sm_scale = 1 / math.sqrt(cache.head_dim) if sm_scale is None else sm_scale
     assert torch.isfinite(o).all(), "unwritten or non-finite output"
     ref, ref_lse = attend_dequantized(q.double(), cache, batch, sm_scale)

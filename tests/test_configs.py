@@ -41,8 +41,8 @@ def test_token_wise_key_with_many_groups_uses_small_tiles():
 
 
 def test_channel_wise_key_configs():
-    """Channel-wise K: 168 registers keep 3 CTAs per SM without the spills of the 128 cap
-    (benchmarks/NOTES.md 11); g = 32 needs more and gets 2 CTAs per SM uncapped."""
+    """Channel-wise K: 168 registers keep 3 CTAs per SM without the spills of the 128 cap;
+    g = 32 needs more and gets 2 CTAs per SM uncapped."""
     for bits in (2, 4):
         for va in ("token", "channel"):
             for g in (64, 128):
@@ -102,8 +102,8 @@ def _registers_and_smem(ka, va, sink, recent, reconstruct=False):
 )
 def test_config_ctas_fit_on_an_sm(ka, va, sink, recent, reconstruct):
     """The CTAs per SM a config assumes (the split count fills them) fit in an H100/H200 SM's
-    registers (64K) and shared memory (228 KB, 1 KB reserved per CTA). Session 3 found every
-    format with a BF16 tail at 102 KB per CTA (2 per SM) against 4 assumed (NOTES.md 11)."""
+    registers (64K) and shared memory (228 KB, 1 KB reserved per CTA): every format with a BF16
+    tail once took 102 KB per CTA (2 per SM) against 4 assumed."""
     pytest.importorskip("triton")
     fmt = KVFormat(
         QuantFormat(2, ka, 128),

@@ -29,7 +29,7 @@ from kernel_cases import (
 )
 
 from foscar import KVFormat, QuantFormat, QuantizedKVCache, configs, decode_attention
-from foscar.configs import GluonDecodeConfig, gluon_decode_config
+from foscar.configs import GluonDecodeConfig, GluonFlag, gluon_decode_config
 
 pytest.importorskip("triton")
 gluon_backend = pytest.importorskip("foscar.backends.gluon")
@@ -42,7 +42,7 @@ if gluon_backend._gluon() is None:
 
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 #: FOSCAR_TEST_GLUON_TILE_PAGES=1 or 2 runs the launching cases with that many pages per tile
-#: (configs.gluon_decode_config otherwise picks by shape); benchmarks/h200_run.sh runs both
+#: (configs.gluon_decode_config otherwise picks by shape); the device test runs take both
 TILE_PAGES = int(os.environ.get("FOSCAR_TEST_GLUON_TILE_PAGES", "0"))
 sm90_only = pytest.mark.skipif(
     not HAS_SM90, reason="launches the Gluon kernel: needs a Hopper GPU (no interpreter path)"
@@ -106,7 +106,7 @@ def _page_size_compile(kind, page_size):
     one = gluon_decode_config("token")
     cfg, bits, d = {
         "bf16": (one, 2, 128),
-        "e4m3": (dataclasses.replace(one, opt=one.opt | 1024), 4, 128),
+        "e4m3": (dataclasses.replace(one, flags=one.flags | GluonFlag.E4M3), 4, 128),
         "packed": (configs.gluon_packed_config(2, 2), 2, 128),
         "head_dim_64": (one, 4, 64),
     }[kind]
@@ -155,17 +155,17 @@ def unpaired_pack_merges(sass):
 def test_e4m3_q_staging_packs_only_converted_pairs(heads_per_kv, packed):
     """Q^'s padding rows (heads past H) are zero from a product of loaded values, not from a
     masked load's constants: with constants, ptxas packed those rows' E4M3 pairs with the upper
-    half from a register never written, and the stored rows held junk on the H200 (session 10;
-    racecheck's write-write hazard on that store, session 11)."""
+    half from a register never written, and the stored rows held junk on the H200 (and
+    racecheck reported a write-write hazard on that store)."""
     base = configs.gluon_packed_config(2, 2) if packed else gluon_decode_config("token")
-    cfg = dataclasses.replace(base, opt=base.opt | 1024)
+    cfg = dataclasses.replace(base, flags=base.flags | GluonFlag.E4M3)
     res = compile_in_subprocess(cfg, 2, 2, heads_per_kv=heads_per_kv)
     assert unpaired_pack_merges(res["sass"]) == []
     assert "F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C" in res["sass"]  # the pattern checked
 
 
 def test_unpaired_pack_merges_finds_the_pattern():
-    """The checker above flags the instruction ptxas emitted at session 10's Q staging."""
+    """The checker above flags the instruction ptxas emitted at the Q staging with constants."""
     sass = """
         /*0950*/                   F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C R11, R10, R11, RZ ;
         /*0990*/                   F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C R20, R9, R20, R11 ;
@@ -204,14 +204,16 @@ def test_compiles_for_sm90_without_spills(tile_pages, k_bits, v_bits, head_dim, 
 @pytest.mark.parametrize("scaled", [True, False])
 @pytest.mark.parametrize("k_bits,v_bits", BIT_PAIRS)
 def test_e4m3_operands_compile_without_spills(k_bits, v_bits, scaled):
-    """The E4M3 operand path (OPT 1024, FP8 wgmma m64n8k32) at the token-wise config: 2 CTAs
+    """The E4M3 operand path (GluonFlag.E4M3, FP8 wgmma m64n8k32) at the token-wise config: 2 CTAs
     per SM without spills, and its tile loops carry no more instructions than the bf16 path's
-    (the point of it: one shift and one mask per four values, half the wgmma count; at session
-    7 INT2 230 against 255 per tile, INT4 244 against 278)."""
+    (the point of it: one shift and one mask per four values, half the wgmma count; INT2 230
+    against 255 per tile when it was written, INT4 244 against 278)."""
     base = gluon_decode_config("token")
-    opt = base.opt if scaled else base.opt & ~512
-    bf16 = compile_in_subprocess(dataclasses.replace(base, opt=opt), k_bits, v_bits)
-    e4m3 = compile_in_subprocess(dataclasses.replace(base, opt=opt | 1024), k_bits, v_bits)
+    flags = base.flags if scaled else base.flags & ~GluonFlag.SCALED_INT2
+    bf16 = compile_in_subprocess(dataclasses.replace(base, flags=flags), k_bits, v_bits)
+    e4m3 = compile_in_subprocess(
+        dataclasses.replace(base, flags=flags | GluonFlag.E4M3), k_bits, v_bits
+    )
     # at most the bf16 path's 20 bytes, outside the tile loops (INT2 keeps one more running sum)
     assert int(re.search(r"(\d+) bytes spill stores", e4m3["info"]).group(1)) <= 20, e4m3["info"]
     assert f"Used {base.maxnreg} registers" in e4m3["info"], e4m3["info"]
@@ -230,12 +232,16 @@ def test_e4m3_operands_compile_without_spills(k_bits, v_bits, scaled):
 def test_packed_heads_compile_without_spills(k_bits, v_bits):
     """E4M3 with packed heads (configs.gluon_packed_config: two pages' scores in one [64, 8]
     tile): no local memory in the tile loops, and per 64 tokens fewer instructions than the
-    one-page E4M3 loop (the softmax side runs once per 128 tokens; INT2 at this session's
-    compile: 175 against 231, benchmarks/gluon_sass_count.py)."""
+    one-page E4M3 loop (the softmax side runs once per 128 tokens; INT2 175 against 231 when
+    it was written)."""
     packed = configs.gluon_packed_config(k_bits, v_bits)
-    res = compile_in_subprocess(dataclasses.replace(packed, opt=packed.opt | 1024), k_bits, v_bits)
+    res = compile_in_subprocess(
+        dataclasses.replace(packed, flags=packed.flags | GluonFlag.E4M3), k_bits, v_bits
+    )
     one = gluon_decode_config("token")
-    one = compile_in_subprocess(dataclasses.replace(one, opt=one.opt | 1024), k_bits, v_bits)
+    one = compile_in_subprocess(
+        dataclasses.replace(one, flags=one.flags | GluonFlag.E4M3), k_bits, v_bits
+    )
     assert f"Used {packed.maxnreg} registers" in res["info"], res["info"]
     assert int(re.search(r"(\d+) bytes spill stores", res["info"]).group(1)) <= 20, res["info"]
     loops = tile_loops(res["sass"])
@@ -250,7 +256,7 @@ def test_packed_heads_compile_without_spills(k_bits, v_bits):
 def test_packed_heads_bf16_compile_without_spills(k_bits, v_bits):
     """Packed heads with bf16 operands (configs.gluon_packed_config without the E4M3 bit): no
     local memory in the tile loops, fewer instructions per 64 tokens than the one-page bf16
-    loop (INT2 at this session's compile: 219 against 255)."""
+    loop (INT2 219 against 255 when it was written)."""
     res = compile_in_subprocess(configs.gluon_packed_config(k_bits, v_bits), k_bits, v_bits)
     one = compile_in_subprocess(gluon_decode_config("token"), k_bits, v_bits)
     loops = tile_loops(res["sass"])
@@ -285,7 +291,7 @@ def test_packed_heads_refuse_what_they_do_not_cover(fmt, heads, tile_pages, matc
         with pytest.raises(ValueError, match="with the folds"):
             gluon_backend.decode(q, cache, batch, 128**-0.5, config=cfg, reconstruct=True)
         with pytest.raises(ValueError, match="Q staged by each consumer"):
-            no_qc = dataclasses.replace(cfg, opt=cfg.opt & ~gluon_backend.Q_IN_CONSUMERS)
+            no_qc = dataclasses.replace(cfg, flags=cfg.flags & ~GluonFlag.Q_IN_CONSUMERS)
             gluon_backend.decode(q, cache, batch, 128**-0.5, config=no_qc)
 
 
@@ -294,31 +300,32 @@ def test_reconstruct_ablation_never_takes_packed_heads():
     keeps one page per tile (the ablation reconstructs every value; packed heads fold)."""
     cache = QuantizedKVCache(FMT, num_kv_heads=8, head_dim=128, num_pages=1, max_seqs=1)
     batch = types.SimpleNamespace(num_quantized_host=[8192] * 8, layer=0)
-    assert gluon_backend.default_config(cache, batch, "bf16", 4).opt & configs.PACKED_HEADS
+    assert gluon_backend.default_config(cache, batch, "bf16", 4).flags & GluonFlag.PACKED_HEADS
     cfg = gluon_backend.default_config(cache, batch, "bf16", 4, reconstruct=True)
     assert cfg == gluon_backend.gluon_decode_config("token")
 
 
 @pytest.mark.parametrize("in_consumers", [True, False])
 def test_q_is_staged_after_the_partitions_start(in_consumers):
-    """OPT 2048 (the default): the consumers load Q, so the prologue issues no global load
-    before the partitions start (``barrier.sync 1``, triton's warp-specialize dispatch) and the
-    producer's first copies do not wait for one. With the prologue staging Q it loads Q there."""
+    """GluonFlag.Q_IN_CONSUMERS (the default): the consumers load Q, so the prologue issues no
+    global load before the partitions start (``barrier.sync 1``, triton's warp-specialize
+    dispatch) and the producer's first copies do not wait for one. With the prologue staging Q
+    it loads Q there."""
     base = gluon_decode_config("token")
-    assert base.opt & gluon_backend.Q_IN_CONSUMERS
-    opt = base.opt if in_consumers else base.opt & ~gluon_backend.Q_IN_CONSUMERS
-    ptx = compile_in_subprocess(dataclasses.replace(base, opt=opt), 2, 2)["ptx"]
+    assert base.flags & GluonFlag.Q_IN_CONSUMERS
+    flags = base.flags if in_consumers else base.flags & ~GluonFlag.Q_IN_CONSUMERS
+    ptx = compile_in_subprocess(dataclasses.replace(base, flags=flags), 2, 2)["ptx"]
     prologue = ptx[: ptx.index("barrier.sync \t1;")]
     assert ("ld.global" in prologue) != in_consumers
 
 
 def test_merge_launch_is_signalled_after_the_partials():
-    """OPT 8192 (the default): the merge is a programmatic dependent launch, and the split kernel
-    signals it (``griddepcontrol.launch_dependents``) once, after the partitions joined and its
-    partial is stored, so waiting merge CTAs never hold SM slots while tiles stream (section
-    17's signal at the start measured slower; benchmarks/NOTES.md 18)."""
+    """GluonFlag.MERGE_PDL (the default): the merge is a programmatic dependent launch, and the
+    split kernel signals it (``griddepcontrol.launch_dependents``) once, after the partitions
+    joined and its partial is stored, so waiting merge CTAs never hold SM slots while tiles
+    stream (a signal at the kernel's start measured slower; docs/tuning.md)."""
     cfg = gluon_decode_config("token")
-    assert cfg.opt & gluon_backend.MERGE_PDL
+    assert cfg.flags & GluonFlag.MERGE_PDL
     ptx = compile_in_subprocess(cfg, 2, 2)["ptx"]
     signals = [m.start() for m in re.finditer(r"griddepcontrol\.launch_dependents", ptx)]
     assert len(signals) == 1
@@ -351,7 +358,7 @@ def compile_in_subprocess(
                 head_dim=head_dim,
                 heads_per_kv=heads_per_kv,
                 page_size=page_size,
-                cfg=dataclasses.asdict(cfg),
+                cfg={**dataclasses.asdict(cfg), "flags": int(cfg.flags)},
             ),
         ],
         capture_output=True,
@@ -498,8 +505,8 @@ def test_split_rule(batch, tokens, expected):
 )
 def test_e4m3_launch_config_follows_the_measurements(k_bits, v_bits, lengths, heads, expected):
     """E4M3 operands take packed heads from configs.E4M3_PACKED_MIN_TILES on when a KV head
-    serves at most 4 query heads (H200, s10-packed), else 3 CTAs per SM for INT2 from 32K tiles
-    on (configs.E4M3_THREE_CTAS_MIN_TILES, s7-ctas), with more splits to fill them; the bf16
+    serves at most 4 query heads (H200), else 3 CTAs per SM for INT2 from 32K tiles on
+    (configs.E4M3_THREE_CTAS_MIN_TILES), with more splits to fill them; the bf16
     path packs INT2 from 8K tiles and keeps its config otherwise."""
     fmt = KVFormat(QuantFormat(k_bits, "token", 128), QuantFormat(v_bits, "token", 128))
     cache = QuantizedKVCache(fmt, num_kv_heads=8, head_dim=128, num_pages=1, max_seqs=1)
@@ -507,7 +514,7 @@ def test_e4m3_launch_config_follows_the_measurements(k_bits, v_bits, lengths, he
     cfg = gluon_backend.default_config(cache, batch, "e4m3", heads)
     got = (
         "packed"
-        if cfg.opt & configs.PACKED_HEADS
+        if cfg.flags & GluonFlag.PACKED_HEADS
         else ("3 CTAs" if cfg.ctas_per_sm == 3 else "one-page")
     )
     assert got == expected
@@ -542,7 +549,7 @@ def test_bf16_launch_config_follows_the_measurements(
     k_axis, v_axis, bits, lengths, heads, head_dim, packed
 ):
     """The bf16 operand path takes packed heads for INT2 token-wise K and V at head_dim 128 from
-    configs.BF16_PACKED_MIN_TILES on, at most 4 query heads per KV head (H200, s10-bf16); every
+    configs.BF16_PACKED_MIN_TILES on, at most 4 query heads per KV head (H200); every
     other launch keeps the key axis's config."""
     g = 64 if head_dim == 64 else 128
     fmt = KVFormat(QuantFormat(bits, k_axis, g), QuantFormat(bits, v_axis, g))
@@ -560,7 +567,7 @@ def test_e4m3_three_ctas_per_sm_compile_to_fit():
     CTAs (228 KiB per SM, 1 KiB reserved per CTA), tile loops without local memory."""
     cfg = configs.gluon_e4m3_config(2, 2, configs.E4M3_THREE_CTAS_MIN_TILES, heads_per_kv=8)
     assert cfg.ctas_per_sm == 3
-    res = compile_in_subprocess(dataclasses.replace(cfg, opt=cfg.opt | 1024), 2, 2)
+    res = compile_in_subprocess(dataclasses.replace(cfg, flags=cfg.flags | GluonFlag.E4M3), 2, 2)
     assert "Used 56 registers" in res["info"], res["info"]
     assert 56 * 32 * res["warps"] * 3 <= 65536, res["warps"]  # the register file of an SM
     assert 3 * (res["shared"] + 1024) <= 228 * 1024, res["shared"]
@@ -579,7 +586,7 @@ def test_split_rule_counts_two_page_tiles(tokens, expected):
 
 def test_default_tile_pages_follow_the_measurements():
     """Two-page tiles (2 stages per consumer) for channel-wise K, one-page tiles for token-wise
-    K (configs.gluon_decode_config, benchmarks/NOTES.md 16); anything else is refused."""
+    K (configs.gluon_decode_config, as the H200 measured); anything else is refused."""
     chan, tok = gluon_decode_config("channel"), gluon_decode_config("token")
     assert (chan.tile_pages, chan.stages_per_consumer) == (2, 2)
     assert (tok.tile_pages, tok.stages_per_consumer) == (1, 4)
@@ -613,8 +620,8 @@ def test_two_cta_config_for_channel_wise_keys_warns():
 @pytest.mark.parametrize("ctas", [1, 2])
 def test_config_warnings_name_the_configs_that_raced(k_axis, v_axis, tile_pages, ctas):
     """The launcher warns for exactly the configs whose outputs changed between calls on the
-    H200: channel-wise K at more than 1 CTA per SM (NOTES 15), channel-wise K and V at one-page
-    tiles (NOTES 19); the defaults of every axis pair warn for nothing."""
+    H200: channel-wise K at more than 1 CTA per SM, channel-wise K and V at one-page tiles
+    (each message points to docs/tuning.md); the defaults of every axis pair warn for nothing."""
     fmt = KVFormat(QuantFormat(2, k_axis, 128), QuantFormat(2, v_axis, 128))
     cfg = dataclasses.replace(gluon_decode_config(k_axis), tile_pages=tile_pages, ctas_per_sm=ctas)
     messages = gluon_backend.config_warnings(fmt, cfg)
@@ -625,13 +632,13 @@ def test_config_warnings_name_the_configs_that_raced(k_axis, v_axis, tile_pages,
         expected.append("one-page tiles")
     assert len(messages) == len(expected)
     for message, phrase in zip(messages, expected):
-        assert phrase in message and "NOTES.md" in message
+        assert phrase in message and "docs/tuning.md" in message
     assert gluon_backend.config_warnings(fmt, gluon_decode_config(k_axis)) == []
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="launches the kernel: needs a GPU")
 def test_one_page_tiles_for_channel_wise_keys_and_values_warn():
-    """KcVc with one-page tiles was not repeatable on the H200 at 1 CTA per SM (s9-stages); the
+    """KcVc with one-page tiles was not repeatable on the H200 at 1 CTA per SM; the
     default two-page config was, and does not warn."""
     fmt = KVFormat(QuantFormat(2, "channel", 128), QuantFormat(2, "channel", 128))
     cache, batch = build_cache(fmt, (300,), device="cuda")
@@ -647,16 +654,16 @@ def test_one_page_tiles_for_channel_wise_keys_and_values_warn():
 
 # ---------------------------------------------------------------------------- sm_90 only
 def test_scaled_extraction_exponents_match_the_cache_layout():
-    """OPT 512's powers of 4 per channel (gluon_decode._scaled_exponent_k / _v) are where the
-    cache puts each INT2 field (foscar.formats.kernel_bit_location): a field at bit p of its
-    16-bit half (K) or byte piece (V) is taken after a shift by 6 (p // 6) and lands at
-    mantissa bit p - 6 (p // 6), so its operand is 128 + 2^(p - 6 (p // 6)) q."""
+    """GluonFlag.SCALED_INT2's powers of 4 per channel (gluon.operands.scaled_exponent_k / _v)
+    are where the cache puts each INT2 field (foscar.formats.kernel_bit_location): a field at
+    bit p of its 16-bit half (K) or byte piece (V) is taken after a shift by 6 (p // 6) and
+    lands at mantissa bit p - 6 (p // 6), so its operand is 128 + 2^(p - 6 (p // 6)) q."""
     from foscar.formats import kernel_bit_location
-    from foscar.kernels import gluon_decode as kern
+    from foscar.kernels.gluon import operands
 
     for role, width, exponent in (
-        ("key", 16, kern._scaled_exponent_k.fn),
-        ("value", 8, kern._scaled_exponent_v.fn),
+        ("key", 16, operands.scaled_exponent_k.fn),
+        ("value", 8, operands.scaled_exponent_v.fn),
     ):
         for c in range(128):
             _, bit = kernel_bit_location(role, c, 128, 2)
@@ -671,7 +678,7 @@ def _prmt(a: int, b: int, sel: int) -> int:
 
 
 def _e4m3_fields(x: int, f: int, bits: int, scaled: bool) -> int:
-    """gluon_decode._fields_e4m3 on one 32-bit word."""
+    """foscar.kernels.gluon.operands._fields_e4m3 on one 32-bit word."""
     if scaled:
         return (x >> (4 * (f // 2))) & (0x03030303 << (2 * (f % 2)))
     return (x >> (bits * f)) & (((1 << bits) - 1) * 0x01010101)
@@ -679,7 +686,7 @@ def _e4m3_fields(x: int, f: int, bits: int, scaled: bool) -> int:
 
 @pytest.mark.parametrize("bits,scaled", [(2, False), (2, True), (4, False)])
 def test_e4m3_operand_programs_read_the_cache_layout(bits, scaled):
-    """The E4M3 operand programs (OPT 1024) replayed per thread on words packed by the cache's
+    """The E4M3 operand programs (GluonFlag.E4M3) replayed per thread on words packed by the cache's
     own packer: every byte of every A-fragment register (wgmma m64nNk32 e4m3: thread (w, l) holds
     rows l//4 + 8i + 16w (+ 64 for V^T's second m-tile), columns 4 (l%4) + j + 16 i' + 32 kb)
     is the code its row and column stand for: K's column k is channel _e4m3_key_channel(k) (Q is
@@ -691,7 +698,7 @@ def test_e4m3_operand_programs_read_the_cache_layout(bits, scaled):
     within a thread (a swap of two register dimensions compiles); the device tests, against
     fp64, pin the rest."""
     from foscar.formats import Role, channel_order, pack_codes
-    from foscar.kernels import gluon_decode as kern
+    from foscar.kernels.gluon import operands
 
     hd, tokens = 128, 64
     gen = torch.Generator().manual_seed(bits)
@@ -700,7 +707,7 @@ def test_e4m3_operand_programs_read_the_cache_layout(bits, scaled):
     for role in ("key", "value"):
         w = pack_codes(codes, bits, "bf16", channel_order(Role(role), bits, hd))
         words[role] = [[int(v) & 0xFFFFFFFF for v in row] for row in w.tolist()]
-    key_channel = kern._e4m3_key_channel.fn
+    key_channel = operands.e4m3_key_channel.fn
     nf, e_words = 8 // bits, hd * bits // 128
     piece_bits = bits * hd // 32
     pw, pby = 32 // piece_bits, piece_bits // 8
@@ -950,14 +957,15 @@ def test_auto_picks_gluon_on_hopper():
     + [("token", "token", 2, 4), ("channel", "channel", 4, 2)],
 )
 def test_scaled_extraction(k_axis, v_axis, k_bits, v_bits, scaled):
-    """OPT 512 (INT2 operands from 2 shifts per 8 K pairs and 1 per 4 V pairs, powers of 4
-    folded back into Q, the offsets and the output) on and off (the default has it on): the
-    same bar over odd lengths and 32K."""
+    """GluonFlag.SCALED_INT2 (INT2 operands from 2 shifts per 8 K pairs and 1 per 4 V pairs,
+    powers of 4 folded back into Q, the offsets and the output) on and off (the default has it
+    on): the same bar over odd lengths and 32K."""
     fmt = KVFormat(QuantFormat(k_bits, k_axis, 128), QuantFormat(v_bits, v_axis, 128))
     cache, batch = build_cache(fmt, LENGTHS + (32768,), num_kv_heads=8, device="cuda", seed=k_bits)
     q = queries(batch, 32, 128, "cuda")
     cfg = gluon_backend.gluon_decode_config(k_axis)
-    cfg = dataclasses.replace(cfg, opt=cfg.opt | 512 if scaled else cfg.opt & ~512)
+    flags = cfg.flags | GluonFlag.SCALED_INT2 if scaled else cfg.flags & ~GluonFlag.SCALED_INT2
+    cfg = dataclasses.replace(cfg, flags=flags)
     check_against_reference(*run_launcher(q, cache, batch, config=cfg), q, cache, batch)
 
 
@@ -1001,7 +1009,7 @@ def test_page_sizes(page_size, k_bits, v_bits):
     """A cache of 16 or 32-token pages (token-wise K and V): odd lengths (a last tile over part
     of a page, pages past the history), GQA 1, 3, 4 and 8, bf16 and E4M3 operands, one-page
     and packed-heads configs, 1 and 7 splits, against fp64 at each path's bar (all 8 passed on
-    the H200 in s11-pages-tests, with 128 at INT2, a case since dropped with page 128)."""
+    the H200, with 128 at INT2, a case since dropped with page 128)."""
     fmt = KVFormat(QuantFormat(k_bits, "token", 128), QuantFormat(v_bits, "token", 128))
     for ratio in (1, 3, 4, 8):
         cache, batch = build_cache(
@@ -1084,7 +1092,7 @@ def test_packed_heads_bf16_chosen_by_decode():
     """backend "gluon" takes packed heads by itself for INT2 from configs.BF16_PACKED_MIN_TILES
     on (2 x 32K tokens x 8 KV heads = 8K tiles) and stays within bf16's bar."""
     cache, batch = build_cache(FMT, (32768, 32769), num_kv_heads=8, device="cuda", seed=8)
-    assert gluon_backend.default_config(cache, batch, "bf16", 4).opt & configs.PACKED_HEADS
+    assert gluon_backend.default_config(cache, batch, "bf16", 4).flags & GluonFlag.PACKED_HEADS
     q = queries(batch, 32, 128, "cuda")
     check_against_reference(*run(q, cache, batch, backend="gluon"), q, cache, batch)
 
@@ -1094,7 +1102,7 @@ def test_e4m3_packed_heads_chosen_by_decode():
     """backend "gluon-e4m3" takes packed heads by itself from configs.E4M3_PACKED_MIN_TILES on
     (2 x 32K tokens x 8 KV heads = 8K INT2 tiles) and stays within E4M3's bar."""
     cache, batch = build_cache(FMT, (32768, 32769), num_kv_heads=8, device="cuda", seed=7)
-    assert gluon_backend.default_config(cache, batch, "e4m3", 4).opt & configs.PACKED_HEADS
+    assert gluon_backend.default_config(cache, batch, "e4m3", 4).flags & GluonFlag.PACKED_HEADS
     q = queries(batch, 32, 128, "cuda")
     check_e4m3_against_reference(*run(q, cache, batch, backend="gluon-e4m3"), q, cache, batch)
 
@@ -1104,7 +1112,7 @@ def test_e4m3_packed_heads_chosen_by_decode():
 def test_e4m3_operands_value_rows_with_large_offsets(bits):
     """V rows whose offset is 20x their spread (z/s up to ~30 against codes <= 15): the offset
     term must not inherit P's E4M3 rounding (it takes the fp32 P s'_V; with the rounded one a
-    heavily attended near-constant row lost its whole P z, review of session 7)."""
+    heavily attended near-constant row lost its whole P z)."""
     fmt = KVFormat(QuantFormat(bits, "token", 128), QuantFormat(bits, "token", 128))
     cache, batch = build_cache(fmt, LENGTHS, num_kv_heads=2, device="cuda", v_offset=20.0)
     q = queries(batch, 8, 128, "cuda")
@@ -1129,7 +1137,8 @@ def test_e4m3_operands_paper_shape_and_windows(bits, scaled):
     cache, batch = build_cache(fmt, (32768, 4099, 1), num_kv_heads=8, device="cuda", seed=bits)
     q = queries(batch, 32, 128, "cuda")
     cfg = gluon_backend.gluon_decode_config("token")
-    cfg = dataclasses.replace(cfg, opt=cfg.opt | 512 if scaled else cfg.opt & ~512)
+    flags = cfg.flags | GluonFlag.SCALED_INT2 if scaled else cfg.flags & ~GluonFlag.SCALED_INT2
+    cfg = dataclasses.replace(cfg, flags=flags)
     outs = []
     for _ in range(2):
         o, lse = run_launcher(q, cache, batch, config=cfg, operands="e4m3")

@@ -1,4 +1,4 @@
-"""Launcher of the warp-specialized Hopper kernel (foscar.kernels.gluon_decode).
+"""Launcher of the warp-specialized Hopper kernel (foscar.kernels.gluon).
 
 The Gluon kernel reads the quantized history (one or two 64-token pages per tile,
 ``GluonDecodeConfig.tile_pages``; TMA ring, wgmma with register operands built from the packed
@@ -20,8 +20,8 @@ import torch
 
 from ..cache import DecodeBatch, QuantizedKVCache
 from ..configs import (
-    PACKED_HEADS,
     GluonDecodeConfig,
+    GluonFlag,
     bf16_packs_heads,
     gluon_decode_config,
     gluon_e4m3_config,
@@ -45,9 +45,9 @@ HEAD_DIMS = (128, 64)  # 64: token-wise K and V only
 PAGE_SIZE = 64
 #: cache page sizes the kernel covers: 64, and 16 or 32 (a tile of 64 tokens is 64 / page_size
 #: whole pages) for token-wise K and V at head_dim 128, the combinations whose GPU cases passed
-#: on the H200 (s11-pages-tests). The kernel also reads 64-row parts of larger pages (128,
-#: 256): those compile and were timed, but only 128 at INT2 ran its GPU cases, so they and
-#: head_dim 64 at other pages are left to the Triton kernel (benchmarks/NOTES.md 22)
+#: on the H200. The kernel also reads 64-row parts of larger pages (128, 256): those compile and
+#: were timed, but only 128 at INT2 ran its GPU cases, so they and head_dim 64 at other pages
+#: are left to the Triton kernel
 PAGE_SIZES = (16, 32, 64)
 MAX_HEADS_PER_KV = 8  # the wgmma N of the QK and PV products (HS = 8)
 
@@ -64,10 +64,10 @@ def _gluon():
 
         if not triton.__version__.startswith(GLUON_TRITON_VERSIONS):
             return None
-        from ..kernels import gluon_decode
+        from ..kernels import gluon as gluon_kernel
     except Exception:  # triton without Gluon (or without its Hopper module)
         return None
-    return gluon_decode
+    return gluon_kernel
 
 
 def available(device: torch.device) -> bool:
@@ -131,14 +131,9 @@ def _supports_format(cache: QuantizedKVCache, fmt, num_q_heads: int) -> str | No
     return None
 
 
-#: kernel OPT bit (foscar.kernels.gluon_decode, consumer section): Q staged by each consumer
-Q_IN_CONSUMERS = 2048
-#: kernel OPT bit: the merge as a programmatic dependent launch, signalled after the partials
-MERGE_PDL = 8192
-
 #: operand mappings the kernel builds from the same (bf16-layout) cache: "bf16" (mantissa
-#: injection, the default) or "e4m3" (FP8 wgmma, kernel OPT 1024; token-wise K and V at head_dim
-#: 128; Q and P' rounded to per-head scaled E4M3, so about 20x bf16's error: benchmarks/NOTES.md 17)
+#: injection, the default) or "e4m3" (FP8 wgmma, GluonFlag.E4M3; token-wise K and V at head_dim
+#: 128; Q and P' rounded to per-head scaled E4M3, so about 20x bf16's error)
 OPERANDS = ("bf16", "e4m3")
 
 
@@ -191,8 +186,7 @@ def default_config(
 def num_splits(batch: int, num_kv_heads: int, max_tokens: int, cfg: GluonDecodeConfig, sms: int):
     """Splits per (sequence, KV head): the resident CTA slots (``cfg.ctas_per_sm`` per SM) filled
     once, rounded down, at least a tile for each of the two consumers per split. Rounded up, the
-    extra CTAs run a second wave (H200, `h200_run.sh gluon-probe`: B=8 L=128K 5 splits 360 us, 4
-    splits 304 us)."""
+    extra CTAs run a second wave (H200: B=8 L=128K 5 splits 360 us, 4 splits 304 us)."""
     tiles = math.ceil(max_tokens / (PAGE_SIZE * cfg.tile_pages))
     wanted = (cfg.ctas_per_sm * sms) // (batch * num_kv_heads)
     return max(1, min(wanted, max(1, tiles // 2)))
@@ -249,15 +243,14 @@ def config_warnings(fmt, cfg: GluonDecodeConfig) -> list[str]:
     if k_channel and cfg.ctas_per_sm > 1:
         out.append(
             f"channel-wise K with a config of {cfg.ctas_per_sm} CTAs per SM: on the H200 its "
-            "outputs changed from call to call at 2 CTAs/SM (benchmarks/NOTES.md 15); "
+            "outputs changed from call to call at 2 CTAs/SM (docs/tuning.md); "
             "configs.gluon_decode_config('channel') launches 1"
         )
     if k_channel and fmt.value.axis is GroupAxis.CHANNEL and cfg.tile_pages == 1:
         out.append(
             "channel-wise K and V with one-page tiles: on the H200 its outputs changed from "
             "call to call even at 1 CTA per SM (5e-2 between calls at one split, "
-            "benchmarks/NOTES.md 19); configs.gluon_decode_config('channel') launches two-page "
-            "tiles"
+            "docs/tuning.md); configs.gluon_decode_config('channel') launches two-page tiles"
         )
     return out
 
@@ -285,7 +278,7 @@ def _constexprs(
         TP=cfg.tile_pages,
         CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_REGS=cfg.producer_regs,
-        OPT=cfg.opt,
+        OPT=int(cfg.flags),
         PS=page_size,
     )
 
@@ -307,7 +300,7 @@ def decode(
     """Gluon history splits (+ the Triton window program) + the merge; returns ``out`` (and lse).
     ``operands``: "bf16" or "e4m3" (:data:`OPERANDS`; the latter needs :func:`supports_e4m3`
     and one-page tiles, or two-page ones with packed heads). A config with packed heads
-    (configs.PACKED_HEADS) is refused, before any launch, where it does not apply."""
+    (GluonFlag.PACKED_HEADS) is refused, before any launch, where it does not apply."""
     kern = _gluon()
     bsz, num_q_heads, d = q.shape
     if operands not in OPERANDS:
@@ -319,37 +312,37 @@ def decode(
         reason = supports_e4m3(cache)
         if reason:
             raise ValueError(reason)
-        packed = bool(cfg.opt & PACKED_HEADS)
-        if reconstruct or cfg.tile_pages != (2 if packed else 1) or cfg.opt & (2 | 128):
+        packed = bool(cfg.flags & GluonFlag.PACKED_HEADS)
+        folds = not (reconstruct or cfg.flags & GluonFlag.RECONSTRUCT)
+        if not folds or cfg.tile_pages != (2 if packed else 1):
             raise ValueError(
-                "operands='e4m3' runs one-page tiles (two-page ones with packed heads, opt bit "
-                f"{PACKED_HEADS}) and the folds without the deferred PV wait (config opt bits 2 "
-                f"and 128 clear); got tile_pages={cfg.tile_pages}, reconstruct={reconstruct}, "
-                f"opt={cfg.opt}"
+                "operands='e4m3' runs one-page tiles (two-page ones with packed heads, "
+                "GluonFlag.PACKED_HEADS) and the folds (GluonFlag.RECONSTRUCT clear); got "
+                f"tile_pages={cfg.tile_pages}, reconstruct={reconstruct}, flags={cfg.flags!r}"
             )
-        cfg = dataclasses.replace(cfg, opt=cfg.opt | 1024)
-    if cfg.opt & PACKED_HEADS:
+        cfg = dataclasses.replace(cfg, flags=cfg.flags | GluonFlag.E4M3)
+    if cfg.flags & GluonFlag.PACKED_HEADS:
         if heads_per_kv > MAX_HEADS_PER_KV // 2:
             raise ValueError(
-                f"packed heads (config opt bit {PACKED_HEADS}) hold at most "
+                f"packed heads (GluonFlag.PACKED_HEADS) hold at most "
                 f"{MAX_HEADS_PER_KV // 2} query heads per KV head; q has {heads_per_kv}"
             )
         if GroupAxis.CHANNEL in (fmt.key.axis, fmt.value.axis) or reconstruct or d != 128:
             raise ValueError(
-                f"packed heads (config opt bit {PACKED_HEADS}) cover token-wise K and V at "
+                f"packed heads (GluonFlag.PACKED_HEADS) cover token-wise K and V at "
                 f"head_dim 128 with the folds; got {fmt.key.short()} / "
                 f"{fmt.value.short()}, head_dim {d}, reconstruct={reconstruct}"
             )
-        if cfg.tile_pages != 2 or not cfg.opt & Q_IN_CONSUMERS or cfg.opt & (2 | 8):
+        if cfg.tile_pages != 2 or not cfg.flags & GluonFlag.Q_IN_CONSUMERS:
             raise ValueError(
-                "packed heads take two-page tiles with Q staged by each consumer and without the "
-                f"deferred PV wait or late release (opt bit {Q_IN_CONSUMERS} set, 2 and 8 clear); "
-                f"got tile_pages={cfg.tile_pages}, opt={cfg.opt}"
+                "packed heads take two-page tiles with Q staged by each consumer "
+                f"(GluonFlag.Q_IN_CONSUMERS); got tile_pages={cfg.tile_pages}, "
+                f"flags={cfg.flags!r}"
             )
     for message in config_warnings(fmt, cfg):
         warnings.warn(message, RuntimeWarning, stacklevel=2)
-    if reconstruct:  # the ablation: per-value s' y + z' instead of the folds (kernel OPT 128)
-        cfg = dataclasses.replace(cfg, opt=cfg.opt | 128)
+    if reconstruct:  # the ablation: per-value s' y + z' instead of the folds
+        cfg = dataclasses.replace(cfg, flags=cfg.flags | GluonFlag.RECONSTRUCT)
     if splits is None:
         sms = combine.num_sms(q.device.index or 0)
         splits = num_splits(bsz, cache.num_kv_heads, max(batch.num_quantized_host), cfg, sms)
@@ -418,7 +411,7 @@ def decode(
             lse_part,
             out,
             lse if return_lse else None,
-            pdl=bool(cfg.opt & MERGE_PDL) and not has_windows,
+            pdl=bool(cfg.flags & GluonFlag.MERGE_PDL) and not has_windows,
         )
     return (out, lse) if return_lse else out
 

@@ -4,7 +4,8 @@ What :meth:`foscar.cache.QuantizedKVCache.append` does for a decode step with a 
 history format (clipped per token, and keys rounded by GPTQ, as a layer's transform says), bit
 for bit (``tests/test_cache_write.py``), fused: the torch path spends ~60 small tensor
 operations per role and layer (quantize, fold, pack, scatters; GPTQ's rounding 5 more per
-channel), which made the host, not the GPU, the limit of an end-to-end decode step (NOTES 14).
+channel), which made the host, not the GPU, the limit of an end-to-end decode step
+(docs/tuning.md).
 
 One program per ``(sequence, KV head)`` of one role (K or V):
 
@@ -75,8 +76,8 @@ def _clip_per_token(x, x_row, clip_index, D: tl.constexpr):
     smallest ``|x|``, NaN ordered above every number as torch.kthvalue orders it.
 
     ``tau`` is the value whose rank brackets ``clip_index``: ``#{a_j < a} <= clip_index <
-    #{a_j <= a}``, counted over the row's channels one scalar at a time (session 14: counting
-    16 channels at a time as a ``[D, 16]`` comparison took 4x longer, 21 against 5 us)."""
+    #{a_j <= a}``, counted over the row's channels one scalar at a time (counting 16 channels at
+    a time as a ``[D, 16]`` comparison took 4x longer, 21 against 5 us)."""
     a = tl.abs(x)
     below = tl.zeros(x.shape, tl.int32)
     at = tl.zeros(x.shape, tl.int32)
@@ -102,7 +103,7 @@ def _gptq_group(w, q, order, g, lo, s, factor, D: tl.constexpr, GROUP: tl.conste
     in ``q``. Products and sums round separately (the launch turns off FMA contraction), as
     torch's do."""
     # the factor's row and diagonal element one channel ahead of the chain through w, so a
-    # load's latency overlaps a step's reduction and divisions (session 14)
+    # load's latency overlaps a step's reduction and divisions
     j = g * GROUP
     diag_next = tl.load(factor + j * D + j)
     row_next = tl.load(factor + j * D + order, mask=order > j, other=0.0)
@@ -127,7 +128,7 @@ def _gptq_group(w, q, order, g, lo, s, factor, D: tl.constexpr, GROUP: tl.conste
 def _prefetch_lines(base, NBYTES: tl.constexpr):
     """Ask for the ``NBYTES`` at ``base`` in L1 (one ``prefetch.global.L1`` per 128-byte line):
     the GPTQ factor's rows are read one per step of a serial chain, each read otherwise a trip to
-    L2 or HBM that nothing overlaps (session 14)."""
+    L2 or HBM that nothing overlaps."""
     lines = (base.to(tl.pointer_type(tl.int8)) + tl.arange(0, NBYTES // 128) * 128).to(tl.int64)
     tl.inline_asm_elementwise(
         "prefetch.global.L1 [$1];\n\tmov.u32 $0, 0;",

@@ -8,7 +8,7 @@ QK partials, channel-wise K operand-folds into Q, token-wise V operand-folds int
 V acc-folds into group-local PV partials; every offset correction is computed from the operand
 the matrix unit consumed (Note [offset cancellation]).
 
-Formulation (benchmarks/NOTES.md has the SASS study behind it): tokens are the M dimension of
+Formulation (docs/design.md has the SASS study behind it): tokens are the M dimension of
 both products and the K and V^T operands are built in registers as the wgmma A operand,
     part[n, (j, h)]  = K_op[n, :] @ Qx[:, (j, h)]        Qx: Q spread over column blocks
     acc[c, (j, h)]  += V_op^T[c, :] @ P'[:, (j, h)]      P': P folded and rounded to bf16
@@ -32,10 +32,33 @@ H <= 16; BLOCK_N in {32, 64, 128} with PAGE a multiple or divisor of BLOCK_N. IN
 code under TRITON_INTERPRET=1 with fp32 operands (the interpreter's bf16 arithmetic is wrong).
 RECONSTRUCT builds bf16(s*y + z) for every value instead of folding: the baseline that
 KIVI/BitDecoding/OSCAR-style kernels use, kept in the same kernel to measure what folding gains.
+
+Modules: this one holds the tile, the BF16 window program, the split kernel and the LSE merge of
+the splits (``merge_splits_kernel``, also the Gluon backend's merge); the operand programs are in
+foscar.kernels.triton_operands, the paged loads in foscar.kernels.triton_loads.
 """
 
 import triton
 import triton.language as tl
+
+from .triton_loads import (
+    channel_scale_pages,
+    channel_scales_at,
+    load_scales,
+    load_words,
+    token_pages,
+)
+from .triton_operands import (
+    fast_div,
+    fold_channel_k,
+    k_operand,
+    pad_cols,
+    pick_block,
+    round_bf16,
+    spread_cols,
+    to_operand,
+    vt_operand,
+)
 
 try:  # griddepcontrol.wait (programmatic dependent launch); older triton releases lack it
     from triton.language.extra.cuda import gdc_wait
@@ -48,472 +71,6 @@ except ImportError:  # pragma: no cover - the merge is then never launched with 
 
 LOG2E = 1.4426950408889634  # for launchers (sm_scale * log2 e)
 _LN2 = tl.constexpr(0.6931471805599453)
-
-
-# ---------------------------------------------------------------------------- bits -> operands
-@triton.jit
-def _round_bf16(x, INTERP: tl.constexpr):
-    """Round fp32 to the nearest bf16 (ties to even), returned as fp32 values."""
-    if INTERP:
-        u = x.to(tl.int32, bitcast=True)
-        u = (u + 0x7FFF + ((u >> 16) & 1)) & -65536
-        return u.to(tl.float32, bitcast=True)
-    else:
-        return x.to(tl.bfloat16).to(tl.float32)
-
-
-@triton.jit
-def _fast_div(x, y, INTERP: tl.constexpr):
-    """``x / y`` by reciprocal approximation (MUFU.RCP + FMUL; 2 ulp), exact in the interpreter."""
-    if INTERP:
-        return x / y
-    else:
-        return tl.extra.cuda.libdevice.fast_dividef(x, y)
-
-
-@triton.jit
-def _to_operand(x, INTERP: tl.constexpr):
-    """fp32 values already exact in bf16 -> the matrix-unit operand dtype."""
-    if INTERP:
-        return x
-    else:
-        return x.to(tl.bfloat16)
-
-
-@triton.jit
-def _bf16_halves(x, INTERP: tl.constexpr):
-    """int32 holding two bf16 (low, high) -> the two halves; free register views in SASS."""
-    if INTERP:
-        lo = (x << 16).to(tl.float32, bitcast=True)
-        hi = (x & -65536).to(tl.float32, bitcast=True)
-    else:
-        lo = (x & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        hi = (x >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return lo, hi
-
-
-@triton.jit
-def _inject(x, magic, FIELDS: tl.constexpr, BITS: tl.constexpr):
-    """``[A, B] int32 -> [A, B, FIELDS] int32``: ``((x >> BITS*f) & mask) | magic``.
-
-    One SHF and one LOP3 per two bf16 operands (``magic = 0x43004300`` arrives as a runtime
-    argument so that the mask-and-merge is a single LOP3).
-    """
-    f = tl.arange(0, FIELDS)
-    mask = ((1 << BITS) - 1) * 0x00010001
-    return ((tl.expand_dims(x, 2) >> (f * BITS)[None, None, :]) & mask) | magic
-
-
-@triton.jit
-def _k_operand(
-    words, magic, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, INTERP: tl.constexpr
-):
-    """K operand ``[BLOCK_N, D]`` (natural channel order) from words ``[BLOCK_N, D*BITS/32]``.
-
-    Channel ``8*(u*PAIRS + k) + 2*T + j`` sits in word ``T*U + u`` at bit ``BITS*k + 16*j``.
-    """
-    WORDS: tl.constexpr = D * BITS // 32
-    PAIRS: tl.constexpr = 16 // BITS
-    U: tl.constexpr = WORDS // 4
-    x = _inject(words, magic, PAIRS, BITS)  # [N, WORDS, PAIRS]
-    lo, hi = _bf16_halves(x, INTERP)
-    y = tl.join(lo, hi).reshape(BLOCK_N, 4, U, PAIRS, 2)  # [N, T, u, k, j]
-    return tl.permute(y, (0, 2, 3, 1, 4)).reshape(BLOCK_N, D)
-
-
-@triton.jit
-def _prmt(a, b, X, CB: tl.constexpr, INTERP: tl.constexpr):
-    """Container ``X`` (CB = 8 or 16 bits) of ``a`` into the low half, of ``b`` into the high."""
-    if INTERP:
-        cmask = (1 << CB) - 1
-        return ((a >> (X * CB)) & cmask) | (((b >> (X * CB)) & cmask) << 16)
-    else:
-        if CB == 8:
-            sel = X | (X << 4) | ((X + 4) << 8) | ((X + 4) << 12)
-        else:
-            sel = (2 * X) | ((2 * X + 1) << 4) | ((2 * X + 4) << 8) | ((2 * X + 5) << 12)
-        return tl.inline_asm_elementwise(
-            "prmt.b32 $0, $1, $2, $3;",
-            "=r,r,r,r",
-            [a, b, sel],
-            dtype=tl.int32,
-            is_pure=True,
-            pack=1,
-        )
-
-
-@triton.jit
-def _vt_operand(
-    words, magic, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, INTERP: tl.constexpr
-):
-    """V^T operand ``[D, BLOCK_N]`` (natural order) from words ``[BLOCK_N, D*BITS/32]``.
-
-    The wgmma fragment pairs two consecutive tokens of one channel in a register, so one PRMT
-    joins the same container of an even and an odd token before the shift-and-merge.
-    """
-    WORDS: tl.constexpr = D * BITS // 32
-    PB: tl.constexpr = BITS * D // 32  # bits of one piece (the D/32 channels of one (w, g))
-    CB: tl.constexpr = 16 if PB == 16 else 8  # PRMT container: a byte or a half-word
-    NX: tl.constexpr = 32 // CB
-    F: tl.constexpr = CB // BITS
-    w2 = tl.permute(words.reshape(BLOCK_N // 2, 2, WORDS), (0, 2, 1))
-    even, odd = tl.split(w2)  # [N/2, WORDS]
-    x = _prmt(even[:, :, None], odd[:, :, None], tl.arange(0, NX)[None, None, :], CB, INTERP)
-    x = _inject(x.reshape(BLOCK_N // 2, WORDS * NX), magic, F, BITS)  # [m, containers, F]
-    lo, hi = _bf16_halves(x, INTERP)
-    # (container, field) enumerates (piece 8w + g, field 2b + a) row-major; J = token parity
-    y = tl.join(lo, hi).reshape(BLOCK_N // 2, 4, 8, D // 64, 2, 2)  # [m, w, g, b, a, J]
-    y = tl.permute(y, (3, 1, 4, 2, 0, 5))  # [b, w, a, g, m, J]
-    return y.reshape(D, BLOCK_N)
-
-
-# ---------------------------------------------------------------------------- column helpers
-@triton.jit
-def _first_half_cols(x):
-    """``[R, 2C] -> [R, C]``: columns ``0..C-1`` (the high column bit is a register bit)."""
-    R: tl.constexpr = x.shape[0]
-    C: tl.constexpr = x.shape[1] // 2
-    a, _ = tl.split(tl.permute(x.reshape(R, 2, C), (0, 2, 1)))
-    return a
-
-
-@triton.jit
-def _pad_cols(x, WIDTH: tl.constexpr, fill: tl.constexpr):
-    """``[R, C] -> [R, WIDTH]`` with ``WIDTH`` = C or 2C, new columns set to ``fill``."""
-    R: tl.constexpr = x.shape[0]
-    C: tl.constexpr = x.shape[1]
-    if WIDTH == C:
-        return x
-    else:
-        tl.static_assert(WIDTH == 2 * C)
-        return tl.permute(tl.join(x, tl.zeros_like(x) + fill), (0, 2, 1)).reshape(R, WIDTH)
-
-
-@triton.jit
-def _pick_block(x, block, NB: tl.constexpr, HS: tl.constexpr):
-    """``x: [R, W]`` with columns ``(j, h)`` -> ``[R, HS]`` taking block ``block[r]`` of row r."""
-    R: tl.constexpr = x.shape[0]
-    if NB == 1:
-        if x.shape[1] == HS:
-            return x
-        else:
-            return _first_half_cols(x)
-    else:
-        x3 = x.reshape(R, NB, HS)
-        sel = tl.arange(0, NB)[None, :, None] == block[:, None, None]
-        return tl.sum(tl.where(sel, x3, 0.0), axis=1)
-
-
-@triton.jit
-def _spread_cols(x, y, NB: tl.constexpr, HS: tl.constexpr, WIDTH: tl.constexpr):
-    """``x: [R, HS], y: [R, NB] -> [R, WIDTH]`` with column ``(j, h) = x[:, h] * y[:, j]``."""
-    R: tl.constexpr = x.shape[0]
-    z = (x[:, None, :] * y[:, :, None]).reshape(R, NB * HS)
-    return _pad_cols(z, WIDTH, 0.0)
-
-
-# ---------------------------------------------------------------------------- loads
-@triton.jit
-def _token_pages(
-    kv_indices_ptr,
-    page_base,
-    t,
-    n_pages,
-    PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr,
-):
-    """Pages of tile ``t`` and its first row in them.
-
-    ``BLOCK_N <= PAGE``: one page (a scalar, so addresses stay on the uniform datapath);
-    otherwise the ``BLOCK_N / PAGE`` pages as a vector (the masked tile stops at the last one).
-    """
-    if BLOCK_N <= PAGE:
-        pages = tl.load(kv_indices_ptr + page_base + (t * BLOCK_N) // PAGE)
-        row0 = (t * BLOCK_N) % PAGE
-    else:
-        idx = t * (BLOCK_N // PAGE) + tl.arange(0, BLOCK_N // PAGE)
-        row0 = 0
-        if MASKED:
-            pages = tl.load(kv_indices_ptr + page_base + idx, mask=idx < n_pages, other=0)
-        else:
-            pages = tl.load(kv_indices_ptr + page_base + idx)
-    return pages.to(tl.int64), row0
-
-
-@triton.jit
-def _load_words(
-    words_ptr,
-    pages,
-    row0,
-    stride_page,
-    head_off,
-    WORDS: tl.constexpr,
-    PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """Packed rows ``[BLOCK_N, WORDS]`` of one tile (16-byte loads along the words)."""
-    offs_w = tl.arange(0, WORDS)
-    if BLOCK_N <= PAGE:
-        offs_n = tl.arange(0, BLOCK_N)
-        base = words_ptr + head_off + pages * stride_page + row0 * WORDS
-        return tl.load(base + offs_n[:, None] * WORDS + offs_w[None, :])
-    else:
-        rows = tl.arange(0, PAGE)
-        off = (
-            pages[:, None, None] * stride_page + rows[None, :, None] * WORDS + offs_w[None, None, :]
-        )
-        return tl.load(words_ptr + head_off + off).reshape(BLOCK_N, WORDS)
-
-
-@triton.jit
-def _load_token_scales(
-    scales_ptr,
-    pages,
-    row0,
-    stride_page,
-    head_off,
-    NG: tl.constexpr,
-    PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """Token-wise ``(s', z')``: two ``[BLOCK_N, NG]`` tensors (entry ``row*NG + g`` of a page)."""
-    offs_g = tl.arange(0, NG)
-    pair = tl.arange(0, 2)
-    if BLOCK_N <= PAGE:
-        offs_n = tl.arange(0, BLOCK_N)
-        base = scales_ptr + head_off + pages * stride_page + row0 * NG * 2
-        off = (offs_n[:, None, None] * NG + offs_g[None, :, None]) * 2 + pair[None, None, :]
-        sz = tl.load(base + off)
-    else:
-        rows = tl.arange(0, PAGE)
-        off = pages[:, None, None, None] * stride_page + (
-            (rows[None, :, None, None] * NG + offs_g[None, None, :, None]) * 2
-            + pair[None, None, None, :]
-        )
-        sz = tl.load(scales_ptr + head_off + off).reshape(BLOCK_N, NG, 2)
-    return tl.split(sz)
-
-
-@triton.jit
-def _channel_scale_pages(
-    kv_indices_ptr,
-    page_base,
-    t,
-    n_q,
-    D: tl.constexpr,
-    GROUP: tl.constexpr,
-    PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    NTG: tl.constexpr,
-    ALL_VALID: tl.constexpr = False,
-):
-    """Pages ``[CH, NTG]`` that hold the channel-wise scales of the ``NTG`` token groups of
-    tile ``t`` (0 for groups past the history).
-
-    A sequence's scales, flattened as ``[groups, D]``, are cut into pages of ``PAGE*D/GROUP``
-    entries (foscar.cache), so one group's ``D`` entries span ``CH`` pages (or part of one).
-    """
-    PER_PAGE: tl.constexpr = PAGE * D // GROUP
-    CH: tl.constexpr = D // PER_PAGE if D > PER_PAGE else 1
-    j = (t * BLOCK_N) // GROUP + tl.arange(0, NTG)
-    valid = j * GROUP < n_q
-    chunk = tl.arange(0, CH)
-    idx = kv_indices_ptr + page_base + (j * D)[None, :] // PER_PAGE + chunk[:, None]
-    if ALL_VALID:  # the caller knows every group is in the history
-        return tl.load(idx).to(tl.int64)
-    else:
-        return tl.load(idx, mask=valid[None, :], other=0).to(tl.int64)
-
-
-@triton.jit
-def _channel_scales_at(
-    scales_ptr,
-    page,
-    t,
-    n_q,
-    stride_page,
-    head_off,
-    D: tl.constexpr,
-    GROUP: tl.constexpr,
-    PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    NTG: tl.constexpr,
-    ALL_VALID: tl.constexpr = False,
-):
-    """Channel-wise ``(s', z')`` of the token groups of tile ``t`` from their pages
-    (:func:`_channel_scale_pages`): two ``[D, NTG]``; groups past the history read ``(1, 0)``.
-
-    Transposed (channels first): the folds consume them as columns, beside ``Q^T`` (channel-wise
-    K) and the ``[D, (j, h)]`` PV accumulator (channel-wise V), so no permute is needed.
-    """
-    PER_PAGE: tl.constexpr = PAGE * D // GROUP
-    CH: tl.constexpr = D // PER_PAGE if D > PER_PAGE else 1
-    CW: tl.constexpr = D // CH
-    j = (t * BLOCK_N) // GROUP + tl.arange(0, NTG)
-    valid = j * GROUP < n_q
-    first = j * D  # flat index of the group's first entry
-    entry = (first % PER_PAGE)[None, None, :] + tl.arange(0, CW)[None, :, None]  # [1, CW, NTG]
-    off = head_off + page[:, None, :] * stride_page + entry * 2
-    pair = tl.arange(0, 2)
-    ptrs = scales_ptr + off[:, :, :, None] + pair[None, None, None, :]  # [CH, CW, NTG, 2]
-    if ALL_VALID:
-        sz = tl.load(ptrs)
-    else:
-        # (1, 0) as the load's fallback: no select after the load, whose result may be
-        # consumed only in the next tile (prefetch)
-        sz = tl.load(
-            ptrs,
-            mask=valid[None, None, :, None],
-            other=(pair == 0).to(tl.float32)[None, None, None, :],
-        )
-    s, z = tl.split(sz.reshape(D, NTG, 2))
-    return s, z
-
-
-@triton.jit
-def _load_channel_scales(
-    scales_ptr,
-    kv_indices_ptr,
-    page_base,
-    t,
-    n_q,
-    stride_page,
-    head_off,
-    D: tl.constexpr,
-    GROUP: tl.constexpr,
-    PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    NTG: tl.constexpr,
-):
-    """Channel-wise ``(s', z')`` of the ``NTG`` token groups of tile ``t``: two ``[D, NTG]``."""
-    page = _channel_scale_pages(kv_indices_ptr, page_base, t, n_q, D, GROUP, PAGE, BLOCK_N, NTG)
-    return _channel_scales_at(
-        scales_ptr, page, t, n_q, stride_page, head_off, D, GROUP, PAGE, BLOCK_N, NTG
-    )
-
-
-@triton.jit
-def _load_channel_scales_rows(
-    scales_ptr,
-    kv_indices_ptr,
-    page_base,
-    t,
-    n_q,
-    stride_page,
-    head_off,
-    D: tl.constexpr,
-    GROUP: tl.constexpr,
-    PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    NTG: tl.constexpr,
-):
-    """As :func:`_load_channel_scales`, as two ``[NTG, D]``: the reconstruct baseline's
-    orientation, kept as it was measured (its SASS must not move with the folded kernel's)."""
-    PER_PAGE: tl.constexpr = PAGE * D // GROUP
-    CH: tl.constexpr = D // PER_PAGE if D > PER_PAGE else 1  # pages one group's scales span
-    CW: tl.constexpr = D // CH
-    j = (t * BLOCK_N) // GROUP + tl.arange(0, NTG)
-    valid = j * GROUP < n_q
-    first = j * D  # flat index of the group's first entry
-    chunk = tl.arange(0, CH)
-    page = tl.load(
-        kv_indices_ptr + page_base + first[:, None] // PER_PAGE + chunk[None, :],
-        mask=valid[:, None],
-        other=0,
-    ).to(tl.int64)  # [NTG, CH]
-    entry = (first % PER_PAGE)[:, None, None] + tl.arange(0, CW)[None, None, :]  # [NTG, 1, CW]
-    off = head_off + page[:, :, None] * stride_page + entry * 2
-    pair = tl.arange(0, 2)
-    sz = tl.load(
-        scales_ptr + off[:, :, :, None] + pair[None, None, None, :],
-        mask=valid[:, None, None, None],
-        other=0.0,
-    )  # [NTG, CH, CW, 2]
-    s, z = tl.split(sz.reshape(NTG, D, 2))
-    return tl.where(valid[:, None], s, 1.0), z
-
-
-@triton.jit
-def _load_scales(
-    scales_ptr,
-    kv_indices_ptr,
-    pages,
-    row0,
-    page_base,
-    t,
-    n_q,
-    valid,
-    stride_page,
-    head_off,
-    D: tl.constexpr,
-    GROUP: tl.constexpr,
-    PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CHANNEL: tl.constexpr,
-    MASKED: tl.constexpr,
-    ROWS: tl.constexpr = False,
-):
-    """``(s', z')`` of one tile: ``[D, NTG]`` for channel-wise groups, ``[BLOCK_N, D/GROUP]``
-    for token-wise ones (rows past the history read ``(1, 0)`` in the masked tile)."""
-    if CHANNEL:
-        NTG: tl.constexpr = BLOCK_N // GROUP if BLOCK_N > GROUP else 1
-        if ROWS:
-            return _load_channel_scales_rows(
-                scales_ptr,
-                kv_indices_ptr,
-                page_base,
-                t,
-                n_q,
-                stride_page,
-                head_off,
-                D,
-                GROUP,
-                PAGE,
-                BLOCK_N,
-                NTG,
-            )
-        else:
-            return _load_channel_scales(
-                scales_ptr,
-                kv_indices_ptr,
-                page_base,
-                t,
-                n_q,
-                stride_page,
-                head_off,
-                D,
-                GROUP,
-                PAGE,
-                BLOCK_N,
-                NTG,
-            )
-    else:
-        s, z = _load_token_scales(
-            scales_ptr, pages, row0, stride_page, head_off, D // GROUP, PAGE, BLOCK_N
-        )
-        if MASKED:
-            s = tl.where(valid[:, None], s, 1.0)
-            z = tl.where(valid[:, None], z, 0.0)
-        return s, z
-
-
-# ---------------------------------------------------------------------------- folds
-@triton.jit
-def _fold_channel_k(qt, ks, kz, HPK: tl.constexpr, INTERP: tl.constexpr):
-    """Channel-wise K operand-fold into Q for the token groups ``j`` of ``ks, kz: [D, NT]``.
-
-    ``qt = c * Q^T [D, HS]`` -> ``Qx [D, HPK]`` operand with ``Qx[:, (j, h)] = bf16(qt[:, h] *
-    s'_j)`` and the offset correction ``[1, HPK]`` ``sum_d Qx[d, (j, h)] * z'_j[d] / s'_j[d]``
-    from the rounded Qx (Note [offset cancellation]); padded columns are zero.
-    """
-    D: tl.constexpr = qt.shape[0]
-    HS: tl.constexpr = qt.shape[1]
-    NT: tl.constexpr = ks.shape[1]
-    qs = _round_bf16(qt[:, None, :] * ks[:, :, None], INTERP)  # [D, NT, HS]
-    corr = tl.sum(qs * _fast_div(kz, ks, INTERP)[:, :, None], axis=0)  # [NT, HS]
-    qx = _to_operand(_pad_cols(qs.reshape(D, NT * HS), HPK, 0.0), INTERP)
-    return qx, _pad_cols(corr.reshape(1, NT * HS), HPK, 0.0)
 
 
 # ---------------------------------------------------------------------------- one tile
@@ -564,8 +121,8 @@ def _quantized_tile(
     ) = strides
     offs_n = tl.arange(0, BLOCK_N)
     valid = t * BLOCK_N + offs_n < n_q
-    pages, row0 = _token_pages(kv_indices_ptr, page_base, t, n_pages, PAGE, BLOCK_N, MASKED)
-    kw = _load_words(
+    pages, row0 = token_pages(kv_indices_ptr, page_base, t, n_pages, PAGE, BLOCK_N, MASKED)
+    kw = load_words(
         k_words_ptr,
         pages,
         row0,
@@ -575,7 +132,7 @@ def _quantized_tile(
         PAGE,
         BLOCK_N,
     )
-    vw = _load_words(
+    vw = load_words(
         v_words_ptr,
         pages,
         row0,
@@ -598,7 +155,7 @@ def _quantized_tile(
 
     # ---- scales (the masked tile replaces scales of rows past the history by (1, 0))
     if not K_FOLD_ONCE:
-        ks, kz = _load_scales(
+        ks, kz = load_scales(
             k_scales_ptr,
             kv_indices_ptr,
             pages,
@@ -623,7 +180,7 @@ def _quantized_tile(
     if V_PREFETCH:
         vs = pf_s
         vz = pf_z
-        pf_s, pf_z = _channel_scales_at(
+        pf_s, pf_z = channel_scales_at(
             v_scales_ptr,
             pf_page,
             t + 1,
@@ -636,11 +193,11 @@ def _quantized_tile(
             BLOCK_N,
             NTV,
         )
-        pf_page = _channel_scale_pages(
+        pf_page = channel_scale_pages(
             kv_indices_ptr, page_base, t + 2, n_q, D, V_GROUP, PAGE, BLOCK_N, NTV
         )
     else:
-        vs, vz = _load_scales(
+        vs, vz = load_scales(
             v_scales_ptr,
             kv_indices_ptr,
             pages,
@@ -661,33 +218,33 @@ def _quantized_tile(
         )
 
     # ---- S = Q K^T
-    k_op = _k_operand(kw, magic, BLOCK_N, D, K_BITS, INTERP)  # [N, D] operand values y
+    k_op = k_operand(kw, magic, BLOCK_N, D, K_BITS, INTERP)  # [N, D] operand values y
     if RECONSTRUCT:
         kf = k_op.to(tl.float32)
         if K_CHANNEL:
             kf = kf.reshape(NTK, BLOCK_N // NTK, D) * ks[:, None, :] + kz[:, None, :]
         else:
             kf = kf.reshape(BLOCK_N, NGK, K_GROUP) * ks[:, :, None] + kz[:, :, None]
-        k_op = _to_operand(_round_bf16(kf.reshape(BLOCK_N, D), INTERP), INTERP)
+        k_op = to_operand(round_bf16(kf.reshape(BLOCK_N, D), INTERP), INTERP)
         s_cols = tl.dot(k_op, qx)  # qx = Q^T * qk_scale, padded to HPK columns
-        s = _pick_block(s_cols, offs_n * 0, 1, HS)
+        s = pick_block(s_cols, offs_n * 0, 1, HS)
     elif K_CHANNEL:
         # operand-fold into Q per token group j: Qx[:, (j,h)] = bf16(c * Q[h] * s'_j), and
-        # the offset correction from the rounded Qx (_fold_channel_k); once per group when a
+        # the offset correction from the rounded Qx (fold_channel_k); once per group when a
         # group spans several tiles (K_FOLD_ONCE), else here for the tile's NTK groups
         if K_FOLD_ONCE:
             qx_t = qx
             corr_cols = qsum_g
         else:
-            qx_t, corr_cols = _fold_channel_k(q, ks, kz, HPK, INTERP)
+            qx_t, corr_cols = fold_channel_k(q, ks, kz, HPK, INTERP)
         part = tl.dot(k_op, qx_t)  # [N, HPK]
-        s = _pick_block(part + corr_cols, tok_k, NTK, HS)
+        s = pick_block(part + corr_cols, tok_k, NTK, HS)
     else:
         # acc-fold: S = sum_g s'[n,g] * (Q_g . y[n,g]) + z'[n,g] * sum(Q_g), c folded in
         part = tl.dot(k_op, qx)  # [N, HPK], columns (g, h)
         ks = ks * qk_scale
         if NGK == 1:
-            s = _pick_block(part, offs_n * 0, 1, HS) * ks + kz * qsum_g
+            s = pick_block(part, offs_n * 0, 1, HS) * ks + kz * qsum_g
         else:
             s = tl.sum(part.reshape(BLOCK_N, NGK, HS) * ks[:, :, None], axis=1)
             s += tl.sum(kz[:, :, None] * qsum_g[None, :, :], axis=1)
@@ -701,7 +258,7 @@ def _quantized_tile(
     l2 = l2 * alpha[None, :] + p
 
     # ---- O += P V
-    vt_op = _vt_operand(vw, magic, BLOCK_N, D, V_BITS, INTERP)  # [D, N]
+    vt_op = vt_operand(vw, magic, BLOCK_N, D, V_BITS, INTERP)  # [D, N]
     if RECONSTRUCT:
         vf = vt_op.to(tl.float32)
         if V_CHANNEL:
@@ -714,24 +271,24 @@ def _quantized_tile(
                 vf.reshape(NGV, V_GROUP, BLOCK_N) * tl.trans(vs)[:, None, :]
                 + tl.trans(vz)[:, None, :]
             )
-        vt_op = _to_operand(_round_bf16(vf.reshape(D, BLOCK_N), INTERP), INTERP)
-        p_op = _pad_cols(_round_bf16(p, INTERP), HPV, 0.0)
-        acc = acc * _pad_cols(alpha[None, :], HPV, 1.0)
-        acc = tl.dot(vt_op, _to_operand(p_op, INTERP), acc)
+        vt_op = to_operand(round_bf16(vf.reshape(D, BLOCK_N), INTERP), INTERP)
+        p_op = pad_cols(round_bf16(p, INTERP), HPV, 0.0)
+        acc = acc * pad_cols(alpha[None, :], HPV, 1.0)
+        acc = tl.dot(vt_op, to_operand(p_op, INTERP), acc)
     elif V_CHANNEL:
         # acc-fold per token group j: acc += s'_j * (P_j . y_j) + rowsum(P_j) * z'_j, with P
         # rounded as the matrix unit sees it and the row sums taken from the rounded P
         # The accumulator keeps the product's (j, h) columns, so the fold stays in the MMA
         # layout; the blocks are summed once after the loop.
-        p_r = _round_bf16(p, INTERP)
+        p_r = round_bf16(p, INTERP)
         onehot = (tok_v[:, None] == tl.arange(0, NTV)[None, :]).to(tl.float32)  # [N, NTV]
-        p_cols = _spread_cols(p_r, onehot, NTV, HS, HPV)  # [N, HPV]
-        part = tl.dot(vt_op, _to_operand(p_cols, INTERP), tl.zeros([D, HPV], tl.float32))
+        p_cols = spread_cols(p_r, onehot, NTV, HS, HPV)  # [N, HPV]
+        part = tl.dot(vt_op, to_operand(p_cols, INTERP), tl.zeros([D, HPV], tl.float32))
         rowsum = tl.sum(p_cols, axis=0)  # [HPV]
         ones = tl.full([1, HS], 1.0, tl.float32)
-        vs_cols = _spread_cols(ones + tl.zeros([D, HS], tl.float32), vs, NTV, HS, HPV)
-        vz_cols = _spread_cols(ones + tl.zeros([D, HS], tl.float32), vz, NTV, HS, HPV)
-        alpha_cols = _pad_cols(
+        vs_cols = spread_cols(ones + tl.zeros([D, HS], tl.float32), vs, NTV, HS, HPV)
+        vz_cols = spread_cols(ones + tl.zeros([D, HS], tl.float32), vz, NTV, HS, HPV)
+        alpha_cols = pad_cols(
             tl.reshape(alpha[None, None, :] + tl.zeros([1, NTV, 1], tl.float32), (1, NTV * HS)),
             HPV,
             1.0,
@@ -740,15 +297,15 @@ def _quantized_tile(
     else:
         # operand-fold into P per channel group g: P'[n,(g,h)] = bf16(P[n,h] * s'[n,g]), and
         # the offset correction sum_n P'[n,(g,h)] * z'[n,g] / s'[n,g] from the rounded P'
-        p_scaled = _round_bf16(_spread_cols(p, vs, NGV, HS, NGV * HS), INTERP)  # [N, NGV*HS]
-        ratio = _spread_cols(
-            tl.full([BLOCK_N, HS], 1.0, tl.float32), _fast_div(vz, vs, INTERP), NGV, HS, NGV * HS
+        p_scaled = round_bf16(spread_cols(p, vs, NGV, HS, NGV * HS), INTERP)  # [N, NGV*HS]
+        ratio = spread_cols(
+            tl.full([BLOCK_N, HS], 1.0, tl.float32), fast_div(vz, vs, INTERP), NGV, HS, NGV * HS
         )
         alpha_cols = tl.reshape(
             alpha[None, None, :] + tl.zeros([1, NGV, 1], tl.float32), (1, NGV * HS)
         )
         z2 = z2 * alpha_cols + p_scaled * ratio  # deferred: reduced over rows after the loop
-        p_op = _to_operand(_pad_cols(p_scaled, HPV, 0.0), INTERP)
+        p_op = to_operand(pad_cols(p_scaled, HPV, 0.0), INTERP)
         if TILE_ACC:
             # Note [tensor-core accumulation]: acc holds ~128 * sum(P') (y = q + 128) and the
             # correction cancels that 128; the tensor core's fp32 accumulation is not IEEE, and
@@ -757,9 +314,9 @@ def _quantized_tile(
             # (the zero comes from a runtime argument: with a constant zero accumulator Triton
             # folds "acc + dot(a, b)" back into "dot(a, b, acc)")
             fresh = tl.full([D, HPV], 0.0, tl.float32) + zero
-            acc = acc * _pad_cols(alpha_cols, HPV, 1.0) + tl.dot(vt_op, p_op, fresh)
+            acc = acc * pad_cols(alpha_cols, HPV, 1.0) + tl.dot(vt_op, p_op, fresh)
         else:
-            acc = tl.dot(vt_op, p_op, acc * _pad_cols(alpha_cols, HPV, 1.0))
+            acc = tl.dot(vt_op, p_op, acc * pad_cols(alpha_cols, HPV, 1.0))
     return m_new, l2, z2, acc, pf_s, pf_z, pf_page
 
 
@@ -781,7 +338,7 @@ def _window_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[None, :])
     l_i = l_i * alpha + tl.sum(p, axis=0)
-    acc = tl.dot(tl.trans(v), _to_operand(_round_bf16(p, INTERP), INTERP), acc * alpha[None, :])
+    acc = tl.dot(tl.trans(v), to_operand(round_bf16(p, INTERP), INTERP), acc * alpha[None, :])
     return m_new, l_i, acc
 
 
@@ -814,7 +371,7 @@ def _windows_partial(
     slot = tl.load(slots_ptr + b).to(tl.int64)
     sink_len = tl.minimum(length, SINK)
     tail_start = tl.minimum(SINK + n_q, length)
-    qt = _to_operand(tl.trans(q), INTERP)  # [D, HP]
+    qt = to_operand(tl.trans(q), INTERP)  # [D, HP]
     state = (
         tl.full([HP], -float("inf"), tl.float32),
         tl.zeros([HP], tl.float32),
@@ -827,7 +384,7 @@ def _windows_partial(
     # kernel's shared memory is the most any of its branches needs: at BLOCK_W = 64 and 3
     # stages they took 96 KB, so every format with a BF16 tail (channel-wise K or V, whose
     # groups wait there until complete, or sink/recent windows) ran at 102 KB per CTA, i.e. at
-    # most 2 CTAs per SM where the split count assumed 3-4 (benchmarks/NOTES.md 11).
+    # most 2 CTAs per SM where the split count assumed 3-4.
     # TritonDecodeConfig.block_window = 32 keeps it at 46 KB (4 CTAs per SM fit).
     for t in range(0, tl.cdiv(sink_len, BLOCK_W)):
         rows = t * BLOCK_W + offs
@@ -948,7 +505,7 @@ def decode_split_kernel(
 
         # the Q side of the QK product, built once
         if RECONSTRUCT:
-            qx = _to_operand(_pad_cols(tl.trans(q * qk_scale), HPK, 0.0), INTERP)
+            qx = to_operand(pad_cols(tl.trans(q * qk_scale), HPK, 0.0), INTERP)
             qsum_g = tl.zeros([1, HS], tl.float32)
             q_fold = q
         elif K_CHANNEL:
@@ -959,7 +516,7 @@ def decode_split_kernel(
             # Qx[:, (g, h)] = Q[h] restricted to channel group g (exact in bf16)
             in_group = (offs_d[:, None] // K_GROUP == tl.arange(0, NGK)[None, :]).to(tl.float32)
             q_cols = tl.trans(q)[:, None, :] * in_group[:, :, None]  # [D, NGK, HS]
-            qx = _to_operand(_pad_cols(q_cols.reshape(D, NGK * HS), HPK, 0.0), INTERP)
+            qx = to_operand(pad_cols(q_cols.reshape(D, NGK * HS), HPK, 0.0), INTERP)
             qsum_g = tl.sum(q.reshape(HS, NGK, K_GROUP), axis=2)  # [HS, NGK]
             qsum_g = tl.trans(qsum_g) * qk_scale  # [NGK, HS]
             if NGK == 1:
@@ -982,10 +539,10 @@ def decode_split_kernel(
             # (two serial memory round trips per tile). The tile now loads the scales of the
             # next tile and the pages of the one after into the loop state.
             NTV0: tl.constexpr = BLOCK_N // V_GROUP if BLOCK_N > V_GROUP else 1
-            pf_page = _channel_scale_pages(
+            pf_page = channel_scale_pages(
                 kv_indices_ptr, page_base, t_begin, n_q, D, V_GROUP, PAGE, BLOCK_N, NTV0
             )
-            pf_s, pf_z = _channel_scales_at(
+            pf_s, pf_z = channel_scales_at(
                 v_scales_ptr,
                 pf_page,
                 t_begin,
@@ -998,7 +555,7 @@ def decode_split_kernel(
                 BLOCK_N,
                 NTV0,
             )
-            pf_page = _channel_scale_pages(
+            pf_page = channel_scale_pages(
                 kv_indices_ptr, page_base, t_begin + 1, n_q, D, V_GROUP, PAGE, BLOCK_N, NTV0
             )
         else:
@@ -1030,10 +587,10 @@ def decode_split_kernel(
         if K_FOLD_ONCE:
             for grp in range(t_begin // KPT, t_end // KPT):
                 # (every group of the loop is in the history: no masks)
-                k_pages = _channel_scale_pages(
+                k_pages = channel_scale_pages(
                     kv_indices_ptr, page_base, grp * KPT, n_q, D, K_GROUP, PAGE, BLOCK_N, 1, True
                 )
-                ks, kz = _channel_scales_at(
+                ks, kz = channel_scales_at(
                     k_scales_ptr,
                     k_pages,
                     grp * KPT,
@@ -1047,7 +604,7 @@ def decode_split_kernel(
                     1,
                     True,
                 )
-                qx_g, corr_g = _fold_channel_k(q_fold, ks, kz, HPK, INTERP)
+                qx_g, corr_g = fold_channel_k(q_fold, ks, kz, HPK, INTERP)
                 for sub in tl.static_range(KPT):
                     state = _quantized_tile(
                         grp * KPT + sub,
@@ -1151,16 +708,16 @@ def decode_split_kernel(
         m_i, l2, z2, acc, pf_s, pf_z, pf_page = state
         l_i = tl.sum(l2, axis=0)  # [HS]
         if RECONSTRUCT:
-            out = _pick_block(acc, offs_d * 0, 1, HS)
+            out = pick_block(acc, offs_d * 0, 1, HS)
         elif V_CHANNEL:
             NTV: tl.constexpr = BLOCK_N // V_GROUP if BLOCK_N > V_GROUP else 1
             if NTV == 1:
-                out = _pick_block(acc, offs_d * 0, 1, HS)
+                out = pick_block(acc, offs_d * 0, 1, HS)
             else:
                 out = tl.sum(acc.reshape(D, NTV, HS), axis=1)
         else:
-            zacc = _pad_cols(tl.sum(z2, axis=0)[None, :], HPV, 0.0)  # [1, HPV]
-            out = _pick_block(acc + zacc, offs_d // V_GROUP, NGV, HS)
+            zacc = pad_cols(tl.sum(z2, axis=0)[None, :], HPV, 0.0)  # [1, HPV]
+            out = pick_block(acc + zacc, offs_d // V_GROUP, NGV, HS)
         o = out / tl.where(l_i > 0, l_i, 1.0)[None, :]  # [D, HS]
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), -float("inf"))
         tl.store(
@@ -1175,7 +732,7 @@ def decode_split_kernel(
         tl.store(lse_part_ptr + b * stride_lp_b + head * stride_lp_h + split, lse, mask=offs_h < H)
     elif HAS_WINDOWS:
         HPW: tl.constexpr = 2 * HS if HS < 16 else HS
-        qw = tl.trans(_pad_cols(tl.trans(q), HPW, 0.0))  # [HPW, D]
+        qw = tl.trans(pad_cols(tl.trans(q), HPW, 0.0))  # [HPW, D]
         # (names differ from the other branch: a runtime if/else may not rebind with new shapes)
         o_w, lse_w = _windows_partial(
             qw,
@@ -1266,7 +823,7 @@ def merge_splits_kernel(
     o = tl.sum(w[:, None] * parts, axis=0) / denom
     if INTERP:
         # the interpreter truncates fp32 -> bf16 on conversion; round to nearest first
-        o = _round_bf16(o, INTERP)
+        o = round_bf16(o, INTERP)
     tl.store(o_ptr + b * stride_o_b + h * stride_o_h + offs_d, o.to(o_ptr.dtype.element_ty))
     if WRITE_LSE:
         tl.store(lse_ptr + b * stride_l_b + h * stride_l_h, (m + tl.log2(denom)) * _LN2)
