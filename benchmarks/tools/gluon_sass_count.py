@@ -26,7 +26,7 @@ from test_gluon_kernel import tile_loops  # noqa: E402
 from foscar import configs  # noqa: E402
 from foscar.backends.gluon import compile_sm90  # noqa: E402
 
-E4M3 = 1024
+E4M3 = configs.GluonFlag.E4M3
 
 
 def loops(cfg, bits):
@@ -54,14 +54,14 @@ def main():
         packed = configs.gluon_packed_config(bits, bits)
         rows = [
             ("one-page, bf16", one, 1),
-            ("one-page, E4M3", dataclasses.replace(one, opt=one.opt | E4M3), 1),
+            ("one-page, E4M3", dataclasses.replace(one, flags=one.flags | E4M3), 1),
             ("packed heads, bf16", packed, 2),
-            ("packed heads, E4M3", dataclasses.replace(packed, opt=packed.opt | E4M3), 2),
+            ("packed heads, E4M3", dataclasses.replace(packed, flags=packed.flags | E4M3), 2),
         ]
         if bits == 2:
             three = configs.gluon_e4m3_config(2, 2, configs.E4M3_THREE_CTAS_MIN_TILES, 8)
             rows.insert(
-                2, ("one-page, E4M3, 3 CTAs", dataclasses.replace(three, opt=three.opt | E4M3), 1)
+                2, ("one-page, E4M3, 3 CTAs", dataclasses.replace(three, flags=three.flags | E4M3), 1)
             )
         for name, cfg, pages in rows:
             body = max(loops(cfg, bits), key=len)
