@@ -10,9 +10,9 @@ pytest.importorskip("transformers", reason="foscar eval needs transformers (fosc
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from foscar.eval.metrics import decode_nll, make_cache, record_prefill  # noqa: E402
+from foscar.eval.oscar_rows import OscarEvalFormat, make_oscar_cache, oscar_formats  # noqa: E402
 from foscar.integrations.transformers import use_foscar_attention  # noqa: E402
 from foscar.oscar import calibrate, fit_clips  # noqa: E402
-from foscar.eval.oscar_rows import OscarEvalFormat, make_oscar_cache, oscar_formats  # noqa: E402
 from foscar.oscar.rotation import hadamard  # noqa: E402
 
 D = 32
