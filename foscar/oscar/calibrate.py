@@ -13,8 +13,8 @@
    query positions (spread over each sequence's second half) wins.
 4. :func:`select_rotations` (our extension) picks, per layer and for K and V separately, the
    candidate rotation (e.g. with or without ``U``, per layer or per KV head) whose fitted error
-   is smallest: on SmolLM2 the query eigenbasis ``U`` helps values but not keys (README, OSCAR
-   section). It is :func:`fit_candidates` (the clip fit of every candidate) followed by
+   is smallest: on SmolLM2 the query eigenbasis ``U`` helps values but not keys
+   (docs/oscar.md). It is :func:`fit_candidates` (the clip fit of every candidate) followed by
    :func:`choose_rotations` (the choice), which can also choose among a subset of fitted
    candidates without fitting them again.
 """
