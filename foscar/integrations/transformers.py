@@ -21,8 +21,10 @@ attention mask, i.e. which tokens are padding. Per layer:
   quantized cache (rounded to BF16, then quantized or kept in the BF16 windows by the format),
   and attention runs in SDPA over the K/V passed in, at the model's precision;
 * **decode** (query length 1): each row's new token is appended and
-  :func:`foscar.decode_attention` reads the quantized pages (the Triton kernel on a GPU, the
-  folded torch reference on a CPU). The page tables are planned once per step (at the first
+  :func:`foscar.decode_attention` reads the quantized pages (the GPU kernels); where it would run
+  its torch reference (a CPU), the default ``decode="auto"`` attends instead over each history
+  token dequantized once (the same values to fp32 rounding, 8.6x faster per token at 4K tokens
+  on a 2-core CPU). The page tables are planned once per step (at the first
   layer) and the same :class:`~foscar.DecodeBatch`, which also carries the kernel workspace, is
   reused by every later layer whose lengths agree (all layers append the same tokens);
 * **extend** (query length > 1 on a non-empty cache: a continued conversation): the stored
