@@ -6,6 +6,7 @@ import argparse
 import importlib.util
 import io
 import json
+import math
 import subprocess
 import sys
 
@@ -254,6 +255,21 @@ def test_eval_end_to_end_at_toy_sizes(toy_setup):
     picked = json.loads((toy_setup / "out" / "sub.json").read_text())
     assert [r["format"] for r in picked["rows"]] == ["FP32", "BF16", "INT2 KIVI + BF16 64/256"]
     assert picked["rows"][2] == rows["INT2 KIVI + BF16 64/256"]
+
+
+def test_eval_reads_the_shipped_text_by_default(toy_setup):
+    """Without --text the evaluation text is the shipped default's later tokens: perplexity
+    from token 56000, the haystack from 40000, the calibration from its start."""
+    args = _parser().parse_args(
+        ["--model", str(toy_setup / "model"), "--device", "cpu", "--metrics", "ppl", "needle",
+         "--ppl-prefixes", "64", "--ppl-tokens", "2", "--needle-lengths", "256",
+         "--needle-depths", "0.5", "--calibration-tokens", "96", "--formats", "KIVI +"]
+    )  # fmt: skip
+    result = _evaluate(args)
+    used = result["config"]["texts"]
+    assert all("python-reference.txt" in v for v in used.values())
+    assert "tokens from 56000" in used["perplexity"] and "from 40000" in used["needle haystack"]
+    assert all(math.isfinite(r["ppl"]["64"]) for r in result["rows"])
 
 
 def test_cli_entry_points():
