@@ -272,6 +272,31 @@ def test_eval_reads_the_shipped_text_by_default(toy_setup):
     assert all(math.isfinite(r["ppl"]["64"]) for r in result["rows"])
 
 
+def test_a_text_too_short_is_one_error_line_before_measuring(toy_setup, tmp_path, capsys):
+    """What only the tokenizer can tell (too few tokens for the windows, the haystack or the
+    agreement passages) ends as one error line, after loading the model, before measuring."""
+    from foscar.commands.main import main
+
+    short = tmp_path / "short.txt"
+    short.write_text("A short text. " * 50)  # about 200 tokens
+    base = ["eval", "--model", str(toy_setup / "model"), "--device", "cpu", "--text", str(short),
+            "--ppl-prefixes", "64", "--ppl-tokens", "2", "--needle-lengths", "256",
+            "--needle-depths", "0.5", "--calibration-tokens", "96", "--out",
+            str(tmp_path)]  # fmt: skip
+    for metrics, says in (
+        ("ppl", "too few for these windows"),
+        ("agreement", "fewer than 3 prose passages"),
+        ("needle", "fewer than --needle-lengths' 256"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*base, "--metrics", metrics])
+        captured = capsys.readouterr()
+        line = captured.err.strip().splitlines()[-1]
+        assert exit_info.value.code == 2 and "Traceback" not in captured.err
+        assert line.startswith("foscar eval: error: ") and says in line, line
+        assert "perplexity, prefix" not in captured.out  # nothing was measured
+
+
 def test_cli_entry_points():
     res = subprocess.run(
         [sys.executable, "-m", "foscar", "eval", "--help"], capture_output=True, text=True

@@ -267,7 +267,10 @@ def _prose_passages(tok, ids: list[int], count: int) -> list[str]:
         out.append(text)
         if len(out) == count:
             return out
-    raise ValueError(f"the text holds fewer than {count} prose passages of {PASSAGE_TOKENS} tokens")
+    raise ValueError(
+        f"the evaluation text holds fewer than {count} prose passages of {PASSAGE_TOKENS} tokens "
+        "after the scored windows (--text, --agreement-prompts)"
+    )
 
 
 def _encode(tok, text: str) -> list[int]:
@@ -355,6 +358,8 @@ def evaluate(config: EvalConfig, out=sys.stdout, extra_formats=()) -> dict:
             f"windows (up to token {ppl_end}: --text, --ppl-first, --ppl-prefixes, "
             "--ppl-windows)"
         )
+    if "agreement" in cfg.metrics:  # found now: a text too short fails before any measurement
+        passages = _prose_passages(tok, eval_ids[ppl_end + 512 :], cfg.agreement_prompts)
     if "needle" in cfg.metrics and len(hay_ids) < min(max(cfg.needle_lengths), max_pos):
         raise ValueError(
             f"the needle haystack ({hay_source}) has {len(hay_ids)} tokens, fewer than "
@@ -476,7 +481,6 @@ def evaluate(config: EvalConfig, out=sys.stdout, extra_formats=()) -> dict:
     if "agreement" in cfg.metrics:
         head, tail = _chat_parts(tok)
         ask = "Summarize the following text in a few sentences.\n\n"
-        passages = _prose_passages(tok, eval_ids[ppl_end + 512 :], cfg.agreement_prompts)
         prompts = [_encode(tok, head + ask + p + tail) for p in passages]
         pre = record_prefill(model, prompts)
         ban = [i for i in {tok.eos_token_id, tok.pad_token_id} if i is not None]
