@@ -1,4 +1,4 @@
-"""``foscar demo``: every KV format on the paper's stress input, in a minute on a CPU.
+"""Every KV format on the paper's stress input (what ``foscar demo`` shows).
 
 For each format: write the stress K/V into a quantized cache, decode one query token per
 sequence with the best backend on this machine, and report effective bits per element, memory
@@ -9,7 +9,6 @@ arithmetic's own error, which folding keeps at the level of the backend's precis
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import time
@@ -187,36 +186,3 @@ def format_table(rows: list[dict]) -> str:
         "(the decode arithmetic alone)."
     )
     return "\n".join(lines)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--length", type=int, default=8192, help="context length (default 8192)")
-    parser.add_argument("--batch", type=int, default=2, help="sequences (default 2)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--outlier-gain",
-        type=float,
-        default=2.0,
-        help="gain of the 8 amplified K channels (default 2)",
-    )
-    parser.add_argument(
-        "--ramp",
-        type=float,
-        nargs=2,
-        default=(1.0, 2.0),
-        metavar=("FIRST", "LAST"),
-        help="K's per-token scale at the first and last token (default 1 2)",
-    )
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
-
-
-def run(args: argparse.Namespace) -> int:
-    run_demo(
-        length=args.length,
-        batch=args.batch,
-        seed=args.seed,
-        device=args.device,
-        outlier_gain=args.outlier_gain,
-        ramp=tuple(args.ramp),
-    )
-    return 0

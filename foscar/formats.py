@@ -381,10 +381,14 @@ def unpack_codes(
         return unpack_codes(words, bits, mapping)[..., inverse.to(words.device)]
     w = words.to(torch.int32)
     mask = (1 << bits) - 1
+    offsets = [int(b) for b in _bit_offsets(bits, mapping)]
     # int32 shifts are arithmetic, but the mask keeps only the field's own bits. One op per field
-    # with a Python shift amount: torch's tensor-by-tensor shift is ~4x slower on the CPU.
-    fields = [(w >> int(b)) & mask for b in _bit_offsets(bits, mapping)]
-    return torch.stack(fields, dim=-1).reshape(*words.shape[:-1], -1).to(torch.uint8)
+    # with a Python shift amount (torch's tensor-by-tensor shift is ~4x slower on the CPU), each
+    # written straight into the uint8 result: stacking int32 fields made this 3-5x slower.
+    codes = torch.empty(*w.shape, len(offsets), dtype=torch.uint8, device=w.device)
+    for j, b in enumerate(offsets):
+        codes[..., j] = (w >> b) & mask
+    return codes.reshape(*words.shape[:-1], -1)
 
 
 def build_operands(words: torch.Tensor, bits: int, mapping: OperandMapping | str = "bf16"):

@@ -4,8 +4,8 @@
 the pre-softmax logits have unit standard deviation." The paper gives neither the gain nor the
 ramp; ours are parameters: the outlier channels are multiplied by ``outlier_gain`` (default 2)
 and token ``t`` of ``L`` by ``ramp[0] + (ramp[1] - ramp[0]) * t / (L-1)`` (default ``(1, 2)``).
-Q, K and V start standard normal. ``benchmarks/stress_sweep.py`` shows how the errors move with
-both (README, "Accuracy on the stress input").
+Q, K and V start standard normal. ``foscar demo --outlier-gain G --ramp FIRST LAST`` shows how
+the errors move with both.
 """
 
 from __future__ import annotations

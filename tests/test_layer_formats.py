@@ -23,7 +23,7 @@ from foscar import (
     layer_formats,
 )
 from foscar.backends import triton as triton_backend
-from foscar.eval.run import formats_short
+from foscar.eval.harness import formats_short
 from foscar.oscar import (
     OscarRotations,
     apply_to_cache,

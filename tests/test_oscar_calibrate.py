@@ -615,7 +615,7 @@ def test_fold_value_rotations_into_the_model(tiny):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_fold_value_rotations_on_a_gpu_model(tiny, dtype):
     """fold_value_rotations on a model whose weights live on the GPU, from rotations on the CPU
-    (session 14's review: the rotation stayed on the CPU). The folded model's logits against
+    (the rotation must move to the weights' device). The folded model's logits against
     the unfolded one's: the weights rounded once to ``dtype``."""
     import copy
 

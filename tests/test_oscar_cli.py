@@ -1,4 +1,5 @@
-"""``foscar calibrate`` end to end on a tiny random Llama with SmolLM2's tokenizer."""
+"""``foscar calibrate`` end to end on a tiny random Llama with SmolLM2's tokenizer, and OSCAR's
+rows of ``foscar eval`` (:mod:`foscar.eval.oscar_rows`)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ pytest.importorskip("safetensors", reason="rotations are saved as safetensors")
 
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+from foscar.commands import calibrate as calibrate_command  # noqa: E402
 from foscar.oscar import OscarRotations, layers_by_gain, layers_by_key_gain  # noqa: E402
-from foscar.oscar import cli as oscar_cli  # noqa: E402
 
 
 def _save_toy_llama(folder, tok, *, seed: int, hidden_size: int, num_attention_heads: int):
@@ -51,16 +52,13 @@ def toy(tmp_path_factory):
     _save_toy_llama(root / "model", tok, seed=0, hidden_size=128, num_attention_heads=4)
     text = python_reference().text
     (root / "text.txt").write_text(text[:20000])
-    papers = root / "papers"  # small stand-ins for the evaluation texts
-    papers.mkdir()
-    (papers / "foscar-paper.txt").write_text(text[200000:260000])
-    (papers / "oscar-summary.txt").write_text(text[300000:301500])
+    (root / "eval.txt").write_text(text[200000:260000])  # a small evaluation text
     return root
 
 
 def parse(argv):
     p = argparse.ArgumentParser()
-    oscar_cli.add_arguments(p)
+    calibrate_command.add_arguments(p)
     return p.parse_args(argv)
 
 
@@ -72,7 +70,7 @@ def test_calibrate_writes_a_loadable_file(toy):
          "--fit-windows", "8", "32", "--out", str(out)]
     )  # fmt: skip
     lines = []
-    assert oscar_cli.run(args, log=lines.append) == 0
+    assert calibrate_command.run(args, log=lines.append) == 0
     r = OscarRotations.load(out, num_layers=2, num_kv_heads=2, head_dim=32)
     assert r.per_head and r.key.shape == (2, 2, 32, 32)
     h = r.header
@@ -94,10 +92,10 @@ def test_calibrate_writes_a_loadable_file(toy):
     # the default 64/256 windows hold all of a 128-token sequence: no clip can be fitted there
     args.fit_windows = [64, 256]
     with pytest.raises(ValueError, match="longer than sink \\+ recent = 320"):
-        oscar_cli.run(args, log=lines.append)
+        calibrate_command.run(args, log=lines.append)
 
 
-def test_calibrate_fits_clips_on_one_sequence_of_seq_len_by_default(toy):
+def test_calibrate_fits_clips_on_one_sequence_of_seq_len_by_default(toy, capsys):
     """Without --clip-tokens the clip fit reads one --seq-len sequence, as foscar eval's fit
     does (a fixed 2,048 would fit long-context calibrations at short positions); an explicit
     --clip-tokens still reads that many tokens in --seq-len pieces."""
@@ -107,12 +105,15 @@ def test_calibrate_fits_clips_on_one_sequence_of_seq_len_by_default(toy):
     cases = (([], 200), (["--clip-tokens", "300"], 300), (["--clip-tokens", "90"], 90))
     for extra, tokens in cases:
         out = toy / "c.safetensors"
-        assert oscar_cli.run(parse([*base, "--out", str(out), *extra]), log=lambda s: None) == 0
+        assert (
+            calibrate_command.run(parse([*base, "--out", str(out), *extra]), log=lambda s: None)
+            == 0
+        )
         r = OscarRotations.load(out)
         assert r.header["calibration_sequences"] == [200, 100]
         assert r.header["clip_fit"]["tokens"] == tokens, extra
-    with pytest.raises(ValueError, match="--clip-tokens must be >= 1"):
-        oscar_cli.run(parse([*base, "--clip-tokens", "0"]), log=lambda s: None)
+    line = cli_error(capsys, ["calibrate", *base, "--clip-tokens", "0"])
+    assert "argument --clip-tokens: expected an integer >= 1, got '0'" in line
 
 
 def test_calibrate_gptq_keys(toy):
@@ -127,7 +128,7 @@ def test_calibrate_gptq_keys(toy):
              "--seq-len", "128", "--clip-tokens", "128", "--clip-queries", "8", "--clip-bits",
              "2", "--fit-windows", "8", "32", "--gptq-keys", "--out", str(out), *extra]
         )  # fmt: skip
-        assert oscar_cli.run(args, log=lambda s: None) == 0
+        assert calibrate_command.run(args, log=lambda s: None) == 0
         r = OscarRotations.load(out, num_layers=2, num_kv_heads=2, head_dim=32)
         assert r.key_gptq is not None and r.key_gptq.shape == (2, 2, 32, 32)
         assert (2, "key") in r.clips
@@ -167,7 +168,7 @@ def test_calibrated_file_serves_int4_keys_in_some_layers(toy):
          "8", "32", "--select", "--select-kv-heads", "--gptq-keys", "--out", str(out)]
     )  # fmt: skip
     lines = []
-    assert oscar_cli.run(args, log=lines.append) == 0
+    assert calibrate_command.run(args, log=lines.append) == 0
     rot = OscarRotations.load(out)
     widths = key_widths_by_error(rot, 1)
     assert sorted(widths) == [2, 4]
@@ -198,32 +199,49 @@ def test_calibrated_file_serves_int4_keys_in_some_layers(toy):
         assert tr.value_clip == float(rot.clips[(vb, "value")][layer])
 
 
-def test_calibrate_rejects_bad_arguments(toy):
-    with pytest.raises(ValueError, match="--tokens must be >= 1"):
-        oscar_cli.run(parse(["--tokens", "0"]))
-    with pytest.raises(ValueError, match="--context must be >= 1"):
-        oscar_cli.run(parse(["--context", "0"]))
-    with pytest.raises(ValueError, match="--clip-bits must be 2 or 4"):
-        oscar_cli.run(parse(["--clip-bits", "3"]))
-    with pytest.raises(ValueError, match="--fit-windows must be non-negative"):
-        oscar_cli.run(parse(["--fit-windows", "64", "-1"]))
+def cli_error(capsys, argv: list[str]) -> str:
+    """``foscar *argv``'s error line: exit status 2, one line naming the problem, no traceback."""
+    from foscar.commands.main import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err, err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"foscar {argv[0]}: error: "), err
+    return line
+
+
+def test_calibrate_rejects_bad_arguments(toy, capsys):
+    """Bad values end as one error line before any work (the model is not loaded)."""
+    model = ["--model", str(toy / "model")]
+    cases = (
+        (["--tokens", "0"], "argument --tokens: expected an integer >= 1, got '0'"),
+        (["--context", "0"], "argument --context: expected an integer >= 1, got '0'"),
+        (["--clip-bits", "3"], "argument --clip-bits: invalid choice: 3"),
+        (["--fit-windows", "64", "-1"], "argument --fit-windows: expected an integer >= 0"),
+        (["--select", "--clip-bits", "4"], "--select chooses by the INT2 error"),
+        (["--gptq-metric", "attention"], "--gptq-metric chooses the metric of --gptq-keys"),
+        (["--select-kv-heads"], "--select-kv-heads adds candidates to --select"),
+        (["--select", "--select-kv-heads", "--per-head"], "drop --per-head"),
+        (["--select", "--select-kv-heads", "--recipe", "no-u"], "--recipe no-u reads no target"),
+        (["--seq-len", "1"], "--seq-len must be >= 2"),
+        ([*model, "--text", str(toy / "none.txt")], "argument --text: expected a file, but"),
+        (["--model", str(toy / "none")], "argument --model: "),
+        (["--device", "tpu"], "argument --device: expected cpu, cuda or cuda:N, got 'tpu'"),
+        (["--out", str(toy)], "argument --out: expected a file name, but"),
+    )
+    for argv, says in cases:
+        assert says in cli_error(capsys, ["calibrate", *argv]), argv
+    # what only the tokenizer can tell: after loading the model, still one line
+    line = cli_error(
+        capsys,
+        ["calibrate", *model, "--text", str(toy / "text.txt"), "--tokens", "100000"],
+    )
+    assert "fewer than 100000" in line
+    # check() is what the command runs first, also when called as a function
     with pytest.raises(ValueError, match="--select chooses by the INT2 error"):
-        oscar_cli.run(parse(["--select", "--clip-bits", "4"]))
-    with pytest.raises(ValueError, match="--gptq-metric chooses the metric of --gptq-keys"):
-        oscar_cli.run(parse(["--gptq-metric", "attention"]))
-    with pytest.raises(ValueError, match="--select-kv-heads adds candidates to --select"):
-        oscar_cli.run(parse(["--select-kv-heads"]))
-    with pytest.raises(ValueError, match="drop --per-head"):
-        oscar_cli.run(parse(["--select", "--select-kv-heads", "--per-head"]))
-    with pytest.raises(ValueError, match="--recipe no-u reads no target"):
-        oscar_cli.run(parse(["--select", "--select-kv-heads", "--recipe", "no-u"]))
-    with pytest.raises(ValueError, match="--text .* is not a file"):
-        oscar_cli.run(parse(["--model", str(toy / "model"), "--text", str(toy / "none.txt")]))
-    with pytest.raises(ValueError, match="fewer than 100000"):
-        oscar_cli.run(
-            parse(["--model", str(toy / "model"), "--text", str(toy / "text.txt"),
-                   "--tokens", "100000"])
-        )  # fmt: skip
+        calibrate_command.run(parse(["--select", "--clip-bits", "4"]))
 
 
 def test_cli_entry_point():
@@ -241,7 +259,7 @@ def test_calibrate_select(toy):
          "--fit-windows", "8", "32", "--select", "--out", str(out)]
     )  # fmt: skip
     lines = []
-    assert oscar_cli.run(args, log=lines.append) == 0
+    assert calibrate_command.run(args, log=lines.append) == 0
     r = OscarRotations.load(out)
     assert set(r.header["candidates"]) == {"full", "no-u", "ktk"}  # OSCAR-select's
     assert set(r.header["selection"]["key"]) <= {"full", "no-u", "ktk"} and set(r.clips) == {
@@ -257,11 +275,11 @@ def test_calibrate_select(toy):
          "--out", str(out)]
     )  # fmt: skip
     lines = []
-    assert oscar_cli.run(args, log=lines.append) == 0
+    assert calibrate_command.run(args, log=lines.append) == 0
     r = OscarRotations.load(out, num_layers=2, num_kv_heads=2)
     assert r.per_head and r.key.shape[1] == 2
     # the eval's OSCAR-select per-KV-head candidates, as SELECT_CANDIDATES names them
-    from foscar.oscar.evaluate import SELECT_CANDIDATES
+    from foscar.eval.oscar_rows import SELECT_CANDIDATES
 
     assert set(r.header["candidates"]) == set(SELECT_CANDIDATES)
     assert set(r.header["selection"]["key"]) <= set(SELECT_CANDIDATES)
@@ -274,14 +292,14 @@ def test_calibrate_select(toy):
          "--seq-len", "128", "--clip-tokens", "128", "--clip-queries", "8", "--clip-bits", "2",
          "--fit-windows", "8", "32", "--select", "--recipe", "hadamard", "--out", str(out)]
     )  # fmt: skip
-    assert oscar_cli.run(args, log=lambda s: None) == 0
+    assert calibrate_command.run(args, log=lambda s: None) == 0
     assert set(OscarRotations.load(out).header["candidates"]) == {"hadamard", "no-u"}
 
 
 def test_prepare_rows_for_foscar_eval(toy):
     from transformers import AutoTokenizer
 
-    from foscar.oscar.evaluate import prepare, report
+    from foscar.eval.oscar_rows import prepare, report
 
     model = LlamaForCausalLM.from_pretrained(toy / "model").eval()
     tok = AutoTokenizer.from_pretrained(toy / "model")
@@ -328,7 +346,7 @@ def test_prepare_gptq_rows(toy):
     OSCAR-select per-KV-head made again by the candidates' GPTQ errors."""
     from transformers import AutoTokenizer
 
-    from foscar.oscar.evaluate import prepare
+    from foscar.eval.oscar_rows import prepare
 
     model = LlamaForCausalLM.from_pretrained(toy / "model").eval()
     tok = AutoTokenizer.from_pretrained(toy / "model")
@@ -370,7 +388,7 @@ def test_prepare_gptq_rows(toy):
     keys = by_gptq["selection_per_kv_head"]["key"]
     assert chosen.per_head and keys == chosen.header["selection"]["key"]
     assert set(keys) <= set(by_gptq["selection_errors"]["key"])
-    from foscar.oscar.evaluate import report
+    from foscar.eval.oscar_rows import report
 
     assert "- keys rounded by GPTQ: per-KV-head key, of 2 layers:" in report(info)
     assert tuple(chosen.key_gptq.shape) == tuple(gptq[0].rotations.key_gptq.shape)
@@ -387,8 +405,8 @@ def test_prepare_rows_with_int4_keys_in_some_layers(toy, monkeypatch):
     (K INT4 everywhere has its own row)."""
     from transformers import AutoTokenizer
 
+    from foscar.eval import oscar_rows as evaluate
     from foscar.eval.metrics import record_prefill
-    from foscar.oscar import evaluate
 
     model = LlamaForCausalLM.from_pretrained(toy / "model").eval()
     tok = AutoTokenizer.from_pretrained(toy / "model")
@@ -462,12 +480,12 @@ def test_prepare_gptq_rows_by_metric_and_filter(toy):
     and the K INT4 row (no GPTQ keys) comes once."""
     from transformers import AutoTokenizer
 
-    from foscar.oscar.evaluate import prepare
+    from foscar.eval.oscar_rows import prepare
 
     model = LlamaForCausalLM.from_pretrained(toy / "model").eval()
     tok = AutoTokenizer.from_pretrained(toy / "model")
     fits = []
-    import foscar.oscar.evaluate as ev
+    import foscar.eval.oscar_rows as ev
 
     real_fit = ev.fit_clips
 
@@ -531,25 +549,36 @@ def test_prepare_gptq_rows_by_metric_and_filter(toy):
     ]
 
 
-def test_foscar_eval_with_oscar_rows(toy, monkeypatch):
-    """foscar eval --oscar at toy sizes: OSCAR's rows are measured beside the harness's."""
+def _eval_parser():
+    from foscar.commands import eval as eval_command
+
+    p = argparse.ArgumentParser()
+    eval_command.add_arguments(p)
+    return p
+
+
+def _evaluate(args):
     import io
 
-    from foscar.eval import run as eval_run
+    from foscar.commands import eval as eval_command
+    from foscar.eval.harness import evaluate
+
+    return evaluate(eval_command.config_from(args), out=io.StringIO())
+
+
+def test_foscar_eval_with_oscar_rows(toy, capsys):
+    """foscar eval --oscar at toy sizes: OSCAR's rows are measured beside the harness's."""
     from foscar.eval.report import write_results
 
-    monkeypatch.setenv("FOSCAR_PAPERS", str(toy / "papers"))
-
     def evaluate(*extra):
-        p = argparse.ArgumentParser()
-        eval_run.add_arguments(p)
-        args = p.parse_args(
-            ["--model", str(toy / "model"), "--device", "cpu", "--ppl-prefixes", "128",
+        args = _eval_parser().parse_args(
+            ["--model", str(toy / "model"), "--text", str(toy / "eval.txt"), "--device", "cpu",
+             "--ppl-prefixes", "128",
              "--ppl-tokens", "2", "--agreement-prompts", "2", "--agreement-tokens", "2",
              "--needle-lengths", "256", "--needle-depths", "0.5", "--calibration-tokens", "96",
              "--metrics", "ppl", "needle", *extra]
         )  # fmt: skip
-        return eval_run.evaluate(args, out=io.StringIO())
+        return _evaluate(args)
 
     result = evaluate(
         "--oscar", "--oscar-tokens", "256", "--oscar-seq-len", "128", "--oscar-windows", "8", "16",
@@ -568,13 +597,13 @@ def test_foscar_eval_with_oscar_rows(toy, monkeypatch):
     assert oscar["calibration"]["calibration_tokens"] == 256 and oscar["windows"] == [8, 16]
     assert oscar["calibration"]["calibration_sequences"] == [128, 128]  # --oscar-seq-len
     assert oscar["calibration"]["position_shifts"] == [0, 128]  # --oscar-context 256
-    assert "foscar-paper.txt" in oscar["attention_errors_heldout"]["text"]
+    assert "eval.txt: tokens 256..2304" in oscar["attention_errors_heldout"]["text"]
     paths = write_results(result, toy / "out", "oscar")
     md = paths["md"].read_text()
     assert "### OSCAR calibration" in md and "at the RoPE shifts [0, 128]" in md
     # the rows of a saved file
     path = toy / "eval.safetensors"
-    oscar_cli.run(
+    calibrate_command.run(
         parse(["--model", str(toy / "model"), "--text", str(toy / "text.txt"), "--tokens", "128",
                "--seq-len", "128", "--clip-bits", "2", "--clip-queries", "4",
                "--fit-windows", "8", "16", "--out", str(path)]),
@@ -590,8 +619,9 @@ def test_foscar_eval_with_oscar_rows(toy, monkeypatch):
         evaluate("--oscar", "--oscar-gptq-metric", "attention")
     with pytest.raises(ValueError, match="--oscar-context shapes the calibration of --oscar"):
         evaluate("--oscar-file", str(path), "--oscar-context", "4096")
-    with pytest.raises(ValueError, match="--oscar-context must be >= 1, got 0"):
+    with pytest.raises(SystemExit):
         evaluate("--oscar", "--oscar-context", "0")
+    assert "argument --oscar-context: expected an integer >= 1, got '0'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--oscar-int4-layers picks rows of --oscar-gptq"):
         evaluate("--oscar", "--oscar-int4-layers", "1")
     with pytest.raises(ValueError, match="below the model's 2 layers"):  # before calibrating
@@ -601,10 +631,7 @@ def test_foscar_eval_with_oscar_rows(toy, monkeypatch):
 def test_oscar_int4_layers_argument(capsys):
     """--oscar-int4-layers N[:M]: (N, M) pairs, M 0 when left out; malformed ones are refused
     by the parser, naming the argument and the form expected."""
-    from foscar.eval import run as eval_run
-
-    p = argparse.ArgumentParser()
-    eval_run.add_arguments(p)
+    p = _eval_parser()
     assert p.parse_args([]).oscar_int4_layers is None
     args = p.parse_args(["--oscar-int4-layers", "15:10", "20", "6:0"])
     assert args.oscar_int4_layers == [(15, 10), (20, 0), (6, 0)]
@@ -623,27 +650,21 @@ def test_oscar_int4_layers_argument(capsys):
 @pytest.mark.skipif(
     not torch.cuda.is_available(), reason="foscar eval on a GPU: decode steps run the kernels"
 )
-def test_foscar_eval_on_a_gpu(toy, monkeypatch):
+def test_foscar_eval_on_a_gpu(toy):
     """foscar eval on a GPU at toy sizes with SmolLM2's head shape (head_dim 64, 3 query heads
     per KV head): OSCAR's rows with GPTQ keys and one format per layer, KIVI, every metric.
     Its perplexities through the kernels (``--decode kernel``, the GPU default) equal those of
     the dequantized decode path on the same GPU to bf16 rounding."""
-    import io
-
-    from foscar.eval import run as eval_run
-
     if not (toy / "model64").exists():
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(toy / "model")
         _save_toy_llama(toy / "model64", tok, seed=1, hidden_size=384, num_attention_heads=6)
-    monkeypatch.setenv("FOSCAR_PAPERS", str(toy / "papers"))
 
     def evaluate(decode):
-        p = argparse.ArgumentParser()
-        eval_run.add_arguments(p)
-        args = p.parse_args(
-            ["--model", str(toy / "model64"), "--device", "cuda", "--decode", decode,
+        args = _eval_parser().parse_args(
+            ["--model", str(toy / "model64"), "--text", str(toy / "eval.txt"), "--device",
+             "cuda", "--decode", decode,
              "--ppl-prefixes", "128", "--ppl-windows", "128:3x5", "--agreement-prompts", "2",
              "--agreement-tokens", "3", "--needle-lengths", "256", "--needle-depths", "0.3",
              "0.6", "--calibration-tokens", "96", "--oscar", "--oscar-gptq",
@@ -652,7 +673,7 @@ def test_foscar_eval_on_a_gpu(toy, monkeypatch):
              "--formats", "OSCAR INT2 + BF16 8/16 (fitted", "INT4 keys in 1 layers",
              "INT2 KIVI +"]
         )  # fmt: skip
-        return eval_run.evaluate(args, out=io.StringIO())
+        return _evaluate(args)
 
     kernel, dequantized = evaluate("kernel"), evaluate("dequantized")
     assert kernel["config"]["decode"] == "kernel"

@@ -10,9 +10,9 @@ pytest.importorskip("transformers", reason="foscar eval needs transformers (fosc
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from foscar.eval.metrics import decode_nll, make_cache, record_prefill  # noqa: E402
+from foscar.eval.oscar_rows import OscarEvalFormat, make_oscar_cache, oscar_formats  # noqa: E402
 from foscar.integrations.transformers import use_foscar_attention  # noqa: E402
 from foscar.oscar import calibrate, fit_clips  # noqa: E402
-from foscar.oscar.evaluate import OscarEvalFormat, make_oscar_cache, oscar_formats  # noqa: E402
 from foscar.oscar.rotation import hadamard  # noqa: E402
 
 D = 32
@@ -131,7 +131,7 @@ def test_rotated_cache_in_the_harness(setup):
 
 
 def test_attention_errors(setup):
-    from foscar.oscar.evaluate import attention_errors
+    from foscar.eval.oscar_rows import attention_errors
 
     model, cal, _ = setup
     g = torch.Generator().manual_seed(2)
@@ -184,7 +184,7 @@ def setup64():
 def test_select_rows_with_groups_of_32(setup64):
     """OSCAR-select at g = 32: every candidate's clips are fitted with two groups per row, the
     rows quantize K and V in groups of 32 with those clips, and their cache holds them."""
-    from foscar.oscar.evaluate import select_candidates, select_formats
+    from foscar.eval.oscar_rows import select_candidates, select_formats
 
     model, seqs, cal = setup64
     kw = {"windows": (4, 8), "bits": (2,)}
@@ -235,7 +235,7 @@ def test_select_rows_with_groups_of_32(setup64):
 
 
 def test_report_counts_the_selection():
-    from foscar.oscar.evaluate import report
+    from foscar.eval.oscar_rows import report
 
     info = {
         "selection": {"key": ["ktk", "no-u", "ktk"], "value": ["full", "full", "ktk"]},
@@ -260,9 +260,9 @@ def test_report_counts_the_selection():
         and line.endswith("U*H*P_br 0.200, K^TK/V^TV per KV head 0.100")
         for line in lines
     )
-    # the GPTQ choice's lines, keyed by "<row> + <keys>" and, in results written before
-    # session 13, by the row alone
-    from foscar.oscar.evaluate import GPTQ_METRICS, GPTQ_SELECT
+    # the GPTQ choice's lines, keyed by "<row> + <keys>" and, in older results, by the row
+    # alone
+    from foscar.eval.oscar_rows import GPTQ_METRICS, GPTQ_SELECT
 
     chosen = {"selection_per_kv_head": {"key": ["no-u", "no-u", "ktk"]}}
     want = "- keys rounded by GPTQ: per-KV-head key, of 3 layers: H*P_br in 2, K^TK/V^TV in 1"

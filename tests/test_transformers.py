@@ -207,6 +207,8 @@ def ragged_batch(lengths: list[int], seed: int = 0, vocab: int = 96) -> dict:
 
 
 def foscar_generate(model, enc, fmt, new_tokens, checked=False, **cache_args):
+    """Generate through a FoscarCache (decode="kernel" unless ``cache_args`` say otherwise)."""
+    cache_args.setdefault("decode", "kernel")
     if checked:
         Checked.reset(fmt)
         model.set_attn_implementation(CHECKED_ATTENTION)
@@ -365,6 +367,39 @@ def test_dequantized_decode_matches_reference(tiny, name):
     # difference between the two runs: the tolerance of assert_matches_reference)
     _, ref, _ = foscar_generate(tiny, enc, FORMATS[name], 40)
     assert (logits - ref).abs().max() < ref.std() * 2**-5
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_default_decode_is_the_dequantized_path_where_the_reference_would_run(tiny, backend):
+    """FoscarCache's default decode="auto": on a CPU (or with the reference backend), where
+    decode_attention runs its torch reference, it takes the dequantized path, the same tokens
+    and logits as decode="dequantized" bit for bit."""
+    enc = ragged_batch([23, 57], seed=1)
+    fmt = FORMATS["INT2 KIVI + windows"]
+    seqs, logits, cache = foscar_generate(tiny, enc, fmt, 12, decode="auto", backend=backend)
+    assert FoscarCache(fmt, tiny.config).decode == "auto"  # the default
+    assert cache.decode_path == "dequantized" and cache._history[0] is not None
+    want_seqs, want, _ = foscar_generate(tiny, enc, fmt, 12, decode="dequantized", backend=backend)
+    assert torch.equal(seqs, want_seqs) and torch.equal(logits, want)
+
+
+def test_dequantized_history_grows_with_the_tokens_stored():
+    """The dequantized path's fp32 copy grows by doubling up to the cache's max length, not
+    allocated at the max length at once (a model's max_position_embeddings can be 128K)."""
+    from foscar import QuantizedKVCache
+    from foscar.integrations.transformers import _DequantizedHistory
+
+    fmt = KVFormat(QuantFormat(4, "token", 32), QuantFormat(4, "token", 32), "bf16", 4, 8)
+    kv = QuantizedKVCache(fmt, num_kv_heads=2, head_dim=32, num_pages=16, max_seqs=1, page_size=16)
+    sid = kv.add_sequence()
+    kv.append([sid], torch.randn(20, 2, 32), torch.randn(20, 2, 32), num_new_tokens=[20])
+    memo = _DequantizedHistory(capacity=100_000)
+    caps = []
+    for _ in range(30):
+        kv.append([sid], torch.randn(1, 2, 32), torch.randn(1, 2, 32), num_new_tokens=[1])
+        memo.attend(torch.randn(1, 4, 32), kv, kv.plan([sid], 0), 0.2)
+        caps.append(memo.k.shape[2])
+    assert caps[0] == 21 and caps[-1] == 84 and sorted(set(caps)) == [21, 42, 84]
 
 
 def test_dequantized_decode_of_a_rotated_cache():

@@ -27,9 +27,9 @@ factors, :func:`synthetic_oscar`, since decode cost does not depend on their val
 weights' values change, which a step's cost does not depend on, so only the identity value
 rotations folding leaves are set), ``foscar-oscar-k4third-int2`` (``foscar-oscar-int2`` with
 INT4 keys in every third layer, one format per layer: the share of layers SmolLM2's best mixed
-row took, EVAL_NOTES 17; which layers does not change a step's cost),
+row took; which layers does not change a step's cost),
 ``foscar-oscar-k4half-v4third-int2`` (INT4 keys in every other layer and INT4 values in every
-third: the shares of SmolLM2's 15:10 row, which matched BF16, EVAL_NOTES 25), and
+third: the shares of SmolLM2's 15:10 row, which matched BF16), and
 ``hf-quantized-int4/int2``
 (transformers' ``QuantizedCache`` with the first importable backend of quanto, hqq; skipped with
 the reason when none is). A point that runs out of memory is recorded as such, and larger
@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import gc
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -55,7 +54,7 @@ from .. import __version__
 from ..cache import effective_bits
 from ..formats import KVFormat, QuantFormat
 
-__all__ = ["add_arguments", "run", "QWEN3_8B", "METHODS"]
+__all__ = ["run_e2e", "build_model", "QWEN3_8B", "METHODS", "DEFAULT_METHODS"]
 
 QWEN3_8B = {
     "hidden_size": 4096,
@@ -84,35 +83,8 @@ METHODS = (
 SINK, RECENT, GROUP = 64, 256, 128
 
 
-def add_arguments(parser) -> None:
-    g = parser.add_argument_group("end-to-end serving benchmark (--e2e)")
-    g.add_argument(
-        "--e2e",
-        action="store_true",
-        help="decode throughput of a Qwen3-8B-shaped model (random weights) instead of the "
-        "kernel grid; needs a CUDA GPU",
-    )
-    g.add_argument("--e2e-contexts", type=int, nargs="+", default=[32768, 102400])
-    g.add_argument("--e2e-batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
-    g.add_argument("--e2e-new-tokens", type=int, default=1024, help="timed decode steps")
-    g.add_argument("--e2e-warmup", type=int, default=8, help="untimed decode steps first")
-    g.add_argument(
-        "--e2e-methods",
-        nargs="+",
-        choices=METHODS,
-        # OSCAR's methods on request: the committed modes' default runs stay as they ran
-        default=[m for m in METHODS if not m.startswith("foscar-oscar")],
-    )
-    g.add_argument("--e2e-kv-budget-gib", type=float, default=96.0, help="KV memory budget")
-    g.add_argument(
-        "--e2e-layers", type=int, default=None, help="fewer layers than 36 (smoke runs only)"
-    )
-    g.add_argument(
-        "--e2e-max-seconds",
-        type=float,
-        default=None,
-        help="start no new point after this many seconds (partial results are kept)",
-    )
+#: the methods run by default (OSCAR's on request)
+DEFAULT_METHODS = tuple(m for m in METHODS if not m.startswith("foscar-oscar"))
 
 
 # ---------------------------------------------------------------------------- model and caches
@@ -445,25 +417,38 @@ def _write(result: dict, out: Path, name: str) -> None:
 
 
 # ---------------------------------------------------------------------------- entry
-def run(args) -> int:
+def run_e2e(
+    *,
+    contexts=(32768, 102400),
+    batches=(1, 2, 4, 8, 16, 32),
+    new_tokens: int = 1024,
+    warmup: int = 8,
+    methods=DEFAULT_METHODS,
+    kv_budget_gib: float = 96.0,
+    layers: int | None = None,
+    max_seconds: float | None = None,
+    out_dir: str = ".",
+    name: str = "e2e_qwen3_8b",
+    out=sys.stdout,
+) -> dict:
+    """Decode throughput of the Qwen3-8B-shaped model for every method, context and batch;
+    writes ``name``'s JSON, markdown and plot under ``out_dir`` after every point and returns
+    the result. ``layers``: fewer than 36 (smoke runs); ``max_seconds``: start no point after
+    that many seconds. Needs a CUDA GPU and transformers (``RuntimeError`` otherwise)."""
     if not torch.cuda.is_available():
-        print(
-            "foscar bench --e2e needs a CUDA GPU: it decodes a Qwen3-8B-shaped model (16 GiB of "
-            "BF16 weights) with the Triton kernels; this machine has none",
-            file=sys.stderr,
+        raise RuntimeError(
+            "the end-to-end benchmark needs a CUDA GPU: it decodes a Qwen3-8B-shaped model (16 "
+            "GiB of BF16 weights) with the Triton kernels"
         )
-        return 2
-    try:
-        import transformers
-    except ImportError:
-        print("foscar bench --e2e needs transformers: pip install 'foscar[hf]'", file=sys.stderr)
-        return 2
-    for name in ("e2e_new_tokens", "e2e_warmup"):
-        if getattr(args, name) < (1 if name == "e2e_new_tokens" else 0):
-            print(f"--{name.replace('_', '-')} is too small", file=sys.stderr)
-            return 2
+    import transformers
+
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        raise ValueError(f"methods must be among {METHODS}, got {bad}")
+    if new_tokens < 1 or warmup < 0:
+        raise ValueError(f"new_tokens must be >= 1 and warmup >= 0, got {new_tokens}, {warmup}")
     device = torch.device("cuda")
-    methods = list(args.e2e_methods)
+    methods = list(methods)
     skipped = {}
     if any(m.startswith("hf-quantized") for m in methods):
         backend, why = hf_quantized_backend()
@@ -473,7 +458,7 @@ def run(args) -> int:
         else:
             skipped["hf-quantized backend"] = why
     t_start = time.perf_counter()
-    model = build_model(device, args.e2e_layers)
+    model = build_model(device, layers)
     env = {
         "gpu": torch.cuda.get_device_name(device),
         "torch": torch.__version__,
@@ -482,19 +467,18 @@ def run(args) -> int:
         "model_class": type(model).__name__,
         "weights_gib": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30,
     }
-    print(json.dumps(env), flush=True)
-    name = args.name or "e2e_qwen3_8b"
-    out = Path(args.out)
+    print(json.dumps(env), file=out, flush=True)
+    out_path = Path(out_dir)
     result = {
         "config": {
             "model": {**QWEN3_8B, "num_hidden_layers": model.config.num_hidden_layers},
-            "contexts": args.e2e_contexts,
-            "batches": args.e2e_batches,
-            "new_tokens": args.e2e_new_tokens,
-            "warmup": args.e2e_warmup,
+            "contexts": list(contexts),
+            "batches": list(batches),
+            "new_tokens": new_tokens,
+            "warmup": warmup,
             "methods": methods,
             "skipped": skipped,
-            "kv_budget_gib": args.e2e_kv_budget_gib,
+            "kv_budget_gib": kv_budget_gib,
             "foscar_formats": {
                 **{f"foscar-int{b}": foscar_format(b).short() for b in (4, 2)},
                 "foscar-oscar-int2": foscar_format(2).short()
@@ -510,37 +494,33 @@ def run(args) -> int:
             "random weights with Qwen3-8B's shapes, built from a config (no checkpoint)",
             "synthetic prompts: the prompt K/V are written straight into the caches (no "
             "prefill); decode cost does not depend on the cached values",
-            f"each point: {args.e2e_warmup} untimed decode steps, then {args.e2e_new_tokens} "
+            f"each point: {warmup} untimed decode steps, then {new_tokens} "
             "timed ones, greedy argmax, one forward per step",
             "max batch: from each method's KV bytes per token at context + new tokens "
             "(hf-quantized: an estimate of nbits + fp16 scale/zero per 64 values)",
         ],
         "points": [],
-        "budget": budget_table(
-            methods, args.e2e_contexts, model.config, args.e2e_kv_budget_gib, args.e2e_new_tokens
-        ),
+        "budget": budget_table(methods, list(contexts), model.config, kv_budget_gib, new_tokens),
     }
-    for context in args.e2e_contexts:
+    for context in contexts:
         for method in methods:
-            for batch in sorted(args.e2e_batches):
-                if args.e2e_max_seconds and time.perf_counter() - t_start > args.e2e_max_seconds:
-                    result["notes"].append(f"stopped after {args.e2e_max_seconds:g} s")
-                    _write(result, out, name)
-                    print(markdown(result))
-                    return 0
+            for batch in sorted(batches):
+                if max_seconds and time.perf_counter() - t_start > max_seconds:
+                    result["notes"].append(f"stopped after {max_seconds:g} s")
+                    _write(result, out_path, name)
+                    print(markdown(result), file=out)
+                    return result
                 try:
-                    row = decode_point(
-                        model, method, batch, context, args.e2e_new_tokens, args.e2e_warmup
-                    )
+                    row = decode_point(model, method, batch, context, new_tokens, warmup)
                 except torch.OutOfMemoryError:
                     torch.cuda.empty_cache()
                     row = {"method": method, "context": context, "batch": batch, "oom": True}
                 result["points"].append(row)
-                print(json.dumps(row), flush=True)
-                _write(result, out, name)
+                print(json.dumps(row), file=out, flush=True)
+                _write(result, out_path, name)
                 if row.get("oom"):
                     break
     result["seconds"] = time.perf_counter() - t_start
-    _write(result, out, name)
-    print(markdown(result))
-    return 0 if all(math.isfinite(p.get("tpot_ms", 0.0)) for p in result["points"]) else 1
+    _write(result, out_path, name)
+    print(markdown(result), file=out)
+    return result

@@ -30,10 +30,9 @@ from .timing import L2Flusher, bench_stats
 
 PEAK_TBPS = 4.8  # H200 HBM3e, vendor datasheet
 #: GPU spin ahead of each timed call (foscar.bench.timing), so that the host's enqueue of the
-#: call's kernels is not timed. 300 us until session 9; a channel-wise format's call (three
-#: kernels) takes 230-480 us of host time to enqueue, up to 730 us (benchmarks/tail_check.py on
-#: the H200, benchmarks/NOTES.md 19), and its calls in the grids had a tail of slow ones (up to
-#: 8x the median) that a 1000 us spin removed in the axes grid
+#: call's kernels is not timed: a channel-wise format's call (three kernels) takes 230-480 us of
+#: host time to enqueue, up to 730 us on the H200, and with a 300 us spin its calls in the grids
+#: had a tail of slow ones (up to 8x the median) that a 1000 us spin removed in the axes grid
 SPIN_US = 1000
 MAIN_GRID = (
     [(1, L) for L in (8192, 32768, 131072, 524288)]
@@ -403,97 +402,72 @@ def write_results(rows, env, out_dir: str, name: str) -> None:
         print("matplotlib not importable: no plot", file=sys.stderr)
 
 
-def add_arguments(parser) -> None:
-    parser.add_argument(
-        "--grid",
-        choices=["main", "axes", "both", "quick"],
-        default="main",
-        help="main: the 13-point grid, token-wise K/V; axes: the four axis "
-        "combinations at B in {1,8}, L in {32K,128K}; quick: 2 points",
-    )
-    parser.add_argument(
-        "--axes", choices=["token", "all"], default="token", help="'all' is the same as --grid axes"
-    )
-    parser.add_argument(
-        "--methods",
-        nargs="+",
-        default=[
-            "foscar-gluon",
-            "foscar-gluon-e4m3",
-            "foscar-triton",
-            "foscar-reconstruct",
-            "foscar-gluon-reconstruct",
-            "flashinfer-bf16",
-            "flashinfer-fp8",
-            "trtllm-xqa-fp8",
-            "sdpa-bf16",
-        ],
-    )
-    parser.add_argument("--bits", type=int, nargs="+", default=[2, 4])
-    parser.add_argument(
-        "--head-dim",
-        type=int,
-        default=128,
-        help="head_dim of every method (H_Q=32, H_KV=8); foscar's groups: min(head_dim, 128)",
-    )
-    parser.add_argument(
-        "--page-size",
-        type=int,
-        default=64,
-        help="tokens per cache page, of foscar's caches and FlashInfer's (default 64)",
-    )
-    parser.add_argument("--iters", type=int, default=30)
-    parser.add_argument("--out", default="benchmarks/results/h200")
-    parser.add_argument("--name", default=None, help="result file stem (default by grid)")
-    parser.add_argument(
-        "--replot",
-        metavar="JSON",
-        default=None,
-        help="redraw the PNG of a results file (no GPU needed) and exit",
-    )
+#: every method ``run_grids`` can time
+METHODS = (*FOSCAR_BACKENDS, *baselines.BASELINES)
+#: the methods timed by default
+DEFAULT_METHODS = (
+    "foscar-gluon",
+    "foscar-gluon-e4m3",
+    "foscar-triton",
+    "foscar-reconstruct",
+    "foscar-gluon-reconstruct",
+    "flashinfer-bf16",
+    "flashinfer-fp8",
+    "trtllm-xqa-fp8",
+    "sdpa-bf16",
+)
+#: the grids ``run_grids`` knows
+GRIDS = ("main", "axes", "both", "quick")
 
 
-def run(args) -> int:
-    if args.replot:
-        with open(args.replot) as f:
-            rows = json.load(f)["rows"]
-        plot(rows, os.path.splitext(args.replot)[0] + ".png")
-        return 0
-    if not torch.cuda.is_available():
-        print("foscar bench needs a CUDA GPU", file=sys.stderr)
-        return 2
-    grid = "axes" if args.axes == "all" else args.grid
-    shape = Shape(
-        head_dim=args.head_dim, group_size=min(args.head_dim, 128), page_size=args.page_size
-    )
+def replot(path: str) -> str:
+    """Redraw the PNG beside the results file ``path`` (no GPU needed); returns its path."""
+    with open(path) as f:
+        rows = json.load(f)["rows"]
+    png = os.path.splitext(path)[0] + ".png"
+    plot(rows, png)
+    return png
+
+
+def run_grids(
+    grid: str = "main",
+    *,
+    methods=DEFAULT_METHODS,
+    bits=(2, 4),
+    iters: int = 30,
+    head_dim: int = 128,
+    page_size: int = 64,
+    out_dir: str = ".",
+    name: str | None = None,
+    out=sys.stdout,
+) -> dict[str, list[dict]]:
+    """Time ``methods`` over ``grid`` (:data:`GRIDS`: "main", the 13-point grid with token-wise
+    K/V; "axes", the four K/V axis combinations at B in {1, 8}, L in {32K, 128K}; "both"; or
+    "quick", 2 points) on the GPU and write each grid's results under ``out_dir`` (named
+    ``name`` or after the grid). Returns the rows of each grid by result name."""
+    if grid not in GRIDS:
+        raise ValueError(f"grid must be one of {GRIDS}, got {grid!r}")
+    shape = Shape(head_dim=head_dim, group_size=min(head_dim, 128), page_size=page_size)
     env = environment(torch.device("cuda"))
     env["shape"] = dataclasses.asdict(shape)
-    print(json.dumps(env))
+    print(json.dumps(env), file=out)
     jobs = []
     if grid in ("main", "both"):
-        jobs.append(("decode_grid", MAIN_GRID, [AXES[0]], args.methods))
+        jobs.append(("decode_grid", MAIN_GRID, [AXES[0]], list(methods)))
     if grid in ("axes", "both"):
-        jobs.append(
-            (
-                "decode_axes",
-                AXES_GRID,
-                AXES,
-                [
-                    m
-                    for m in args.methods
-                    if m in ("foscar-triton", "foscar-gluon", "flashinfer-bf16")
-                ],
-            )
-        )
+        axes_methods = ("foscar-triton", "foscar-gluon", "flashinfer-bf16")
+        jobs.append(("decode_axes", AXES_GRID, AXES, [m for m in methods if m in axes_methods]))
     if grid == "quick":
-        jobs.append(("decode_quick", [(1, 32768), (64, 16384)], [AXES[0]], args.methods))
-    for name, points, axes, methods in jobs:
+        jobs.append(("decode_quick", [(1, 32768), (64, 16384)], [AXES[0]], list(methods)))
+    results = {}
+    for job, points, axes, job_methods in jobs:
         rows = run_grid(
-            points, methods, axes=axes, bits_list=args.bits, iters=args.iters, shape=shape
+            points, job_methods, axes=axes, bits_list=bits, iters=iters, shape=shape, out=out
         )
-        default_name = name if args.head_dim == 128 else f"{name}_d{args.head_dim}"
-        if args.page_size != 64:
-            default_name += f"_p{args.page_size}"
-        write_results(rows, env, args.out, args.name or default_name)
-        print(markdown_table(rows))
-    return 0
+        default_name = job if head_dim == 128 else f"{job}_d{head_dim}"
+        if page_size != 64:
+            default_name += f"_p{page_size}"
+        write_results(rows, env, out_dir, name or default_name)
+        print(markdown_table(rows), file=out)
+        results[name or default_name] = rows
+    return results

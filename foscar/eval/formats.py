@@ -3,7 +3,7 @@
 Groups of ``g = min(head_dim, 128)`` (a whole head row for SmolLM2's head_dim 64: one scale and
 offset per token and head, as OSCAR's released configuration has for head_dim 128; 64 tokens of
 a channel for channel-wise groups). Clipped formats use per-token clipping ratios ``p_K, p_V``
-calibrated on a separate text (:mod:`foscar.eval.calibrate`); KIVI is channel-wise K with
+calibrated on a separate text (:mod:`foscar.eval.clips`); KIVI is channel-wise K with
 token-wise V, min-max; windows are OSCAR's 64 sink + 256 recent BF16 tokens.
 
 The clipped rows clip an unrotated cache: OSCAR's clipping without OSCAR's rotation. On SmolLM2
@@ -12,7 +12,7 @@ the mildest ratio, p = 0.98 = the largest of 64 values, cuts exactly that channe
 
 More rows: anything with ``name``, ``fmt``, ``bits`` and a ``make_cache(model, prefill,
 extra_tokens)`` method (e.g. a rotated cache) can be passed to
-:func:`foscar.eval.run.evaluate` as ``extra_formats``.
+:func:`foscar.eval.harness.evaluate` as ``extra_formats``.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def eval_formats(
             )
         kivi = KVFormat(QuantFormat(bits, "channel", g), QuantFormat(bits, "token", g))
         rows.append(EvalFormat(f"INT{bits} KIVI (K channel, V token)", kivi, bits))
-    # INT4 with BF16 windows, and with groups of 32 (issue 5's "INT4 within 1% of BF16")
+    # INT4 with BF16 windows, and with groups of 32 (the paper's "INT4 within 1% of BF16")
     for name, kg, vg, ka in (
         (f"INT4 KIVI + BF16 {SINK}/{RECENT}", g, g, "channel"),
         (f"INT4 KIVI g32 + BF16 {SINK}/{RECENT}", 32, 32, "channel"),

@@ -153,8 +153,8 @@ def _k(n: int) -> str:
 
 
 def is_model_row(row: dict) -> bool:
-    """The row of the model's own K/V in a DynamicCache (short "model"; "fp32" in results
-    written before session 19 named it after the model's dtype)."""
+    """The row of the model's own K/V in a DynamicCache (short "model"; "fp32" in older
+    results, which named it after the model's dtype)."""
     return row.get("short") in ("model", "fp32")
 
 
@@ -291,7 +291,7 @@ def write_results(result: dict, out_dir: str | Path, name: str) -> dict[str, Pat
             table,
         ]
     if cfg.get("oscar"):
-        from ..oscar.evaluate import report as oscar_report
+        from .oscar_rows import report as oscar_report
 
         lines += ["", oscar_report(cfg["oscar"])]
     paths["md"].write_text("\n".join(lines) + "\n")

@@ -1,6 +1,7 @@
 """OSCAR: offline spectral covariance-aware rotations and clipping for INT2/INT4 KV caches.
 
-Specification: ``../shared/docs/oscar.md``. The pieces, in the order they run:
+The method and our extensions are described in ``docs/oscar.md``. The pieces, in the order
+they run:
 
 - :func:`calibrate` (:mod:`foscar.oscar.calibrate`): the model over calibration text,
   post-RoPE Q/K/V captured per layer, float64 covariance targets
@@ -20,14 +21,17 @@ Specification: ``../shared/docs/oscar.md``. The pieces, in the order they run:
   transformers cache with it; :func:`fold_value_rotations` moves the value rotations into the
   model's ``v_proj`` and ``o_proj`` weights instead (two fewer rotations per layer and step).
 
-``foscar calibrate`` runs the first three and writes the file.
+:func:`calibrate_rotations` runs the first three (and optionally the selection and GPTQ
+factors) from a text, as ``foscar calibrate`` does before writing the file.
 """
 
 from .calibrate import (
     CLIP_CANDIDATES,
+    PLAIN_TARGETS,
     Calibration,
     attention_key_metrics,
     calibrate,
+    calibrate_rotations,
     choose_rotations,
     fit_candidates,
     fit_clips,
@@ -54,12 +58,14 @@ __all__ = [
     "Calibration",
     "FORMAT_VERSION",
     "OscarRotations",
+    "PLAIN_TARGETS",
     "RECIPES",
     "RotationRecipe",
     "apply_to_cache",
     "attention_key_metrics",
     "bit_reversal",
     "calibrate",
+    "calibrate_rotations",
     "choose_rotations",
     "fit_candidates",
     "fit_clips",

@@ -13,8 +13,8 @@
    query positions (spread over each sequence's second half) wins.
 4. :func:`select_rotations` (our extension) picks, per layer and for K and V separately, the
    candidate rotation (e.g. with or without ``U``, per layer or per KV head) whose fitted error
-   is smallest: on SmolLM2 the query eigenbasis ``U`` helps values but not keys (README, OSCAR
-   section). It is :func:`fit_candidates` (the clip fit of every candidate) followed by
+   is smallest: on SmolLM2 the query eigenbasis ``U`` helps values but not keys
+   (docs/oscar.md). It is :func:`fit_candidates` (the clip fit of every candidate) followed by
    :func:`choose_rotations` (the choice), which can also choose among a subset of fitted
    candidates without fitting them again.
 """
@@ -31,8 +31,8 @@ from ..formats import QuantFormat
 from ..quantize import dequantize, gptq_factor, quantize, quantize_gptq
 from .capture import capture_attention, model_shapes
 from .covariance import LayerMoments, attention_key_moment
-from .policy import OscarRotations
-from .positions import check_shifts, shifted_views
+from .policy import OscarRotations, layers_by_gain
+from .positions import check_shifts, position_shifts, shifted_views
 from .rotation import RECIPES, RotationRecipe, check_head_dim, rotation
 
 __all__ = [
@@ -44,9 +44,12 @@ __all__ = [
     "select_rotations",
     "gptq_factors",
     "attention_key_metrics",
+    "calibrate_rotations",
+    "default_sequences",
     "CLIP_CANDIDATES",
     "KEY_TARGETS",
     "VALUE_TARGETS",
+    "PLAIN_TARGETS",
 ]
 
 #: clip ratios :func:`fit_clips` tries (1 clips nothing: min-max)
@@ -55,6 +58,8 @@ CLIP_CANDIDATES = (1.0, 0.98, 0.96, 0.94, 0.92, 0.9, 0.88, 0.85, 0.8, 0.75, 0.7,
 KEY_TARGETS = {"query": "key", "plain": "kk"}
 #: value targets: the paper's score-weighted V^T S^T S V, the released diagonal proxy, or V^T V
 VALUE_TARGETS = {"attention": "value", "proxy": "proxy", "plain": "vv"}
+#: :meth:`Calibration.rotations` kwargs of the plain second-moment targets (K^TK, V^TV)
+PLAIN_TARGETS = {"key_target": "plain", "value_target": "plain"}
 
 
 def _sequences(sequences) -> list[torch.Tensor]:
@@ -356,8 +361,8 @@ def _check_windows(windows, seqs: list[torch.Tensor]) -> None:
         raise ValueError(f"windows must be (sink, recent) non-negative ints, got {windows!r}")
     # a query at position p reads quantized keys only if p >= sink + recent: a sequence of
     # t <= sink + recent tokens gives every clip candidate zero error, and the "fitted" clips
-    # would be min-max by the tie (session 7: 64/2048 on 2,048-token sequences fitted every
-    # clip to 1.0 and chose candidate "full" everywhere, EVAL_NOTES 10)
+    # would be min-max by the tie (windows of 64/2048 on 2,048-token sequences fitted every
+    # clip to 1.0 and chose candidate "full" everywhere)
     if (windows[0] or windows[1]) and all(s.numel() <= sum(windows) for s in seqs):
         raise ValueError(
             f"windows={tuple(windows)} keep every key of the calibration sequences (at most "
@@ -658,3 +663,157 @@ def default_sequences(tok, tokens: int, seq_len: int, text: str) -> list[torch.T
         raise ValueError(f"the calibration text has {len(ids)} tokens, fewer than {tokens}")
     ids = torch.tensor(ids[:tokens])
     return [ids[a : a + seq_len] for a in range(0, tokens, seq_len) if tokens - a >= 2]
+
+
+def _select_candidates(
+    cal: Calibration,
+    rot: OscarRotations,
+    recipe: str,
+    targets: dict,
+    per_head: bool,
+    kv_heads: bool,
+) -> dict[str, OscarRotations]:
+    """The candidates of ``calibrate_rotations(select=True)``, named as ``foscar eval``'s
+    OSCAR-select candidates (the same set for the default recipe): the recipe's rotation
+    (``rot``), H*P_br ("no-u"), the recipe on the plain second moments K^TK / V^TV ("ktk")
+    unless its targets are those already; with ``kv_heads`` both target sets' rotations per KV
+    head too."""
+    reads_targets = recipe not in ("no-u", "none", "hadamard")
+    plain = targets == PLAIN_TARGETS or not reads_targets
+    candidates = {recipe: rot, "no-u": cal.rotations("no-u", **targets, per_head=per_head)}
+    if not plain:
+        candidates["ktk"] = cal.rotations(recipe, **PLAIN_TARGETS, per_head=per_head)
+    if kv_heads:
+        candidates[f"{recipe}-kvh"] = cal.rotations(recipe, **targets, per_head=True)
+        if not plain:
+            candidates["ktk-kvh"] = cal.rotations(recipe, **PLAIN_TARGETS, per_head=True)
+    return candidates
+
+
+def calibrate_rotations(
+    model,
+    tok,
+    text: str,
+    *,
+    tokens: int = 8192,
+    seq_len: int = 2048,
+    context: int | None = None,
+    recipe: str = "full",
+    key_target: str = "query",
+    value_target: str = "attention",
+    per_head: bool = False,
+    select: bool = False,
+    select_kv_heads: bool = False,
+    gptq_keys: bool = False,
+    gptq_metric: str = "query",
+    clip_bits: Sequence[int] = (2, 4),
+    clip_tokens: int | None = None,
+    clip_queries: int = 64,
+    fit_windows: tuple[int, int] = (64, 256),
+    chunk: int = 512,
+    header: dict | None = None,
+    log: Callable[[str], None] = print,
+) -> OscarRotations:
+    """OSCAR's rotations and clip ratios for ``model`` from the first ``tokens`` tokens of
+    ``text``: what ``foscar calibrate`` writes.
+
+    The text is cut into sequences of ``seq_len`` tokens (:func:`default_sequences`);
+    :func:`calibrate` accumulates the targets, with the keys' statistics covering positions
+    ``0 .. context - 1`` by RoPE shifts (None: the model's ``max_position_embeddings``;
+    ``context == seq_len``: the sequences' own positions). :meth:`Calibration.rotations` builds
+    ``recipe``'s rotations (per layer, or per KV head with ``per_head``) of ``key_target`` /
+    ``value_target``. ``gptq_keys``: GPTQ rounding factors of the keys' metric (``gptq_metric``
+    "query": the queries' covariance; "attention": :func:`attention_key_metrics`, a second pass
+    with ``fit_windows`` left exact). Clips are fitted for each width of ``clip_bits`` (none:
+    no fit) on ``clip_tokens`` tokens (default one sequence) with ``clip_queries`` query
+    positions per sequence and ``fit_windows`` (BF16 sink, recent) left exact; ``select``
+    chooses per layer among :func:`_select_candidates` (needs 2 in ``clip_bits``), with
+    ``select_kv_heads`` per-KV-head candidates too. ``header`` is stored in the result's
+    header, with the timings.
+    """
+    if select and 2 not in clip_bits:
+        raise ValueError("select chooses by the INT2 error: clip_bits must include 2")
+    if select_kv_heads and not select:
+        raise ValueError("select_kv_heads adds candidates to select: pass select=True")
+    if gptq_metric != "query" and not gptq_keys:
+        raise ValueError("gptq_metric chooses the metric of gptq_keys: pass gptq_keys=True")
+    t0 = time.perf_counter()
+    seqs = default_sequences(tok, tokens, seq_len, text)
+    context = context or model_shapes(model)["max_positions"]
+    shifts = position_shifts(seq_len, context)
+    log(
+        f"calibrating on {tokens} tokens, positions 0..{seq_len + shifts[-1] - 1} "
+        f"(RoPE shifts {list(shifts)})"
+    )
+    cal = calibrate(
+        model,
+        seqs,
+        proxy=value_target == "proxy",
+        chunk=chunk,
+        position_shifts=shifts,
+        header=dict(header or {}),
+        log=log,
+    )
+    t_cal = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    targets = dict(key_target=key_target, value_target=value_target)
+    rot = cal.rotations(recipe, **targets, per_head=per_head)
+    metrics = None
+    if gptq_keys and gptq_metric == "attention":
+        metrics = attention_key_metrics(
+            model, seqs, windows=tuple(fit_windows), position_shifts=shifts, log=log
+        )
+    if gptq_keys:
+        rot.key_gptq = gptq_factors(cal, rot, metrics=metrics)
+    t_rot = time.perf_counter() - t1
+    t_fit = 0.0
+    if clip_bits:
+        t2 = time.perf_counter()
+        n = seq_len if clip_tokens is None else clip_tokens
+        clip_seqs = default_sequences(tok, min(n, tokens), seq_len, text)
+        fit = dict(
+            bits=tuple(clip_bits),
+            num_queries=clip_queries,
+            windows=tuple(fit_windows),
+            position_shifts=shifts,
+            log=log,
+        )
+        if select:
+            candidates = _select_candidates(cal, rot, recipe, targets, per_head, select_kv_heads)
+            if gptq_keys:  # every candidate's keys rounded by GPTQ: chosen by those errors
+                for c in candidates.values():
+                    if c.key_gptq is None:  # (the recipe's already has its factors)
+                        c.key_gptq = gptq_factors(cal, c, metrics=metrics)
+            rot = select_rotations(model, clip_seqs, candidates, **fit)
+            chosen = rot.header["selection"]
+            for role in ("key", "value"):
+                n = chosen[role].count(recipe)
+                log(f"{role}: {recipe} rotation kept in {n} of {rot.num_layers} layers")
+                for name in list(candidates)[2:]:
+                    log(f"{role}: {name} in {chosen[role].count(name)} of {rot.num_layers} layers")
+        else:
+            fit_clips(model, clip_seqs, rot, **fit)
+        t_fit = time.perf_counter() - t2
+        for b in clip_bits:
+            for role in ("key", "value"):
+                c = rot.clips[(b, role)]
+                log(
+                    f"INT{b} {role} clip ratios: mean {float(c.mean()):.3f}, "
+                    f"min {float(c.min()):.2f}, max {float(c.max()):.2f}"
+                )
+    if {2, 4} <= set(clip_bits):
+        # where INT4 keys or values buy most (foscar.oscar.widths_by_error, layer_width_formats)
+        for role in ("key", "value"):
+            order = layers_by_gain(rot, role=role)
+            log(f"layers whose {role}s gain most from INT4 over INT2, best first: {order}")
+    if gptq_keys:
+        rot.header["gptq_key_metric"] = {"name": gptq_metric}
+        if metrics is not None:
+            rot.header["gptq_key_metric"]["windows"] = list(fit_windows)
+    rot.header["timing_seconds"] = {
+        "targets": round(t_cal, 1),
+        "rotations": round(t_rot, 2),
+        "clip_fit": round(t_fit, 1),
+        "threads": torch.get_num_threads(),
+    }
+    return rot

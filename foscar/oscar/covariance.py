@@ -16,7 +16,7 @@ post-RoPE ``q: [H*g, T, d]``, ``k, v: [H, T, d]`` (query head ``j`` reads KV hea
   needs the final ``C_Q``, so it is a second pass over the text;
 * **plain targets** (an ablation) ``K^T K / T`` and ``V^T V / T``.
 
-And one metric that is not a rotation target (our extension, EVAL_NOTES 15): the keys' metric
+And one metric that is not a rotation target (our extension): the keys' metric
 for GPTQ rounding weighted by what a key error costs the output
 (:func:`attention_key_moment`).
 

@@ -3,8 +3,8 @@
 The cache stores post-RoPE keys, so what a key looks like depends on its position: RoPE turns
 channel pair ``i`` by ``t * theta_i``, and its slow pairs turn through only part of a circle in
 a few thousand positions. Rotations, GPTQ factors and clips taken over positions 0-2K then
-describe keys at 0-2K; keys at 4-8K sit at other phases (EVAL_NOTES 22-23: SmolLM2's 8K
-perplexity gap of INT2 keys fell from +27% to +9% when the calibration ran at 8K positions).
+describe keys at 0-2K; keys at 4-8K sit at other phases (SmolLM2's 8K perplexity gap of INT2
+keys fell from +27% to +9% when the calibration ran at 8K positions).
 
 A **RoPE shift** gives those positions without longer sequences: turning a sequence's post-RoPE
 queries and keys together by ``RoPE(delta)`` leaves every score ``q . k`` (so the attention)

@@ -55,7 +55,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..formats import KVFormat, QuantFormat
-from .calibrate import (
+from ..oscar.calibrate import (
+    PLAIN_TARGETS,
     Calibration,
     attention_key_metrics,
     calibrate,
@@ -65,9 +66,15 @@ from .calibrate import (
     fit_clips,
     gptq_factors,
 )
-from .capture import model_shapes
-from .policy import OscarRotations, key_widths_by_error, oscar_cache, widths_by_error
-from .positions import position_shifts
+from ..oscar.capture import model_shapes
+from ..oscar.policy import (
+    OscarRotations,
+    key_widths_by_error,
+    oscar_cache,
+    widths_by_error,
+)
+from ..oscar.positions import position_shifts
+from .texts import python_reference
 
 __all__ = [
     "OscarEvalFormat",
@@ -87,17 +94,15 @@ __all__ = [
 #: the released recipe's fixed clip ratios (oscar.md Sec. 3)
 RELEASED_CLIPS = (0.96, 0.92)
 
-#: :meth:`Calibration.rotations` kwargs of the plain second-moment targets (K^TK, V^TV)
-PLAIN_TARGETS = {"key_target": "plain", "value_target": "plain"}
 
 #: OSCAR-select's candidates: name -> (label, recipe, :meth:`Calibration.rotations` kwargs);
 #: the "OSCAR-select" rows choose among the per-layer ones, "OSCAR-select per-KV-head" among all
 SELECT_CANDIDATES = {
     "full": ("U*H*P_br", "full", {}),
     "no-u": ("H*P_br", "no-u", {}),
-    # the plain second moments: lower K error than C_Q's on SmolLM2 (EVAL_NOTES 3)
+    # the plain second moments: lower K error than C_Q's on SmolLM2
     "ktk": ("K^TK/V^TV", "full", PLAIN_TARGETS),
-    # one rotation per KV head: the lowest V error of the held-out table (EVAL_NOTES 5)
+    # one rotation per KV head: the lowest V error of the held-out table on SmolLM2
     "full-kvh": ("U*H*P_br per KV head", "full", {"per_head": True}),
     "ktk-kvh": ("K^TK/V^TV per KV head", "full", {**PLAIN_TARGETS, "per_head": True}),
 }
@@ -376,9 +381,9 @@ def attention_errors(
 
 
 #: (INT4 key layers, INT4 value layers) of the per-layer width rows by default: 6 and 10 key
-#: layers (EVAL_NOTES 15: on SmolLM2 the 6 layers of largest key error hold 57% of the keys'
-#: squared INT2 error), and 10 with 6 value layers (EVAL_NOTES 20: what the values' INT2 costs
-#: once the keys' worst layers are INT4). ``foscar eval --oscar-int4-layers`` picks others.
+#: layers (on SmolLM2 the 6 layers of largest key error hold 57% of the keys' squared INT2
+#: error), and 10 with 6 value layers (what the values' INT2 costs once the keys' worst layers
+#: are INT4). ``foscar eval --oscar-int4-layers`` picks others.
 INT4_LAYERS = ((6, 0), (10, 0), (10, 6))
 
 
@@ -453,8 +458,6 @@ def prepare(
     config.
     """
     import time
-
-    from ..eval.texts import python_reference
 
     group_sizes = [int(g) for g in group_sizes]
     if group_sizes:
@@ -804,7 +807,7 @@ def _mixed_width_rows(
     int4_keys: bool = True,
 ) -> list[OscarEvalFormat]:
     """K and V at different widths, with ``windows``: K INT2 by GPTQ with V INT4, and K INT4
-    with V INT2 (INT4 is within 1% of BF16 here, EVAL_NOTES 4, so each row shows about what
+    with V INT2 (INT4 is within 1% of BF16 on SmolLM2, so each row shows about what
     the other role's INT2 costs alone). ``gptq``: the rotations with GPTQ keys and INT2 clips;
     ``plain``: the same rotations with INT2 and INT4 clips, keys to nearest; ``keys`` names
     the GPTQ keys' metric (:data:`GPTQ_METRICS`); ``int4_keys``: also the K INT4 row (it has no
@@ -916,7 +919,7 @@ def report(info: dict) -> str:
     lines = ["### OSCAR calibration", ""]
     if cal:
         sec = info.get("seconds", {})
-        shifts = cal.get("position_shifts", [0])  # (results before session 18: none)
+        shifts = cal.get("position_shifts", [0])  # (a calibration without shifts: none)
         where = (
             f", the keys' statistics and fits at the RoPE shifts {shifts}" if shifts != [0] else ""
         )
@@ -936,7 +939,7 @@ def report(info: dict) -> str:
     gptq = info.get("gptq", {})
     for metric, keys in GPTQ_METRICS.items():
         chosen = gptq.get(f"{GPTQ_SELECT} + {keys}")
-        if chosen is None and metric == "query":  # results of sessions 11-12: row name alone
+        if chosen is None and metric == "query":  # (results keyed by the row name alone)
             chosen = gptq.get(GPTQ_SELECT)
         if chosen:
             how = "GPTQ" if metric == "query" else f"GPTQ under the {metric}-weighted metric"

