@@ -167,6 +167,7 @@ class _FoscarSettings:
     max_requests: int
     num_kv_heads: int  # the model's, before any tensor-parallel split
     backend: str
+    window_dtype: torch.dtype
 
 
 class _OneChannelConfig:
@@ -235,6 +236,7 @@ class FoscarPagedCache(_TrackedCache, PagedAttentionCache):
             rotations=rotations,
             clip_bits=kv.clip_bits,
             backend=settings.backend,
+            window_dtype=settings.window_dtype,
         )
         self._slots: set = set()  # requests admitted: each holds a window slot
         self._rows: list[StepRow] | None = None  # the next forward's layout, in batch order
@@ -371,9 +373,9 @@ class FoscarBatchingManager(ContinuousBatchingManager):
     """
 
     def __init__(self, model, generation_config, continuous_batching_config, *, plan: _Plan,
-                 backend: str = "auto") -> None:
+                 backend: str = "auto", window_dtype: torch.dtype = torch.bfloat16) -> None:
         self._plan = plan
-        self._backend = backend
+        self._last_cache = None
         super().__init__(model, generation_config, continuous_batching_config)
         kv = plan.kv
         if kv.is_bf16:
@@ -381,7 +383,7 @@ class FoscarBatchingManager(ContinuousBatchingManager):
         else:
             text = model.config.get_text_config()
             self._cache_class = FoscarPagedCache.bind(
-                _FoscarSettings(kv, plan.max_requests, _num_kv_heads(text), backend)
+                _FoscarSettings(kv, plan.max_requests, _num_kv_heads(text), backend, window_dtype)
             )
 
     # ------------------------------------------------------------------ engine hooks
@@ -396,7 +398,9 @@ class FoscarBatchingManager(ContinuousBatchingManager):
 
     def _create_batch_processor(self):
         with _engine_cache_class(self._cache_class):
-            return super()._create_batch_processor()
+            processor = super()._create_batch_processor()
+        self._last_cache = processor.cache
+        return processor
 
     # ------------------------------------------------------------------ requests
     def check_request(self, prompt_tokens: int, max_new_tokens: int) -> None:
@@ -434,8 +438,7 @@ class FoscarBatchingManager(ContinuousBatchingManager):
     @property
     def cache(self):
         """The engine's cache of the running (or last) loop, or None before :meth:`start`."""
-        processor = self.batch_processor
-        return None if processor is None else processor.cache
+        return self._last_cache
 
     def kv_stats(self) -> dict:
         """Sizes of the KV cache (per process).
@@ -489,6 +492,7 @@ def build_manager(
     max_requests: int | None = None,
     backend: str = "auto",
     scheduler: str = "fifo",
+    window_dtype: torch.dtype = torch.bfloat16,
     **generation_kwargs,
 ) -> FoscarBatchingManager:
     """A continuous-batching manager serving ``model`` with the KV cache ``kv``.
@@ -519,6 +523,8 @@ def build_manager(
         ``memory_bytes``).
     backend : :func:`foscar.decode_attention`'s backend.
     scheduler : the engine's scheduler (``"fifo"`` or ``"prefill_first"``).
+    window_dtype : storage of foscar's sink and recent windows (BF16; float32 keeps an fp32
+        model's window tokens exact).
     generation_kwargs : GenerationConfig fields (default greedy: ``do_sample=False``), and
         ``max_requests_per_batch`` for the engine.
 
@@ -579,9 +585,11 @@ def build_manager(
     else:
         formats = resolved.formats
         per_token = history_bytes_per_token(formats, local_heads, head_dim)
-        window = window_bytes_per_request(formats, local_heads, head_dim)
+        window = window_bytes_per_request(formats, local_heads, head_dim, window_dtype)
         block = per_token * block_size
         slots = max_requests or requests_per_batch or DEFAULT_MAX_REQUESTS
+        if num_blocks is not None and max_requests is None:
+            slots = min(slots, num_blocks)
         if num_blocks is None:
             if max_requests is None:
                 slots = max(1, min(slots, memory_bytes // (2 * window)))
@@ -632,5 +640,7 @@ def build_manager(
             auto_switch_to_flash=False,
         )
     cb_config = ContinuousBatchingConfig(**{k: v for k, v in cb.items() if k in fields})
-    return FoscarBatchingManager(model, gen, cb_config, plan=plan, backend=backend)
+    return FoscarBatchingManager(
+        model, gen, cb_config, plan=plan, backend=backend, window_dtype=window_dtype
+    )
 
