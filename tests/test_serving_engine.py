@@ -270,6 +270,45 @@ def test_chunked_prefill_per_layer_formats_match_extend_path(smollm2):
     assert out.generated_tokens == _reference(model, fmts, prompt, NEW_TOKENS, chunks=chunks)
 
 
+def _random_oscar_file(path, *, layers, kv_heads, head_dim, key_bits, value_bits):
+    """An OSCAR calibration file with random per-KV-head rotations, clip ratios for INT2 and
+    INT4, and the per-layer widths and windows in its header."""
+    from foscar.oscar import OscarRotations
+
+    gen = torch.Generator().manual_seed(7)
+
+    def orthogonal():
+        a = torch.randn(layers, kv_heads, head_dim, head_dim, generator=gen, dtype=torch.float64)
+        return torch.linalg.qr(a).Q
+
+    clips = {(b, role): torch.rand(layers, generator=gen, dtype=torch.float64) * 0.1 + 0.9
+             for b in (2, 4) for role in ("key", "value")}
+    header = {"key_bits": key_bits, "value_bits": value_bits, "windows": [4, 8]}
+    OscarRotations(orthogonal(), orthogonal(), clips, header).save(path)
+    return path
+
+
+def test_oscar_file_per_head_rotations_match_oscar_cache(smollm2, tmp_path):
+    """kv = an OSCAR file: per-KV-head rotations, fitted clips and per-layer widths from the
+    file, through the engine, give FoscarCache's tokens with the same rotations."""
+    from foscar.oscar import OscarRotations, oscar_cache
+
+    model, tok = smollm2
+    path = _random_oscar_file(tmp_path / "oscar.safetensors", layers=LAYERS, kv_heads=3,
+                              head_dim=64, key_bits=[4, 2, 2, 4], value_bits=[2, 2, 4, 2])
+    resolved = resolve_kv(str(path), num_layers=LAYERS, head_dim=64, num_kv_heads=3)
+    assert [f.key.bits for f in resolved.formats] == [4, 2, 2, 4]
+    assert resolved.formats[0].sink_tokens == 4 and resolved.clip_bits == "cache"
+    prompts = [_chat(tok, "Name a color."), _chat(tok, "What is the capital of France?")]
+    manager = build_manager(model, str(path), num_blocks=16, block_size=16, max_batch_tokens=256)
+    outs = _serve(manager, prompts)
+    rot = OscarRotations.load(path)
+    for p, out in zip(prompts, outs):
+        cache = oscar_cache(resolved.formats, model.config, rot, clip_bits="cache",
+                            max_cache_len=len(p) + NEW_TOKENS, page_size=16)
+        assert out.generated_tokens == _reference(model, None, p, NEW_TOKENS, cache=cache)
+
+
 def test_bf16_windows_only_matches_engine_bf16(smollm2):
     """A format whose windows hold every token (in fp32, the model's dtype) generates what the
     engine's own paged cache generates."""
@@ -293,7 +332,7 @@ def test_preemption_restarts_requests_and_reuses_pages(smollm2):
     model, tok = smollm2
     prompts = [_chat(tok, "Name a color."), _chat(tok, "Name a fruit."), _chat(tok, "Name a dog.")]
     new = 20
-    manager = build_manager(model, INT4, num_blocks=8, block_size=16, max_batch_tokens=256,
+    manager = build_manager(model, INT4, num_blocks=7, block_size=16, max_batch_tokens=256,
                             max_requests=3)
     outs = _serve(manager, prompts, max_new=new)
     paged = manager.cache.paged

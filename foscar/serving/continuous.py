@@ -388,13 +388,20 @@ class FoscarBatchingManager(ContinuousBatchingManager):
 
     # ------------------------------------------------------------------ engine hooks
     def switch_to_cb_friendly_attn(self, model, *args, **kwargs) -> None:
+        # the engine switches at construction; a foscar manager switches at start() (and the
+        # engine's stop() switches back), so that one built and never started leaves the model
+        # as it was
         if self._plan.kv.is_bf16:
             return super().switch_to_cb_friendly_attn(model, *args, **kwargs)
-        original = model.config._attn_implementation
-        if original != ATTENTION_NAME:
-            register()
-            model.set_attn_implementation(ATTENTION_NAME)
-            self._original_attn_impl = original
+
+    def start(self) -> None:
+        if not self._plan.kv.is_bf16 and not self.is_running():
+            original = self.model.config._attn_implementation
+            if original != ATTENTION_NAME:
+                register()
+                self.model.set_attn_implementation(ATTENTION_NAME)
+                self._original_attn_impl = original
+        super().start()
 
     def _create_batch_processor(self):
         with _engine_cache_class(self._cache_class):
