@@ -99,8 +99,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--memory-gb",
         type=float,
         default=None,
-        help="memory for the KV cache, in GB (10^9 bytes); the same memory holds 4-6x more "
-        "tokens with foscar than with bf16 (default: 256 MiB on a CPU, half the free memory on "
+        help="memory for the KV cache, in GB (10^9 bytes); the same memory holds 3-6x more "
+        "tokens with int4-int2 than with bf16 (default: 256 MiB on a CPU, half the free memory on "
         "a GPU)",
     )
     size.add_argument(
@@ -130,8 +130,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--cpu-threads",
         type=int,
         default=None,
-        help="torch's CPU threads (default: 1 when the model is on a GPU, where a step's host "
-        "work is too small to share, else torch's own; OMP_NUM_THREADS wins)",
+        help="torch's CPU threads (default: torch's own, or 1 when the model is on a GPU and "
+        "OMP_NUM_THREADS is unset: a step's host work is too small to share)",
     )
     engine.add_argument(
         "--cuda-graphs",
