@@ -418,7 +418,7 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--serve-seed", type=int, default=t.seed, help="the trace's seed")
     g.add_argument("--serve-memory-gb", type=float, default=None,
                    help="KV memory of every method, in GB (default: what holds a quarter of the "
-                   "trace's tokens in BF16, so BF16 must queue requests)")
+                   "trace's tokens in the engine's own cache, so bf16 must queue requests)")
     g.add_argument("--serve-block-size", type=int, default=None,
                    help="tokens per KV block (default 64)")
     g.add_argument("--serve-max-seconds", type=float, default=600.0,

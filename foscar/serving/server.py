@@ -536,6 +536,8 @@ class ChatServer(ThreadingHTTPServer):
             raise ValueError(f"default_max_tokens must be an int >= 1, got {default_max_tokens!r}")
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError("the tokenizer has no chat template: /v1/chat/completions needs one")
+        if ":" in address[0]:  # an IPv6 address such as ::1
+            self.address_family = socket.AF_INET6
         super().__init__(address, _Handler)
         eos = getattr(manager, "generation_config", None)
         eos = getattr(eos, "eos_token_id", None)
@@ -553,7 +555,7 @@ class ChatServer(ThreadingHTTPServer):
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     def model_card(self) -> dict:
         return {"id": self.model_id, "object": "model", "created": self.created,
