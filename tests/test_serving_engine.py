@@ -200,7 +200,8 @@ def _reference(model, fmt, prompt, max_new, *, chunks=None, cache=None):
     use_foscar_attention(model)
     try:
         if cache is None:
-            cache = FoscarCache(fmt, model.config, max_cache_len=len(prompt) + max_new, page_size=16)
+            length = len(prompt) + max_new
+            cache = FoscarCache(fmt, model.config, max_cache_len=length, page_size=16)
         kw = {cache_kwarg(model): cache}
         ids, pos = torch.tensor([prompt]), 0
         for c in chunks or [len(prompt)]:
@@ -260,8 +261,8 @@ def test_chunked_prefill_per_layer_formats_match_extend_path(smollm2):
     FoscarCache's extend path does, and the tokens agree."""
     model, tok = smollm2
     prompt = _ids(tok, "A long sentence about the sea and the moon at night, written by a poet "
-                       "who lived near the harbour and knew every boat, every sailor and every light of "
-                       "the old town:")
+                       "who lived near the harbour and knew every boat, every sailor and every "
+                       "light of the old town:")
     assert 32 < len(prompt) <= 48
     fmts = [INT2, KVFormat(INT4.key, INT2.value, sink_tokens=4, recent_tokens=8), INT2, INT2]
     manager = build_manager(model, fmts, num_blocks=16, block_size=16, max_batch_tokens=16)
@@ -299,7 +300,7 @@ def test_oscar_file_per_head_rotations_match_oscar_cache(smollm2, tmp_path):
     resolved = resolve_kv(str(path), num_layers=LAYERS, head_dim=64, num_kv_heads=3)
     assert [f.key.bits for f in resolved.formats] == [4, 2, 2, 4]
     assert resolved.formats[0].sink_tokens == 4 and resolved.clip_bits == "cache"
-    prompts = [_ids(tok, "Colors of the rainbow:"), _ids(tok, "The capital of France is a city where")]
+    prompts = [_ids(tok, "Colors of the rainbow:"), _ids(tok, "The capital of France is a city")]
     manager = build_manager(model, str(path), num_blocks=16, block_size=16, max_batch_tokens=256)
     outs = _serve(manager, prompts)
     rot = OscarRotations.load(path)
@@ -313,7 +314,7 @@ def test_bf16_windows_only_matches_engine_bf16(smollm2):
     """A format whose windows hold every token (in fp32, the model's dtype) generates what the
     engine's own paged cache generates."""
     model, tok = smollm2
-    prompts = [_ids(tok, "Colors of the rainbow:"), _ids(tok, "The capital of France is a city where")]
+    prompts = [_ids(tok, "Colors of the rainbow:"), _ids(tok, "The capital of France is a city")]
     windows = KVFormat(QuantFormat(4, "token", 64), QuantFormat(4, "token", 64),
                        recent_tokens=4096)
     foscar = build_manager(model, windows, num_blocks=16, block_size=16, max_batch_tokens=256,

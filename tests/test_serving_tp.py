@@ -74,7 +74,6 @@ def _worker(model_dir: str, kv: str, out: str) -> None:
         manager.stop(block=True)
     else:  # the loop ends when rank 0 stops it
         manager.join(0.0)
-        manager.stop(block=True)
     paged = manager.cache.paged
     heads = KV_HEADS // world
     rot = OscarRotations.load(kv)

@@ -1,5 +1,5 @@
-"""foscar in transformers' continuous-batching engine (checked on transformers 5.25; written for
-5.17 too: every difference is detected, not assumed).
+"""foscar in transformers' continuous-batching engine (checked on transformers 5.25 and 5.17; the
+differences between them are detected, not assumed).
 
 The engine (``ContinuousBatchingManager``) keeps its request queue, scheduler (FIFO: decoding
 requests first, then chunks of new prompts within ``max_batch_tokens``), request states,
@@ -180,6 +180,8 @@ class _OneChannelConfig:
         self.head_dim = 1
 
     def __getattr__(self, name):
+        if name == "_config":  # not set yet (a copy being built)
+            raise AttributeError(name)
         return getattr(self._config, name)
 
 
@@ -359,6 +361,7 @@ class _Plan:
     block_size: int
     max_requests: int | None  # window slots (foscar only)
     bytes_per_token: float  # stored bytes per token, all layers (history tokens for foscar)
+    window_bytes: int  # one request's BF16 windows, all layers (foscar; 0 for BF16)
     bf16_bytes_per_token: int  # the same token in a BF16 cache
     memory_bytes: int  # pages (+ windows): what the sizes cost
     max_position: int | None
@@ -452,7 +455,8 @@ class FoscarBatchingManager(ContinuousBatchingManager):
 
         ``num_blocks``, ``block_size``: the engine's blocks; ``max_tokens``: tokens they hold;
         ``bytes_per_token``: stored bytes of one token over all layers (for foscar, of a token
-        in the quantized history; the BF16 windows are ``window_bytes`` per request);
+        in the quantized history; the BF16 windows are ``window_bytes`` per request, 0 for
+        the engine's cache);
         ``memory_bytes``: the pool (and windows); ``bf16_equivalent_tokens``: tokens a BF16
         cache holds in ``memory_bytes``; ``max_requests``: window slots (foscar);
         ``peak_concurrent_requests``: most requests holding blocks at once so far.
@@ -468,6 +472,7 @@ class FoscarBatchingManager(ContinuousBatchingManager):
             "memory_bytes": plan.memory_bytes,
             "bf16_equivalent_tokens": plan.memory_bytes // plan.bf16_bytes_per_token,
             "max_requests": plan.max_requests,
+            "window_bytes": plan.window_bytes,
             "peak_concurrent_requests": 0 if cache is None else cache.peak_requests,
         }
         if isinstance(cache, FoscarPagedCache):
@@ -562,13 +567,15 @@ def build_manager(
     block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 4:
         raise ValueError(f"block_size must be an int >= 4, got {block_size!r}")
-    if not resolved.is_bf16 and (block_size < 16 or block_size > 256 or block_size & (block_size - 1)):
+    power_of_two = block_size & (block_size - 1) == 0
+    if not resolved.is_bf16 and not (16 <= block_size <= 256 and power_of_two):
         raise ValueError(
             f"block_size must be a power of two from 16 to 256 for a foscar cache, got {block_size}"
         )
     for name, value in (("memory_bytes", memory_bytes), ("num_blocks", num_blocks),
                         ("max_batch_tokens", max_batch_tokens), ("max_requests", max_requests)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        bad = isinstance(value, bool) or not isinstance(value, int) or value < 1
+        if value is not None and bad:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if memory_bytes is not None and num_blocks is not None:
         raise ValueError("give memory_bytes or num_blocks, not both")
@@ -588,7 +595,7 @@ def build_manager(
         if num_blocks is None:
             num_blocks = memory_bytes // (per_token * block_size)
         memory = num_blocks * block_size * per_token
-        slots = None
+        slots, window = None, 0
     else:
         formats = resolved.formats
         per_token = history_bytes_per_token(formats, local_heads, head_dim)
@@ -613,6 +620,7 @@ def build_manager(
         block_size=block_size,
         max_requests=slots,
         bytes_per_token=per_token,
+        window_bytes=window,
         bf16_bytes_per_token=bf16_per_token,
         memory_bytes=memory,
         max_position=getattr(text, "max_position_embeddings", None),

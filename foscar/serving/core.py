@@ -44,7 +44,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -102,6 +102,10 @@ def _prefill_sdpa(query, key, value, scaling: float) -> torch.Tensor:
     return out.transpose(1, 2)
 
 
+def _gather(x: torch.Tensor, index) -> torch.Tensor:
+    return x[index] if isinstance(index, slice) else x.index_select(0, index)
+
+
 #: ``prefill_attention(query [1, H_q, T, D], key [1, H, T, D], value, scaling) -> [1, T, H_q, D]``
 PrefillAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
@@ -115,6 +119,7 @@ class _Step:
     extend: tuple[int, ...]
     num_tokens: int
     plan: DecodeBatch | None = None  # of the decode rows, planned at the first layer
+    indices: dict = field(default_factory=dict)  # packed-token indices, made at the first layer
 
 
 class PagedKV:
@@ -346,17 +351,18 @@ class PagedKV:
             return slice(step.offsets[i], step.offsets[i] + rows[i].query_length)
 
         # chunks on stored history: read the history before the chunk joins it
-        extended = {i: self._attend_extend(layer, rows[i], q[tokens(i)], k[tokens(i)],
-                                            v[tokens(i)], scaling) for i in step.extend}
-        for group in (step.prefill + step.extend, step.decode):
+        extended = {}
+        for i in step.extend:
+            t = tokens(i)
+            extended[i] = self._attend_extend(layer, rows[i], q[t], k[t], v[t], scaling)
+        for name, group in (("written", step.prefill + step.extend), ("decode", step.decode)):
             if not group:
                 continue
-            idx = torch.cat([torch.arange(tokens(i).start, tokens(i).stop) for i in group])
-            idx = idx.to(k.device)
+            idx = self._token_index(step, name, group, k.device)
             self.cache.append(
                 [rows[i].request_id for i in group],
-                k.index_select(0, idx),
-                v.index_select(0, idx),
+                _gather(k, idx),
+                _gather(v, idx),
                 [rows[i].query_length for i in group],
                 layer=layer,
             )
@@ -376,16 +382,38 @@ class PagedKV:
                 step.plan = self.cache.plan([rows[i].request_id for i in step.decode], layer)
             # one plan per step: the page tables and lengths are every layer's; it names a layer
             step.plan.layer = layer
-            pos = torch.tensor([step.offsets[i] for i in step.decode], device=q.device)
+            idx = self._token_index(step, "decode", step.decode, q.device)
             o = decode_attention(
-                q.index_select(0, pos).contiguous(),
+                _gather(q, idx).contiguous(),
                 self.cache,
                 step.plan,
                 sm_scale=scaling,
                 backend=self.backend,
             )
-            out.index_copy_(0, pos, o.to(q.dtype))
+            if isinstance(idx, slice):
+                out[idx] = o.to(q.dtype)
+            else:
+                out.index_copy_(0, idx, o.to(q.dtype))
         return out
+
+    @staticmethod
+    def _token_index(step: _Step, name: str, group: tuple[int, ...], device):
+        """The packed tokens of the rows ``group``: a slice when they lead the batch in order,
+        else a device index, made once per step (a copy from pinned memory, no sync)."""
+        if name not in step.indices:
+            tokens = [
+                t
+                for i in group
+                for t in range(step.offsets[i], step.offsets[i] + step.rows[i].query_length)
+            ]
+            if tokens == list(range(len(tokens))):
+                step.indices[name] = slice(0, len(tokens))
+            else:
+                index = torch.tensor(tokens, dtype=torch.long)
+                if torch.device(device).type == "cuda":
+                    index = index.pin_memory().to(device, non_blocking=True)
+                step.indices[name] = index.to(device)
+        return step.indices[name]
 
     def _attend_extend(self, layer, row: StepRow, q, k, v, scaling) -> torch.Tensor:
         """``q: [t, H_q, D]``, ``k, v: [t, H, D]`` of a chunk on ``row``'s stored tokens ->

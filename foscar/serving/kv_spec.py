@@ -91,7 +91,9 @@ class ResolvedKV:
         return self.formats is None
 
 
-def resolve_kv(kv, *, num_layers: int, head_dim: int, num_kv_heads: int | None = None) -> ResolvedKV:
+def resolve_kv(
+    kv, *, num_layers: int, head_dim: int, num_kv_heads: int | None = None
+) -> ResolvedKV:
     """``kv`` (module docstring) for a model of ``num_layers`` layers of ``head_dim`` channels
     (``num_kv_heads``: to check per-head rotations). Raises ``ValueError`` naming what does not
     fit."""
