@@ -285,6 +285,7 @@ class FoscarPagedCache(_TrackedCache, PagedAttentionCache):
 
     def free_all_requests(self, *args, **kwargs):
         result = super().free_all_requests(*args, **kwargs)
+        self._rows = None
         self._slots.clear()
         self.live_request_ids.clear()
         self.paged.release_all()
@@ -445,6 +446,18 @@ class FoscarBatchingManager(ContinuousBatchingManager):
         return super().add_request(input_ids, request_id, max_new_tokens, *args, **kwargs)
 
     # ------------------------------------------------------------------ accounting
+    def concurrent_requests(self, request_tokens: int) -> dict:
+        """Requests of ``request_tokens`` tokens the pool holds at once, and a BF16 cache in the
+        same memory: ``{"kv": n, "bf16": m}`` (the engine's accounting: a request holds a block
+        for every ``block_size`` of its tokens, and for foscar a window slot)."""
+        plan = self._plan
+        blocks = math.ceil(request_tokens / plan.block_size)
+        fit = plan.num_blocks // blocks
+        if plan.max_requests is not None:
+            fit = min(fit, plan.max_requests)
+        bf16_blocks = plan.memory_bytes // (plan.bf16_bytes_per_token * plan.block_size)
+        return {"kv": fit, "bf16": bf16_blocks // blocks}
+
     @property
     def cache(self):
         """The engine's cache of the running (or last) loop, or None before :meth:`start`."""
@@ -502,6 +515,7 @@ def build_manager(
     max_new_tokens: int = 128,
     cuda_graphs: bool | None = None,
     max_requests: int | None = None,
+    request_tokens: int | None = None,
     backend: str = "auto",
     scheduler: str = "fifo",
     window_dtype: torch.dtype = torch.bfloat16,
@@ -530,9 +544,13 @@ def build_manager(
         The engine's CUDA graphs (None: the engine decides for BF16; foscar caches: off, and
         True is refused, see :mod:`foscar.serving.continuous`).
     max_requests : int, optional
-        foscar: window slots, i.e. requests holding cache at once (default: 32, or
+        foscar: window slots, i.e. requests holding cache at once (default: as many requests
+        of ``request_tokens`` as ``memory_bytes`` holds; without ``request_tokens``, 32 or
         ``max_requests_per_batch`` when given, fewer if the windows would take over half of
         ``memory_bytes``).
+    request_tokens : int, optional
+        foscar: the typical tokens of a request (prompt and output) to split ``memory_bytes``
+        between window slots and blocks for (:meth:`FoscarBatchingManager.concurrent_requests`).
     backend : :func:`foscar.decode_attention`'s backend.
     scheduler : the engine's scheduler (``"fifo"`` or ``"prefill_first"``).
     window_dtype : storage of foscar's sink and recent windows (BF16; float32 keeps an fp32
@@ -573,7 +591,8 @@ def build_manager(
             f"block_size must be a power of two from 16 to 256 for a foscar cache, got {block_size}"
         )
     for name, value in (("memory_bytes", memory_bytes), ("num_blocks", num_blocks),
-                        ("max_batch_tokens", max_batch_tokens), ("max_requests", max_requests)):
+                        ("max_batch_tokens", max_batch_tokens), ("max_requests", max_requests),
+                        ("request_tokens", request_tokens)):
         bad = isinstance(value, bool) or not isinstance(value, int) or value < 1
         if value is not None and bad:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -605,7 +624,12 @@ def build_manager(
         if num_blocks is not None and max_requests is None:
             slots = min(slots, num_blocks)
         if num_blocks is None:
-            if max_requests is None:
+            if max_requests is None and request_tokens is not None:
+                # as many requests of request_tokens as the memory holds: each takes a window
+                # slot and a block for every block_size of its tokens
+                per_request = window + math.ceil(request_tokens / block_size) * block
+                slots = max(1, memory_bytes // per_request)
+            elif max_requests is None:
                 slots = max(1, min(slots, memory_bytes // (2 * window)))
             num_blocks = (memory_bytes - slots * window) // block
         memory = num_blocks * block + slots * window
