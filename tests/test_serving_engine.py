@@ -147,6 +147,16 @@ def test_core_rejects_inconsistent_steps():
         kv.begin_step([StepRow("a", 4, 1), StepRow("a", 4, 1)])
 
 
+def test_core_rejected_step_changes_nothing():
+    kv = _paged(max_requests=2)
+    kv.begin_step([StepRow("a", 0, 20, (0, 1))])
+    with pytest.raises(ValueError, match="not free pool pages"):
+        kv.begin_step([StepRow("a", 20, 1, (0, 1)), StepRow("b", 0, 4, (1,))])
+    assert kv.live_requests == ("a",) and kv.cache.pages_of("a") == [0, 1]
+    assert kv.cache.num_free_pages == 14 and kv.num_free_slots == 1
+    kv.begin_step([StepRow("a", 20, 1, (0, 1)), StepRow("b", 0, 4, (2,))])
+
+
 # ---------------------------------------------------------------------------- kv spellings
 def test_parse_kv(tmp_path):
     assert parse_kv("INT4") == "int4" and parse_kv("bf16") == "bf16"

@@ -9,8 +9,9 @@ turns such a step into foscar operations, whatever the engine:
   by its engine blocks, in order (history token ``t`` in block ``t // block_size`` of the
   request's list, row ``t % block_size``). The history starts after the BF16 sink, so a request
   of ``L`` tokens needs ``ceil(Lq / block_size) <= ceil(L / block_size)`` of its blocks: the
-  engine's accounting (blocks for every token) always covers it. Without block ids (an engine
-  that leaves storage to foscar), the pool hands out its own pages.
+  engine's accounting (blocks for every token) always covers it, and the pages of the blocks
+  its window tokens count stay unused (``(S + W) / block_size`` pages a request). Without block
+  ids (an engine that leaves storage to foscar), the pool hands out its own pages.
 * **BF16 windows per request.** Each live request holds one window slot (sink and recent ring,
   :class:`foscar.QuantizedKVCache`); ``max_requests`` slots exist. A request is started when it
   first appears with ``past_length == 0`` (a new request, or one the engine preempted and
@@ -31,6 +32,14 @@ turns such a step into foscar operations, whatever the engine:
   - *extend* (several new tokens on a non-empty request: a chunk of a chunked prefill): the
     stored tokens dequantized in fp32 (:func:`foscar.reference.dequantize_sequence`) and the new
     ones, causal over the new ones, as ``FoscarCache``'s extend path; then the chunk is appended.
+
+Host and device: :meth:`PagedKV.begin_step` is host work only, and a decode step's device work
+(the writes, :func:`foscar.decode_attention`) waits on no device result: its index tensors go to
+the device once per step from pinned memory, the finiteness check is off. The writes still plan
+their scatter on the host at each layer (:meth:`foscar.QuantizedKVCache.append`), so a captured
+CUDA graph of a step would replay stale positions: capturing needs the step's write descriptors
+and page tables in static device buffers filled by ``begin_step``, which the cache's append does
+not offer yet.
 
 Prefix sharing (one block in two requests) has no meaning here: a block holds quantized history
 of one request only, and history starts after that request's own sink. Engines must not share
@@ -226,24 +235,8 @@ class PagedKV:
         for request_id in list(self._lengths):
             self.release(request_id)
 
-    def _start(self, row: StepRow) -> None:
-        self.release(row.request_id)  # an engine that restarts a request without releasing it
-        held = self._released.pop(row.request_id, None)
-        if held:
-            self.restarts.append((row.request_id, held))
-            del self.restarts[: -self.RESTART_LOG]
-        if not self.num_free_slots:
-            raise ValueError(
-                f"request {row.request_id!r} needs a window slot but all {self.max_requests} "
-                "are held (max_requests)"
-            )
-        pages = self._check_blocks(row, [])
-        self.cache.add_sequence(row.request_id, pages=pages)
-        self._lengths[row.request_id] = 0
-        self.peak_requests = max(self.peak_requests, len(self._lengths))
-
-    def _check_blocks(self, row: StepRow, held: list[int]) -> list[int]:
-        """The blocks of ``row`` not yet held by its sequence (``held`` must be a prefix)."""
+    def _new_blocks(self, row: StepRow, held: list[int]) -> list[int]:
+        """The blocks of ``row`` its sequence does not hold yet (``held`` must be a prefix)."""
         if row.block_ids is None:
             return []
         blocks = list(row.block_ids)
@@ -254,31 +247,22 @@ class PagedKV:
             )
         return blocks[len(held) :]
 
-    def _take_blocks(self, row: StepRow) -> None:
-        """Hand a live request the engine blocks it got since the last step."""
-        held = self.cache.pages_of(row.request_id)
-        new = self._check_blocks(row, held)
-        if not new:
-            return
+    def _hand_pages(self, request_id: Hashable, pages: list[int]) -> None:
+        """Give a live request more pool pages (free ones, checked by the caller)."""
         # QuantizedKVCache takes a sequence's first pages at add_sequence(pages=...) and has no
-        # public call to give it more; an engine's block manager grows a request block by block.
-        free = set(self.cache._free_pages)
-        for p in new:
-            if p not in free:
-                raise ValueError(
-                    f"request {row.request_id!r}: engine block {p} is not a free pool page "
-                    "(held by another request, or outside the pool)"
-                )
-        taken = set(new)
+        # public call to give it more, where an engine's block manager grows a request block by
+        # block; this reaches into its page lists
+        taken = set(pages)
         self.cache._free_pages = [p for p in self.cache._free_pages if p not in taken]
-        self.cache._seqs[row.request_id].pages.extend(new)
+        self.cache._seqs[request_id].pages.extend(pages)
 
     # ------------------------------------------------------------------ steps
     def begin_step(self, rows: Sequence[StepRow]) -> None:
         """Take the layout of the next forward pass (host work only; no tensor is touched).
 
-        Rows with ``past_length == 0`` start their request (again, after a preemption); every
-        other row's request must be live and hold exactly ``past_length`` tokens.
+        Rows with ``past_length == 0`` start their request (again, after a preemption: what it
+        held is released first); every other row's request must be live and hold exactly
+        ``past_length`` tokens. A rejected step changes nothing but those releases.
         """
         rows = tuple(rows)
         if not rows:
@@ -298,10 +282,38 @@ class PagedKV:
                     f"{self._lengths.get(r.request_id, 'no')} tokens, the engine says "
                     f"{r.past_length}"
                 )
+        starts = [r for r in rows if r.past_length == 0]
+        for r in starts:
+            self.release(r.request_id)  # an engine may restart a request without releasing it
+        if len(starts) > self.num_free_slots:
+            raise ValueError(
+                f"{len(starts)} requests start but {self.num_free_slots} of the "
+                f"{self.max_requests} window slots are free (max_requests)"
+            )
+        new_pages = {
+            r.request_id: self._new_blocks(r, [] if not r.past_length
+                                           else self.cache.pages_of(r.request_id))
+            for r in rows
+        }
+        free = set(self.cache._free_pages)
+        wanted = [p for pages in new_pages.values() for p in pages]
+        bad = [p for p in wanted if p not in free]
+        if bad or len(set(wanted)) != len(wanted):
+            raise ValueError(
+                f"engine blocks {bad or wanted} are not free pool pages (held by another "
+                "request, given twice, or outside the pool)"
+            )
+        # ---- nothing below can fail
+        for r in starts:
+            held = self._released.pop(r.request_id, None)
+            if held:
+                self.restarts.append((r.request_id, held))
+                del self.restarts[: -self.RESTART_LOG]
+            self.cache.add_sequence(r.request_id)
         for r in rows:
-            if r.past_length == 0:
-                self._start(r)
-            self._take_blocks(r)
+            self._hand_pages(r.request_id, new_pages[r.request_id])
+            self._lengths[r.request_id] = r.past_length + r.query_length
+        self.peak_requests = max(self.peak_requests, len(self._lengths))
         offsets, total = [], 0
         for r in rows:
             offsets.append(total)
@@ -310,8 +322,6 @@ class PagedKV:
         prefill = tuple(i for i, r in enumerate(rows) if not r.past_length)
         extend = tuple(i for i, r in enumerate(rows) if r.past_length and r.query_length > 1)
         self._step = _Step(rows, tuple(offsets), decode, prefill, extend, total)
-        for r in rows:
-            self._lengths[r.request_id] = r.past_length + r.query_length
 
     def attend(
         self,
