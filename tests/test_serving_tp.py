@@ -73,7 +73,7 @@ def _worker(model_dir: str, kv: str, out: str) -> None:
                 done[r.request_id] = r.generated_tokens
         manager.stop(block=True)
     else:  # the loop ends when rank 0 stops it
-        manager.join(0.0)
+        manager.wait()
     paged = manager.cache.paged
     heads = KV_HEADS // world
     rot = OscarRotations.load(kv)

@@ -407,6 +407,14 @@ class FoscarBatchingManager(ContinuousBatchingManager):
                 self._original_attn_impl = original
         super().start()
 
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the generation loop ends. Under tensor parallelism every process builds
+        the manager and calls :meth:`start`; process 0 (the engine's driver) adds requests and
+        reads results, the others call this: the driver's :meth:`stop` ends every loop."""
+        thread = self._generation_thread
+        if thread is not None:
+            thread.join(timeout)
+
     def _create_batch_processor(self):
         with _engine_cache_class(self._cache_class):
             processor = super()._create_batch_processor()
@@ -650,7 +658,8 @@ def build_manager(
         max_position=getattr(text, "max_position_embeddings", None),
     )
 
-    gen = copy.deepcopy(model.generation_config) if model.generation_config else GenerationConfig()
+    gen = model.generation_config
+    gen = GenerationConfig() if gen is None else copy.deepcopy(gen)
     gen.max_new_tokens = max_new_tokens
     gen.do_sample = False
     for name, value in generation_kwargs.items():
