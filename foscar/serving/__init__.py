@@ -22,6 +22,13 @@ Two layers:
         ...
     manager.stop(block=True)
     manager.kv_stats()   # pool size, bytes per token, how many more tokens than BF16
+    manager.concurrent_requests(2048)   # requests of 2K tokens held at once, and with BF16
+
+``add_request`` raises ``ValueError`` for a request the pool can never hold (prompt plus
+``max_new_tokens`` over the cache's tokens or the model's positions); a cancelled, finished or
+preempted request's pages and window slot return to the pool. Under tensor parallelism
+(``torchrun``) every process builds and starts the manager, process 0 adds requests, the others
+call ``manager.wait()`` (:mod:`foscar.serving.tp`).
 
 ``kv`` (:func:`parse_kv` reads the command-line spelling): ``"bf16"`` (the engine's own cache,
 unchanged), ``"int4"``, ``"int2"`` (token-wise groups of ``min(head_dim, 128)``, 64 sink + 256
@@ -29,7 +36,6 @@ recent BF16 tokens), a :class:`foscar.KVFormat`, a list of one per layer, or the
 OSCAR calibration file (its rotations, fitted clips and per-layer widths).
 """
 
-from .continuous import FoscarBatchingManager, build_manager
 from .core import PagedKV, StepRow
 from .kv_spec import KV_NAMES, KVSpecError, parse_kv, resolve_kv
 
@@ -43,3 +49,13 @@ __all__ = [
     "parse_kv",
     "resolve_kv",
 ]
+
+
+def __getattr__(name: str):
+    # the transformers adapter is imported on first use: the core serves other engines without
+    # transformers installed
+    if name in ("FoscarBatchingManager", "build_manager"):
+        from . import continuous
+
+        return getattr(continuous, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -585,6 +585,11 @@ def build_manager(
                 f"model has {sorted(layer_types)} layers"
                 + (f" and a sliding window of {text.sliding_window}" if text.sliding_window else "")
             )
+        if (generation_kwargs.get("num_return_sequences") or 1) > 1:
+            raise ValueError(
+                "num_return_sequences > 1: a foscar cache cannot fork a request (its blocks hold "
+                "one request's quantized history)"
+            )
         if cuda_graphs:
             raise ValueError(
                 "cuda_graphs=True: the engine's CUDA graphs would replay a foscar step without "
