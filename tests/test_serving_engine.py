@@ -228,16 +228,21 @@ def _reference(model, fmt, prompt, max_new, *, chunks=None, cache=None):
         model.set_attn_implementation(original)
 
 
-def _serve(manager, prompts, *, gap=0.0, max_new=NEW_TOKENS):
-    """Requests added ``gap`` seconds apart to a running manager; their final outputs."""
+def _serve(manager, prompts, *, max_new=NEW_TOKENS, staggered=False):
+    """The final outputs of ``prompts`` served by ``manager`` (started here, stopped after).
+    ``staggered``: each request arrives once the one before it holds cache (mid-generation);
+    ``max_new``: one count for all, or one per prompt."""
+    news = max_new if isinstance(max_new, list) else [max_new] * len(prompts)
     manager.start()
+    deadline = time.monotonic() + 600
     try:
         ids = []
-        for p in prompts:
-            ids.append(manager.add_request(p, max_new_tokens=max_new))
-            time.sleep(gap)
+        for p, new in zip(prompts, news):
+            ids.append(manager.add_request(p, max_new_tokens=new))
+            while staggered and not (manager.cache and ids[-1] in manager.cache.live_request_ids):
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
         done = {}
-        deadline = time.monotonic() + 600
         while len(done) < len(ids) and time.monotonic() < deadline:
             r = manager.get_result(timeout=1)
             if r is not None and r.is_finished():
@@ -248,19 +253,19 @@ def _serve(manager, prompts, *, gap=0.0, max_new=NEW_TOKENS):
 
 
 def test_ragged_staggered_requests_match_foscar_cache(smollm2):
-    """Three prompts of different lengths arriving while the engine runs, batched together
-    (prefill rows beside decode rows): each gets the tokens FoscarCache + greedy decoding gives
-    it alone, token for token; every page and slot is free afterwards."""
+    """Three prompts of different lengths, each arriving while the one before it generates, so
+    that steps mix prefill and decode rows: each gets the tokens FoscarCache + greedy decoding
+    gives it alone, token for token; every page and slot is free afterwards."""
     model, tok = smollm2
     prompts = [_ids(tok, "The capital of France is a city where"), _ids(tok, "Colors:"),
                _ids(tok, "One sentence about the sea and the moon at night, written by a poet:")]
     assert len({len(p) for p in prompts}) == 3
     manager = build_manager(model, INT4, num_blocks=32, block_size=16, max_batch_tokens=256)
-    outs = _serve(manager, prompts, gap=0.3)
-    for p, out in zip(prompts, outs):
-        assert out.generated_tokens == _reference(model, INT4, p, NEW_TOKENS)
-    stats = manager.kv_stats()
-    assert stats["peak_concurrent_requests"] >= 2
+    news = [3 * NEW_TOKENS, 2 * NEW_TOKENS, NEW_TOKENS]  # the earlier ones still run
+    outs = _serve(manager, prompts, max_new=news, staggered=True)
+    for p, new, out in zip(prompts, news, outs):
+        assert out.generated_tokens == _reference(model, INT4, p, new)
+    assert manager.kv_stats()["peak_concurrent_requests"] == 3
     paged = manager.cache.paged
     assert paged.live_requests == () and paged.cache.num_free_pages == paged.cache.num_pages
 
