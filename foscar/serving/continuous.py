@@ -1,0 +1,699 @@
+"""foscar in transformers' continuous-batching engine (checked on transformers 5.25 and 5.17; the
+differences between them are detected, not assumed).
+
+The engine (``ContinuousBatchingManager``) keeps its request queue, scheduler (FIFO: decoding
+requests first, then chunks of new prompts within ``max_batch_tokens``), request states,
+preemption (a request that cannot get blocks is prefilled again later) and generation loop. Two
+things change:
+
+* **the cache.** The engine builds its ``PagedAttentionCache`` when the loop starts; the manager
+  has it build :class:`FoscarPagedCache` instead, a subclass that keeps the engine's block
+  manager (the engine's block accounting and block ids) but stores K/V in a
+  :class:`~foscar.serving.PagedKV` whose pages are those block ids. The engine's own K/V tensors
+  are built one channel wide (the engine never reads them: writes and reads go through foscar),
+  so they take a few percent of the memory. The cache also admits a request only while a window
+  slot is free, and frees the request's pages and slot when the engine frees its blocks
+  (finished, cancelled, preempted);
+* **the attention** (``"foscar_paged"``, :func:`foscar_paged_attention`): the engine packs a
+  step's new tokens ``[1, H, T, D]``; the attention function hands them to
+  :meth:`PagedKV.attend`, which stores them and attends (decode rows through
+  :func:`foscar.decode_attention`, prefill rows through transformers' SDPA, chunks on stored
+  history over the dequantized history).
+
+How the cache learns a step's layout: the engine calls ``extend_read_and_write_indices(request_id,
+past_length, query_length, ...)`` for every request of the next batch, in batch order, before the
+forward pass; the cache records them and starts the step at the forward's first attention call.
+transformers >= 5.24 calls ``cache.update(k, v, layer, kwargs)`` from the model before the
+attention function (the cache returns the new K/V and marks them with itself); 5.17 passes the
+cache to the attention function as ``kwargs["cache"]``.
+
+Switched off for foscar caches: prefix sharing and forking (a block holds one request's quantized
+history), the flash decode fast path (it writes the engine's K/V tensors), CPU offloading (it
+copies them), asynchronous batching and CUDA graphs (a step's writes are planned on the host at
+each layer; the decode call itself syncs nothing, see :mod:`foscar.serving.core`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import math
+import threading
+from functools import partial
+
+import torch
+
+try:
+    from transformers import AttentionInterface, GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching import continuous_api
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+    from transformers.generation.continuous_batching.continuous_api import (
+        ContinuousBatchingManager,
+    )
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "foscar.serving needs transformers>=5.17 with continuous batching: pip install 'foscar[hf]'"
+    ) from e
+
+from .core import PagedKV, StepRow, history_bytes_per_token, window_bytes_per_request
+from .kv_spec import ResolvedKV, resolve_kv
+from .tp import rank_rotations, tp_size_of
+
+__all__ = [
+    "ATTENTION_NAME",
+    "DEFAULT_BLOCK_SIZE",
+    "FoscarBatchingManager",
+    "FoscarPagedCache",
+    "build_manager",
+    "foscar_paged_attention",
+]
+
+#: the attention implementation the manager selects for a foscar cache
+ATTENTION_NAME = "foscar_paged"
+#: tokens per engine block and foscar page
+DEFAULT_BLOCK_SIZE = 64
+#: window slots when neither ``max_requests`` nor the engine's ``max_requests_per_batch`` is given
+DEFAULT_MAX_REQUESTS = 32
+#: memory for the cache when neither ``memory_bytes`` nor ``num_blocks`` is given: on a CPU a
+#: fixed size, on a GPU this share of the free memory after the model is loaded
+DEFAULT_CPU_MEMORY_BYTES = 256 << 20
+DEFAULT_GPU_MEMORY_SHARE = 0.5
+
+
+# ---------------------------------------------------------------------------- attention
+def foscar_paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function for the engine (``AttentionInterface`` signature).
+
+    ``query: [1, H_q, T, D]``, ``key, value: [1, H, T, D]`` (a step's packed new tokens) ->
+    ``([1, T, H_q, D], None)``. Outside a :class:`FoscarPagedCache` forward (a plain
+    ``model(...)`` call while the name is selected) this is transformers' SDPA attention.
+    """
+    cache = kwargs.get("cache")
+    if not isinstance(cache, FoscarPagedCache):
+        cache = getattr(key, "_foscar_paged_cache", None)
+    if cache is None:
+        kwargs.pop("cache", None)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    scaling = module.scaling if scaling is None else scaling
+    return cache.attend(module, query, key, value, scaling), None
+
+
+def register(name: str = ATTENTION_NAME) -> None:
+    """Register :func:`foscar_paged_attention` under ``name`` (idempotent). No mask function is
+    registered: the engine's packed batch needs none (each row's tokens are known)."""
+    AttentionInterface.register(name, foscar_paged_attention)
+
+
+def _prefill(module, query, key, value, scaling):
+    out, _ = sdpa_attention_forward(module, query, key, value, None, scaling=scaling)
+    return out
+
+
+# ---------------------------------------------------------------------------- caches
+def _allocators(cache: PagedAttentionCache) -> list:
+    """The engine's block allocators: one per attention type (transformers >= 5.24:
+    ``cache_allocators``; 5.17: ``group_cache_managers``)."""
+    found = getattr(cache, "cache_allocators", None)
+    if found is not None:
+        return list(found.values())
+    return list(cache.group_cache_managers)
+
+
+class _TrackedCache:
+    """Counts the requests holding blocks (live) and their peak, for the engine's BF16 cache and
+    the foscar one alike."""
+
+    def _track_init(self) -> None:
+        self.live_request_ids: set = set()
+        self.peak_requests = 0
+
+    def extend_read_and_write_indices(self, request_id, past_length, query_length, *args, **kw):
+        self.live_request_ids.add(request_id)
+        self.peak_requests = max(self.peak_requests, len(self.live_request_ids))
+        return super().extend_read_and_write_indices(
+            request_id, past_length, query_length, *args, **kw
+        )
+
+    def free_blocks(self, request_id, *args, **kwargs):
+        self.live_request_ids.discard(request_id)
+        return super().free_blocks(request_id, *args, **kwargs)
+
+
+class TrackedPagedCache(_TrackedCache, PagedAttentionCache):
+    """The engine's own BF16 paged cache, unchanged, with the live-request count."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._track_init()
+
+
+@dataclasses.dataclass(frozen=True)
+class _FoscarSettings:
+    kv: ResolvedKV
+    max_requests: int
+    num_kv_heads: int  # the model's, before any tensor-parallel split
+    backend: str
+    window_dtype: torch.dtype
+
+
+class _OneChannelConfig:
+    """The model config as the engine's cache reads it, with one channel per head: the engine
+    sizes and builds its K/V tensors from it (which foscar never uses), everything else reads
+    through to the model's config."""
+
+    def __init__(self, config) -> None:
+        self._config = config
+        self.head_dim = 1
+
+    def __getattr__(self, name):
+        if name == "_config":  # not set yet (a copy being built)
+            raise AttributeError(name)
+        return getattr(self._config, name)
+
+
+class FoscarPagedCache(_TrackedCache, PagedAttentionCache):
+    """The engine's paged cache with foscar storage (module docstring). Built by the engine with
+    the engine's arguments; ``settings`` come from :func:`build_manager`."""
+
+    _settings: _FoscarSettings  # bound per manager (:meth:`bind`)
+
+    @classmethod
+    def bind(cls, settings: _FoscarSettings) -> type:
+        return type(cls.__name__, (cls,), {"_settings": settings})
+
+    def __init__(self, *args, **kwargs) -> None:
+        settings = self._settings
+        config = kwargs.get("config", args[0] if args else None)
+        if "config" in kwargs:
+            kwargs["config"] = _OneChannelConfig(config)
+        else:
+            args = (_OneChannelConfig(config), *args[1:])
+        super().__init__(*args, **kwargs)
+        self._track_init()
+        allocators = _allocators(self)
+        if len(allocators) != 1:
+            raise ValueError(
+                "foscar serves full-attention models only; this model mixes attention types"
+            )
+        self._allocator = allocators[0]
+        # the engine's K/V heads on this process (its share under tensor parallelism)
+        local_heads = getattr(self, "num_key_value_heads", None)
+        if local_heads is None:
+            local_heads = self._allocator.num_key_value_heads
+        block_size = self._allocator_block_size()
+        kv = settings.kv
+        rotations = kv.rotations
+        tp = settings.num_kv_heads // local_heads
+        if rotations is not None and tp > 1:
+            helper = kwargs.get("distributed_helper")
+            rotations = rank_rotations(
+                rotations,
+                rank=helper.tp_local_rank,
+                tp_size=tp,
+                num_kv_heads=settings.num_kv_heads,
+            )
+        self.paged = PagedKV(
+            kv.formats,
+            num_layers=len(kv.formats),
+            num_kv_heads=local_heads,
+            head_dim=_head_dim(config),
+            num_blocks=self._physical_blocks(),
+            block_size=block_size,
+            max_requests=settings.max_requests,
+            device=self.device,
+            rotations=rotations,
+            clip_bits=kv.clip_bits,
+            backend=settings.backend,
+            window_dtype=settings.window_dtype,
+        )
+        self._slots: set = set()  # requests admitted: each holds a window slot
+        self._rows: list[StepRow] | None = None  # the next forward's layout, in batch order
+
+    # ------------------------------------------------------------------ engine geometry
+    def _allocator_block_size(self) -> int:
+        return getattr(self._allocator, "tokens_per_page", None) or self.block_size
+
+    def _physical_blocks(self) -> int:
+        """Blocks of the engine's K/V storage, trash blocks included: more than any block id."""
+        tensor = getattr(self, "cache_tensor", None)
+        if tensor is not None:
+            return tensor.numel() // self._allocator.bytes_per_block
+        return self.key_cache[0].shape[0] // self.block_size
+
+    def _block_ids(self, request_id) -> tuple[int, ...]:
+        return tuple(self._allocator.block_table.get(request_id, ()))
+
+    # ------------------------------------------------------------------ admission and release
+    def _has_slot(self, request_id) -> bool:
+        return request_id in self._slots or len(self._slots) < self.paged.max_requests
+
+    def can_store_request_tokens(self, state, request_len, *args, **kwargs) -> bool:
+        if not self._has_slot(state.request_id):
+            return False
+        ok = super().can_store_request_tokens(state, request_len, *args, **kwargs)
+        dry_run = kwargs.get("dry_run", args[0] if args else False)
+        if ok and not dry_run:
+            self._slots.add(state.request_id)
+        return ok
+
+    def allocate_blocks(self, n_blocks, request_id, *args, **kwargs):
+        if not self._has_slot(request_id):
+            return None
+        allocated = super().allocate_blocks(n_blocks, request_id, *args, **kwargs)
+        if allocated is not None:
+            self._slots.add(request_id)
+        return allocated
+
+    def free_blocks(self, request_id, *args, **kwargs):
+        self._slots.discard(request_id)
+        self.paged.release(request_id)
+        return super().free_blocks(request_id, *args, **kwargs)
+
+    def free_all_requests(self, *args, **kwargs):
+        result = super().free_all_requests(*args, **kwargs)
+        self._rows = None
+        self._slots.clear()
+        self.live_request_ids.clear()
+        self.paged.release_all()
+        return result
+
+    def search_prefix_match(self, request_id, prompt_ids) -> int:
+        return 0
+
+    def prepare_fork_request(self, *args, **kwargs):
+        raise NotImplementedError("a foscar cache cannot fork requests (num_return_sequences > 1)")
+
+    def fork_request(self, *args, **kwargs):
+        raise NotImplementedError("a foscar cache cannot fork requests (num_return_sequences > 1)")
+
+    # ------------------------------------------------------------------ a step
+    def extend_read_and_write_indices(self, request_id, past_length, query_length, *args, **kw):
+        if self._rows is None:
+            self._rows = []
+        self._rows.append(
+            StepRow(request_id, past_length, query_length, self._block_ids(request_id))
+        )
+        return super().extend_read_and_write_indices(
+            request_id, past_length, query_length, *args, **kw
+        )
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        # transformers >= 5.24's model calls this before the attention function; the attention
+        # function writes (it sees the queries too)
+        key_states._foscar_paged_cache = self
+        return key_states, value_states
+
+    def attend(self, module, query, key, value, scaling) -> torch.Tensor:
+        if self._rows is not None:
+            rows, self._rows = self._rows, None
+            self.paged.begin_step(rows)
+        out = self.paged.attend(
+            module.layer_idx,
+            query[0].transpose(0, 1),
+            key[0].transpose(0, 1),
+            value[0].transpose(0, 1),
+            scaling=scaling,
+            prefill_attention=partial(_prefill, module),
+        )
+        return out.unsqueeze(0)
+
+
+def _head_dim(config) -> int:
+    head_dim = getattr(config, "head_dim", None)
+    return head_dim if head_dim is not None else config.hidden_size // config.num_attention_heads
+
+
+_ENGINE_CACHE_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _engine_cache_class(cls: type):
+    """Have the engine build ``cls`` where it builds its ``PagedAttentionCache``."""
+    with _ENGINE_CACHE_LOCK:
+        saved = continuous_api.PagedAttentionCache
+        continuous_api.PagedAttentionCache = cls
+        try:
+            yield
+        finally:
+            continuous_api.PagedAttentionCache = saved
+
+
+# ---------------------------------------------------------------------------- manager
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """The sizes :func:`build_manager` chose (all per process)."""
+
+    kv: ResolvedKV
+    num_blocks: int
+    block_size: int
+    max_requests: int | None  # window slots (foscar only)
+    bytes_per_token: float  # stored bytes per token, all layers (history tokens for foscar)
+    window_bytes: int  # one request's BF16 windows, all layers (foscar; 0 for BF16)
+    bf16_bytes_per_token: int  # the same token in a BF16 cache
+    memory_bytes: int  # pages (+ windows): what the sizes cost
+    max_position: int | None
+
+
+class FoscarBatchingManager(ContinuousBatchingManager):
+    """transformers' ``ContinuousBatchingManager`` with a foscar (or the engine's BF16) cache.
+
+    Built by :func:`build_manager`; the API is the engine's (``start``, ``stop``,
+    ``add_request``, ``request_id_iter``, ``cancel_request``, ``get_result``), plus
+    :meth:`kv_stats`, and :meth:`add_request` refuses a request the pool can never hold.
+    """
+
+    def __init__(self, model, generation_config, continuous_batching_config, *, plan: _Plan,
+                 backend: str = "auto", window_dtype: torch.dtype = torch.bfloat16) -> None:
+        self._plan = plan
+        self._last_cache = None
+        super().__init__(model, generation_config, continuous_batching_config)
+        kv = plan.kv
+        if kv.is_bf16:
+            self._cache_class = TrackedPagedCache
+        else:
+            text = model.config.get_text_config()
+            self._cache_class = FoscarPagedCache.bind(
+                _FoscarSettings(kv, plan.max_requests, _num_kv_heads(text), backend, window_dtype)
+            )
+
+    # ------------------------------------------------------------------ engine hooks
+    def switch_to_cb_friendly_attn(self, model, *args, **kwargs) -> None:
+        # the engine switches at construction; a foscar manager switches at start() (and the
+        # engine's stop() switches back), so that one built and never started leaves the model
+        # as it was
+        if self._plan.kv.is_bf16:
+            return super().switch_to_cb_friendly_attn(model, *args, **kwargs)
+
+    def start(self) -> None:
+        if not self._plan.kv.is_bf16 and not self.is_running():
+            original = self.model.config._attn_implementation
+            if original != ATTENTION_NAME:
+                register()
+                self.model.set_attn_implementation(ATTENTION_NAME)
+                self._original_attn_impl = original
+        super().start()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the generation loop ends. Under tensor parallelism every process builds
+        the manager and calls :meth:`start`; process 0 (the engine's driver) adds requests and
+        reads results, the others call this: the driver's :meth:`stop` ends every loop."""
+        thread = self._generation_thread
+        if thread is not None:
+            thread.join(timeout)
+
+    def _create_batch_processor(self):
+        with _engine_cache_class(self._cache_class):
+            processor = super()._create_batch_processor()
+        self._last_cache = processor.cache
+        return processor
+
+    # ------------------------------------------------------------------ requests
+    def check_request(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """Raise ``ValueError`` (with what fits) unless a request of ``prompt_tokens`` plus
+        ``max_new_tokens`` can ever be held by the pool."""
+        need = prompt_tokens + max_new_tokens
+        plan = self._plan
+        capacity = plan.num_blocks * plan.block_size
+        if prompt_tokens < 1:
+            raise ValueError("input_ids must hold at least one token")
+        if need > capacity:
+            raise ValueError(
+                f"the request needs {need} tokens ({prompt_tokens} prompt + {max_new_tokens} new) "
+                f"but the KV cache holds at most {capacity} ({plan.num_blocks} blocks of "
+                f"{plan.block_size}); shorten the prompt or max_new_tokens, or give the cache "
+                "more memory"
+            )
+        if plan.max_position is not None and need > plan.max_position:
+            raise ValueError(
+                f"the request needs {need} tokens ({prompt_tokens} prompt + {max_new_tokens} new) "
+                f"but the model takes at most {plan.max_position} positions"
+            )
+
+    def add_request(self, input_ids, request_id=None, max_new_tokens=None, *args, **kwargs):
+        """The engine's ``add_request``; raises ``ValueError`` first for a request the pool can
+        never hold (prompt plus ``max_new_tokens`` over the cache's tokens or the model's
+        positions)."""
+        if isinstance(input_ids, torch.Tensor):
+            input_ids = input_ids.reshape(-1).tolist()
+        new = self.generation_config.max_new_tokens if max_new_tokens is None else max_new_tokens
+        self.check_request(len(input_ids), new)
+        return super().add_request(input_ids, request_id, max_new_tokens, *args, **kwargs)
+
+    # ------------------------------------------------------------------ accounting
+    def concurrent_requests(self, request_tokens: int) -> dict:
+        """Requests of ``request_tokens`` tokens the pool holds at once, and a BF16 cache in the
+        same memory: ``{"kv": n, "bf16": m}`` (the engine's accounting: a request holds a block
+        for every ``block_size`` of its tokens, and for foscar a window slot)."""
+        plan = self._plan
+        blocks = math.ceil(request_tokens / plan.block_size)
+        fit = plan.num_blocks // blocks
+        if plan.max_requests is not None:
+            fit = min(fit, plan.max_requests)
+        bf16_blocks = plan.memory_bytes // (plan.bf16_bytes_per_token * plan.block_size)
+        return {"kv": fit, "bf16": bf16_blocks // blocks}
+
+    @property
+    def cache(self):
+        """The engine's cache of the running (or last) loop, or None before :meth:`start`."""
+        return self._last_cache
+
+    def kv_stats(self) -> dict:
+        """Sizes of the KV cache (per process).
+
+        ``num_blocks``, ``block_size``: the engine's blocks; ``max_tokens``: tokens they hold;
+        ``bytes_per_token``: stored bytes of one token over all layers (for foscar, of a token
+        in the quantized history; the BF16 windows are ``window_bytes`` per request, 0 for
+        the engine's cache);
+        ``memory_bytes``: the pool (and windows); ``bf16_equivalent_tokens``: tokens a BF16
+        cache holds in ``memory_bytes``; ``max_requests``: window slots (foscar);
+        ``peak_concurrent_requests``: most requests holding blocks at once so far.
+        """
+        plan = self._plan
+        cache = self.cache
+        stats = {
+            "kv": plan.kv.label,
+            "num_blocks": plan.num_blocks,
+            "block_size": plan.block_size,
+            "bytes_per_token": plan.bytes_per_token,
+            "max_tokens": plan.num_blocks * plan.block_size,
+            "memory_bytes": plan.memory_bytes,
+            "bf16_equivalent_tokens": plan.memory_bytes // plan.bf16_bytes_per_token,
+            "max_requests": plan.max_requests,
+            "window_bytes": plan.window_bytes,
+            "peak_concurrent_requests": 0 if cache is None else cache.peak_requests,
+        }
+        if isinstance(cache, FoscarPagedCache):
+            stats["memory_bytes"] = cache.paged.pool_bytes()
+            stats["bf16_equivalent_tokens"] = stats["memory_bytes"] // plan.bf16_bytes_per_token
+            stats["restarts"] = len(cache.paged.restarts)
+        return stats
+
+
+def _num_kv_heads(config) -> int:
+    heads = getattr(config, "num_key_value_heads", None)
+    return heads if heads is not None else config.num_attention_heads
+
+
+def _config_fields(cls) -> set:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def build_manager(
+    model,
+    kv,
+    *,
+    memory_bytes: int | None = None,
+    num_blocks: int | None = None,
+    block_size: int | None = None,
+    max_batch_tokens: int | None = None,
+    max_new_tokens: int = 128,
+    cuda_graphs: bool | None = None,
+    max_requests: int | None = None,
+    request_tokens: int | None = None,
+    backend: str = "auto",
+    scheduler: str = "fifo",
+    window_dtype: torch.dtype = torch.bfloat16,
+    **generation_kwargs,
+) -> FoscarBatchingManager:
+    """A continuous-batching manager serving ``model`` with the KV cache ``kv``.
+
+    Parameters
+    ----------
+    model : a transformers causal LM (full attention in every layer for foscar caches)
+    kv : ``"bf16"``, ``"int4"``, ``"int2"``, a KVFormat, a list of one per layer, or the path
+        of an OSCAR calibration file (:mod:`foscar.serving.kv_spec`)
+    memory_bytes : int, optional
+        Bytes for the cache (per process): BF16 blocks, or foscar pages plus the window slots.
+    num_blocks : int, optional
+        Engine blocks instead of a byte budget (then ``memory_bytes`` is what they cost).
+        Without either: 256 MiB on a CPU, half the free memory on a GPU.
+    block_size : int, optional
+        Tokens per block (default 64; a power of two from 16 to 256 for foscar).
+    max_batch_tokens : int, optional
+        Tokens per forward pass (new prompts are cut into chunks of it); the engine's default
+        if None.
+    max_new_tokens : int
+        Default tokens to generate per request.
+    cuda_graphs : bool, optional
+        The engine's CUDA graphs (None: the engine decides for BF16; foscar caches: off, and
+        True is refused, see :mod:`foscar.serving.continuous`).
+    max_requests : int, optional
+        foscar: window slots, i.e. requests holding cache at once (default: as many requests
+        of ``request_tokens`` as ``memory_bytes`` holds; without ``request_tokens``, 32 or
+        ``max_requests_per_batch`` when given, fewer if the windows would take over half of
+        ``memory_bytes``).
+    request_tokens : int, optional
+        foscar: the typical tokens of a request (prompt and output) to split ``memory_bytes``
+        between window slots and blocks for (:meth:`FoscarBatchingManager.concurrent_requests`).
+    backend : :func:`foscar.decode_attention`'s backend.
+    scheduler : the engine's scheduler (``"fifo"`` or ``"prefill_first"``).
+    window_dtype : storage of foscar's sink and recent windows (BF16; float32 keeps an fp32
+        model's window tokens exact).
+    generation_kwargs : GenerationConfig fields (default greedy: ``do_sample=False``), and
+        ``max_requests_per_batch`` for the engine.
+
+    Returns
+    -------
+    FoscarBatchingManager (not started).
+
+    Raises ``ValueError`` for a ``kv`` that does not fit the model or sizes that hold no request.
+    """
+    text = model.config.get_text_config()
+    num_layers = text.num_hidden_layers
+    head_dim = _head_dim(text)
+    num_kv_heads = _num_kv_heads(text)
+    resolved = resolve_kv(kv, num_layers=num_layers, head_dim=head_dim, num_kv_heads=num_kv_heads)
+    if not resolved.is_bf16:
+        layer_types = set(getattr(text, "layer_types", None) or ["full_attention"])
+        if layer_types != {"full_attention"} or getattr(text, "sliding_window", None):
+            raise ValueError(
+                f"kv={resolved.label!r}: foscar caches serve full-attention models only; this "
+                f"model has {sorted(layer_types)} layers"
+                + (f" and a sliding window of {text.sliding_window}" if text.sliding_window else "")
+            )
+        if (generation_kwargs.get("num_return_sequences") or 1) > 1:
+            raise ValueError(
+                "num_return_sequences > 1: a foscar cache cannot fork a request (its blocks hold "
+                "one request's quantized history)"
+            )
+        if cuda_graphs:
+            raise ValueError(
+                "cuda_graphs=True: the engine's CUDA graphs would replay a foscar step without "
+                "its host-side planning; pass None or False"
+            )
+    block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 4:
+        raise ValueError(f"block_size must be an int >= 4, got {block_size!r}")
+    power_of_two = block_size & (block_size - 1) == 0
+    if not resolved.is_bf16 and not (16 <= block_size <= 256 and power_of_two):
+        raise ValueError(
+            f"block_size must be a power of two from 16 to 256 for a foscar cache, got {block_size}"
+        )
+    for name, value in (("memory_bytes", memory_bytes), ("num_blocks", num_blocks),
+                        ("max_batch_tokens", max_batch_tokens), ("max_requests", max_requests),
+                        ("request_tokens", request_tokens)):
+        bad = isinstance(value, bool) or not isinstance(value, int) or value < 1
+        if value is not None and bad:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if memory_bytes is not None and num_blocks is not None:
+        raise ValueError("give memory_bytes or num_blocks, not both")
+
+    local_heads = num_kv_heads // tp_size_of(model)
+    bf16_per_token = 2 * num_layers * local_heads * head_dim * 2
+    if memory_bytes is None and num_blocks is None:
+        if model.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(model.device)
+            memory_bytes = int(free * DEFAULT_GPU_MEMORY_SHARE)
+        else:
+            memory_bytes = DEFAULT_CPU_MEMORY_BYTES
+
+    requests_per_batch = generation_kwargs.pop("max_requests_per_batch", None)
+    if resolved.is_bf16:
+        per_token = 2 * num_layers * local_heads * head_dim * model.dtype.itemsize
+        if num_blocks is None:
+            num_blocks = memory_bytes // (per_token * block_size)
+        memory = num_blocks * block_size * per_token
+        slots, window = None, 0
+    else:
+        formats = resolved.formats
+        per_token = history_bytes_per_token(formats, local_heads, head_dim)
+        window = window_bytes_per_request(formats, local_heads, head_dim, window_dtype)
+        block = per_token * block_size
+        slots = max_requests or requests_per_batch or DEFAULT_MAX_REQUESTS
+        if num_blocks is not None and max_requests is None:
+            slots = min(slots, num_blocks)
+        if num_blocks is None:
+            if max_requests is None and request_tokens is not None:
+                # as many requests of request_tokens as the memory holds: each takes a window
+                # slot and a block for every block_size of its tokens
+                per_request = window + math.ceil(request_tokens / block_size) * block
+                slots = max(1, memory_bytes // per_request)
+            elif max_requests is None:
+                slots = max(1, min(slots, memory_bytes // (2 * window)))
+            num_blocks = (memory_bytes - slots * window) // block
+        memory = num_blocks * block + slots * window
+    if num_blocks < 1:
+        raise ValueError(
+            f"memory_bytes={memory_bytes} holds no block of {block_size} tokens"
+            + ("" if resolved.is_bf16 else f" beside {slots} window slots of {window} bytes")
+        )
+    plan = _Plan(
+        kv=resolved,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_requests=slots,
+        bytes_per_token=per_token,
+        window_bytes=window,
+        bf16_bytes_per_token=bf16_per_token,
+        memory_bytes=memory,
+        max_position=getattr(text, "max_position_embeddings", None),
+    )
+
+    gen = model.generation_config
+    gen = GenerationConfig() if gen is None else copy.deepcopy(gen)
+    gen.max_new_tokens = max_new_tokens
+    gen.do_sample = False
+    for name, value in generation_kwargs.items():
+        setattr(gen, name, value)
+    if gen.eos_token_id is None:
+        gen.eos_token_id = getattr(text, "eos_token_id", None)
+
+    fields = _config_fields(ContinuousBatchingConfig)
+    cb = {
+        "num_blocks": num_blocks,
+        "max_batch_tokens": max_batch_tokens,
+        "scheduler_type": scheduler,
+        "max_requests_per_batch": requests_per_batch,
+        # named page_size after 5.17 (block_size there, and deprecated after)
+        ("page_size" if "page_size" in fields else "block_size"): block_size,
+    }
+    if cuda_graphs is not None:
+        cb["use_cuda_graph"] = cuda_graphs
+    if not resolved.is_bf16:
+        cb.update(
+            allow_block_sharing=False,
+            max_blocks_per_request=0,
+            cpu_offload_space=0.0,
+            use_async_batching=False,
+            use_cuda_graph=False,
+            auto_switch_to_flash=False,
+        )
+    cb_config = ContinuousBatchingConfig(**{k: v for k, v in cb.items() if k in fields})
+    return FoscarBatchingManager(
+        model, gen, cb_config, plan=plan, backend=backend, window_dtype=window_dtype
+    )
+

@@ -1,0 +1,455 @@
+"""Engine-neutral serving core: a serving engine's requests and block ids over one foscar pool.
+
+A continuous-batching engine runs one forward pass per step over a packed batch: the new tokens
+of every scheduled request one after the other (``T`` tokens in all), each request with the
+tokens it already holds (``past_length``) and the blocks its block manager gave it. This module
+turns such a step into foscar operations, whatever the engine:
+
+* **pages = the engine's block ids.** A request's quantized history lives in the pool pages named
+  by its engine blocks, in order (history token ``t`` in block ``t // block_size`` of the
+  request's list, row ``t % block_size``). The history starts after the BF16 sink, so a request
+  of ``L`` tokens needs ``ceil(Lq / block_size) <= ceil(L / block_size)`` of its blocks: the
+  engine's accounting (blocks for every token) always covers it, and the pages of the blocks
+  its window tokens count stay unused (``(S + W) / block_size`` pages a request). Without block
+  ids (an engine that leaves storage to foscar), the pool hands out its own pages.
+* **BF16 windows per request.** Each live request holds one window slot (sink and recent ring,
+  :class:`foscar.QuantizedKVCache`); ``max_requests`` slots exist. A request is started when it
+  first appears with ``past_length == 0`` (a new request, or one the engine preempted and
+  prefills again) and released by :meth:`PagedKV.release`; a released request's pages and slot
+  go back to the pool and nothing of it is read again (a restarted request starts empty).
+* **quantize-on-write.** A step's new K/V are appended per layer
+  (:meth:`foscar.QuantizedKVCache.append`): the decode rows together (one token each: the fused
+  Triton write on a GPU), the prefill rows together (their tokens quantized, or kept in the
+  windows, as the format says).
+* **attention of a step** (:meth:`PagedKV.attend`), per row:
+
+  - *decode* (one new token on a non-empty request): the token is appended and
+    :func:`foscar.decode_attention` reads the pages; one :class:`foscar.DecodeBatch` per step,
+    planned at the first layer and shared by every layer (all layers append the same tokens);
+  - *prefill* (``past_length == 0``): causal attention over the new tokens at the model's
+    precision (``prefill_attention``), as :class:`foscar.integrations.transformers.FoscarCache`
+    does at a prefill;
+  - *extend* (several new tokens on a non-empty request: a chunk of a chunked prefill): the
+    stored tokens dequantized in fp32 (:func:`foscar.reference.dequantize_sequence`) and the new
+    ones, causal over the new ones, as ``FoscarCache``'s extend path; then the chunk is appended.
+
+Host and device: :meth:`PagedKV.begin_step` is host work only, and a decode step's device work
+(the writes, :func:`foscar.decode_attention`) waits on no device result: its index tensors go to
+the device once per step from pinned memory, the finiteness check is off. The writes still plan
+their scatter on the host at each layer (:meth:`foscar.QuantizedKVCache.append`), so a captured
+CUDA graph of a step would replay stale positions: capturing needs the step's write descriptors
+and page tables in static device buffers filled by ``begin_step``, which the cache's append does
+not offer yet.
+
+Prefix sharing (one block in two requests) has no meaning here: a block holds quantized history
+of one request only, and history starts after that request's own sink. Engines must not share
+blocks of a :class:`PagedKV` (the transformers adapter switches block sharing off).
+
+Shapes: ``T`` packed tokens, ``H_q`` query heads, ``H`` KV heads, ``D`` head_dim.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import DecodeBatch, KVFormat, QuantizedKVCache, decode_attention
+from ..reference import dequantize_sequence
+
+__all__ = ["PagedKV", "StepRow", "window_bytes_per_request", "history_bytes_per_token"]
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One request of an engine step.
+
+    ``past_length``: tokens the request already holds; ``query_length``: its new tokens in this
+    step (packed after the previous row's); ``block_ids``: every block the engine holds for it,
+    in order (None: the pool picks pages itself).
+    """
+
+    request_id: Hashable
+    past_length: int
+    query_length: int
+    block_ids: tuple[int, ...] | None = None
+
+
+def history_bytes_per_token(formats: Sequence[KVFormat], num_kv_heads: int, head_dim: int) -> int:
+    """Pool bytes one quantized history token takes over all layers (codes, and an fp32
+    ``(s', z')`` pair per group, of K and V)."""
+    total = 0.0
+    for fmt in formats:
+        for f in (fmt.key, fmt.value):
+            total += num_kv_heads * (head_dim * f.bits / 8 + 8 * head_dim / f.group_size)
+    return math.ceil(total)
+
+
+def window_bytes_per_request(
+    formats: Sequence[KVFormat], num_kv_heads: int, head_dim: int, window_dtype=torch.bfloat16
+) -> int:
+    """Bytes of one request's window slot over all layers: K and V of its BF16 sink and tail
+    ring (``sink_tokens + recent_tokens + demotion quantum`` tokens)."""
+    fmt = formats[0]
+    tokens = fmt.sink_tokens + fmt.tail_capacity
+    size = torch.tensor([], dtype=window_dtype).element_size()
+    return len(formats) * 2 * num_kv_heads * tokens * head_dim * size
+
+
+def _prefill_sdpa(query, key, value, scaling: float) -> torch.Tensor:
+    """Causal attention of one request's tokens: ``query [1, H_q, T, D]``, ``key, value
+    [1, H, T, D]`` -> ``[1, T, H_q, D]``, in the query's dtype."""
+    group = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(group, dim=1)
+    value = value.repeat_interleave(group, dim=1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, is_causal=query.shape[2] > 1, scale=scaling
+    )
+    return out.transpose(1, 2)
+
+
+def _gather(x: torch.Tensor, index) -> torch.Tensor:
+    return x[index] if isinstance(index, slice) else x.index_select(0, index)
+
+
+#: ``prefill_attention(query [1, H_q, T, D], key [1, H, T, D], value, scaling) -> [1, T, H_q, D]``
+PrefillAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+@dataclass
+class _Step:
+    rows: tuple[StepRow, ...]
+    offsets: tuple[int, ...]  # first packed token of each row
+    decode: tuple[int, ...]  # row indices
+    prefill: tuple[int, ...]
+    extend: tuple[int, ...]
+    num_tokens: int
+    plan: DecodeBatch | None = None  # of the decode rows, planned at the first layer
+    indices: dict = field(default_factory=dict)  # packed-token indices, made at the first layer
+
+
+class PagedKV:
+    """A serving engine's KV storage in one :class:`foscar.QuantizedKVCache` (module docstring).
+
+    Parameters
+    ----------
+    fmt : KVFormat or sequence of KVFormat (one per layer; :func:`foscar.layer_formats`)
+    num_layers, num_kv_heads, head_dim : int
+        The model's (``num_kv_heads``: this process's share under tensor parallelism).
+    num_blocks : int
+        Pool pages; with engine block ids, more than the largest block id.
+    block_size : int
+        Tokens per page and per engine block (a power of two from 16 to 256).
+    max_requests : int
+        Window slots: requests alive at once.
+    device : torch.device or str
+    rotations : foscar.oscar.OscarRotations, optional
+        OSCAR rotations (and fitted clips, with ``clip_bits``) set on every layer before any
+        token is stored (:func:`foscar.oscar.apply_to_cache`); their heads must be this
+        process's (:func:`foscar.serving.tp.rank_rotations`).
+    clip_bits : as :func:`foscar.oscar.apply_to_cache`
+    backend : ``decode_attention``'s backend
+    decode_write : ``QuantizedKVCache``'s decode write path (``"auto"``: fused on a GPU)
+    window_dtype : torch.dtype
+        Storage of the sink and tail windows (BF16).
+
+    Example
+    -------
+    >>> kv = PagedKV(fmt, num_layers=2, num_kv_heads=4, head_dim=64, num_blocks=32,
+    ...              block_size=16, max_requests=4)
+    >>> kv.begin_step([StepRow("a", 0, 5, (3,)), StepRow("b", 7, 1, (0,))])
+    >>> out = kv.attend(0, q, k, v, scaling=0.125)   # q: [6, H_q, D], k, v: [6, H, D]
+    """
+
+    #: released requests remembered to recognise a restart, and restarts logged
+    RESTART_LOG = 1024
+
+    def __init__(
+        self,
+        fmt: KVFormat | Sequence[KVFormat],
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int,
+        max_requests: int,
+        device: torch.device | str = "cpu",
+        rotations=None,
+        clip_bits=None,
+        backend: str = "auto",
+        decode_write: str = "auto",
+        window_dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        self.cache = QuantizedKVCache(
+            fmt,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            num_pages=num_blocks,
+            max_seqs=max_requests,
+            num_layers=num_layers,
+            page_size=block_size,
+            device=device,
+            window_dtype=window_dtype,
+            # a finiteness check syncs the host with the device at every layer and step
+            check_finite=False,
+            decode_write=decode_write,
+        )
+        if rotations is not None:
+            from ..oscar import apply_to_cache
+
+            apply_to_cache(rotations, self.cache, clip_bits=clip_bits)
+        self.backend = backend
+        self.block_size = block_size
+        self.max_requests = max_requests
+        self._step: _Step | None = None
+        self._lengths: dict[Hashable, int] = {}  # live request -> tokens it holds
+        self._released: OrderedDict[Hashable, int] = OrderedDict()  # recently released ones
+        self.peak_requests = 0
+        #: ``(request_id, tokens it held)`` each time a request was started again (preempted and
+        #: prefilled from scratch); the last ``RESTART_LOG`` only
+        self.restarts: list[tuple[Hashable, int]] = []
+
+    # ------------------------------------------------------------------ requests
+    @property
+    def live_requests(self) -> tuple:
+        return tuple(self._lengths)
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.max_requests - len(self._lengths)
+
+    def release(self, request_id: Hashable) -> None:
+        """End a request (finished, cancelled or preempted): its pages and window slot return to
+        the pool. Releasing an unknown or released request does nothing."""
+        if request_id in self._lengths:
+            self._released[request_id] = self._lengths.pop(request_id)
+            while len(self._released) > self.RESTART_LOG:
+                self._released.popitem(last=False)
+            self.cache.free(request_id)
+
+    def release_all(self) -> None:
+        for request_id in list(self._lengths):
+            self.release(request_id)
+
+    def _new_blocks(self, row: StepRow, held: list[int]) -> list[int]:
+        """The blocks of ``row`` its sequence does not hold yet (``held`` must be a prefix)."""
+        if row.block_ids is None:
+            return []
+        blocks = list(row.block_ids)
+        if blocks[: len(held)] != held:
+            raise ValueError(
+                f"request {row.request_id!r}: the engine's blocks {blocks} do not continue the "
+                f"pages it holds {held} (blocks must only be appended)"
+            )
+        return blocks[len(held) :]
+
+    def _hand_pages(self, request_id: Hashable, pages: list[int]) -> None:
+        """Give a live request more pool pages (free ones, checked by the caller)."""
+        # QuantizedKVCache takes a sequence's first pages at add_sequence(pages=...) and has no
+        # public call to give it more, where an engine's block manager grows a request block by
+        # block; this reaches into its page lists
+        taken = set(pages)
+        self.cache._free_pages = [p for p in self.cache._free_pages if p not in taken]
+        self.cache._seqs[request_id].pages.extend(pages)
+
+    # ------------------------------------------------------------------ steps
+    def begin_step(self, rows: Sequence[StepRow]) -> None:
+        """Take the layout of the next forward pass (host work only; no tensor is touched).
+
+        Rows with ``past_length == 0`` start their request (again, after a preemption: what it
+        held is released first); every other row's request must be live and hold exactly
+        ``past_length`` tokens. A rejected step changes nothing but those releases.
+        """
+        rows = tuple(rows)
+        if not rows:
+            raise ValueError("rows must name at least one request")
+        ids = [r.request_id for r in rows]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"a step names a request twice: {ids}")
+        for i, r in enumerate(rows):
+            if r.query_length < 1 or r.past_length < 0:
+                raise ValueError(
+                    f"rows[{i}]: query_length must be >= 1 and past_length >= 0, got "
+                    f"{r.query_length} and {r.past_length}"
+                )
+            if r.past_length and self._lengths.get(r.request_id) != r.past_length:
+                raise ValueError(
+                    f"rows[{i}]: request {r.request_id!r} holds "
+                    f"{self._lengths.get(r.request_id, 'no')} tokens, the engine says "
+                    f"{r.past_length}"
+                )
+        starts = [r for r in rows if r.past_length == 0]
+        for r in starts:
+            self.release(r.request_id)  # an engine may restart a request without releasing it
+        if len(starts) > self.num_free_slots:
+            raise ValueError(
+                f"{len(starts)} requests start but {self.num_free_slots} of the "
+                f"{self.max_requests} window slots are free (max_requests)"
+            )
+        new_pages = {
+            r.request_id: self._new_blocks(r, [] if not r.past_length
+                                           else self.cache.pages_of(r.request_id))
+            for r in rows
+        }
+        free = set(self.cache._free_pages)
+        wanted = [p for pages in new_pages.values() for p in pages]
+        bad = [p for p in wanted if p not in free]
+        if bad or len(set(wanted)) != len(wanted):
+            raise ValueError(
+                f"engine blocks {bad or wanted} are not free pool pages (held by another "
+                "request, given twice, or outside the pool)"
+            )
+        # ---- nothing below can fail
+        for r in starts:
+            held = self._released.pop(r.request_id, None)
+            if held:
+                self.restarts.append((r.request_id, held))
+                del self.restarts[: -self.RESTART_LOG]
+            self.cache.add_sequence(r.request_id)
+        for r in rows:
+            self._hand_pages(r.request_id, new_pages[r.request_id])
+            self._lengths[r.request_id] = r.past_length + r.query_length
+        self.peak_requests = max(self.peak_requests, len(self._lengths))
+        offsets, total = [], 0
+        for r in rows:
+            offsets.append(total)
+            total += r.query_length
+        decode = tuple(i for i, r in enumerate(rows) if r.past_length and r.query_length == 1)
+        prefill = tuple(i for i, r in enumerate(rows) if not r.past_length)
+        extend = tuple(i for i, r in enumerate(rows) if r.past_length and r.query_length > 1)
+        self._step = _Step(rows, tuple(offsets), decode, prefill, extend, total)
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scaling: float,
+        prefill_attention: PrefillAttention | None = None,
+    ) -> torch.Tensor:
+        """Store layer ``layer``'s new K/V of the step and attend.
+
+        Parameters
+        ----------
+        q : [T', H_q, D]; k, v : [T', H, D] (post-RoPE), ``T' >= T`` (rows past ``T``: padding)
+        scaling : the logit scale
+        prefill_attention : causal attention of a prefill row (default: torch SDPA)
+
+        Returns
+        -------
+        ``[T', H_q, D]`` in ``q``'s dtype (padding rows zero).
+        """
+        step = self._step
+        if step is None:
+            raise RuntimeError("attend() before begin_step()")
+        if q.shape[0] < step.num_tokens or k.shape[0] < step.num_tokens:
+            raise ValueError(
+                f"the step packs {step.num_tokens} tokens, q and k hold {q.shape[0]} and "
+                f"{k.shape[0]}"
+            )
+        prefill_attention = prefill_attention or _prefill_sdpa
+        out = torch.zeros_like(q)
+        rows = step.rows
+
+        def tokens(i):
+            return slice(step.offsets[i], step.offsets[i] + rows[i].query_length)
+
+        # chunks on stored history: read the history before the chunk joins it
+        extended = {}
+        for i in step.extend:
+            t = tokens(i)
+            extended[i] = self._attend_extend(layer, rows[i], q[t], k[t], v[t], scaling)
+        for name, group in (("written", step.prefill + step.extend), ("decode", step.decode)):
+            if not group:
+                continue
+            idx = self._token_index(step, name, group, k.device)
+            self.cache.append(
+                [rows[i].request_id for i in group],
+                _gather(k, idx),
+                _gather(v, idx),
+                [rows[i].query_length for i in group],
+                layer=layer,
+            )
+        for i, o in extended.items():
+            out[tokens(i)] = o
+        for i in step.prefill:
+            t = tokens(i)
+            o = prefill_attention(
+                q[t].transpose(0, 1).unsqueeze(0),
+                k[t].transpose(0, 1).unsqueeze(0),
+                v[t].transpose(0, 1).unsqueeze(0),
+                scaling,
+            )
+            out[t] = o[0].to(q.dtype)
+        if step.decode:
+            if step.plan is None:
+                step.plan = self.cache.plan([rows[i].request_id for i in step.decode], layer)
+            # one plan per step: the page tables and lengths are every layer's; it names a layer
+            step.plan.layer = layer
+            idx = self._token_index(step, "decode", step.decode, q.device)
+            o = decode_attention(
+                _gather(q, idx).contiguous(),
+                self.cache,
+                step.plan,
+                sm_scale=scaling,
+                backend=self.backend,
+            )
+            if isinstance(idx, slice):
+                out[idx] = o.to(q.dtype)
+            else:
+                out.index_copy_(0, idx, o.to(q.dtype))
+        return out
+
+    @staticmethod
+    def _token_index(step: _Step, name: str, group: tuple[int, ...], device):
+        """The packed tokens of the rows ``group``: a slice when they lead the batch in order,
+        else a device index, made once per step (a copy from pinned memory, no sync)."""
+        if name not in step.indices:
+            tokens = [
+                t
+                for i in group
+                for t in range(step.offsets[i], step.offsets[i] + step.rows[i].query_length)
+            ]
+            if tokens == list(range(len(tokens))):
+                step.indices[name] = slice(0, len(tokens))
+            else:
+                index = torch.tensor(tokens, dtype=torch.long)
+                if torch.device(device).type == "cuda":
+                    index = index.pin_memory().to(device, non_blocking=True)
+                step.indices[name] = index.to(device)
+        return step.indices[name]
+
+    def _attend_extend(self, layer, row: StepRow, q, k, v, scaling) -> torch.Tensor:
+        """``q: [t, H_q, D]``, ``k, v: [t, H, D]`` of a chunk on ``row``'s stored tokens ->
+        ``[t, H_q, D]``: fp32 attention over the dequantized history and the chunk."""
+        plan = self.cache.plan([row.request_id], layer)
+        k_past, v_past = dequantize_sequence(self.cache, plan, 0, dtype=torch.float32)
+        t, hq, _ = q.shape
+        group = hq // k.shape[1]
+        keys = torch.cat([k_past, k.transpose(0, 1).float()], dim=1)
+        vals = torch.cat([v_past, v.transpose(0, 1).float()], dim=1)
+        keys = keys.repeat_interleave(group, dim=0)
+        vals = vals.repeat_interleave(group, dim=0)
+        causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+        mask = torch.cat(
+            [torch.ones(t, k_past.shape[1], dtype=torch.bool, device=q.device), causal], dim=1
+        )
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1).float(), keys, vals, attn_mask=mask, scale=scaling
+        )  # [H_q, t, D]
+        return o.transpose(0, 1).to(q.dtype)
+
+    # ------------------------------------------------------------------ accounting
+    def stored_length(self, request_id: Hashable) -> int:
+        """Tokens a live request holds (after the last step's writes)."""
+        return self.cache.seq_len(request_id, self.cache.num_layers - 1)
+
+    def pool_bytes(self) -> int:
+        """Bytes of the pool and the window buffers."""
+        return self.cache.pool_bytes()

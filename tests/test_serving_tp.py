@@ -1,0 +1,121 @@
+"""Tensor parallelism: foscar caches split by KV head over 2 CPU processes (gloo) generate the
+tokens of 1 process.
+
+The test launches this file under ``torchrun --standalone --nproc-per-node 2`` (and once alone,
+the reference) on a small random Llama saved to disk: 8 query / 4 KV heads of 64 channels, so
+each process holds 2 KV heads' pages, and an OSCAR file with one rotation per KV head, which each
+process slices to its heads. Both runs take one thread per process, so they differ only by the
+split (the row-parallel ``o_proj`` sums the heads' shares in two parts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [30, 31, 32, 33, 34]]
+NEW_TOKENS = 8
+LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM = 2, 8, 4, 64
+
+
+def _oscar_file(path: Path) -> Path:
+    """Random per-KV-head rotations with clips for INT2/INT4; INT4 keys in layer 0, short
+    windows so that the prompts reach the quantized history."""
+    from foscar.oscar import OscarRotations
+
+    gen = torch.Generator().manual_seed(3)
+
+    def orthogonal():
+        a = torch.randn(LAYERS, KV_HEADS, HEAD_DIM, HEAD_DIM, generator=gen, dtype=torch.float64)
+        return torch.linalg.qr(a).Q
+
+    clips = {(b, r): torch.full((LAYERS,), 0.95, dtype=torch.float64)
+             for b in (2, 4) for r in ("key", "value")}
+    header = {"key_bits": [4, 2], "value_bits": [2, 2], "windows": [4, 8]}
+    OscarRotations(orthogonal(), orthogonal(), clips, header).save(path)
+    return path
+
+
+def _worker(model_dir: str, kv: str, out: str) -> None:
+    """One process of a run: load (split when launched by torchrun), serve PROMPTS greedily,
+    rank 0 writes the tokens and each process whether its rotations are its heads'."""
+    from transformers import AutoModelForCausalLM
+
+    from foscar.oscar import OscarRotations
+    from foscar.serving import build_manager
+
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    kw = {}
+    if world > 1:
+        from transformers.distributed import DistributedConfig
+
+        kw["distributed_config"] = DistributedConfig(tp_size=world)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kw).eval()
+    manager = build_manager(model, kv, num_blocks=16, block_size=16, max_batch_tokens=64,
+                            max_new_tokens=NEW_TOKENS)
+    manager.start()
+    if rank == 0:
+        ids = [manager.add_request(p) for p in PROMPTS]
+        done = {}
+        while len(done) < len(ids):
+            r = manager.get_result(timeout=120)
+            if r is None:
+                break
+            if r.is_finished():
+                done[r.request_id] = r.generated_tokens
+        manager.stop(block=True)
+    else:  # the loop ends when rank 0 stops it
+        manager.wait()
+    paged = manager.cache.paged
+    heads = KV_HEADS // world
+    rot = OscarRotations.load(kv)
+    mine = rot.key[:, rank * heads : (rank + 1) * heads]
+    sliced = all(
+        torch.equal(paged.cache.transforms[layer].key_rotation.cpu(), mine[layer])
+        for layer in range(LAYERS)
+    )
+    result = {"heads": paged.cache.num_kv_heads, "sliced": sliced}
+    if rank == 0:
+        result["tokens"] = [done.get(i) for i in ids]
+    Path(f"{out}.{rank}").write_text(json.dumps(result))
+
+
+def _launch(args: list[str], tmp_path: Path, nproc: int) -> list[dict]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    out = str(tmp_path / f"run{nproc}")
+    if nproc == 1:
+        cmd = [sys.executable, __file__, *args, out]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={nproc}", __file__, *args, out]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(nproc)]
+
+
+def test_two_processes_generate_the_tokens_of_one(tmp_path):
+    pytest.importorskip("safetensors")
+    from conftest import tiny_llama
+
+    model = tiny_llama(layers=LAYERS, q_heads=Q_HEADS, kv_heads=KV_HEADS,
+                                head_dim=HEAD_DIM, initializer_range=0.1)
+    model.save_pretrained(tmp_path / "model")
+    args = [str(tmp_path / "model"), str(_oscar_file(tmp_path / "oscar.safetensors"))]
+    (one,) = _launch(args, tmp_path, 1)
+    two = _launch(args, tmp_path, 2)
+    assert one["heads"] == KV_HEADS and [r["heads"] for r in two] == [KV_HEADS // 2] * 2
+    assert one["sliced"] and all(r["sliced"] for r in two)
+    assert all(len(t) == NEW_TOKENS for t in one["tokens"])
+    assert two[0]["tokens"] == one["tokens"]
+
+
+if __name__ == "__main__":
+    _worker(*sys.argv[1:4])
