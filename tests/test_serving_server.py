@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from foscar.serving.cli import add_serve_arguments, serve_main
+from foscar.commands.serve import add_serve_arguments, serve_main
 from foscar.serving.server import ChatRequest, RequestError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -141,7 +141,7 @@ class _Server:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
         code = (
-            "import sys; from foscar.serving.cli import serve_main; "
+            "import sys; from foscar.commands.serve import serve_main; "
             "sys.exit(serve_main(sys.argv[1:]))"
         )
         self.proc = subprocess.Popen(

@@ -1,6 +1,7 @@
 """``foscar bench``: decode latency beside FlashInfer on one GPU (:mod:`foscar.bench.grid`), or
 with ``--e2e`` end-to-end decode throughput of a Qwen3-8B-shaped model (:mod:`foscar.bench.e2e`);
-``--replot`` redraws a results file's plot without a GPU."""
+``--serve`` a seeded request trace through the continuous-batching engine (:mod:`foscar.serving.bench`,
+CPU or GPU); ``--replot`` redraws a results file's plot without a GPU."""
 
 from __future__ import annotations
 
@@ -8,9 +9,13 @@ import argparse
 import math
 import sys
 
+from . import serve
 from .options import existing_file, nonnegative_int, output_folder, positive_float, positive_int
 
-HELP = "decode latency beside FlashInfer on a GPU (paper grid); --e2e: end-to-end serving"
+HELP = (
+    "decode latency beside FlashInfer on a GPU (paper grid); --e2e: end-to-end decode; "
+    "--serve: continuous-batching serving"
+)
 
 
 def _head_dim(text: str) -> int:
@@ -146,6 +151,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="start no new point after this many seconds (partial results are kept)",
     )
+    serve.add_bench_serve_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -156,6 +162,8 @@ def run(args: argparse.Namespace) -> int:
     if args.replot:
         print(f"wrote {grid.replot(args.replot)}")
         return 0
+    if args.serve:
+        return serve.run_bench_serve(args)
     if not torch.cuda.is_available():
         what = "--e2e" if args.e2e else "the kernel grid"
         raise ValueError(

@@ -12,11 +12,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench, calibrate, demo
+from . import bench, calibrate, demo, serve
 from . import eval as eval_command
 
 #: subcommand name -> its module
-COMMANDS = {"demo": demo, "bench": bench, "eval": eval_command, "calibrate": calibrate}
+COMMANDS = {"demo": demo, "bench": bench, "eval": eval_command, "calibrate": calibrate,
+            "serve": serve}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,8 +5,9 @@
 ``foscar bench --serve`` replays a seeded trace of requests through the engine for each KV
 cache (:mod:`foscar.serving.bench`).
 
-The ``foscar`` command wires them: ``add_serve_arguments`` + ``run_serve`` (or
-``serve_main(argv)``, a whole command), ``add_bench_serve_arguments`` + ``run_bench_serve``.
+``foscar serve`` is this module's ``add_arguments`` + ``run`` (or ``serve_main(argv)``, the
+whole command); ``foscar bench`` adds ``add_bench_serve_arguments`` and calls
+``run_bench_serve``.
 Errors in the arguments are one line, ``foscar serve: error: ...``, exit status 2, before any
 model is loaded.
 """
@@ -39,6 +40,7 @@ SERVE_DESCRIPTION = (
 )
 #: bytes of one ``--memory-gb``
 GB = 10**9
+HELP = "serve a chat model over an OpenAI-compatible HTTP API with a foscar KV cache"
 
 
 class _UsageError(ValueError):
@@ -291,8 +293,8 @@ def run_serve(args) -> int:
 
     import torch
 
-    from . import build_manager
-    from .server import ChatServer
+    from ..serving import build_manager
+    from ..serving.server import ChatServer
 
     device = _device(args)
     dtype = _dtype(args.dtype, device)
@@ -379,7 +381,7 @@ def serve_main(argv: list[str] | None = None) -> int:
 # ---------------------------------------------------------------------------- foscar bench --serve
 def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``foscar bench --serve`` (a group of ``foscar bench``)."""
-    from .bench import DEFAULT_TRACE
+    from ..serving.bench import DEFAULT_TRACE
 
     t = DEFAULT_TRACE
     g = parser.add_argument_group("serving benchmark (--serve)")
@@ -429,8 +431,8 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_bench_serve(args) -> int:
     """``foscar bench --serve``."""
-    from . import bench
-    from .kv_spec import KVSpecError, parse_kv
+    from ..serving import bench
+    from ..serving.kv_spec import KVSpecError, parse_kv
 
     prog = "foscar bench --serve"
     try:
@@ -480,3 +482,7 @@ def run_bench_serve(args) -> int:
         return _fail(prog, str(e))
     incomplete = [m["kv"] for m in results["methods"] if m["completed"] < trace.num_requests]
     return 1 if incomplete else 0
+
+
+add_arguments = add_serve_arguments
+run = run_serve
