@@ -19,8 +19,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import tiny_llama  # noqa: E402
 
-from foscar.serving import bench  # noqa: E402
 from foscar.commands.serve import add_bench_serve_arguments, run_bench_serve  # noqa: E402
+from foscar.serving import bench  # noqa: E402
 
 METHODS = ["bf16", "int4", "int2"]
 

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from foscar import KVFormat, QuantFormat, QuantizedKVCache, decode_attention
+from foscar import KVFormat, QuantFormat, decode_attention
 from foscar.serving import PagedKV, StepRow, build_manager, parse_kv
 from foscar.serving.kv_spec import KVSpecError, resolve_kv
 
@@ -418,7 +418,7 @@ def test_pool_sized_from_bytes_per_token(smollm2):
     budget = 64 << 20
     stats = {kv: build_manager(model, kv, memory_bytes=budget).kv_stats()
              for kv in ("bf16", "int4", "int2")}
-    for kv, s in stats.items():
+    for s in stats.values():
         assert s["memory_bytes"] <= budget
         assert s["max_tokens"] == s["num_blocks"] * s["block_size"]
     # SmolLM2: 3 KV heads of 64 channels per layer; INT4 with fp32 (s', z') per 64 channels

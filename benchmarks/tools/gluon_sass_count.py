@@ -61,7 +61,8 @@ def main():
         if bits == 2:
             three = configs.gluon_e4m3_config(2, 2, configs.E4M3_THREE_CTAS_MIN_TILES, 8)
             rows.insert(
-                2, ("one-page, E4M3, 3 CTAs", dataclasses.replace(three, flags=three.flags | E4M3), 1)
+                2,
+                ("one-page, E4M3, 3 CTAs", dataclasses.replace(three, flags=three.flags | E4M3), 1),
             )
         for name, cfg, pages in rows:
             body = max(loops(cfg, bits), key=len)
