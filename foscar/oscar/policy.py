@@ -25,13 +25,14 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..cache import QuantizedKVCache, layer_formats
+from ..cache import QuantizedKVCache, effective_bits, layer_formats
 from ..formats import KVFormat
 
 __all__ = [
     "OscarRotations",
     "FORMAT_VERSION",
     "apply_to_cache",
+    "budget_bounds",
     "clip_widths",
     "fold_value_rotations",
     "key_widths_by_error",
@@ -39,6 +40,7 @@ __all__ = [
     "layer_width_formats",
     "layers_by_gain",
     "layers_by_key_gain",
+    "widths_by_budget",
     "widths_by_error",
     "oscar_cache",
 ]
@@ -331,9 +333,92 @@ def layers_by_gain(
     over INT``narrow`` first (the order :func:`widths_by_error` takes them in)."""
     if role not in ("key", "value"):
         raise ValueError(f"role must be 'key' or 'value', got {role!r}")
-    e_narrow, e_wide = (_fitted_errors(rotations, role, b, (narrow, wide)) for b in (narrow, wide))
-    gain = e_narrow.square() - e_wide.square()
+    gain = _gains(rotations, role, narrow, wide)
     return sorted(range(rotations.num_layers), key=lambda layer: (-float(gain[layer]), layer))
+
+
+def _gains(rotations: OscarRotations, role: str, narrow: int, wide: int) -> torch.Tensor:
+    """``[L]`` falls of the squared fitted relative error of ``role`` from INT``narrow`` to
+    INT``wide`` (:func:`widths_by_error`)."""
+    e_narrow, e_wide = (_fitted_errors(rotations, role, b, (narrow, wide)) for b in (narrow, wide))
+    return e_narrow.square() - e_wide.square()
+
+
+def budget_bounds(
+    fmt: KVFormat, num_tokens: int, *, narrow: int = 2, wide: int = 4, scale_bits: int = 32
+) -> tuple[float, float]:
+    """Stored bits per K/V element (:func:`foscar.effective_bits`) of a ``num_tokens``-token
+    sequence in ``fmt`` with K and V at ``narrow`` bits in every layer and at ``wide`` bits in
+    every layer: the least and the most a budget of :func:`widths_by_budget` can spend (the
+    same for any number of layers)."""
+    if not isinstance(fmt, KVFormat):
+        raise TypeError(f"fmt must be a KVFormat, got {type(fmt).__name__}")
+    return tuple(
+        effective_bits(
+            num_tokens,
+            replace(fmt, key=replace(fmt.key, bits=b), value=replace(fmt.value, bits=b)),
+            scale_bits=scale_bits,
+        )
+        for b in (narrow, wide)
+    )
+
+
+def widths_by_budget(
+    rotations: OscarRotations,
+    fmt: KVFormat,
+    bits: float,
+    num_tokens: int,
+    *,
+    narrow: int = 2,
+    wide: int = 4,
+    scale_bits: int = 32,
+) -> tuple[list[int], list[int]]:
+    """Key and value width per layer: the most layers at ``wide`` bits whose stored bits per
+    K/V element at ``num_tokens`` tokens (:func:`foscar.effective_bits` of the per-layer
+    formats of ``fmt``, its groups, scales, offsets and BF16 windows counted) stay at most
+    ``bits``; ``narrow`` bits elsewhere. Returns ``(key_bits, value_bits)``, one width per
+    layer each, for :func:`layer_width_formats`.
+
+    Keys and values of every layer are walked in one order, by the fall of the fitted error
+    that ``wide`` bits buy (the squared relative attention-output error, as
+    :func:`widths_by_error` ranks each role, so keys and values compete on one measure) per
+    bit per element they add; the walk stops at the first one the budget cannot hold, so the
+    wide set leads that order and one more would exceed ``bits``. With one group size and one
+    pair of windows every layer and role adds the same bits, so the order is that of the error
+    falls. Ties go to the earlier layer, keys before values. A budget of at least
+    ``wide`` bits everywhere (:func:`budget_bounds`) gets ``wide`` everywhere; one below
+    ``narrow`` bits everywhere raises ``ValueError`` naming ``bits``.
+    """
+    if isinstance(bits, bool) or not isinstance(bits, (int, float)) or not bits > 0:
+        raise ValueError(f"bits must be a number > 0, got {bits!r}")
+    floor, _ = budget_bounds(fmt, num_tokens, narrow=narrow, wide=wide, scale_bits=scale_bits)
+    if bits < floor:
+        raise ValueError(
+            f"bits={bits} is below INT{narrow} everywhere: {floor:.4f} bits per element at "
+            f"{num_tokens} tokens"
+        )
+    n = rotations.num_layers
+    widths = {"key": [narrow] * n, "value": [narrow] * n}
+
+    def total() -> float:
+        formats = layer_width_formats(fmt, key_bits=widths["key"], value_bits=widths["value"])
+        return effective_bits(num_tokens, formats, scale_bits=scale_bits)
+
+    steps = []
+    for r, role in enumerate(("key", "value")):
+        # every layer shares ``fmt``'s group and windows: one cost per role, so that equal
+        # error falls tie exactly
+        one = replace(fmt, **{role: replace(getattr(fmt, role), bits=wide)})
+        cost = effective_bits(num_tokens, one, scale_bits=scale_bits) - floor
+        for layer, gain in enumerate(_gains(rotations, role, narrow, wide).tolist()):
+            rate = gain / cost if cost > 0 else float("inf")
+            steps.append((-rate, layer, r, role))
+    for _, layer, _, role in sorted(steps):
+        widths[role][layer] = wide
+        if total() > bits:
+            widths[role][layer] = narrow
+            break
+    return widths["key"], widths["value"]
 
 
 def _fitted_errors(rotations: OscarRotations, role: str, bits: int, widths) -> torch.Tensor:
