@@ -230,6 +230,11 @@ def test_calibrate_rejects_bad_arguments(toy, capsys):
         (["--model", str(toy / "none")], "argument --model: "),
         (["--device", "tpu"], "argument --device: expected cpu, cuda or cuda:N, got 'tpu'"),
         (["--out", str(toy)], "argument --out: expected a file name, but"),
+        (["--bits", "4.5", "--int4-layers", "1:1"], "argument --int4-layers: not allowed with"),
+        (["--bits", "0"], "argument --bits: expected a number > 0, got '0'"),
+        (["--int4-layers", "1"], "argument --int4-layers: expected N:M"),
+        (["--bits", "4.5", "--clip-bits", "2"], "--clip-bits must include 2 and 4"),
+        (["--bits-context", "8192"], "--bits-context states where --bits is measured"),
     )
     for argv, says in cases:
         assert says in cli_error(capsys, ["calibrate", *argv]), argv
@@ -242,6 +247,75 @@ def test_calibrate_rejects_bad_arguments(toy, capsys):
     # check() is what the command runs first, also when called as a function
     with pytest.raises(ValueError, match="--select chooses by the INT2 error"):
         calibrate_command.run(parse(["--select", "--clip-bits", "4"]))
+
+
+def test_calibrate_bits_writes_the_widths_foscar_serve_reads(toy):
+    """--bits: the widths chosen for the budget go into the header, which the serving path
+    (foscar.serving.kv_spec) reads as the cache's per-layer formats, and load keeps."""
+    from foscar import effective_bits
+    from foscar.oscar import budget_bounds, layer_width_formats, widths_by_budget
+    from foscar.serving import parse_kv, resolve_kv
+
+    out = toy / "b.safetensors"
+    args = parse(
+        ["--model", str(toy / "model"), "--text", str(toy / "text.txt"), "--tokens", "128",
+         "--seq-len", "128", "--context", "128", "--clip-queries", "8", "--fit-windows", "8",
+         "32", "--bits", "5", "--bits-context", "1024", "--out", str(out)]
+    )  # fmt: skip
+    lines = []
+    assert calibrate_command.run(args, log=lines.append) == 0
+    rot = OscarRotations.load(out, num_layers=2, num_kv_heads=2, head_dim=32)
+    h = rot.header
+    assert h["group_size"] == 32 and h["windows"] == [8, 32]
+    key_bits, value_bits = h["key_bits"], h["value_bits"]
+    kv = resolve_kv(parse_kv(str(out)), num_layers=2, head_dim=32, num_kv_heads=2)
+    assert [(f.key.bits, f.value.bits) for f in kv.formats] == list(zip(key_bits, value_bits))
+    assert {(f.key.group_size, f.sink_tokens, f.recent_tokens) for f in kv.formats} == {
+        (32, 8, 32)
+    }
+    assert kv.clip_bits == "cache" and kv.rotations.header["key_bits"] == key_bits
+    achieved = effective_bits(1024, kv.formats)
+    assert h["width_choice"]["effective_bits"] == round(achieved, 4) and achieved <= 5
+    assert (h["width_choice"]["budget_bits"], h["width_choice"]["context"]) == (5, 1024)
+    # the choice is widths_by_budget's on the file's fitted errors, one INT4 layer and role
+    # here (INT2 everywhere is 4.47 bits at 1024 tokens, each INT4 one adds 0.48)
+    assert (key_bits, value_bits) == widths_by_budget(rot, kv.formats[0], 5, 1024)
+    floor, ceiling = budget_bounds(kv.formats[0], 1024)
+    assert sorted(key_bits + value_bits) == [2, 2, 2, 4] and floor < 5 < ceiling
+    line = [x for x in lines if x.startswith("widths: ")]
+    assert line == [
+        f"widths: INT4 keys in {key_bits.count(4)} layers, values in {value_bits.count(4)}; "
+        f"{achieved:.2f} bits per element at 1024 tokens (budget 5)"
+    ]
+    # a budget over INT4 everywhere: every layer INT4, and the line says what that needs
+    assert "INT4 in every layer needs only" in calibrate_command.choose_widths(
+        parse(["--bits", "9", "--bits-context", "1024"]), rot, kv.formats[0]
+    )
+    assert rot.header["key_bits"] == rot.header["value_bits"] == [4, 4]
+    # --int4-layers N:M: counts per role, widths_by_error's layers
+    fmt = layer_width_formats(kv.formats[0], key_bits=[2, 2], value_bits=[2, 2])[0]
+    assert calibrate_command.choose_widths(parse(["--int4-layers", "0:2"]), rot, fmt) == (
+        f"widths: INT4 keys in 0 layers, values in 2; "
+        f"{effective_bits(4096, layer_width_formats(fmt, key_bits=[2, 2], value_bits=[4, 4])):.2f}"
+        " bits per element at 4096 tokens"
+    )
+
+
+def test_calibrate_width_errors_come_before_calibrating(toy, capsys, monkeypatch):
+    """A budget below INT2 everywhere, or more INT4 layers than the model has: one error line
+    after reading the model, before any calibration work."""
+    oscar_calibrate = importlib.import_module("foscar.oscar.calibrate")  # (the module)
+
+    def refuse(*args, **kw):
+        raise AssertionError("calibrated before refusing the widths")
+
+    monkeypatch.setattr(oscar_calibrate, "calibrate_rotations", refuse)
+    model = ["calibrate", "--model", str(toy / "model"), "--text", str(toy / "text.txt")]
+    line = cli_error(capsys, [*model, "--bits", "4"])  # groups of 32, windows 64/256
+    assert "--bits 4 is below INT2 in every layer: 4.94 bits per element at 4096 tokens" in line
+    assert "pass --bits >= 4.94" in line
+    line = cli_error(capsys, [*model, "--int4-layers", "3:0"])
+    assert "--int4-layers 3:0: 3 INT4 key layers, but the model has 2" in line
 
 
 def test_cli_entry_point():

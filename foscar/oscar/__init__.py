@@ -19,7 +19,9 @@ they run:
   safetensors; :func:`apply_to_cache` sets it on a :class:`foscar.QuantizedKVCache`
   (:meth:`~foscar.QuantizedKVCache.set_transform`) and :func:`oscar_cache` builds a
   transformers cache with it; :func:`fold_value_rotations` moves the value rotations into the
-  model's ``v_proj`` and ``o_proj`` weights instead (two fewer rotations per layer and step).
+  model's ``v_proj`` and ``o_proj`` weights instead (two fewer rotations per layer and step);
+  :func:`widths_by_error` and :func:`widths_by_budget` choose INT4 or INT2 per layer for K and V
+  by the fitted errors, for a count of layers or a budget of stored bits (:func:`budget_bounds`).
 
 :func:`calibrate_rotations` runs the first three (and optionally the selection and GPTQ
 factors) from a text, as ``foscar calibrate`` does before writing the file.
