@@ -14,11 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-# One core per pytest-xdist worker: with two workers on two cores, torch's default of a thread
-# per core oversubscribes the machine and its OpenMP threads spin waiting for each other (the
-# float64 reference tests ran 10x slower on a loaded 2-core machine).
-_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+# One thread: the tests' tensors are small, and with a thread per core (torch's default) on a
+# busy machine, or under pytest-xdist's worker per core, the OpenMP threads spin waiting for each
+# other (the float64 reference tests ran 10x slower on a loaded 2-core machine).
+torch.set_num_threads(1)
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
