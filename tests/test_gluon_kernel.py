@@ -392,7 +392,7 @@ def _compile(args: str) -> dict:
             env=dict(os.environ, TRITON_INTERPRET="0"),
         )
         _COMPILER[:] = [process, errors]
-        atexit.register(process.stdin.close)
+        atexit.register(process.communicate)  # closes its stdin, and it ends
     process, errors = _COMPILER
     process.stdin.write(args + "\n")
     process.stdin.flush()
