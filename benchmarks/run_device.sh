@@ -13,6 +13,8 @@
 #   grid-d64       the 13-point grid at head_dim 64              -> decode_grid_d64.*
 #   e4m3-accuracy  the Gluon kernel's E4M3 operands against bf16 -> e4m3_accuracy.md
 #   e2e            foscar bench --e2e: Qwen3-8B shapes, 32K and 100K prompts -> e2e_qwen3_8b.*
+#   serve          foscar bench --serve on a random Llama (head_dim 128): the engine's BF16 paged
+#                  cache beside foscar INT4 and INT2 in the same memory -> serve_bench.*
 #   eval           foscar eval on SmolLM2-135M: BF16, OSCAR INT4, the mixed INT2/INT4 recipes
 #                                                                -> eval_smollm2.*
 #   tune           the Triton kernel's launch-config sweep       -> tune.json, tune.log
@@ -33,11 +35,11 @@ usage() {
 mode=$1
 shift
 case "$mode" in
-  smoke | tests | sanitize | grid | axes | grid-d64 | e4m3-accuracy | e2e | eval | tune) ;;
+  smoke | tests | sanitize | grid | axes | grid-d64 | e4m3-accuracy | e2e | serve | eval | tune) ;;
   -h | --help) usage ;;
   *)
     echo "run_device.sh: unknown mode '$mode' (expected smoke, tests, sanitize, grid, axes," \
-      "grid-d64, e4m3-accuracy, e2e, eval or tune)" >&2
+      "grid-d64, e4m3-accuracy, e2e, serve, eval or tune)" >&2
     exit 2
     ;;
 esac
@@ -204,6 +206,10 @@ EOF
     logged e2e_qwen3_8b.log python3 -m foscar bench --e2e --e2e-contexts 32768 102400 \
       --e2e-batches 1 4 16 32 --e2e-new-tokens 128 --e2e-methods bf16 foscar-int4 foscar-int2 \
       --out "$OUT" --name e2e_qwen3_8b "$@"
+    status=$?
+    ;;
+  serve)
+    logged serve_bench.log python3 benchmarks/tools/serve_random_llama.py --out "$OUT" "$@"
     status=$?
     ;;
   eval)
