@@ -165,6 +165,31 @@ def test_explicit_pages_are_used_in_order():
     assert cache.pages_of(sid)[2] not in (7, 3)
 
 
+def test_added_pages_follow_the_held_ones_and_are_checked_first():
+    fmt = KVFormat(QuantFormat(2, "token", 64), QuantFormat(2, "token", 64))
+    cache = make_cache(fmt, num_pages=10, page_size=16)
+    a = cache.add_sequence(pages=[7])
+    cache.add_sequence(pages=[2])  # another sequence holds page 2
+    cache.append([a], torch.randn(10, H, D), torch.randn(10, H, D), [10])
+    batch = cache.plan([a])
+    cache.add_pages(a, [4, 9])
+    assert cache.pages_of(a) == [7, 4, 9] and {4, 7, 9}.isdisjoint(cache.free_pages())
+    assert len(cache.free_pages()) == 10 - 4
+    cache.check_plan(batch)  # the pages its tokens sit in did not move
+    cache.append([a], torch.randn(30, H, D), torch.randn(30, H, D), [30])
+    assert cache.plan([a]).pages_host == [[7, 4, 9]]
+    before = (cache.pages_of(a), cache.free_pages())
+    for pages, message in [([2], "overlaps the pages of sequence"), ([10], "outside the pool"),
+                           ([5, 5], "twice")]:
+        with pytest.raises(ValueError, match=message):
+            cache.add_pages(a, pages)
+    with pytest.raises(ValueError, match="not a live sequence"):
+        cache.add_pages("zzz", [5])
+    assert (cache.pages_of(a), cache.free_pages()) == before
+    cache.free(a)
+    assert {4, 7, 9} <= cache.free_pages()
+
+
 def test_layers_share_pages_but_not_storage():
     fmt = KVFormat(QuantFormat(2, "token", 64), QuantFormat(2, "token", 64))
     cache = make_cache(fmt, num_layers=2)

@@ -189,6 +189,21 @@ class PageTable:
         )
         return seq_id
 
+    def add_pages(self, seq_id, pages: Sequence[int]) -> None:
+        """Give a live sequence more pool pages, used after the ones it holds (a serving engine's
+        block manager growing a request block by block). ``pages`` are checked as
+        :meth:`add_sequence`'s are, before anything changes. Plans stay valid: a plan's page
+        table lists the pages its tokens sit in, and those do not move."""
+        seq = self._lookup(seq_id, "seq_id")
+        pages = self._check_pages(pages)
+        taken = set(pages)
+        self._free_pages = [p for p in self._free_pages if p not in taken]
+        seq.pages.extend(pages)
+
+    def free_pages(self) -> frozenset[int]:
+        """The pool pages no sequence holds."""
+        return frozenset(self._free_pages)
+
     def _check_pages(self, pages) -> list[int]:
         if pages is None:
             return []

@@ -249,12 +249,7 @@ class PagedKV:
 
     def _hand_pages(self, request_id: Hashable, pages: list[int]) -> None:
         """Give a live request more pool pages (free ones, checked by the caller)."""
-        # QuantizedKVCache takes a sequence's first pages at add_sequence(pages=...) and has no
-        # public call to give it more, where an engine's block manager grows a request block by
-        # block; this reaches into its page lists
-        taken = set(pages)
-        self.cache._free_pages = [p for p in self.cache._free_pages if p not in taken]
-        self.cache._seqs[request_id].pages.extend(pages)
+        self.cache.add_pages(request_id, pages)
 
     # ------------------------------------------------------------------ steps
     def begin_step(self, rows: Sequence[StepRow]) -> None:
@@ -295,7 +290,7 @@ class PagedKV:
                                            else self.cache.pages_of(r.request_id))
             for r in rows
         }
-        free = set(self.cache._free_pages)
+        free = self.cache.free_pages()
         wanted = [p for pages in new_pages.values() for p in pages]
         bad = [p for p in wanted if p not in free]
         if bad or len(set(wanted)) != len(wanted):
