@@ -26,6 +26,7 @@ from .formats import GroupAxis, QuantFormat, operand_values, unpack_codes
 from .quantize import dequantize
 
 __all__ = [
+    "attend_chunk",
     "attend_dequantized",
     "attend_folded",
     "check_query",
@@ -122,6 +123,39 @@ def dequantize_sequence(
 
 
 # ---------------------------------------------------------------------------- plain attention
+def attend_chunk(
+    cache: QuantizedKVCache,
+    batch: DecodeBatch,
+    i: int,
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    sm_scale: float,
+    new_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of a chunk of new tokens over sequence ``i``'s stored tokens (dequantized in
+    fp32) and the chunk itself, causal over the chunk: how several new tokens on a non-empty
+    sequence attend before they are appended (a chunked prefill's later chunks).
+
+    ``q: [H_q, t, D]``, ``k_new, v_new: [H_kv, t, D]``; ``new_mask: bool [t]`` marks the chunk's
+    real tokens (``None``: all of them). Returns ``[H_q, t, D]`` float32.
+    """
+    k_past, v_past = dequantize_sequence(cache, batch, i, dtype=torch.float32)
+    num_q_heads, t, _ = q.shape
+    group = num_q_heads // k_new.shape[0]
+    keys = torch.cat([k_past, k_new.float()], dim=1).repeat_interleave(group, dim=0)
+    vals = torch.cat([v_past, v_new.float()], dim=1).repeat_interleave(group, dim=0)
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    if new_mask is not None:
+        causal = causal & new_mask.unsqueeze(0)
+    mask = torch.cat(
+        [torch.ones(t, k_past.shape[1], dtype=torch.bool, device=q.device), causal], dim=1
+    )
+    return torch.nn.functional.scaled_dot_product_attention(
+        q.float(), keys, vals, attn_mask=mask, scale=sm_scale
+    )
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float):
     """Softmax attention of grouped queries ``q: [H, hq, D]`` over ``k, v: [H, L, D]``.
 

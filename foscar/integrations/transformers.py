@@ -82,7 +82,7 @@ from ..cache import DecodeBatch, QuantizedKVCache, check_decode_write, layer_for
 from ..decode import BACKENDS, decode_attention, default_backend
 from ..formats import GroupAxis, KVFormat
 from ..quantize import dequantize
-from ..reference import _history_operands, dequantize_sequence
+from ..reference import _history_operands, attend_chunk
 
 __all__ = [
     "ATTENTION_NAME",
@@ -722,27 +722,13 @@ class FoscarCache(Cache):
 
     def _extend(self, layer, query, k, v, attention_mask, scaling) -> torch.Tensor:
         """Several new tokens on a non-empty cache: dequantized past + new tokens, in torch."""
-        bsz, hq, t, d = query.shape
-        group = hq // self.num_kv_heads
+        bsz, _, t, _ = query.shape
         vis = self._new_token_mask(attention_mask, bsz, t, k.device)
         plan = self.kv.plan(self.seq_ids, layer)
-        causal = torch.ones(t, t, dtype=torch.bool, device=k.device).tril()
-        outs = []
-        for b in range(bsz):
-            k_past, v_past = dequantize_sequence(self.kv, plan, b, dtype=torch.float32)
-            keys = torch.cat([k_past, k[b].float()], dim=1).repeat_interleave(group, dim=0)
-            vals = torch.cat([v_past, v[b].float()], dim=1).repeat_interleave(group, dim=0)
-            mask = torch.cat(
-                [
-                    torch.ones(t, k_past.shape[1], dtype=torch.bool, device=k.device),
-                    causal & vis[b].unsqueeze(0),
-                ],
-                dim=1,
-            )
-            o = torch.nn.functional.scaled_dot_product_attention(
-                query[b].float(), keys, vals, attn_mask=mask, scale=scaling
-            )  # [H_q, T, D]
-            outs.append(o.transpose(0, 1))
+        outs = [
+            attend_chunk(self.kv, plan, b, query[b], k[b], v[b], scaling, vis[b]).transpose(0, 1)
+            for b in range(bsz)
+        ]  # each [T, H_q, D]
         counts = self._real_counts(vis, require_left_padding=False)
         self._append(layer, k.transpose(1, 2)[vis], v.transpose(1, 2)[vis], counts)
         return torch.stack(outs).to(query.dtype)  # [B, T, H_q, D]

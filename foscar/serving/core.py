@@ -30,8 +30,9 @@ turns such a step into foscar operations, whatever the engine:
     precision (``prefill_attention``), as :class:`foscar.integrations.transformers.FoscarCache`
     does at a prefill;
   - *extend* (several new tokens on a non-empty request: a chunk of a chunked prefill): the
-    stored tokens dequantized in fp32 (:func:`foscar.reference.dequantize_sequence`) and the new
-    ones, causal over the new ones, as ``FoscarCache``'s extend path; then the chunk is appended.
+    stored tokens dequantized in fp32 and the new ones, causal over the new ones
+    (:func:`foscar.reference.attend_chunk`, ``FoscarCache``'s extend path too); then the chunk is
+    appended.
 
 Host and device: :meth:`PagedKV.begin_step` is host work only, and a decode step's device work
 (the writes, :func:`foscar.decode_attention`) waits on no device result: its index tensors go to
@@ -58,7 +59,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import DecodeBatch, KVFormat, QuantizedKVCache, decode_attention
-from ..reference import dequantize_sequence
+from ..reference import attend_chunk
 
 __all__ = ["PagedKV", "StepRow", "window_bytes_per_request", "history_bytes_per_token"]
 
@@ -424,19 +425,8 @@ class PagedKV:
         """``q: [t, H_q, D]``, ``k, v: [t, H, D]`` of a chunk on ``row``'s stored tokens ->
         ``[t, H_q, D]``: fp32 attention over the dequantized history and the chunk."""
         plan = self.cache.plan([row.request_id], layer)
-        k_past, v_past = dequantize_sequence(self.cache, plan, 0, dtype=torch.float32)
-        t, hq, _ = q.shape
-        group = hq // k.shape[1]
-        keys = torch.cat([k_past, k.transpose(0, 1).float()], dim=1)
-        vals = torch.cat([v_past, v.transpose(0, 1).float()], dim=1)
-        keys = keys.repeat_interleave(group, dim=0)
-        vals = vals.repeat_interleave(group, dim=0)
-        causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-        mask = torch.cat(
-            [torch.ones(t, k_past.shape[1], dtype=torch.bool, device=q.device), causal], dim=1
-        )
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1).float(), keys, vals, attn_mask=mask, scale=scaling
+        o = attend_chunk(
+            self.cache, plan, 0, q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scaling
         )  # [H_q, t, D]
         return o.transpose(0, 1).to(q.dtype)
 
