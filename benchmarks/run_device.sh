@@ -15,6 +15,8 @@
 #   e2e            foscar bench --e2e: Qwen3-8B shapes, 32K and 100K prompts -> e2e_qwen3_8b.*
 #   serve          foscar bench --serve on a random Llama (head_dim 128): the engine's BF16 paged
 #                  cache beside foscar INT4 and INT2 in the same memory -> serve_bench.*
+#   serve-qwen3    the same at Qwen3-8B's shapes, contexts 8K and 32K, BF16 / INT4 / INT2 / an
+#                  OSCAR per-layer recipe, CUDA graphs off and on   -> serve_qwen3_8b.*
 #   eval           foscar eval on SmolLM2-135M: BF16, OSCAR INT4, the mixed INT2/INT4 recipes
 #                                                                -> eval_smollm2.*
 #   eval-e4m3      foscar eval --backends gluon gluon-e4m3 on --model PATH (a .gguf file; the
@@ -213,7 +215,15 @@ EOF
     status=$?
     ;;
   serve)
-    logged serve_bench.log python3 benchmarks/tools/serve_random_llama.py --out "$OUT" "$@"
+    logged serve_bench.log python3 benchmarks/tools/serve_random_model.py --out "$OUT" "$@"
+    status=$?
+    ;;
+  serve-qwen3)
+    # about 5 minutes per context on an H100 (model build, Triton/Gluon compiles, 5 runs of at
+    # most 75-80 s): split the contexts over calls (--contexts 8192, then --contexts 32768
+    # --merge serve_qwen3_8b.json of the first) where one call must stay under 10 minutes
+    logged serve_qwen3_8b.log python3 benchmarks/tools/serve_random_model.py --preset qwen3-8b \
+      --out "$OUT" "$@"
     status=$?
     ;;
   eval)
