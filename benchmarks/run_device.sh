@@ -219,9 +219,10 @@ EOF
     status=$?
     ;;
   serve-qwen3)
-    # about 5 minutes per context on an H100 (model build, Triton/Gluon compiles, 5 runs of at
-    # most 75-80 s): split the contexts over calls (--contexts 8192, then --contexts 32768
-    # --merge serve_qwen3_8b.json of the first) where one call must stay under 10 minutes
+    # 5 runs per context (4 methods with CUDA graphs off, BF16 with them on; foscar with them on
+    # is refused at once), each capped at 75 s (8K) or 85 s (32K), plus the model build and the
+    # kernels' first compiles: up to about 8 minutes per context on an H100, so a call of at most
+    # 10 minutes takes one context (--contexts 8192; then --contexts 32768 --merge FIRST.json)
     logged serve_qwen3_8b.log python3 benchmarks/tools/serve_random_model.py --preset qwen3-8b \
       --out "$OUT" "$@"
     status=$?

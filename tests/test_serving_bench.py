@@ -214,7 +214,7 @@ def test_qwen3_preset_arguments_are_checked():
         tool.parse_args(["--out", "x", "--preset", "qwen3-8b", "--contexts", "8192", "32768",
                          "--requests", "1", "2", "3"])
     a = tool.parse_args(["--out", "x", "--preset", "qwen3-8b"])
-    assert a.contexts == [8192, 32768] and a.requests == [32, 10] and a.bf16_requests == [4, 2]
+    assert a.contexts == [8192, 32768] and a.requests == [32, 8] and a.bf16_requests == [4, 2]
     assert a.cuda_graphs == ["off", "on"] and a.methods[-1] == "oscar"
     assert a.shape["layers"] == 36 and a.shape["vocab"] == 151936
 

@@ -243,7 +243,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="qwen3-8b: one trace per context (8192 32768); none: only --merge")
     p.add_argument("--requests", type=int, nargs="+", default=None,
                    help="requests per trace, one value or one per context (llama-d128: 24; "
-                   "qwen3-8b: 32 at 8K, 10 at 32K)")
+                   "qwen3-8b: 32 at 8K, 8 at 32K)")
     p.add_argument("--bf16-requests", type=int, nargs="+", default=None,
                    help="qwen3-8b: KV memory in requests of the context the engine's BF16 cache "
                    "holds, one value or one per context (4 at 8K, 2 at 32K)")
@@ -257,7 +257,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "auto; qwen3-8b: off on)")
     p.add_argument("--max-seconds", type=float, nargs="+", default=None,
                    help="per method and setting, one value or one per context (llama-d128: 60; "
-                   "qwen3-8b: 75 at 8K, 80 at 32K)")
+                   "qwen3-8b: 75 at 8K, 85 at 32K)")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     p.add_argument("--block-size", type=int, default=None, help="tokens per block (64)")
     p.add_argument("--merge", nargs="+", default=[], metavar="JSON",
@@ -291,11 +291,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         return values * n if len(values) == 1 else values
 
     a.requests = per_context("requests", a.requests,
-                             lambda c: 24 if c is None else (32 if c <= 8192 else 10))
+                             lambda c: 24 if c is None else (32 if c <= 8192 else 8))
     a.bf16_requests = per_context("bf16-requests", a.bf16_requests,
                                   lambda c: 4 if c is None or c <= 8192 else 2)
     a.max_seconds = per_context("max-seconds", a.max_seconds,
-                                lambda c: 60.0 if c is None else (75.0 if c <= 8192 else 80.0))
+                                lambda c: 60.0 if c is None else (75.0 if c <= 8192 else 85.0))
     for name in ("requests", "bf16_requests"):
         if any(v < 1 for v in getattr(a, name)):
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
