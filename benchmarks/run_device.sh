@@ -15,8 +15,13 @@
 #   e2e            foscar bench --e2e: Qwen3-8B shapes, 32K and 100K prompts -> e2e_qwen3_8b.*
 #   serve          foscar bench --serve on a random Llama (head_dim 128): the engine's BF16 paged
 #                  cache beside foscar INT4 and INT2 in the same memory -> serve_bench.*
+#   serve-qwen3    the same at Qwen3-8B's shapes, contexts 8K and 32K, BF16 / INT4 / INT2 / an
+#                  OSCAR per-layer recipe, CUDA graphs off and on   -> serve_qwen3_8b.*
 #   eval           foscar eval on SmolLM2-135M: BF16, OSCAR INT4, the mixed INT2/INT4 recipes
 #                                                                -> eval_smollm2.*
+#   eval-e4m3      foscar eval --backends gluon gluon-e4m3 on --model PATH (a .gguf file; the
+#                  E4M3 operands need head_dim 128): INT4, INT2 + windows, OSCAR INT4 and the
+#                  15:10 recipe through each backend                  -> eval_e4m3.*
 #   tune           the Triton kernel's launch-config sweep       -> tune.json, tune.log
 #
 # (.* = .md, .json and .png.)
@@ -35,11 +40,12 @@ usage() {
 mode=$1
 shift
 case "$mode" in
-  smoke | tests | sanitize | grid | axes | grid-d64 | e4m3-accuracy | e2e | serve | eval | tune) ;;
+  smoke | tests | sanitize | grid | axes | grid-d64 | e4m3-accuracy | e2e | serve | serve-qwen3 | \
+    eval | eval-e4m3 | tune) ;;
   -h | --help) usage ;;
   *)
     echo "run_device.sh: unknown mode '$mode' (expected smoke, tests, sanitize, grid, axes," \
-      "grid-d64, e4m3-accuracy, e2e, serve, eval or tune)" >&2
+      "grid-d64, e4m3-accuracy, e2e, serve, serve-qwen3, eval, eval-e4m3 or tune)" >&2
     exit 2
     ;;
 esac
@@ -211,7 +217,16 @@ EOF
     status=$?
     ;;
   serve)
-    logged serve_bench.log python3 benchmarks/tools/serve_random_llama.py --out "$OUT" "$@"
+    logged serve_bench.log python3 benchmarks/tools/serve_random_model.py --out "$OUT" "$@"
+    status=$?
+    ;;
+  serve-qwen3)
+    # 5 runs per context (4 methods with CUDA graphs off, BF16 with them on; foscar with them on
+    # is refused at once), each capped at 75 s (8K) or 85 s (32K), plus the model build and the
+    # kernels' first compiles: up to about 8 minutes per context on an H100, so a call of at most
+    # 10 minutes takes one context (--contexts 8192; then --contexts 32768 --merge FIRST.json)
+    logged serve_qwen3_8b.log python3 benchmarks/tools/serve_random_model.py --preset qwen3-8b \
+      --out "$OUT" "$@"
     status=$?
     ;;
   eval)
@@ -226,6 +241,22 @@ EOF
       --metrics ppl needle --ppl-prefixes 4096 8192 --ppl-windows 4096:64x60 8192:64x60 \
       --needle-lengths 2048 4096 8192 --needle-depths $(seq 0.02 0.02 0.98) \
       --out "$OUT" --name eval_smollm2 "$@"
+    status=$?
+    ;;
+  eval-e4m3)
+    # every quantized row through the Gluon kernel twice: bf16 operands, then E4M3 ones (the
+    # BF16 rows once); sized for about 6 minutes on an H100 (10 depths, 32 windows per prefix)
+    if [[ " $* " != *" --model "* ]]; then
+      echo "run_device.sh eval-e4m3: needs --model PATH (a .gguf file or HF folder of a model" \
+        "with head_dim 128: the E4M3 operand path covers no other)" >&2
+      exit 2
+    fi
+    logged eval_e4m3.log python3 -m foscar eval --backends gluon gluon-e4m3 --oscar \
+      --oscar-gptq --oscar-context 8192 --oscar-int4-layers 15:10 --formats \
+      'INT4 token min-max' 'INT2 token clipped + BF16 64/256' 'OSCAR INT4 + BF16 64/256' \
+      'INT4 keys in 15 layers' --metrics ppl needle --ppl-prefixes 4096 8192 \
+      --ppl-windows 4096:32x60 8192:32x60 --needle-lengths 2048 4096 8192 \
+      --needle-depths $(seq 0.05 0.1 0.95) --out "$OUT" --name eval_e4m3 "$@"
     status=$?
     ;;
   tune)

@@ -406,3 +406,87 @@ def test_plot_draws_a_panel_per_measured_metric_without_warnings(tmp_path, metri
     height, width = matplotlib.image.imread(tmp_path / "p.png").shape[:2]
     # one panel is 8 inches wide at 110 dpi, three 20
     assert width == 110 * (6 * len(metrics) + 2) and height == int(110 * 7.5)
+
+
+def test_backends_measure_each_quantized_format_once_per_backend(toy_setup, tmp_path):
+    """--backends: every quantized row once per named backend, labelled with it (the JSON keeps
+    it as a field), the BF16 rows once; on a CPU the kernel path runs (not the dequantized one),
+    and "auto" resolves to the reference there, so the two rows agree to the last bit."""
+    args = _parser().parse_args(
+        ["--model", str(toy_setup / "model"), "--text", str(toy_setup / "eval.txt"),
+         "--device", "cpu", "--metrics", "ppl", "needle", "--ppl-prefixes", "64",
+         "--ppl-tokens", "3", "--needle-lengths", "256", "--needle-depths", "0.5",
+         "--calibration-tokens", "96", "--formats", "INT4 token min",
+         "--backends", "reference", "auto"]
+    )  # fmt: skip
+    out = io.StringIO()
+    result = _evaluate(args, out=out)
+    rows = result["rows"]
+    assert [(r["format"], r.get("backend")) for r in rows] == [
+        ("FP32", None),
+        ("BF16", None),
+        ("INT4 token min-max", "reference"),
+        ("INT4 token min-max", "auto"),
+    ]
+    assert result["config"]["decode"] == "kernel"
+    assert result["config"]["backends"]["named"] == ["reference", "auto"]
+    assert "perplexity, prefix 64: INT4 token min-max [reference]:" in out.getvalue()
+    ref, auto = rows[2], rows[3]
+    assert ref["ppl"] == auto["ppl"] and ref["needle"] == auto["needle"]
+    assert ref["ppl"]["64"] != rows[1]["ppl"]["64"]  # INT4 is not the BF16 cache
+    paths = write_results(result, tmp_path, "backends")
+    table = paths["md"].read_text()
+    assert "| INT4 token min-max [reference] |" in table
+    assert "| INT4 token min-max [auto] |" in table and "| BF16 |" in table
+    saved = json.loads(paths["json"].read_text())["rows"]
+    assert [r.get("backend") for r in saved] == [None, None, "reference", "auto"]
+
+
+def test_backends_are_checked_before_the_model_loads(toy_setup, tmp_path, capsys):
+    """A backend the device cannot run, an unknown name, a repeated one or --decode dequantized
+    with --backends: one error line naming the flag, before the model loads."""
+    from foscar.commands.main import main
+
+    base = ["eval", "--model", str(toy_setup / "model"), "--device", "cpu", "--out",
+            str(tmp_path)]  # fmt: skip
+    for extra, says in (
+        (["--backends", "gluon"], "--backends gluon needs triton's Gluon and a Hopper"),
+        (["--backends", "auto", "gluon-e4m3"], "--backends gluon-e4m3 needs"),
+        (["--backends", "auto", "auto"], "--backends must be distinct names"),
+        (["--backends", "reference", "--decode", "dequantized"], "--decode dequantized never"),
+        (["--backends", "fast"], "argument --backends: invalid choice: 'fast'"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*base, *extra])
+        captured = capsys.readouterr()
+        line = captured.err.strip().splitlines()[-1]
+        assert exit_info.value.code == 2 and "Traceback" not in captured.err
+        assert says in line, line
+        assert "loading" not in captured.out  # the model was not loaded
+
+
+def test_backend_runs_leave_out_the_pairs_a_backend_does_not_cover():
+    """A backend that does not cover a row's format leaves that pair out with its reason; one
+    that covers none of the rows is an error naming --backends and the reason."""
+    cfg = LlamaConfig(num_attention_heads=4, num_key_value_heads=2, hidden_size=512)
+    g = 128
+    token = KVFormat(QuantFormat(2, "token", g), QuantFormat(2, "token", g))
+    int4 = KVFormat(QuantFormat(4, "token", g), QuantFormat(2, "token", g))
+    kivi = KVFormat(QuantFormat(2, "channel", g), QuantFormat(2, "token", g))
+    fmts = {"token": token, "kivi": kivi, "per layer": (int4, token, token)}
+    runs, missing = harness.backend_runs(
+        ["token", "kivi", "per layer"], fmts, ["reference", "gluon-e4m3"], cfg, 128
+    )
+    assert runs == [
+        ("token [reference]", "token", "reference"),
+        ("token [gluon-e4m3]", "token", "gluon-e4m3"),
+        ("kivi [reference]", "kivi", "reference"),
+        ("per layer [reference]", "per layer", "reference"),
+        ("per layer [gluon-e4m3]", "per layer", "gluon-e4m3"),
+    ]
+    assert set(missing) == {"kivi [gluon-e4m3]"}
+    assert "covers token-wise K and V" in missing["kivi [gluon-e4m3]"]
+    # SmolLM2's head_dim 64: the E4M3 operand path covers head_dim 128 alone
+    fmt64 = {"token": KVFormat(QuantFormat(2, "token", 64), QuantFormat(2, "token", 64))}
+    with pytest.raises(ValueError, match="--backends gluon-e4m3 covers none .* head_dim 128"):
+        harness.backend_runs(["token"], fmt64, ["gluon", "gluon-e4m3"], cfg, 64)

@@ -157,3 +157,80 @@ def test_command_line_on_smollm2(tmp_path):
                            output_tokens=(3, 5))
     results = _check_results(tmp_path, spec, METHODS)
     assert results["model"] == "SmolLM2-135M-Instruct.Q4_1"
+
+
+def _serve_random_model():
+    """benchmarks/tools/serve_random_model.py as a module (the tools folder is no package)."""
+    path = Path(__file__).parent.parent / "benchmarks" / "tools" / "serve_random_model.py"
+    spec = importlib.util.spec_from_file_location("serve_random_model", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_qwen3_preset_runs_every_method_per_graphs_setting_at_a_tiny_size(tmp_path, one_thread):
+    """run_device.sh serve-qwen3's script at a tiny shape on the CPU: every method once per CUDA
+    graphs setting in one results set; foscar caches with graphs on are recorded as refused (the
+    manager refuses them) instead of ending the run; --merge folds an earlier call's contexts."""
+    tool = _serve_random_model()
+    out = tmp_path / "first"
+    tool.main(["--preset", "qwen3-8b", "--device", "cpu", "--layers", "2", "--hidden", "128",
+               "--intermediate", "256", "--heads", "4", "--kv-heads", "2", "--head-dim", "64",
+               "--vocab", "96", "--positions", "1024", "--contexts", "256", "--requests", "3",
+               "--bf16-requests", "1", "--output-tokens", "3", "5", "--max-seconds", "60",
+               "--out", str(out)])  # fmt: skip
+    assert sorted(p.name for p in out.iterdir()) == [
+        f"serve_qwen3_8b.{ext}" for ext in ("json", "md", "png")
+    ]
+    results = json.loads((out / "serve_qwen3_8b.json").read_text())
+    runs = {r["cuda_graphs"]: r for r in results["runs"]}
+    assert set(runs) == {False, True} and all(r["context"] == 256 for r in runs.values())
+    names = ["bf16", "int4", "int2", "oscar-random"]
+    for graphs, run in runs.items():
+        assert [m["kv"] for m in run["methods"]] == names
+        assert run["trace"]["prompt_tokens"] == [240, 251]  # within 1/16 of the context
+        for m in run["methods"]:
+            if graphs and m["kv"] != "bf16":
+                assert "cuda_graphs=True" in m["refused"] and "completed" not in m
+            else:
+                assert m["completed"] == 3 and m["failed"] == [], (graphs, m["kv"])
+    oscar = runs[False]["methods"][3]["pool"]
+    assert oscar["bytes_per_token"] > runs[False]["methods"][2]["pool"]["bytes_per_token"]
+    table = (out / "serve_qwen3_8b.md").read_text()
+    assert "| 256 | on | int2 | refused: cuda_graphs=True" in table
+    assert "| 256 | off | oscar-random | 3/3 |" in table and "its speed is" in table
+    # a later call measuring nothing new: the earlier runs merged into a fresh set
+    tool.main(["--preset", "qwen3-8b", "--contexts", "--merge",
+               str(out / "serve_qwen3_8b.json"), "--out", str(tmp_path / "merged")])
+    merged = json.loads((tmp_path / "merged" / "serve_qwen3_8b.json").read_text())
+    assert merged["runs"] == results["runs"]
+
+
+def test_qwen3_preset_arguments_are_checked():
+    tool = _serve_random_model()
+    with pytest.raises(SystemExit):
+        tool.parse_args(["--out", "x", "--contexts", "8192"])  # the llama preset has one trace
+    with pytest.raises(SystemExit):
+        tool.parse_args(["--out", "x", "--preset", "qwen3-8b", "--contexts", "8192", "32768",
+                         "--requests", "1", "2", "3"])
+    a = tool.parse_args(["--out", "x", "--preset", "qwen3-8b"])
+    assert a.contexts == [8192, 32768] and a.requests == [32, 8] and a.bf16_requests == [4, 2]
+    assert a.cuda_graphs == ["off", "on"] and a.methods[-1] == "oscar"
+    assert a.shape["layers"] == 36 and a.shape["vocab"] == 151936
+
+
+def test_random_oscar_file_has_the_recipe_layout(tmp_path):
+    """The random calibration file: per-KV-head orthogonal rotations, GPTQ factors, and INT4
+    keys in half the layers, INT4 values in a third, as foscar.serving reads them."""
+    from foscar.serving.kv_spec import resolve_kv
+
+    tool = _serve_random_model()
+    path = tool.random_oscar_file(tmp_path / "r.safetensors", num_layers=36, num_kv_heads=8,
+                                  head_dim=128, group_size=128)
+    kv = resolve_kv(str(path), num_layers=36, head_dim=128, num_kv_heads=8)
+    assert sum(f.key.bits == 4 for f in kv.formats) == 18
+    assert sum(f.value.bits == 4 for f in kv.formats) == 12
+    r = kv.rotations.key
+    assert r.shape == (36, 8, 128, 128) and kv.rotations.key_gptq.shape == (36, 8, 128, 128)
+    eye = torch.eye(128, dtype=torch.float64)
+    assert torch.allclose(r[5, 3].T @ r[5, 3], eye, atol=1e-10)

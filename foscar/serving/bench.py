@@ -42,6 +42,7 @@ __all__ = [
     "TraceRequest",
     "TraceSpec",
     "make_trace",
+    "not_measured",
     "replay",
     "run_benchmark",
     "summarize",
@@ -256,11 +257,12 @@ def default_memory_bytes(model, spec: TraceSpec, trace: Sequence[TraceRequest]) 
     return tokens * _bf16_engine_bytes_per_token(model)
 
 
-def _warm_up(manager, vocab_size: int) -> None:
-    """One short request, untimed: the engine builds its cache when its loop starts."""
+def _warm_up(manager, vocab_size: int, max_seconds: float = 300.0) -> None:
+    """One short request, untimed: the engine builds its cache when its loop starts. Waits at
+    most ``max_seconds``."""
     request_id = manager.add_request([1 % vocab_size] * 4, request_id="warm-up", max_new_tokens=2,
                                      eos_token_id=-1)
-    deadline = time.perf_counter() + 300
+    deadline = time.perf_counter() + max_seconds
     while time.perf_counter() < deadline:
         output = manager.get_result(request_id=request_id, timeout=0.1)
         if output is not None and output.is_finished():
@@ -271,23 +273,36 @@ def _warm_up(manager, vocab_size: int) -> None:
 
 
 def run_method(model, kv, trace: Sequence[TraceRequest], *, memory_bytes: int,
-               block_size: int | None = None, max_seconds: float = 600.0) -> dict:
-    """One KV cache through the trace: the engine's pool, the records and their summary."""
+               block_size: int | None = None, max_seconds: float = 600.0,
+               cuda_graphs: bool | None = None, request_tokens: int | None = None) -> dict:
+    """One KV cache through the trace: the engine's pool, the records and their summary.
+
+    ``cuda_graphs`` and ``request_tokens`` go to ``build_manager``. A cache the manager refuses
+    (``ValueError``, e.g. CUDA graphs with a foscar cache) comes back as ``{"refused": reason}``
+    and an engine that stops during the run as ``{"failed": reason}``, so one method's
+    refusal does not end a benchmark of several."""
     from . import build_manager
 
     vocab = model.config.get_text_config().vocab_size
     longest = max(r.output_tokens for r in trace)
-    manager = build_manager(model, kv, memory_bytes=memory_bytes, block_size=block_size,
-                            max_new_tokens=longest)
+    try:
+        manager = build_manager(model, kv, memory_bytes=memory_bytes, block_size=block_size,
+                                max_new_tokens=longest, cuda_graphs=cuda_graphs,
+                                request_tokens=request_tokens)
+    except ValueError as e:
+        return {"refused": " ".join(str(e).split())}
     cuda = model.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(model.device)
+        torch.cuda.empty_cache()  # the previous method's pool is not this one's peak
         torch.cuda.reset_peak_memory_stats(model.device)
     with torch.inference_mode():
         manager.start()
     try:
-        _warm_up(manager, vocab)
+        _warm_up(manager, vocab, min(300.0, max_seconds))
         records = replay(manager, trace, max_seconds=max_seconds)
+    except RuntimeError as e:  # the engine stopped (_warm_up's error)
+        return {"failed": " ".join(str(e).split())}
     finally:
         manager.stop(block=True)
     stats = manager.kv_stats()
@@ -299,13 +314,25 @@ def run_method(model, kv, trace: Sequence[TraceRequest], *, memory_bytes: int,
     return result
 
 
-def run_benchmark(model, kvs: Sequence, spec: TraceSpec, *, out: str | Path,
+def not_measured(method: dict) -> str | None:
+    """``"refused: <reason>"`` or ``"failed: <reason>"`` for a method :func:`run_method` could
+    not measure, else None."""
+    for key in ("refused", "failed"):
+        if method.get(key):
+            return f"{key}: {method[key]}"
+    return None
+
+
+def run_benchmark(model, kvs: Sequence, spec: TraceSpec, *, out: str | Path | None,
                   model_name: str = "model", memory_bytes: int | None = None,
                   block_size: int | None = None, max_seconds: float = 600.0,
-                  log: Callable[[str], None] = print) -> dict:
+                  cuda_graphs: bool | None = None, request_tokens: int | None = None,
+                  name: str = "serve_bench", log: Callable[[str], None] = print) -> dict:
     """Replay the trace of ``spec`` for each KV cache of ``kvs`` (``build_manager``'s ``kv``
-    values) on ``model``; writes ``serve_bench.{json,md,png}`` under ``out`` after every method
-    and returns the results (``methods``: one dict per KV cache, in order)."""
+    values) on ``model``; writes ``<name>.{json,md,png}`` under ``out`` (None: no files) after
+    every method and returns the results (``methods``: one dict per KV cache, in order; a
+    refused or failed one holds its reason, :func:`not_measured`). ``cuda_graphs`` and
+    ``request_tokens`` go to every method's ``build_manager``."""
     from .kv_spec import resolve_kv
 
     if not kvs:
@@ -316,8 +343,9 @@ def run_benchmark(model, kvs: Sequence, spec: TraceSpec, *, out: str | Path,
     trace = make_trace(spec, text.vocab_size, avoid=avoid)
     if memory_bytes is None:
         memory_bytes = default_memory_bytes(model, spec, trace)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    if out is not None:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
     results = {
         "model": model_name,
         "env": _environment(model),
@@ -325,21 +353,27 @@ def run_benchmark(model, kvs: Sequence, spec: TraceSpec, *, out: str | Path,
                   "prompt_tokens_total": sum(len(r.prompt) for r in trace)},
         "memory_bytes": memory_bytes,
         "engine_cache_dtype": str(model.dtype).removeprefix("torch."),
+        "cuda_graphs": cuda_graphs,
         "methods": [],
     }
     for kv in kvs:
         label = resolve_kv(kv, num_layers=text.num_hidden_layers,
                            head_dim=getattr(text, "head_dim", None)
                            or text.hidden_size // text.num_attention_heads).label
-        log(f"{label}: {spec.num_requests} requests, {memory_bytes / 1e9:.3f} GB of KV memory")
+        log(f"{label}: {spec.num_requests} requests, {memory_bytes / 1e9:.3f} GB of KV memory"
+            + ("" if cuda_graphs is None else f", CUDA graphs {'on' if cuda_graphs else 'off'}"))
         start = time.perf_counter()
         result = run_method(model, kv, trace, memory_bytes=memory_bytes, block_size=block_size,
-                            max_seconds=max_seconds)
+                            max_seconds=max_seconds, cuda_graphs=cuda_graphs,
+                            request_tokens=request_tokens)
         result["kv"] = label
+        result["seconds"] = time.perf_counter() - start
         results["methods"].append(result)
-        log(f"{label}: {_summary_line(result)} ({time.perf_counter() - start:.1f} s)")
-        write_results(results, out)
-    log(f"wrote {out / 'serve_bench.json'}, serve_bench.md and serve_bench.png")
+        log(f"{label}: {_summary_line(result)} ({result['seconds']:.1f} s)")
+        if out is not None:
+            write_results(results, out, name)
+    if out is not None:
+        log(f"wrote {out / (name + '.json')}, {name}.md and {name}.png")
     return results
 
 
@@ -366,12 +400,20 @@ def _fmt(value, scale: float = 1.0, digits: int = 1) -> str:
 
 
 def _summary_line(m: dict) -> str:
+    if not_measured(m):
+        return not_measured(m)
     return (
         f"{m['completed']}/{m['requests']} requests, {_fmt(m['output_tokens_per_s'])} answer "
         f"tokens/s, TTFT {_fmt(m['ttft_median_s'], 1e3, 0)} / {_fmt(m['ttft_p99_s'], 1e3, 0)} "
         f"ms, TPOT {_fmt(m['tpot_median_s'], 1e3, 1)} / {_fmt(m['tpot_p99_s'], 1e3, 1)} ms "
         f"(median / p99), peak {m['peak_concurrent_requests']} requests at once"
     )
+
+
+def _graphs_text(cuda_graphs: bool | None) -> str:
+    if cuda_graphs is None:
+        return ""
+    return f" The engine's CUDA graphs: {'on' if cuda_graphs else 'off'} (asked of every method)."
 
 
 def markdown(results: dict) -> str:
@@ -388,13 +430,17 @@ def markdown(results: dict) -> str:
         f"{trace['output_tokens'][0]}-{trace['output_tokens'][1]} tokens (seed {trace['seed']}; "
         f"{trace['prompt_tokens_total']} prompt and {trace['answer_tokens']} answer tokens).",
         f"KV memory of every method: {results['memory_bytes'] / 1e9:.3f} GB. bf16 is the "
-        f"engine's own paged cache, in the model's dtype ({results['engine_cache_dtype']}).",
+        f"engine's own paged cache, in the model's dtype ({results['engine_cache_dtype']})."
+        + _graphs_text(results.get("cuda_graphs")),
         "",
         "| KV cache | done | answer tok/s | all tok/s | TTFT median (ms) | TTFT p99 (ms) | "
         "TPOT median (ms) | TPOT p99 (ms) | peak requests | pool tokens | bytes/token |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m in results["methods"]:
+        if not_measured(m):
+            lines.append(f"| {m['kv']} | {not_measured(m)} |" + " |" * 9)
+            continue
         pool = m["pool"]
         lines.append(
             f"| {m['kv']} | {m['completed']}/{m['requests']} | {_fmt(m['output_tokens_per_s'])} "
@@ -430,7 +476,9 @@ def plot(results: dict, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    methods = results["methods"]
+    methods = [m for m in results["methods"] if not not_measured(m)]
+    if not methods:
+        return False
     names = [m["kv"] for m in methods]
     x = list(range(len(methods)))
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.8))
@@ -461,8 +509,8 @@ def plot(results: dict, path: Path) -> bool:
     return True
 
 
-def write_results(results: dict, out: Path) -> None:
-    """``serve_bench.json``, ``.md`` and ``.png`` under ``out``."""
-    (out / "serve_bench.json").write_text(json.dumps(results, indent=1))
-    (out / "serve_bench.md").write_text(markdown(results))
-    plot(results, out / "serve_bench.png")
+def write_results(results: dict, out: Path, name: str = "serve_bench") -> None:
+    """``<name>.json``, ``.md`` and ``.png`` under ``out``."""
+    (out / f"{name}.json").write_text(json.dumps(results, indent=1))
+    (out / f"{name}.md").write_text(markdown(results))
+    plot(results, out / f"{name}.png")

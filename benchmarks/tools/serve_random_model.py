@@ -1,0 +1,391 @@
+"""``foscar.serving.bench`` on a random-weight model (no checkpoint needed on a GPU machine without
+network): the engine's BF16 paged cache beside foscar's caches in the same KV memory, one process.
+
+    python benchmarks/tools/serve_random_model.py --out DIR                  # run_device.sh serve
+    python benchmarks/tools/serve_random_model.py --preset qwen3-8b --out DIR \\
+        [--contexts 8192 32768] [--cuda-graphs off on]                 # run_device.sh serve-qwen3
+
+Presets:
+
+* ``llama-d128`` (default): Llama-3/Qwen3-8B's attention shape (32 query / 8 KV heads, head_dim
+  128) and hidden size, 4 layers and a narrow MLP, so that a step's time is mostly attention and
+  the engine; one trace of 24 requests at once, prompts 1024-3072 tokens. Writes
+  ``serve_bench.{json,md,png}``.
+* ``qwen3-8b``: Qwen3-8B's shapes (36 layers, hidden 4096, MLP 12288, 32 query / 8 KV heads,
+  head_dim 128, vocabulary 151936; about 16 GB of bf16 weights). One trace per ``--contexts``
+  value (prompts within 1/16 of the context, answers of ``--output-tokens``, all arriving at
+  once), KV memory for ``--bf16-requests`` requests of the context in the engine's BF16 cache
+  (BF16 queues the rest; foscar's smaller tokens hold several times more), every method once per
+  ``--cuda-graphs`` setting. Methods: ``bf16``, ``int4``, ``int2`` and ``oscar``: OSCAR's
+  per-layer recipe (INT4 keys in half the layers and INT4 values in a third, as the 15:10 row of
+  ``eval_smollm2`` on SmolLM2's 30 layers, INT2 elsewhere; per-KV-head rotations, fitted clips
+  and GPTQ keys) from a calibration file of random orthogonal rotations and GPTQ factors of
+  random metrics: its speed is a calibrated file's, its tokens mean nothing. A method the engine
+  refuses (e.g. a foscar cache with CUDA graphs) is recorded as ``refused: <reason>``. Writes
+  ``serve_qwen3_8b.{json,md,png}``; ``--merge`` folds in the runs of earlier results files
+  (e.g. the other context, measured in another call).
+
+The tokens are meaningless; memory and timing are not. ``--device cpu`` with a tiny shape
+(``--layers 2 --hidden 128 ...``) runs the same path on a CPU (the tests do).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from foscar.serving import bench
+
+PRESETS = {
+    "llama-d128": dict(arch="llama", layers=4, hidden=4096, intermediate=2048, heads=32,
+                       kv_heads=8, head_dim=128, vocab=32000, positions=8192),
+    "qwen3-8b": dict(arch="qwen3", layers=36, hidden=4096, intermediate=12288, heads=32,
+                     kv_heads=8, head_dim=128, vocab=151936, positions=40960),
+}
+#: the OSCAR recipe's share of INT4 layers (keys, values): the 15:10 row on SmolLM2's 30 layers
+OSCAR_INT4_SHARE = (15 / 30, 10 / 30)
+GRAPHS = {"off": False, "on": True, "auto": None}
+
+
+def build_model(shape: dict, device: str, dtype: torch.dtype):
+    """A random-weight causal LM of ``shape`` (Qwen3 when this transformers has it, else
+    Llama), built on ``device`` in ``dtype`` (no fp32 copy on the host)."""
+    import transformers
+
+    kw = dict(vocab_size=shape["vocab"], hidden_size=shape["hidden"],
+              intermediate_size=shape["intermediate"], num_hidden_layers=shape["layers"],
+              num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
+              head_dim=shape["head_dim"], max_position_embeddings=shape["positions"])
+    qwen3 = shape["arch"] == "qwen3" and hasattr(transformers, "Qwen3ForCausalLM")
+    if qwen3:
+        cfg, cls = transformers.Qwen3Config(**kw), transformers.Qwen3ForCausalLM
+    else:
+        cfg, cls = transformers.LlamaConfig(**kw), transformers.LlamaForCausalLM
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    return model.eval(), "qwen3" if qwen3 else "llama"
+
+
+def int4_layers(num_layers: int, share: float) -> list[int]:
+    """``round(share * num_layers)`` layers spread evenly over the stack."""
+    n = round(share * num_layers)
+    return sorted({math.floor(i * num_layers / n) for i in range(n)}) if n else []
+
+
+def random_oscar_file(path: Path, *, num_layers: int, num_kv_heads: int, head_dim: int,
+                      group_size: int, seed: int = 0) -> Path:
+    """An OSCAR calibration file with the shipped recipe's layout and no calibration: random
+    orthogonal per-KV-head rotations, GPTQ factors of random metrics, clip ratios of the size
+    fitted ones have, INT4 keys in half the layers and INT4 values in a third (the 15:10 row
+    scaled to ``num_layers``), INT2 elsewhere. Its speed is a calibrated file's."""
+    from foscar.oscar import OscarRotations
+    from foscar.quantize import gptq_factor
+
+    g = torch.Generator().manual_seed(seed)
+    shape = (num_layers, num_kv_heads, head_dim, head_dim)
+
+    def orthogonal():
+        q, r = torch.linalg.qr(torch.randn(shape, generator=g, dtype=torch.float64))
+        return q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)
+
+    a = torch.randn(shape, generator=g, dtype=torch.float64)
+    metric = a @ a.transpose(-1, -2) / head_dim
+    k4, v4 = (int4_layers(num_layers, s) for s in OSCAR_INT4_SHARE)
+    header = {
+        "model": "random weights (no calibration: rotations, metrics and clips are random)",
+        "recipe": f"INT4 keys in {len(k4)} of {num_layers} layers, INT4 values in {len(v4)}, "
+        "INT2 elsewhere; per-KV-head rotations, GPTQ keys",
+        "key_bits": [4 if i in k4 else 2 for i in range(num_layers)],
+        "value_bits": [4 if i in v4 else 2 for i in range(num_layers)],
+        "group_size": group_size,
+        "windows": [64, 256],
+    }
+    clips = {(bits, role): torch.full((num_layers,), p, dtype=torch.float64)
+             for (bits, role), p in {(2, "key"): 0.92, (2, "value"): 0.95, (4, "key"): 0.99,
+                                     (4, "value"): 0.99}.items()}
+    rot = OscarRotations(orthogonal(), orthogonal(), clips, header,
+                         gptq_factor(metric).to(torch.float32))
+    rot.save(path)
+    return path
+
+
+def set_markdown(results: dict) -> str:
+    """Every run of a results set in one table, the conditions above it."""
+    env = results["env"]
+    lines = [
+        f"# Serving benchmark: {results['model']}",
+        "",
+        f"Device: {env['device']}; torch {env['torch']}, transformers {env['transformers']}, "
+        f"foscar {env['foscar']}. Random weights: the tokens mean nothing, memory and timing "
+        "do not depend on them. " + results.get("note", ""),
+        "",
+        "| context | CUDA graphs | KV cache | done | answer tok/s | all tok/s | TTFT median (ms) "
+        "| TTFT p99 (ms) | TPOT median (ms) | TPOT p99 (ms) | peak requests | pool tokens "
+        "| device peak (GiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    f = bench._fmt
+    for run in results["runs"]:
+        graphs = {True: "on", False: "off", None: "auto"}[run["cuda_graphs"]]
+        for m in run["methods"]:
+            head = f"| {run['context']} | {graphs} | {m['kv']} |"
+            if bench.not_measured(m):
+                lines.append(head + f" {bench.not_measured(m)} |" + " |" * 9)
+                continue
+            peak = m.get("device_peak_bytes")
+            lines.append(
+                head + f" {m['completed']}/{m['requests']} | {f(m['output_tokens_per_s'])} "
+                f"| {f(m['total_tokens_per_s'])} | {f(m['ttft_median_s'], 1e3, 0)} "
+                f"| {f(m['ttft_p99_s'], 1e3, 0)} | {f(m['tpot_median_s'], 1e3, 1)} "
+                f"| {f(m['tpot_p99_s'], 1e3, 1)} | {m['peak_concurrent_requests']} "
+                f"| {m['pool']['max_tokens']} | {f(peak and peak / 2**30, 1, 2)} |"
+            )
+    lines += ["", "Traces (all requests arrive at once; answers run to their length):", ""]
+    seen = set()
+    for run in results["runs"]:
+        t = run["trace"]
+        if run["context"] in seen:
+            continue
+        seen.add(run["context"])
+        lines.append(
+            f"- context {run['context']}: {t['num_requests']} requests, prompts "
+            f"{t['prompt_tokens'][0]}-{t['prompt_tokens'][1]} tokens, answers "
+            f"{t['output_tokens'][0]}-{t['output_tokens'][1]} (seed {t['seed']}); KV memory "
+            f"{run['memory_bytes'] / 1e9:.3f} GB for every method ({run['bf16_requests']} "
+            "requests of the context in the engine's BF16 cache); at most "
+            f"{run['max_seconds']:.0f} s per method (requests left then count as not done)."
+        )
+    lines += [
+        "",
+        "TTFT: arrival to first answer token; TPOT: first to last answer token over the tokens "
+        "between; peak requests: most requests holding KV blocks at once; device peak: "
+        "torch's peak allocation during the method (weights included).",
+    ]
+    if results.get("command"):
+        lines += ["", f"Command: `{results['command']}`"]
+    return "\n".join(lines) + "\n"
+
+
+def set_plot(results: dict, path: Path) -> bool:
+    """One row of panels per context: answer tokens/s, TTFT and TPOT medians, peak concurrent
+    requests; bars per KV cache, one per CUDA-graphs setting. False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    contexts = sorted({r["context"] for r in results["runs"]})
+    panels = [("answer tokens / s", "output_tokens_per_s", 1.0),
+              ("TTFT median (ms)", "ttft_median_s", 1e3),
+              ("TPOT median (ms)", "tpot_median_s", 1e3),
+              ("peak concurrent requests", "peak_concurrent_requests", 1.0)]
+    fig, axes = plt.subplots(len(contexts), 4, figsize=(17, 3.6 * len(contexts)), squeeze=False)
+    for row, context in zip(axes, contexts):
+        runs = [r for r in results["runs"] if r["context"] == context]
+        names = list(dict.fromkeys(m["kv"] for r in runs for m in r["methods"]))
+        width = 0.8 / len(runs)
+        for ax, (title, key, scale) in zip(row, panels):
+            for j, run in enumerate(runs):
+                by_kv = {m["kv"]: m for m in run["methods"]}
+                values = [
+                    0.0 if n not in by_kv or bench.not_measured(by_kv[n])
+                    else (by_kv[n][key] or 0) * scale
+                    for n in names
+                ]
+                graphs = {True: "graphs on", False: "graphs off", None: "graphs auto"}
+                offset = [i + (j - (len(runs) - 1) / 2) * width for i in range(len(names))]
+                ax.bar(offset, values, width, label=graphs[run["cuda_graphs"]])
+            ax.set_title(f"{title}, context {context}", fontsize=9)
+            ax.set_xticks(range(len(names)), names, rotation=20)
+            if len(runs) > 1:
+                ax.legend(fontsize=7)
+    fig.suptitle(f"{results['model']} on {results['env']['device']} (no bar: refused)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def write_set(results: dict, out: Path, name: str) -> None:
+    (out / f"{name}.json").write_text(json.dumps(results, indent=1))
+    (out / f"{name}.md").write_text(set_markdown(results))
+    set_plot(results, out / f"{name}.png")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="folder of the results")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="llama-d128",
+                   help="model shape and defaults (llama-d128)")
+    for flag, key in (("--layers", "layers"), ("--hidden", "hidden"),
+                      ("--intermediate", "intermediate"), ("--heads", "heads"),
+                      ("--kv-heads", "kv_heads"), ("--head-dim", "head_dim"), ("--vocab", "vocab"),
+                      ("--positions", "positions")):
+        p.add_argument(flag, type=int, default=None, dest=key, help="override the preset's")
+    p.add_argument("--methods", nargs="+", choices=["bf16", "int4", "int2", "oscar"],
+                   default=None, help="KV caches (llama-d128: bf16 int4 int2; qwen3-8b: and oscar)")
+    p.add_argument("--contexts", type=int, nargs="*", default=None,
+                   help="qwen3-8b: one trace per context (8192 32768); none: only --merge")
+    p.add_argument("--requests", type=int, nargs="+", default=None,
+                   help="requests per trace, one value or one per context (llama-d128: 24; "
+                   "qwen3-8b: 32 at 8K, 8 at 32K)")
+    p.add_argument("--bf16-requests", type=int, nargs="+", default=None,
+                   help="qwen3-8b: KV memory in requests of the context the engine's BF16 cache "
+                   "holds, one value or one per context (4 at 8K, 2 at 32K)")
+    p.add_argument("--prompt-tokens", type=int, nargs=2, default=[1024, 3072],
+                   help="llama-d128: prompt lengths, uniform in [MIN, MAX] (1024 3072)")
+    p.add_argument("--output-tokens", type=int, nargs=2, default=None,
+                   help="answer lengths, uniform in [MIN, MAX] (llama-d128: 32 64; qwen3-8b: "
+                   "64 128)")
+    p.add_argument("--cuda-graphs", nargs="+", choices=sorted(GRAPHS), default=None,
+                   help="the engine's CUDA graphs, each method once per setting (llama-d128: "
+                   "auto; qwen3-8b: off on)")
+    p.add_argument("--max-seconds", type=float, nargs="+", default=None,
+                   help="per method and setting, one value or one per context (llama-d128: 60; "
+                   "qwen3-8b: 75 at 8K, 85 at 32K)")
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    p.add_argument("--block-size", type=int, default=None, help="tokens per block (64)")
+    p.add_argument("--merge", nargs="+", default=[], metavar="JSON",
+                   help="qwen3-8b: results files of earlier calls; their runs of contexts this "
+                   "call does not measure join the set")
+    p.add_argument("--name", default=None,
+                   help="result file stem (serve_bench; qwen3-8b: serve_qwen3_8b)")
+    a = p.parse_args(argv)
+    qwen = a.preset == "qwen3-8b"
+    a.shape = {**PRESETS[a.preset],
+               **{k: getattr(a, k) for k in PRESETS[a.preset] if getattr(a, k, None) is not None}}
+    a.methods = a.methods or (["bf16", "int4", "int2", "oscar"] if qwen else ["bf16", "int4",
+                                                                             "int2"])
+    a.output_tokens = a.output_tokens or ([64, 128] if qwen else [32, 64])
+    a.cuda_graphs = a.cuda_graphs or (["off", "on"] if qwen else ["auto"])
+    a.name = a.name or ("serve_qwen3_8b" if qwen else "serve_bench")
+    if not qwen:
+        for flag in ("contexts", "bf16_requests", "merge"):
+            if getattr(a, flag):
+                p.error(f"--{flag.replace('_', '-')} belongs to --preset qwen3-8b")
+        a.contexts = None
+    elif a.contexts is None:
+        a.contexts = [8192, 32768]
+    n = len(a.contexts or [None])
+
+    def per_context(name, values, default):
+        if values is None:
+            return [default(c) for c in (a.contexts or [None])]
+        if len(values) not in (1, n):
+            p.error(f"--{name} takes one value or one per context ({n}), got {values}")
+        return values * n if len(values) == 1 else values
+
+    a.requests = per_context("requests", a.requests,
+                             lambda c: 24 if c is None else (32 if c <= 8192 else 8))
+    a.bf16_requests = per_context("bf16-requests", a.bf16_requests,
+                                  lambda c: 4 if c is None or c <= 8192 else 2)
+    a.max_seconds = per_context("max-seconds", a.max_seconds,
+                                lambda c: 60.0 if c is None else (75.0 if c <= 8192 else 85.0))
+    for name in ("requests", "bf16_requests"):
+        if any(v < 1 for v in getattr(a, name)):
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if any(c < 2 * a.output_tokens[1] for c in a.contexts or []):
+        p.error(f"--contexts must be at least twice the longest answer, got {a.contexts}")
+    if qwen and a.contexts and max(a.contexts) > a.shape["positions"]:
+        p.error(f"--contexts {max(a.contexts)} exceeds the model's {a.shape['positions']} "
+                "positions (--positions)")
+    return a
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    merged = []
+    for path in a.merge:
+        earlier = json.loads(Path(path).read_text())
+        merged += [r for r in earlier.get("runs", []) if r["context"] not in (a.contexts or [])]
+    if a.preset == "qwen3-8b" and not a.contexts:
+        if not merged:
+            sys.exit("serve_random_model.py: no --contexts and nothing to --merge")
+        earlier = json.loads(Path(a.merge[0]).read_text())
+        results = {**earlier, "runs": sorted(merged, key=lambda r: r["context"])}
+        write_set(results, out, a.name)
+        log(f"wrote {out / a.name}.json, .md, .png ({len(merged)} runs merged)")
+        return
+    dtype = torch.bfloat16 if a.device.startswith("cuda") else torch.float32
+    start = time.perf_counter()
+    model, arch = build_model(a.shape, a.device, dtype)
+    s = a.shape
+    model_name = (f"random-{arch}-{s['layers']}L-h{s['hidden']}-{s['heads']}q{s['kv_heads']}kv-"
+                  f"d{s['head_dim']}")
+    params = sum(p.numel() for p in model.parameters())
+    log(f"built {model_name}: {params / 1e9:.2f} B parameters in {dtype}, "
+        f"{time.perf_counter() - start:.0f} s")
+    kvs = []
+    scratch = tempfile.mkdtemp(prefix="foscar-oscar-")  # not under --out: results only there
+    for method in a.methods:
+        if method == "oscar":
+            path = random_oscar_file(Path(scratch) / "random.safetensors",
+                                     num_layers=s["layers"],
+                                     num_kv_heads=s["kv_heads"], head_dim=s["head_dim"],
+                                     group_size=min(s["head_dim"], 128))
+            kvs.append(str(path))
+        else:
+            kvs.append(method)
+    if a.contexts is None:  # the single-trace layout of serve_bench.*
+        spec = bench.TraceSpec(num_requests=a.requests[0], rate=0.0,
+                               prompt_tokens=tuple(a.prompt_tokens),
+                               output_tokens=tuple(a.output_tokens), seed=0)
+        for graphs in a.cuda_graphs:
+            bench.run_benchmark(model, kvs, spec, out=out, model_name=model_name,
+                                max_seconds=a.max_seconds[0], cuda_graphs=GRAPHS[graphs],
+                                block_size=a.block_size, name=a.name, log=log)
+        return
+    bf16_per_token = 2 * s["layers"] * s["kv_heads"] * s["head_dim"] * model.dtype.itemsize
+    results = {
+        "model": model_name,
+        "env": bench._environment(model),
+        "note": "The oscar method's calibration file is random (orthogonal per-KV-head "
+        "rotations, GPTQ factors of random metrics, fixed clips; INT4 keys in half the layers, "
+        "INT4 values in a third, as the 15:10 row of eval_smollm2): its speed is a calibrated "
+        "file's, its accuracy means nothing.",
+        "command": " ".join(["python", *sys.argv]),
+        "runs": list(merged),
+    }
+    for i, context in enumerate(a.contexts):
+        hi = context - a.output_tokens[1]
+        spec = bench.TraceSpec(num_requests=a.requests[i], rate=0.0,
+                               prompt_tokens=(min(context - context // 16, hi), hi),
+                               output_tokens=tuple(a.output_tokens), seed=0)
+        memory = a.bf16_requests[i] * context * bf16_per_token
+        for graphs in a.cuda_graphs:
+            log(f"context {context}, CUDA graphs {graphs}: {spec.num_requests} requests, KV "
+                f"memory {memory / 1e9:.2f} GB ({a.bf16_requests[i]} BF16 requests), at most "
+                f"{a.max_seconds[i]:.0f} s per method ({time.perf_counter() - start:.0f} s so far)")
+            run = bench.run_benchmark(model, kvs, spec, out=None, model_name=model_name,
+                                      memory_bytes=memory, max_seconds=a.max_seconds[i],
+                                      cuda_graphs=GRAPHS[graphs], request_tokens=context,
+                                      block_size=a.block_size, log=log)
+            run.update(context=context, bf16_requests=a.bf16_requests[i],
+                       max_seconds=a.max_seconds[i])
+            del run["env"]
+            results["runs"].append(run)
+            results["runs"].sort(key=lambda r: r["context"])
+            write_set(results, out, a.name)
+    log(f"wrote {out / a.name}.json, .md, .png in {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
