@@ -135,17 +135,20 @@ def _smollm2_or_skip() -> None:
 
 
 class _Server:
-    """``foscar serve`` in a subprocess; its log lines are collected as they come."""
+    """``foscar serve`` in a subprocess (``launcher``: the command before ``foscar serve``'s
+    arguments, e.g. torchrun's); its log lines are collected as they come."""
 
-    def __init__(self, args: list[str]) -> None:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+    def __init__(self, args: list[str], launcher: list[str] | None = None,
+                 env: dict | None = None) -> None:
+        env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(
             p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
         code = (
             "import sys; from foscar.commands.serve import serve_main; "
             "sys.exit(serve_main(sys.argv[1:]))"
         )
+        launcher = launcher or [sys.executable, "-c", code]
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", code, *args],
+            [*launcher, *args],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
         )
         self.lines: list[str] = []
