@@ -199,7 +199,7 @@ def test_foscar_serve_under_torchrun_answers_as_one_process(tmp_path):
     if not Path("/proc/self/task").exists():
         pytest.skip("finding torchrun's workers reads /proc")
     from conftest import tiny_llama
-    from test_serving_server import _Server
+    from test_serving_server import _Server, _wait_for
 
     model = tiny_llama(layers=LAYERS, q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
                        initializer_range=0.1)
@@ -227,7 +227,9 @@ def test_foscar_serve_under_torchrun_answers_as_one_process(tmp_path):
         assert "split over 2 processes" in log and "each holds 2 of the 4 KV heads" in log
         assert log.count("serving model on http://") == 1  # process 0 only
         assert "[rank 1]: process 1 of 2: KV heads 2-3 of 4" in log
-        assert two.stats()["server"]["finished"] == 2 * len(CHATS)
+        # a stream's request is counted once its handler returns, after the client read it all
+        _wait_for(lambda: two.stats()["server"]["finished"] == 2 * len(CHATS), 30,
+                  "every request to be counted")
 
         # SIGTERM to process 0: it stops the engine of every process, and all exit cleanly
         workers = _worker_pids(two.proc.pid)

@@ -54,6 +54,8 @@ MAX_BODY_BYTES = 1 << 20
 DISCONNECT_POLL_S = 0.2
 #: OpenAI's range of temperature
 MAX_TEMPERATURE = 2.0
+#: most stop strings a request may give (OpenAI's limit)
+MAX_STOPS = 4
 #: penalties this server does not apply: accepted when 0 (what clients send by default)
 PENALTY_FIELDS = ("presence_penalty", "frequency_penalty")
 
@@ -213,9 +215,12 @@ class RequestRouter:
             with self._lock:
                 self.cancelled += 1
 
-    def done(self, request_id: str) -> None:
-        """A request whose last output was read."""
+    def done(self, request_id: str, *, early: bool = False) -> None:
+        """A request whose last output was read; ``early``: the server ended it before the
+        engine did (a stop string), so the engine cancels it and frees its blocks."""
         if self._forget(request_id):
+            if early:
+                self.manager.cancel_request(request_id)
             with self._lock:
                 self.finished += 1
 
@@ -332,7 +337,7 @@ class ChatRequest:
     """A checked ``/v1/chat/completions`` body: ``messages`` (role and text), ``max_tokens``
     (None: the server's default), ``stream``, ``include_usage`` (stream_options), and the
     sampling fields ``temperature``, ``top_p``, ``top_k``, ``seed`` (None where not given: the
-    server's defaults)."""
+    server's defaults), ``stop`` (a list of strings, empty for none)."""
 
     def __init__(self, body, *, model_id: str) -> None:
         if not isinstance(body, dict):
@@ -400,7 +405,17 @@ class ChatRequest:
             if value:
                 raise RequestError(f"{name} is not supported by this server (0 or absent)",
                                    param=name)
-        for name in ("stop", "tools", "logprobs"):
+        stop = body.get("stop")
+        if isinstance(stop, str):
+            stop = [stop]
+        if stop is not None and (
+            not isinstance(stop, list) or len(stop) > MAX_STOPS
+            or not all(isinstance(x, str) and x for x in stop)
+        ):
+            raise RequestError(f"stop must be a non-empty string or a list of at most "
+                               f"{MAX_STOPS} of them, got {stop!r}", param="stop")
+        self.stop = stop or []
+        for name in ("tools", "logprobs"):
             if body.get(name):
                 raise RequestError(f"{name} is not supported by this server", param=name)
         response_format = body.get("response_format")
@@ -663,7 +678,9 @@ class ChatServer(ThreadingHTTPServer):
         max_new = self._max_new_tokens(request, prompt)
         request_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         start = time.perf_counter()
-        outputs = self.router.submit(prompt, max_new_tokens=max_new, stream=request.stream,
+        # stop strings are looked for in the answer as it grows, so its tokens come one by one
+        outputs = self.router.submit(prompt, max_new_tokens=max_new,
+                                     stream=request.stream or bool(request.stop),
                                      request_id=request_id, sampling=self.sampling(request))
         answer = _Answer(self, handler, request, request_id, len(prompt), max_new, start)
         try:
@@ -677,7 +694,7 @@ class ChatServer(ThreadingHTTPServer):
                 logger.info("%s cancelled after %d tokens: %s; its KV blocks are freed",
                             request_id, answer.tokens, answer.cancelled)
             else:
-                self.router.done(request_id)
+                self.router.done(request_id, early=answer.stopped)
 
 
 class _Answer:
@@ -696,6 +713,9 @@ class _Answer:
         self.tokens = 0
         self.first_token_s: float | None = None
         self.cancelled: str | None = None  # why, once it is
+        self.stop = _StopText(request.stop)
+        self.stopped = False  # ended at a stop string, before the engine ended it
+        self.hit_stop = False  # the text was cut at a stop string
 
     def _next(self, outputs: queue.Queue, gone: Callable[[], bool]):
         """The next output, None once the client is gone (``self.cancelled`` says why)."""
@@ -719,7 +739,7 @@ class _Answer:
             return output
 
     def _finish_reason(self, tokens: list[int]) -> str:
-        if tokens and tokens[-1] in self.server.router.eos_token_ids:
+        if self.hit_stop or tokens and tokens[-1] in self.server.router.eos_token_ids:
             return "stop"
         return "length" if len(tokens) >= self.max_new_tokens else "stop"
 
@@ -745,8 +765,17 @@ class _Answer:
                 return
             if output.is_finished():
                 break
+            if self.stop.stops:
+                text = self.server.tokenizer.decode(output.generated_tokens,
+                                                    skip_special_tokens=True)
+                self.stopped = self.stop.end(text) is not None
+                if self.stopped:
+                    break
         tokens = list(output.generated_tokens)
         text = self.server.tokenizer.decode(tokens, skip_special_tokens=True)
+        end = self.stop.end(text)
+        if end is not None:
+            text, self.hit_stop = text[:end], True
         self.handler._send_json(200, {
             "id": self.request_id,
             "object": "chat.completion",
@@ -793,6 +822,7 @@ class _Answer:
         if not self._event(self._chunk({"role": "assistant", "content": ""})):
             return
         text = _TextStream(self.server.tokenizer)
+        sent = 0  # characters given out, with stop strings
         while True:
             try:
                 output = self._next(outputs, handler._client_gone)
@@ -806,12 +836,19 @@ class _Answer:
                 return
             if output is None:
                 return
+            finished = output.is_finished()
             piece = text.push(output.generated_tokens)
-            if output.is_finished():
+            if finished:
                 piece += text.finish()
+            if self.stop.stops:
+                shown = self.stop.shown(text.text, finished)
+                piece = shown[sent:]
+                sent = len(shown)
+                self.hit_stop = self.stop.end(text.text) is not None
+                self.stopped = self.hit_stop and not finished
             if piece and not self._event(self._chunk({"content": piece})):
                 return
-            if output.is_finished():
+            if finished or self.stopped:
                 break
         tokens = list(output.generated_tokens)
         if not self._event(self._chunk({}, self._finish_reason(tokens))):
@@ -822,6 +859,35 @@ class _Answer:
                 return
         if self._event("[DONE]"):
             self._log("stream")
+
+
+class _StopText:
+    """Where an answer's text ends for a request's stop strings (OpenAI: the answer ends before
+    the first of them, which is not returned)."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+
+    def end(self, text: str) -> int | None:
+        """Index of the first stop string in ``text``, None without one."""
+        found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        return min(found) if found else None
+
+    def shown(self, text: str, final: bool) -> str:
+        """The part of ``text`` a stream may give out now: up to a stop string; before it, all
+        but a tail that could still grow into one (all of it once the answer is ``final``)."""
+        end = self.end(text)
+        if end is not None:
+            return text[:end]
+        if final:
+            return text
+        hold = 0
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, len(text)), hold, -1):
+                if text.endswith(stop[:k]):
+                    hold = k
+                    break
+        return text[: len(text) - hold]
 
 
 class _GenerationFailed(RuntimeError):
