@@ -397,7 +397,7 @@ def _stop_strings(server: _Server, direct: list[str]) -> None:
     assert status == 200, answer
     choice = answer["choices"][0]
     assert choice["message"]["content"] == expected and choice["finish_reason"] == "stop"
-    events = server.stream({**body, "stop": "Paris"})
+    events = server.stream({**body, "stop": "Paris", "stream": True})
     assert events[-1] == "[DONE]"
     pieces = [e["choices"][0]["delta"].get("content", "") for e in events[:-1] if e["choices"]]
     assert "".join(pieces) == expected

@@ -502,7 +502,6 @@ def _follow(manager, rank: int, processes: int, kv_heads: int, log) -> int:
             manager.start()
         while manager.is_running():
             manager.wait(timeout=0.5)  # a timeout, so that signals are handled
-        manager.stop(block=True)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
