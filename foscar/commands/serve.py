@@ -342,8 +342,6 @@ def run_serve(args) -> int:
     say = log.info if rank == 0 else (lambda *a: None)  # the other processes log one line
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-    import torch
-
     from ..serving import build_manager
     from ..serving.sampling import enable_sampling
     from ..serving.server import ChatServer

@@ -591,7 +591,9 @@ class ChatServer(ThreadingHTTPServer):
         ):
             raise ValueError(f"default_max_tokens must be an int >= 1, got {default_max_tokens!r}")
         if not 0 <= temperature <= MAX_TEMPERATURE:
-            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {temperature!r}")
+            raise ValueError(
+                f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {temperature!r}"
+            )
         if not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
         if getattr(tokenizer, "chat_template", None) is None:
