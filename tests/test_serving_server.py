@@ -61,7 +61,26 @@ STARTUP_S = 300  # loading SmolLM2 on a busy 2-core machine
         ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n", 400),
         ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature",
          400),
-        ({"messages": [{"role": "user", "content": "hi"}], "stop": ["\n"]}, "stop", 400),
+        ({"messages": [{"role": "user", "content": "hi"}], "temperature": -0.1}, "temperature",
+         400),
+        ({"messages": [{"role": "user", "content": "hi"}], "temperature": 2.5}, "temperature",
+         400),
+        ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, "top_p", 400),
+        ({"messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}, "top_p", 400),
+        ({"messages": [{"role": "user", "content": "hi"}], "top_p": "all"}, "top_p", 400),
+        ({"messages": [{"role": "user", "content": "hi"}], "top_k": -1}, "top_k", 400),
+        ({"messages": [{"role": "user", "content": "hi"}], "top_k": 2.5}, "top_k", 400),
+        ({"messages": [{"role": "user", "content": "hi"}], "seed": "7"}, "seed", 400),
+        ({"messages": [{"role": "user", "content": "hi"}], "seed": 7.5}, "seed", 400),
+        ({"messages": [{"role": "user", "content": "hi"}], "seed": True}, "seed", 400),
+        ({"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5},
+         "presence_penalty", 400),
+        ({"messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]},
+         "stop", 400),
+        ({"messages": [{"role": "user", "content": "hi"}], "stop": [""]}, "stop", 400),
+        ({"messages": [{"role": "user", "content": "hi"}], "stop": 3}, "stop", 400),
+        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+         "tools", 400),
         ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"}, "model", 404),
     ],
 )
@@ -82,12 +101,17 @@ def test_a_request_is_read_as_openai_defines_it():
             "stream": True,
             "stream_options": {"include_usage": True},
             "temperature": 0.7,
+            "top_p": 1,
+            "seed": -3,
+            "frequency_penalty": 0,
         },
         model_id="served",
     )
     assert req.messages[1] == {"role": "user", "content": "Hi there"}
     assert (req.max_tokens, req.stream, req.include_usage) == (5, True, True)
-    assert req.sampling == ["temperature"]  # read, logged, not used: decoding is greedy
+    assert (req.temperature, req.top_p, req.top_k, req.seed) == (0.7, 1.0, None, -3)
+    bare = ChatRequest({"messages": [{"role": "user", "content": "hi"}]}, model_id="served")
+    assert (bare.temperature, bare.top_p, bare.top_k, bare.seed) == (None, None, None, None)
 
 
 # ---------------------------------------------------------------------------- command line
@@ -103,6 +127,8 @@ def test_a_request_is_read_as_openai_defines_it():
         (["--model", "/nonexistent/model.gguf"], "--model"),
         (["--cuda-graphs"], "--cuda-graphs works with --kv bf16 only"),
         (["--device", "tpu"], "--device must be cpu, cuda or cuda:N"),
+        (["--temperature", "2.5"], "--temperature must be in [0, 2]"),
+        (["--top-p", "0"], "--top-p must be in (0, 1]"),
     ],
 )
 def test_bad_arguments_fail_in_one_line_before_loading(argv, message, capsys):
@@ -135,17 +161,20 @@ def _smollm2_or_skip() -> None:
 
 
 class _Server:
-    """``foscar serve`` in a subprocess; its log lines are collected as they come."""
+    """``foscar serve`` in a subprocess (``launcher``: the command before ``foscar serve``'s
+    arguments, e.g. torchrun's); its log lines are collected as they come."""
 
-    def __init__(self, args: list[str]) -> None:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+    def __init__(self, args: list[str], launcher: list[str] | None = None,
+                 env: dict | None = None) -> None:
+        env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(
             p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
         code = (
             "import sys; from foscar.commands.serve import serve_main; "
             "sys.exit(serve_main(sys.argv[1:]))"
         )
+        launcher = launcher or [sys.executable, "-c", code]
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", code, *args],
+            [*launcher, *args],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
         )
         self.lines: list[str] = []
@@ -330,6 +359,64 @@ def _bad_requests(server: _Server) -> None:
     assert status == 404 and "no route" in body["error"]["message"]
 
 
+def _sampled_chats(server: _Server, direct: list[str]) -> None:
+    """Sampling per request, sent at once: temperature 0 is the greedy answer; a seed gives
+    the same answer twice, another seed another one; a value out of range is a 400."""
+    bodies = [_chat(PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0),
+              *[_chat(PROMPTS[1], max_tokens=MAX_TOKENS, temperature=1.0, top_p=0.95, seed=s)
+                for s in (1, 1, 2)]]
+    answers: dict = {}
+
+    def ask(i: int) -> None:
+        answers[i] = server.request("POST", "/v1/chat/completions", bodies[i])
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    texts = []
+    for i in range(len(bodies)):
+        status, answer = answers[i]
+        assert status == 200, answer
+        texts.append(answer["choices"][0]["message"]["content"])
+    greedy, first, again, other = texts
+    assert greedy == direct[0]
+    assert first == again and first != other, texts
+    status, body = server.request("POST", "/v1/chat/completions", raw=json.dumps(
+        _chat("hi", temperature=3)).encode())
+    assert status == 400 and body["error"]["param"] == "temperature"
+
+
+def _stop_strings(server: _Server, direct: list[str]) -> None:
+    """An answer ends before the first stop string, as JSON and as a stream; the engine frees
+    the request at once."""
+    expected = direct[0][: direct[0].index("Paris")]
+    body = _chat(PROMPTS[0], max_tokens=MAX_TOKENS, stop=["Paris", "zebra"])
+    status, answer = server.request("POST", "/v1/chat/completions", body)
+    assert status == 200, answer
+    choice = answer["choices"][0]
+    assert choice["message"]["content"] == expected and choice["finish_reason"] == "stop"
+    events = server.stream({**body, "stop": "Paris", "stream": True})
+    assert events[-1] == "[DONE]"
+    pieces = [e["choices"][0]["delta"].get("content", "") for e in events[:-1] if e["choices"]]
+    assert "".join(pieces) == expected
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+    _wait_for(lambda: server.stats()["engine_requests"] == 0, 60, "the stopped requests to end")
+
+
+def test_an_answer_ends_before_its_first_stop_string():
+    from foscar.serving.server import _StopText
+
+    stops = _StopText(["\n\n", "END"])
+    assert stops.end("one END two\n\n") == 4 and stops.end("nothing") is None
+    # a stream holds back a tail that may grow into a stop string, and gives it out at the end
+    assert stops.shown("hello EN", final=False) == "hello "
+    assert stops.shown("hello EN", final=True) == "hello EN"
+    assert stops.shown("hello ENx", final=False) == "hello ENx"
+    assert stops.shown("a\n", final=False) == "a" and stops.shown("a\n\nb", final=False) == "a"
+
+
 def _concurrent_chats(server: _Server, direct: list[str]) -> None:
     """Every prompt twice at once, as JSON and as a stream: the answers are the direct run's."""
     results: dict = {}
@@ -393,6 +480,8 @@ def test_foscar_serve_end_to_end():
         _concurrent_chats(server, direct)
         assert server.stats()["kv"]["peak_concurrent_requests"] >= 2
         _bad_requests(server)
+        _sampled_chats(server, direct)
+        _stop_strings(server, direct)
         _disconnect_midway(server)
         _concurrent_chats(server, direct)  # still serving, with the same answers
         assert server.request("GET", "/health")[0] == 200

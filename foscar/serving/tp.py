@@ -7,7 +7,8 @@ the query heads that read them. Its :class:`foscar.serving.PagedKV` holds those 
 windows only; every process runs the same schedule (the engine broadcasts requests from rank 0),
 so the block ids and window slots agree across processes. Every process builds the manager
 and starts it; process 0 adds requests and reads results, the others wait for the loop to end
-(:meth:`foscar.serving.FoscarBatchingManager.wait`). OSCAR's rotations are per layer
+(:meth:`foscar.serving.FoscarBatchingManager.wait`). ``foscar serve`` under ``torchrun`` does
+this (:mod:`foscar.commands.serve`): process 0 serves HTTP. OSCAR's rotations are per layer
 (shared by the KV heads: every process uses them as they are) or per KV head (each process takes
 its heads, :func:`rank_rotations`); the fitted clip ratios are per layer and apply unchanged, and
 GPTQ factors are per KV head and are sliced like the rotations.
