@@ -89,12 +89,14 @@ def test_core_pages_are_the_engine_blocks():
 
 def test_core_decode_is_decode_attention_over_the_stored_pages():
     """A decode row's output is foscar.decode_attention of its query over the cache after the
-    write, a prefill row's is causal SDPA of its own tokens."""
+    write, a prefill row's is causal SDPA of its own tokens (every layer is attended at each
+    step, as in a forward pass; layer 0 is checked)."""
     kv = _paged()
     gen = torch.Generator().manual_seed(1)
     kv.begin_step([StepRow("a", 0, 30)])
     q, k, v = _random_step(gen, [StepRow("a", 0, 30)])
     out = kv.attend(0, q, k, v, scaling=0.125)
+    kv.attend(1, q, k, v, scaling=0.125)
     ref = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1).repeat_interleave(2, 0),
         v.transpose(0, 1).repeat_interleave(2, 0), is_causal=True, scale=0.125
@@ -104,6 +106,7 @@ def test_core_decode_is_decode_attention_over_the_stored_pages():
     kv.begin_step(rows)
     q, k, v = _random_step(gen, rows)
     out = kv.attend(0, q, k, v, scaling=0.125)
+    kv.attend(1, q, k, v, scaling=0.125)
     plan = kv.cache.plan(["a"])
     expect = decode_attention(q[5:6], kv.cache, plan, sm_scale=0.125)
     assert torch.equal(out[5:6], expect)
