@@ -5,7 +5,10 @@ Two paths store the same bits (``tests/test_cache_decode.py``, ``tests/test_cach
 * :func:`write_tokens`, any number of tokens per sequence (a prefill): index tensors built per
   sequence with ``arange``, so a 100K-token prefill costs a few tensor operations;
 * :func:`write_decode_step`, one token per sequence (a decode step): the same scatter with index
-  lists built in Python, or the fused Triton write (foscar.cache.fused_write).
+  lists built in Python, or the fused Triton write (foscar.cache.fused_write);
+* :func:`write_planned_step`, a decode step planned once for every layer
+  (foscar.cache.decode_step): the fused write over the step's device descriptors, or the torch
+  scatter with the step's index tensors, no host planning per layer.
 
 Every token is rounded to the window dtype on entry, so a token quantizes to the same bits
 whether it is demoted from the tail ring or written straight into the history by a prefill.

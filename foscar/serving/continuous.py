@@ -261,6 +261,8 @@ class FoscarPagedCache(_TrackedCache, PagedAttentionCache):
         )
         self._slots: set = set()  # requests admitted: each holds a window slot
         self._rows: list[StepRow] | None = None  # the next forward's layout, in batch order
+        #: steps run through a CUDA graph (captured, or replayed)
+        self.graph_steps = 0
 
     # ------------------------------------------------------------------ engine geometry
     def _allocator_block_size(self) -> int:
@@ -394,7 +396,9 @@ def _hook_model_runner(runner, cache: FoscarPagedCache) -> None:
 
     def foscar_get_forward_fn(*args, **kwargs):
         forward_fn, use_cuda_graph = get_forward_fn(*args, **kwargs)
-        return forward_fn, bool(use_cuda_graph) and cache.paged.step_capturable
+        use_cuda_graph = bool(use_cuda_graph) and cache.paged.step_capturable
+        cache.graph_steps += use_cuda_graph
+        return forward_fn, use_cuda_graph
 
     runner.compute_batch = foscar_compute_batch
     runner._get_forward_fn = foscar_get_forward_fn

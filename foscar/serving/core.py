@@ -188,6 +188,7 @@ class PagedKV:
     ...              block_size=16, max_requests=4)
     >>> kv.begin_step([StepRow("a", 0, 5, (3,)), StepRow("b", 7, 1, (0,))])
     >>> out = kv.attend(0, q, k, v, scaling=0.125)   # q: [6, H_q, D], k, v: [6, H, D]
+    >>> out = kv.attend(1, q, k, v, scaling=0.125)   # every layer, once per step
     """
 
     #: released requests remembered to recognise a restart, and restarts logged
@@ -552,7 +553,8 @@ class PagedKV:
 
     # ------------------------------------------------------------------ accounting
     def stored_length(self, request_id: Hashable) -> int:
-        """Tokens a live request holds (after the last step's writes)."""
+        """Tokens a live request holds (its decode token of the begun step included: the step
+        counts it in every layer when it is planned)."""
         return self.cache.seq_len(request_id, self.cache.num_layers - 1)
 
     def pool_bytes(self) -> int:
