@@ -385,8 +385,17 @@ def _hook_model_runner(runner, cache: FoscarPagedCache) -> None:
     graph only for the steps foscar can capture (decode-only ones; others run eagerly)."""
     if getattr(runner, "_foscar_cache", None) is cache:
         return  # a batch processor the engine reuses
-    compute_batch = runner.compute_batch
-    get_forward_fn = runner._get_forward_fn
+    compute_batch = getattr(runner, "compute_batch", None)
+    get_forward_fn = getattr(runner, "_get_forward_fn", None)
+    if compute_batch is None or get_forward_fn is None:
+        # (transformers 5.17 and 5.25 have both) without them a step starts at its first
+        # attention call, inside the forward: eager steps only
+        if cache.paged.cuda_graphs:
+            raise RuntimeError(
+                "cuda_graphs=True: this transformers' model runner has no compute_batch and "
+                "_get_forward_fn to start a foscar step before a captured forward"
+            )
+        return
 
     def foscar_compute_batch(model, batch_data, *args, **kwargs):
         stream = getattr(runner.inputs_and_outputs, "compute_stream", None)
