@@ -89,12 +89,14 @@ def test_core_pages_are_the_engine_blocks():
 
 def test_core_decode_is_decode_attention_over_the_stored_pages():
     """A decode row's output is foscar.decode_attention of its query over the cache after the
-    write, a prefill row's is causal SDPA of its own tokens."""
+    write, a prefill row's is causal SDPA of its own tokens (every layer is attended at each
+    step, as in a forward pass; layer 0 is checked)."""
     kv = _paged()
     gen = torch.Generator().manual_seed(1)
     kv.begin_step([StepRow("a", 0, 30)])
     q, k, v = _random_step(gen, [StepRow("a", 0, 30)])
     out = kv.attend(0, q, k, v, scaling=0.125)
+    kv.attend(1, q, k, v, scaling=0.125)
     ref = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1).repeat_interleave(2, 0),
         v.transpose(0, 1).repeat_interleave(2, 0), is_causal=True, scale=0.125
@@ -104,6 +106,7 @@ def test_core_decode_is_decode_attention_over_the_stored_pages():
     kv.begin_step(rows)
     q, k, v = _random_step(gen, rows)
     out = kv.attend(0, q, k, v, scaling=0.125)
+    kv.attend(1, q, k, v, scaling=0.125)
     plan = kv.cache.plan(["a"])
     expect = decode_attention(q[5:6], kv.cache, plan, sm_scale=0.125)
     assert torch.equal(out[5:6], expect)
@@ -155,6 +158,73 @@ def test_core_rejected_step_changes_nothing():
     assert kv.live_requests == ("a",) and kv.cache.pages_of("a") == [0, 1]
     assert kv.cache.num_free_pages == 14 and kv.num_free_slots == 1
     kv.begin_step([StepRow("a", 20, 1, (0, 1)), StepRow("b", 0, 4, (2,))])
+
+
+def test_core_plans_decode_rows_once_per_step():
+    """begin_step plans the decode rows for every layer: their lengths count the new token in
+    every layer before any layer attends, and every layer reads the step's one DecodeBatch."""
+    kv = _paged()
+    _run(kv, [[StepRow("a", 0, 30, (0, 1))]])
+    kv.begin_step([StepRow("a", 30, 1, (0, 1)), StepRow("b", 0, 5, (2,))])
+    assert [kv.cache.seq_len("a", layer) for layer in range(2)] == [31, 31]
+    assert [kv.cache.seq_len("b", layer) for layer in range(2)] == [0, 0]  # appended per layer
+    planned = kv._step.planned
+    assert planned.seq_ids == ("a",) and not kv.step_capturable
+
+
+def _graph_paged(**kw):
+    return _paged(max_step_tokens=32, cuda_graphs=True, **kw)
+
+
+def test_core_capturable_steps_pad_the_decode_batch():
+    """With cuda_graphs, a decode-only step's decode batch covers every packed token (the
+    padding writes nothing) and the step is capturable; a step with a prefill row is not. The
+    outputs of the requests' rows and every stored bit equal an eager PagedKV's (fused write
+    through the Triton interpreter on a CPU)."""
+    from foscar.backends import triton as triton_backend
+
+    if not triton_backend.available(torch.device("cpu")):
+        pytest.skip("the fused write needs Triton (its interpreter on a CPU)")
+    graph, eager = _graph_paged(), _paged()
+    assert graph.cache.decode_write == "fused"
+    gen = torch.Generator().manual_seed(5)
+    steps = [[StepRow("a", 0, 21), StepRow("b", 0, 3)]]
+    for i in range(6):
+        steps.append([StepRow("a", 21 + i, 1), StepRow("b", 3 + i, 1)])
+    for n, rows in enumerate(steps):
+        packed = 2 + n % 3 + sum(r.query_length for r in rows)  # padding, as an engine's bucket
+        graph.begin_step(rows, num_tokens=packed)
+        eager.begin_step(rows, num_tokens=packed)
+        decode_only = n > 0
+        assert graph.step_capturable == decode_only and not eager.step_capturable
+        if decode_only:
+            assert graph._step.planned.rows == packed and eager._step.planned.rows == 2
+        q, k, v = (torch.randn(packed, h, 64, generator=gen) for h in (8, 4, 4))
+        for layer in range(2):
+            got = graph.attend(layer, q, k, v, scaling=0.125)
+            want = eager.attend(layer, q, k, v, scaling=0.125)
+            real = sum(r.query_length for r in rows)
+            assert torch.equal(got[:real], want[:real])
+            assert torch.isfinite(got).all()
+    for x, y in zip(graph.cache.layers, eager.cache.layers):
+        for name, t in x.tensors().items():
+            assert torch.equal(t, y.tensors()[name]), name
+    with pytest.raises(ValueError, match="more than max_step_tokens=32"):
+        graph.begin_step([StepRow("a", 27, 1), StepRow("b", 9, 1)], num_tokens=33)
+    with pytest.raises(ValueError, match="num_tokens must be an int >= the rows' 2 tokens"):
+        graph.begin_step([StepRow("a", 27, 1), StepRow("b", 9, 1)], num_tokens=1)
+
+
+def test_core_cuda_graphs_refusals():
+    with pytest.raises(ValueError, match="needs max_step_tokens"):
+        _paged(cuda_graphs=True)
+    with pytest.raises(ValueError, match="decode_write='torch'"):
+        _paged(max_step_tokens=8, cuda_graphs=True, decode_write="torch")
+    chan = KVFormat(QuantFormat(4, "token", 64), QuantFormat(4, "channel", 32), sink_tokens=4,
+                    recent_tokens=8)
+    with pytest.raises(ValueError, match="layer 0 cannot take the fused decode write"):
+        PagedKV(chan, num_layers=2, num_kv_heads=4, head_dim=64, num_blocks=16, block_size=16,
+                max_requests=2, max_step_tokens=8, cuda_graphs=True)
 
 
 # ---------------------------------------------------------------------------- kv spellings
@@ -409,6 +479,15 @@ def test_request_the_pool_can_never_hold_is_refused(smollm2):
         manager.add_request(list(range(60)), max_new_tokens=10)
     with pytest.raises(ValueError, match="at least one token"):
         manager.add_request([], max_new_tokens=10)
+
+
+def test_cuda_graphs_refused_where_a_step_cannot_be_captured(smollm2):
+    """cuda_graphs=True names why it cannot capture this model's decode steps: here the model
+    is on the CPU (a GPU run checks the accepted cases, tests/test_serving_graphs.py)."""
+    model, _ = smollm2
+    with pytest.raises(ValueError, match="cuda_graphs=True with kv='int4'.*CUDA device"):
+        build_manager(model, "int4", num_blocks=4, block_size=16, cuda_graphs=True)
+    build_manager(model, "int4", num_blocks=4, block_size=16, cuda_graphs=False)
 
 
 def test_pool_sized_from_bytes_per_token(smollm2):

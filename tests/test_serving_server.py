@@ -125,7 +125,7 @@ def test_a_request_is_read_as_openai_defines_it():
         (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
         (["--port", "70000"], "--port must be in 0..65535"),
         (["--model", "/nonexistent/model.gguf"], "--model"),
-        (["--cuda-graphs"], "--cuda-graphs works with --kv bf16 only"),
+        (["--cuda-graphs", "--device", "cpu"], "--cuda-graphs needs a CUDA device"),
         (["--device", "tpu"], "--device must be cpu, cuda or cuda:N"),
         (["--temperature", "2.5"], "--temperature must be in [0, 2]"),
         (["--top-p", "0"], "--top-p must be in (0, 1]"),

@@ -345,7 +345,7 @@ def decode(
         cfg = dataclasses.replace(cfg, flags=cfg.flags | GluonFlag.RECONSTRUCT)
     if splits is None:
         sms = combine.num_sms(q.device.index or 0)
-        splits = num_splits(bsz, cache.num_kv_heads, max(batch.num_quantized_host), cfg, sms)
+        splits = num_splits(bsz, cache.num_kv_heads, batch.split_history, cfg, sms)
     has_windows = combine.has_window_program(fmt)
     parts = splits + int(has_windows)
     o_part, lse_part = combine.workspace(batch, (bsz, num_q_heads, parts, d), q.device)

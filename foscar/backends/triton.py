@@ -63,7 +63,7 @@ def decode(
     cfg = config or triton_decode_config(fmt, d, ratio, reconstruct, ctas=bsz * cache.num_kv_heads)
     if splits is None:
         sms = num_sms(q.device.index or 0) if q.is_cuda else 4
-        splits = num_splits(bsz, cache.num_kv_heads, max(batch.num_quantized_host), cfg, sms)
+        splits = num_splits(bsz, cache.num_kv_heads, batch.split_history, cfg, sms)
     parts = splits + int(has_window_program(fmt))
     o_part, lse_part = workspace(batch, (bsz, num_q_heads, parts, d), q.device)
     if out is None:

@@ -50,9 +50,12 @@ Modules: :mod:`~foscar.cache.layout` (which tokens are quantized, per-layer form
 bits), :mod:`~foscar.cache.pages` (page allocator, sequences, :class:`DecodeBatch` plans),
 :mod:`~foscar.cache.transforms` (OSCAR's per-layer transforms), :mod:`~foscar.cache.write` (the
 torch writers), :mod:`~foscar.cache.fused_write` (the fused decode-step write's launcher),
+:mod:`~foscar.cache.decode_step` (a decode step planned once for every layer into static device
+tensors: :meth:`QuantizedKVCache.plan_decode_step`, graph-capturable per-layer work),
 :mod:`~foscar.cache.kv_cache` (:class:`QuantizedKVCache`, composing them).
 """
 
+from .decode_step import DecodeStep
 from .kv_cache import QuantizedKVCache
 from .layout import effective_bits, layer_formats
 from .pages import DecodeBatch
@@ -62,6 +65,7 @@ from .write import DECODE_WRITE_PATHS, LayerStorage, check_decode_write
 __all__ = [
     "DECODE_WRITE_PATHS",
     "DecodeBatch",
+    "DecodeStep",
     "LayerStorage",
     "LayerTransform",
     "QuantizedKVCache",

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 import torch
 
 from ..formats import KVFormat, QuantFormat, Role, _bit_offsets, channel_order
-from . import fused_write, write
+from . import decode_step, fused_write, write
+from .decode_step import DecodeStep
 from .layout import check_int, layer_formats, num_quantized
 from .pages import PageTable
 from .transforms import LayerTransform, history_format, make_transform
@@ -119,6 +120,8 @@ class QuantizedKVCache(PageTable):
         self.decode_write = decode_write
         self._desc_memo: tuple | None = None  # (descriptor rows, their device tensor)
         self._fused_failure: str | None = None  # why "auto" stopped taking the fused write
+        self._fused_reasons: list = [None] * num_layers  # per layer: (reason or None,) once known
+        self._step_buffer: decode_step.StepBuffer | None = None  # planned steps' device storage
         self.layers = [write.allocate_layer(self, f) for f in formats]
         self.transforms = [LayerTransform() for _ in range(num_layers)]
         if decode_write == "fused":
@@ -192,7 +195,10 @@ class QuantizedKVCache(PageTable):
             self.decode_write == "auto" and (self.device.type != "cuda" or self._fused_failure)
         ):
             return False
-        reason = self.fused_write_reason(layer)
+        known = self._fused_reasons[layer]
+        if known is None:  # the reason depends on the layer's format and transform only
+            known = self._fused_reasons[layer] = (self.fused_write_reason(layer),)
+        reason = known[0]
         if reason is not None and self.decode_write == "fused":
             raise ValueError(f"decode_write='fused' cannot write this cache: {reason}")
         return reason is None
@@ -248,6 +254,7 @@ class QuantizedKVCache(PageTable):
             value_clip=value_clip,
             key_gptq=key_gptq,
         )
+        self._fused_reasons[layer] = None
 
     # ------------------------------------------------------------------ append
     def append(
@@ -338,6 +345,165 @@ class QuantizedKVCache(PageTable):
             write.write_tokens(self, layer, seqs, new_lengths, num_new_tokens, k, v)
         for s, n in zip(seqs, new_lengths):
             s.lengths[layer] = n
+
+    def _check_kv(self, k, v, rows: int) -> None:
+        """Raise unless ``k, v`` are floating ``[rows, num_kv_heads, head_dim]`` tensors on the
+        cache's device."""
+        shape = (rows, self.num_kv_heads, self.head_dim)
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype not in _ALLOWED_INPUT_DTYPES:
+                raise TypeError(
+                    f"{name} must be bfloat16, float16, float32 or float64, got {t.dtype}"
+                )
+            if t.device != self.device:
+                raise ValueError(
+                    f"{name} is on {t.device}, expected the cache's device {self.device}"
+                )
+            if t.shape != shape:
+                raise ValueError(
+                    f"{name} must have shape [rows={rows}, num_kv_heads={shape[1]}, "
+                    f"head_dim={shape[2]}], got {list(t.shape)}"
+                )
+
+    # ------------------------------------------------------------------ planned decode steps
+    def reserve_decode_rows(self, rows: int) -> None:
+        """Allocate the storage of planned decode steps (:meth:`plan_decode_step`) for up to
+        ``rows`` rows (sequences plus padding) now, at an address that never changes: a CUDA
+        graph captured over a step's layers keeps reading it. Without a reservation the storage
+        is allocated at the first planned step and replaced by a larger one when a step needs
+        more rows. Call it before any step is planned."""
+        check_int(rows, "rows", low=1)
+        if self._step_buffer is not None:
+            raise ValueError(
+                "reserve_decode_rows must come before the first plan_decode_step (graphs "
+                "captured over the old storage would read a freed tensor)"
+            )
+        self._step_buffer = decode_step.StepBuffer(rows, self.num_pages, self.device, True)
+
+    def plan_decode_step(
+        self,
+        seq_ids: Sequence,
+        *,
+        padding_rows: int = 0,
+        split_history: int | None = None,
+    ) -> DecodeStep:
+        """Plan a decode step of ``seq_ids`` (one new token each) for every layer at once.
+
+        What :meth:`append` of one token and :meth:`plan` do at each layer, done once
+        (foscar.cache.decode_step): each sequence's pages are taken and its length advances by
+        one in every layer, the fused write's descriptors and the step's :class:`DecodeBatch`
+        go to the device in one copy, into tensors that every step of as many rows reuses.
+        Then, per layer, :meth:`write_decode_step` stores the layer's new K/V and
+        :func:`foscar.decode_attention` reads ``step.batch`` (set ``step.batch.layer``) after
+        that layer's write; each layer must be written once before the next step is planned
+        (the lengths already count its token).
+
+        Parameters
+        ----------
+        seq_ids : live sequence ids, distinct, each holding the same number of tokens in every
+            layer.
+        padding_rows : rows after the sequences that write nothing and read one stored token
+            (a batch padded to a fixed size, e.g. for a CUDA graph; their outputs mean nothing).
+        split_history : history tokens the decode kernels plan their split count for (default:
+            the step's longest), e.g. the longest a sequence can hold, so that one captured
+            launch serves every later step.
+
+        Returns
+        -------
+        DecodeStep, valid until the next planned step or a :meth:`free`. Raises before any
+        change where :meth:`append` would (unknown or repeated ids, a full pool), where a
+        sequence's layers hold different counts, or where the rows exceed
+        :meth:`reserve_decode_rows`.
+
+        Example
+        -------
+        >>> step = cache.plan_decode_step(seq_ids)
+        >>> for layer in range(cache.num_layers):
+        ...     cache.write_decode_step(layer, k[layer], v[layer], step)
+        ...     step.batch.layer = layer
+        ...     o = foscar.decode_attention(q[layer], cache, step.batch)
+        """
+        seq_ids = tuple(seq_ids)
+        if not seq_ids:
+            raise ValueError("seq_ids must name at least one sequence")
+        seqs = [self._lookup(s, f"seq_ids[{i}]") for i, s in enumerate(seq_ids)]
+        if len(set(map(id, seqs))) != len(seqs):
+            raise ValueError(f"seq_ids must be distinct, got {list(seq_ids)}")
+        check_int(padding_rows, "padding_rows", low=0)
+        if split_history is not None:
+            check_int(split_history, "split_history", low=1)
+        for i, s in enumerate(seqs):
+            lengths = s.lengths
+            if lengths.count(lengths[0]) != len(lengths):
+                raise ValueError(
+                    f"seq_ids[{i}] = {seq_ids[i]!r} holds {lengths} tokens per layer: a planned "
+                    "step appends to every layer, so they must agree (append per layer instead)"
+                )
+        rows = len(seqs) + padding_rows
+        buffer = self._step_buffer
+        if buffer is not None and buffer.fixed and rows > buffer.rows:
+            raise ValueError(
+                f"the step has {rows} rows ({len(seqs)} sequences + {padding_rows} padding) but "
+                f"reserve_decode_rows reserved {buffer.rows}"
+            )
+        new_lengths = [s.lengths[0] + 1 for s in seqs]
+        need = self._pages_needed(seqs, new_lengths)  # raises before anything changes
+        # ---- nothing below can fail for a reason of the caller's
+        self._take_pages(seqs, need)
+        layers = self.num_layers
+        for s, n in zip(seqs, new_lengths):
+            s.lengths[:] = [n] * layers
+        self._touch(range(layers))
+        self._step_serial += 1
+        return decode_step.plan(self, seq_ids, seqs, new_lengths, padding_rows, split_history)
+
+    def write_decode_step(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, step: DecodeStep
+    ) -> None:
+        """Store layer ``layer``'s new tokens of a planned step (:meth:`plan_decode_step`).
+
+        Parameters
+        ----------
+        layer : the layer to write.
+        k, v : ``[step.rows, num_kv_heads, head_dim]``, floating, on the cache's device: row
+            ``i`` is ``step.seq_ids[i]``'s new token; padding rows are written nowhere.
+        step : the cache's latest planned step.
+
+        The same bits as :meth:`append` of one token per sequence; no host-side bookkeeping
+        (the step did it), and with the fused write one launch per role reading the step's
+        descriptors, so the call can be captured in a CUDA graph.
+        """
+        layer = self._check_layer(layer)
+        if not isinstance(step, DecodeStep):
+            raise TypeError(
+                f"step must be a DecodeStep (from plan_decode_step), got {type(step).__name__}"
+            )
+        if step.serial != self._step_serial or step.batch is not self._step_view(step.rows):
+            raise ValueError(
+                "step is not this cache's latest planned step (another step was planned, or a "
+                "sequence freed, since): plan_decode_step again"
+            )
+        self._check_kv(k, v, step.rows)
+        if self.check_finite:
+            n = len(step.seq_ids)
+            for name, t in (("k", k[:n]), ("v", v[:n])):
+                if not bool(torch.isfinite(t).all()):
+                    raise ValueError(f"{name} contains NaN or Inf (the cache stores finite values)")
+        fused = step.desc is not None and self._fused_write(layer)  # may raise: before any write
+        tr = self.transforms[layer]
+        if tr.key_rotation is not None:
+            k = tr.rotate(k, "key")
+        if tr.value_rotation is not None:
+            v = tr.rotate(v, "value")
+        write.write_planned_step(self, layer, k, v, step, fused)
+
+    def _step_view(self, rows: int):
+        """The DecodeBatch the step buffer holds for ``rows`` rows (None if none)."""
+        buffer = self._step_buffer
+        views = None if buffer is None else buffer._views.get(rows)
+        return None if views is None else views[0]
 
     # ------------------------------------------------------------------ accounting
     def pool_bytes(self) -> int:

@@ -67,6 +67,13 @@ class DecodeBatch:
     ``sink_tokens + Lq .. L - 1`` at ring slots ``(p - sink_tokens) % tail_capacity``.
     ``*_host`` lists mirror the device tensors for host-side planning.
 
+    ``padding_rows`` rows follow the planned sequences (``batch_size = len(seq_ids) +
+    padding_rows``): rows of a step padded to a fixed size (a CUDA graph replayed for any step of
+    that size), each reading one stored token of the cache, whatever it holds; their outputs mean
+    nothing. ``fixed_split_history``: history tokens the kernels plan their split count for,
+    instead of the longest sequence's, so that one captured launch serves every later step
+    (:attr:`split_history`).
+
     A plan stays valid until a sequence it covers is freed or appended to in ``layer``
     (Note [stale plans] in foscar.cache.pages); :func:`foscar.decode_attention` raises on a
     stale one. It may be pointed at another layer (``batch.layer = l``) whose lengths agree.
@@ -87,6 +94,8 @@ class DecodeBatch:
     sink_tokens: int
     tail_capacity: int
     layer: int
+    padding_rows: int = 0
+    fixed_split_history: int | None = None
     #: the planned sequences' records (compared by identity: Note [stale plans])
     _sequences: tuple = field(default=(), repr=False, compare=False)
     #: layer -> the stamp at which this plan was last found valid for it
@@ -96,7 +105,15 @@ class DecodeBatch:
 
     @property
     def batch_size(self) -> int:
-        return len(self.seq_ids)
+        """Rows of the plan: the sequences, then the padding rows."""
+        return len(self.seq_ids) + self.padding_rows
+
+    @property
+    def split_history(self) -> int:
+        """History tokens the decode kernels plan their split count for."""
+        if self.fixed_split_history is not None:
+            return self.fixed_split_history
+        return max(self.num_quantized_host, default=0)
 
     @property
     def max_seq_len(self) -> int:
@@ -149,6 +166,8 @@ class PageTable:
         self._seqs: dict[object, SequenceState] = {}
         self._next_id = 0
         self._stamps = [next(_STAMPS) for _ in range(num_layers)]
+        #: planned decode steps so far, and frees (a planned step is valid while this stands)
+        self._step_serial = 0
 
     # ------------------------------------------------------------------ sequences
     @property
@@ -235,6 +254,7 @@ class PageTable:
         self._free_pages.extend(reversed(seq.pages))
         self._free_slots.append(seq.slot)
         self._touch(range(self.num_layers))
+        self._step_serial += 1
 
     def _lookup(self, seq_id, name: str) -> SequenceState:
         try:
@@ -359,9 +379,10 @@ class PageTable:
             raise ValueError("batch was not made by cache.plan(); plan the sequences with it")
         # C-level loops: this runs once per layer and decode step (Note [stale plans])
         live = list(map(self._seqs.get, batch.seq_ids))
-        if any(map(operator.is_not, live, seqs)) or batch.seq_lens_host != [
-            s.lengths[layer] for s in seqs
-        ]:
+        lengths = batch.seq_lens_host
+        if batch.padding_rows:
+            lengths = lengths[: len(seqs)]
+        if any(map(operator.is_not, live, seqs)) or lengths != [s.lengths[layer] for s in seqs]:
             self._raise_stale(batch, layer, live)
         batch._valid_at[layer] = stamp
 

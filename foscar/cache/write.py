@@ -5,7 +5,10 @@ Two paths store the same bits (``tests/test_cache_decode.py``, ``tests/test_cach
 * :func:`write_tokens`, any number of tokens per sequence (a prefill): index tensors built per
   sequence with ``arange``, so a 100K-token prefill costs a few tensor operations;
 * :func:`write_decode_step`, one token per sequence (a decode step): the same scatter with index
-  lists built in Python, or the fused Triton write (foscar.cache.fused_write).
+  lists built in Python, or the fused Triton write (foscar.cache.fused_write);
+* :func:`write_planned_step`, a decode step planned once for every layer
+  (foscar.cache.decode_step): the fused write over the step's device descriptors, or the torch
+  scatter with the step's index tensors, no host planning per layer.
 
 Every token is rounded to the window dtype on entry, so a token quantizes to the same bits
 whether it is demoted from the tail ring or written straight into the history by a prefill.
@@ -33,10 +36,12 @@ from .pages import host_to
 
 __all__ = [
     "DECODE_WRITE_PATHS",
+    "DecodeScatter",
     "LayerStorage",
     "allocate_layer",
     "check_decode_write",
     "write_decode_step",
+    "write_planned_step",
     "write_tokens",
 ]
 
@@ -179,23 +184,62 @@ def write_decode_step(cache, layer, seqs, new_lengths, k, v, fused: bool = False
     Triton launch per role instead (foscar.cache.fused_write); where that launch fails and the
     cache's ``decode_write`` is "auto", warn once and write with torch from then on.
     """
-    st = cache.layers[layer]
     if fused:
-        try:
-            _write_decode_fused(cache, layer, seqs, new_lengths, k, v)
+        rows = tuple(decode_descriptors(cache, seqs, new_lengths))
+        # every layer of a step has the same descriptor: one host-to-device copy per step
+        if cache._desc_memo is None or cache._desc_memo[0] != rows:
+            cache._desc_memo = (rows, host_to(cache.device, list(rows), torch.int32))
+        if _write_fused_or_fail(cache, layer, k, v, cache._desc_memo[1]):
             return
-        except Exception as e:  # e.g. Triton cannot compile here
-            if cache.decode_write == "fused":
-                raise
-            # "auto": the torch path below writes the same destinations with the same bits
-            # (a K written before a failed V launch is overwritten identically)
-            cache._fused_failure = f"{type(e).__name__}: {e}"
-            warnings.warn(
-                f"foscar: the fused decode write failed ({cache._fused_failure}); this cache "
-                "writes decode steps with torch operations from now on",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+    write_decode_scatter(cache, layer, k, v, decode_scatter(cache, seqs, new_lengths))
+
+
+def write_planned_step(cache, layer, k, v, step, fused: bool) -> None:
+    """One layer's write of a planned decode step (foscar.cache.decode_step.DecodeStep):
+    ``k, v: [step.rows, H, D]``, padding rows past the step's sequences written nowhere. The
+    fused write reads the step's descriptors; the torch path scatters with the step's index
+    tensors (made at the first layer that needs them). Same bits as :func:`write_decode_step`."""
+    if fused and _write_fused_or_fail(cache, layer, k, v, step.desc):
+        return
+    n = len(step.seqs)
+    write_decode_scatter(cache, layer, k[:n], v[:n], step.scatter(cache))
+
+
+def _write_fused_or_fail(cache, layer, k, v, desc) -> bool:
+    """The fused write of both roles; False where it failed and the cache's ``decode_write`` is
+    "auto" (warned once; the cache writes with torch from then on)."""
+    try:
+        write_decode_fused(cache, layer, k, v, desc)
+        return True
+    except Exception as e:  # e.g. Triton cannot compile here
+        if cache.decode_write == "fused":
+            raise
+        # "auto": the torch path writes the same destinations with the same bits (a K written
+        # before a failed V launch is overwritten identically)
+        cache._fused_failure = f"{type(e).__name__}: {e}"
+        warnings.warn(
+            f"foscar: the fused decode write failed ({cache._fused_failure}); this cache "
+            "writes decode steps with torch operations from now on",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return False
+
+
+@dataclass
+class DecodeScatter:
+    """Where the torch path puts one decode step's tokens: device index tensors, the same for
+    every layer. ``sink``, ``tail``: ``(source row, slot, position)``; ``demoted``: the
+    arguments of :func:`_write_demoted` after ``k, v`` (None: nothing is demoted)."""
+
+    sink: tuple | None
+    tail: tuple | None
+    demoted: tuple | None
+
+
+def decode_scatter(cache, seqs, new_lengths) -> DecodeScatter:
+    """The torch path's scatter of one new token per sequence, sequence ``i`` growing to
+    ``new_lengths[i]`` tokens (its pages already taken)."""
     sink_src, sink_slot, sink_pos = [], [], []
     tail_src, tail_slot, tail_pos = [], [], []
     old_slot, old_ring, old_dst, new_src, new_dst = [], [], [], [], []
@@ -225,28 +269,37 @@ def write_decode_step(cache, layer, seqs, new_lengths, k, v, fused: bool = False
             tail_pos.append(at_tail)
     dev = cache.device
 
-    def idx(values):
-        return host_to(dev, values)
+    def idx(*lists):
+        return tuple(host_to(dev, values) for values in lists)
 
-    if hist_page:
-        _write_demoted(
-            cache,
-            layer,
-            k,
-            v,
-            (idx(old_slot), idx(old_ring), idx(old_dst)),
-            (idx(new_src), idx(new_dst)),
-            segments,
-            idx(hist_page),
-            idx(hist_row),
-        )
+    return DecodeScatter(
+        sink=idx(sink_src, sink_slot, sink_pos) if sink_src else None,
+        tail=idx(tail_src, tail_slot, tail_pos) if tail_src else None,
+        demoted=(
+            (
+                idx(old_slot, old_ring, old_dst),
+                idx(new_src, new_dst),
+                segments,
+                *idx(hist_page, hist_row),
+            )
+            if hist_page
+            else None
+        ),
+    )
+
+
+def write_decode_scatter(cache, layer, k, v, scatter: DecodeScatter) -> None:
+    """Write one token per sequence (``k, v: [B, H, D]``) into ``layer`` as ``scatter`` says."""
+    st = cache.layers[layer]
+    if scatter.demoted is not None:
+        _write_demoted(cache, layer, k, v, *scatter.demoted)
     wd = cache.window_dtype
-    if sink_src:
-        src, slot, pos = idx(sink_src), idx(sink_slot), idx(sink_pos)
+    if scatter.sink is not None:
+        src, slot, pos = scatter.sink
         st.k_sink[slot, :, pos] = k[src].to(wd)
         st.v_sink[slot, :, pos] = v[src].to(wd)
-    if tail_src:
-        src, slot, pos = idx(tail_src), idx(tail_slot), idx(tail_pos)
+    if scatter.tail is not None:
+        src, slot, pos = scatter.tail
         st.k_tail[slot, :, pos] = k[src].to(wd)
         st.v_tail[slot, :, pos] = v[src].to(wd)
 
@@ -268,28 +321,30 @@ def _decode_step_places(cache, seq, l1: int) -> tuple:
     return at_sink, at_tail, demoted
 
 
-def _write_decode_fused(cache, layer, seqs, new_lengths, k, v) -> None:
-    """The fused decode write: per sequence the six integers of the kernel's descriptor
-    (token-wise history: at most one token is demoted per step), one launch per role."""
-    rows = []
+#: the descriptor of a row that writes nothing (a padding row of a planned step)
+NO_WRITE = (0, -1, -1, -1, -1, -1)
+
+
+def decode_descriptors(cache, seqs, new_lengths):
+    """Per sequence the six integers of the fused write's descriptor
+    (foscar.kernels.cache_write.DESC_FIELDS), as a generator of tuples. Token-wise history
+    formats only (demotion quantum 1: at most one token demoted per step)."""
     for seq, l1 in zip(seqs, new_lengths):
         at_sink, at_tail, demoted = _decode_step_places(cache, seq, l1)
         ring, page, row = demoted[0] if demoted else (-1, -1, -1)
-        rows.append(
-            (
-                seq.slot,
-                -1 if at_sink is None else at_sink,
-                -1 if at_tail is None else at_tail,
-                -1 if ring is None else ring,
-                page,
-                row,
-            )
+        yield (
+            seq.slot,
+            -1 if at_sink is None else at_sink,
+            -1 if at_tail is None else at_tail,
+            -1 if ring is None else ring,
+            page,
+            row,
         )
-    rows = tuple(rows)
-    # every layer of a step has the same descriptor: one host-to-device copy per step
-    if cache._desc_memo is None or cache._desc_memo[0] != rows:
-        cache._desc_memo = (rows, host_to(cache.device, list(rows), torch.int32))
-    desc = cache._desc_memo[1]
+
+
+def write_decode_fused(cache, layer, k, v, desc) -> None:
+    """The fused decode write of ``k, v: [B, H, D]`` into ``layer``: one launch per role over
+    ``desc: [B, 6]`` int32 on the cache's device."""
     wd = cache.window_dtype
     for name, x in (("k", k), ("v", v)):
         x = x if x.dtype == wd else x.to(wd)

@@ -147,8 +147,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--cuda-graphs",
         action="store_true",
-        help="capture the engine's decode steps in CUDA graphs (bf16 only: foscar's steps are "
-        "planned on the host)",
+        help="capture the engine's decode steps in CUDA graphs (a GPU and a bf16 model; foscar "
+        "caches: token-wise formats, whose decode steps are planned once before the graph)",
     )
     sampling = parser.add_argument_group("sampling (a request's own fields override these)")
     sampling.add_argument(
@@ -208,10 +208,6 @@ def _check_serve(args) -> None:
         raise _UsageError(f"--temperature must be in [0, 2], got {args.temperature}")
     if not 0 < args.top_p <= 1:
         raise _UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
-    kv = args.kv or ("oscar" if args.oscar else "int4")
-    if args.cuda_graphs and kv != "bf16":
-        raise _UsageError("--cuda-graphs works with --kv bf16 only (foscar's steps are planned "
-                          "on the host)")
     _device(args)
 
 
@@ -236,15 +232,18 @@ def _device(args):
             raise _UsageError("--cuda-graphs needs a CUDA device")
         return local
     if args.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(args.device)
-    except (RuntimeError, ValueError):
-        raise _UsageError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise _UsageError(f"--device {args.device}: this machine has no CUDA GPU")
-    if device.type not in ("cpu", "cuda"):
-        raise _UsageError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        try:
+            device = torch.device(args.device)
+        except (RuntimeError, ValueError):
+            raise _UsageError(
+                f"--device must be cpu, cuda or cuda:N, got {args.device!r}"
+            ) from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise _UsageError(f"--device {args.device}: this machine has no CUDA GPU")
+        if device.type not in ("cpu", "cuda"):
+            raise _UsageError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
     if args.cuda_graphs and device.type != "cuda":
         raise _UsageError("--cuda-graphs needs a CUDA device")
     return device

@@ -22,15 +22,30 @@ things change:
 
 How the cache learns a step's layout: the engine calls ``extend_read_and_write_indices(request_id,
 past_length, query_length, ...)`` for every request of the next batch, in batch order, before the
-forward pass; the cache records them and starts the step at the forward's first attention call.
+forward pass; the cache records them and starts the step when the manager's model runner calls
+:meth:`FoscarPagedCache.begin_step` (or, for a forward the manager did not announce, at the first
+attention call).
 transformers >= 5.24 calls ``cache.update(k, v, layer, kwargs)`` from the model before the
 attention function (the cache returns the new K/V and marks them with itself); 5.17 passes the
 cache to the attention function as ``kwargs["cache"]``.
 
+How a step runs: the manager's model runner calls :meth:`FoscarPagedCache.begin_step` before
+each forward (and before any CUDA-graph replay), on the stream the forward runs on; it starts the
+step in :class:`~foscar.serving.PagedKV`, which plans the decode rows once for every layer and
+copies that plan into device buffers (:mod:`foscar.serving.core`).
+
+CUDA graphs (``build_manager(..., cuda_graphs=True)``, off by default for foscar caches): every
+step takes the engine's varlen path (the decode fast path is off, below), padded to the engine's
+token buckets. A decode-only step's forward is captured once per bucket and replayed: its
+attention is the fused write and the decode kernels over the buffers ``begin_step`` refills,
+its padding rows write nothing. A step with prefill or chunk rows runs eagerly (the model runner
+is told so), its per-row work depends on the rows. Only token-wise history formats (the default
+``int4``/``int2`` and OSCAR files) on a CUDA device with a bfloat16 model qualify; others are
+refused by :func:`build_manager`, naming why.
+
 Switched off for foscar caches: prefix sharing and forking (a block holds one request's quantized
 history), the flash decode fast path (it writes the engine's K/V tensors), CPU offloading (it
-copies them), asynchronous batching and CUDA graphs (a step's writes are planned on the host at
-each layer; the decode call itself syncs nothing, see :mod:`foscar.serving.core`).
+copies them) and asynchronous batching (a step's layout must be known before its forward).
 """
 
 from __future__ import annotations
@@ -168,6 +183,7 @@ class _FoscarSettings:
     num_kv_heads: int  # the model's, before any tensor-parallel split
     backend: str
     window_dtype: torch.dtype
+    cuda_graphs: bool = False
 
 
 class _OneChannelConfig:
@@ -239,9 +255,14 @@ class FoscarPagedCache(_TrackedCache, PagedAttentionCache):
             clip_bits=kv.clip_bits,
             backend=settings.backend,
             window_dtype=settings.window_dtype,
+            # a step's packed tokens, padding included, never exceed the engine's batch budget
+            max_step_tokens=getattr(self, "max_batch_tokens", None),
+            cuda_graphs=settings.cuda_graphs,
         )
         self._slots: set = set()  # requests admitted: each holds a window slot
         self._rows: list[StepRow] | None = None  # the next forward's layout, in batch order
+        #: steps run through a CUDA graph (captured, or replayed)
+        self.graph_steps = 0
 
     # ------------------------------------------------------------------ engine geometry
     def _allocator_block_size(self) -> int:
@@ -317,10 +338,16 @@ class FoscarPagedCache(_TrackedCache, PagedAttentionCache):
         key_states._foscar_paged_cache = self
         return key_states, value_states
 
-    def attend(self, module, query, key, value, scaling) -> torch.Tensor:
+    def begin_step(self, num_tokens: int) -> None:
+        """Start the step whose rows the engine named (``extend_read_and_write_indices``) for a
+        forward of ``num_tokens`` packed tokens: the manager calls it before each forward, outside
+        what a CUDA graph captures."""
         if self._rows is not None:
             rows, self._rows = self._rows, None
-            self.paged.begin_step(rows)
+            self.paged.begin_step(rows, num_tokens=num_tokens)
+
+    def attend(self, module, query, key, value, scaling) -> torch.Tensor:
+        self.begin_step(query.shape[2])  # (a forward the manager did not announce)
         out = self.paged.attend(
             module.layer_idx,
             query[0].transpose(0, 1),
@@ -352,6 +379,41 @@ def _engine_cache_class(cls: type):
             continuous_api.PagedAttentionCache = saved
 
 
+def _hook_model_runner(runner, cache: FoscarPagedCache) -> None:
+    """Have the engine's model runner start each step of ``cache`` before its forward (and
+    before any CUDA graph replay), on the stream the forward runs on, and capture or replay a
+    graph only for the steps foscar can capture (decode-only ones; others run eagerly)."""
+    if getattr(runner, "_foscar_cache", None) is cache:
+        return  # a batch processor the engine reuses
+    compute_batch = getattr(runner, "compute_batch", None)
+    get_forward_fn = getattr(runner, "_get_forward_fn", None)
+    if compute_batch is None or get_forward_fn is None:
+        # (transformers 5.17 and 5.25 have both) without them a step starts at its first
+        # attention call, inside the forward: eager steps only
+        if cache.paged.cuda_graphs:
+            raise RuntimeError(
+                "cuda_graphs=True: this transformers' model runner has no compute_batch and "
+                "_get_forward_fn to start a foscar step before a captured forward"
+            )
+        return
+
+    def foscar_compute_batch(model, batch_data, *args, **kwargs):
+        stream = getattr(runner.inputs_and_outputs, "compute_stream", None)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            cache.begin_step(batch_data["input_ids"].shape[-1])
+        return compute_batch(model, batch_data, *args, **kwargs)
+
+    def foscar_get_forward_fn(*args, **kwargs):
+        forward_fn, use_cuda_graph = get_forward_fn(*args, **kwargs)
+        use_cuda_graph = bool(use_cuda_graph) and cache.paged.step_capturable
+        cache.graph_steps += use_cuda_graph
+        return forward_fn, use_cuda_graph
+
+    runner.compute_batch = foscar_compute_batch
+    runner._get_forward_fn = foscar_get_forward_fn
+    runner._foscar_cache = cache
+
+
 # ---------------------------------------------------------------------------- manager
 @dataclasses.dataclass(frozen=True)
 class _Plan:
@@ -377,7 +439,8 @@ class FoscarBatchingManager(ContinuousBatchingManager):
     """
 
     def __init__(self, model, generation_config, continuous_batching_config, *, plan: _Plan,
-                 backend: str = "auto", window_dtype: torch.dtype = torch.bfloat16) -> None:
+                 backend: str = "auto", window_dtype: torch.dtype = torch.bfloat16,
+                 cuda_graphs: bool = False) -> None:
         self._plan = plan
         self._last_cache = None
         super().__init__(model, generation_config, continuous_batching_config)
@@ -387,7 +450,9 @@ class FoscarBatchingManager(ContinuousBatchingManager):
         else:
             text = model.config.get_text_config()
             self._cache_class = FoscarPagedCache.bind(
-                _FoscarSettings(kv, plan.max_requests, _num_kv_heads(text), backend, window_dtype)
+                _FoscarSettings(
+                    kv, plan.max_requests, _num_kv_heads(text), backend, window_dtype, cuda_graphs
+                )
             )
 
     # ------------------------------------------------------------------ engine hooks
@@ -419,6 +484,8 @@ class FoscarBatchingManager(ContinuousBatchingManager):
         with _engine_cache_class(self._cache_class):
             processor = super()._create_batch_processor()
         self._last_cache = processor.cache
+        if isinstance(processor.cache, FoscarPagedCache):
+            _hook_model_runner(processor.model_runner, processor.cache)
         return processor
 
     # ------------------------------------------------------------------ requests
@@ -549,8 +616,11 @@ def build_manager(
     max_new_tokens : int
         Default tokens to generate per request.
     cuda_graphs : bool, optional
-        The engine's CUDA graphs (None: the engine decides for BF16; foscar caches: off, and
-        True is refused, see :mod:`foscar.serving.continuous`).
+        The engine's CUDA graphs (None: the engine decides for BF16, off for foscar caches).
+        For a foscar cache, True captures each decode-only step's forward once per padded
+        token count and replays it (steps with prefill rows run eagerly); refused, naming why,
+        unless the model is a bfloat16 model on a CUDA device and every layer's K and V are
+        token-wise (the fused decode write) in a format the decode kernels cover.
     max_requests : int, optional
         foscar: window slots, i.e. requests holding cache at once (default: as many requests
         of ``request_tokens`` as ``memory_bytes`` holds; without ``request_tokens``, 32 or
@@ -590,11 +660,6 @@ def build_manager(
                 "num_return_sequences > 1: a foscar cache cannot fork a request (its blocks hold "
                 "one request's quantized history)"
             )
-        if cuda_graphs:
-            raise ValueError(
-                "cuda_graphs=True: the engine's CUDA graphs would replay a foscar step without "
-                "its host-side planning; pass None or False"
-            )
     block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 4:
         raise ValueError(f"block_size must be an int >= 4, got {block_size!r}")
@@ -603,6 +668,10 @@ def build_manager(
         raise ValueError(
             f"block_size must be a power of two from 16 to 256 for a foscar cache, got {block_size}"
         )
+    if cuda_graphs and not resolved.is_bf16:
+        reason = _graph_refusal(model, resolved, backend, window_dtype, block_size)
+        if reason is not None:
+            raise ValueError(f"cuda_graphs=True with kv={resolved.label!r}: {reason}")
     for name, value in (("memory_bytes", memory_bytes), ("num_blocks", num_blocks),
                         ("max_batch_tokens", max_batch_tokens), ("max_requests", max_requests),
                         ("request_tokens", request_tokens)):
@@ -689,11 +758,61 @@ def build_manager(
             max_blocks_per_request=0,
             cpu_offload_space=0.0,
             use_async_batching=False,
-            use_cuda_graph=False,
+            # captured: decode-only steps (the manager's model runner runs the others eagerly)
+            use_cuda_graph=bool(cuda_graphs),
             auto_switch_to_flash=False,
         )
     cb_config = ContinuousBatchingConfig(**{k: v for k, v in cb.items() if k in fields})
     return FoscarBatchingManager(
-        model, gen, cb_config, plan=plan, backend=backend, window_dtype=window_dtype
+        model, gen, cb_config, plan=plan, backend=backend, window_dtype=window_dtype,
+        cuda_graphs=bool(cuda_graphs) and not resolved.is_bf16,
     )
+
+
+def _graph_refusal(
+    model, resolved: ResolvedKV, backend: str, window_dtype, block_size: int
+) -> str | None:
+    """Why the engine cannot capture foscar's decode steps of ``model`` in CUDA graphs, or None:
+    a captured step's per-layer work must be kernel launches over device buffers, i.e. the fused
+    decode write (token-wise history formats) and a decode kernel (a GPU, bfloat16 queries, a
+    format the kernels cover)."""
+    from .. import backends
+    from ..cache import QuantizedKVCache
+
+    if model.device.type != "cuda":
+        return f"the model is on {model.device}; CUDA graphs need it on a CUDA device"
+    if backend == "reference":
+        return "backend 'reference' reads the page tables on the host; pass a kernel backend"
+    if model.dtype != torch.bfloat16:
+        return f"the decode kernels take bfloat16 queries; the model computes in {model.dtype}"
+    text = model.config.get_text_config()
+    # a one-page cache of the served formats on the model's device, to ask the kernels
+    probe = QuantizedKVCache(
+        resolved.formats,
+        num_kv_heads=_num_kv_heads(text) // tp_size_of(model),
+        head_dim=_head_dim(text),
+        num_pages=1,
+        max_seqs=1,
+        num_layers=len(resolved.formats),
+        page_size=block_size,
+        device=model.device,
+        window_dtype=window_dtype,
+        decode_write="torch",
+    )
+    for layer in range(probe.num_layers):
+        reason = probe.fused_write_reason(layer)
+        if reason is not None:
+            return (
+                f"layer {layer} cannot write a decode step in one captured launch ({reason}); "
+                "token-wise K and V can"
+            )
+    q_heads = text.num_attention_heads // tp_size_of(model)
+    name = "triton" if backend == "auto" else backend  # ("auto" takes Triton where Gluon won't)
+    kernel = backends.get(name)
+    if not kernel.available(model.device):
+        return f"backend {name!r} needs {kernel.requirement}"
+    reason = kernel.supports(probe, q_heads)
+    if reason is not None:
+        return f"the {name} decode kernel does not cover this cache ({reason})"
+    return None
 

@@ -17,15 +17,17 @@ turns such a step into foscar operations, whatever the engine:
   first appears with ``past_length == 0`` (a new request, or one the engine preempted and
   prefills again) and released by :meth:`PagedKV.release`; a released request's pages and slot
   go back to the pool and nothing of it is read again (a restarted request starts empty).
-* **quantize-on-write.** A step's new K/V are appended per layer
-  (:meth:`foscar.QuantizedKVCache.append`): the decode rows together (one token each: the fused
-  Triton write on a GPU), the prefill rows together (their tokens quantized, or kept in the
-  windows, as the format says).
+* **quantize-on-write.** A step's new K/V are stored per layer: the prefill and chunk rows
+  through :meth:`foscar.QuantizedKVCache.append` (their tokens quantized, or kept in the
+  windows, as the format says), the decode rows (one token each) through the step
+  :meth:`PagedKV.begin_step` planned for every layer
+  (:meth:`foscar.QuantizedKVCache.plan_decode_step`, then
+  :meth:`~foscar.QuantizedKVCache.write_decode_step` per layer: the fused Triton write on a GPU).
 * **attention of a step** (:meth:`PagedKV.attend`), per row:
 
-  - *decode* (one new token on a non-empty request): the token is appended and
-    :func:`foscar.decode_attention` reads the pages; one :class:`foscar.DecodeBatch` per step,
-    planned at the first layer and shared by every layer (all layers append the same tokens);
+  - *decode* (one new token on a non-empty request): the token is written and
+    :func:`foscar.decode_attention` reads the pages through the step's
+    :class:`foscar.DecodeBatch`, one for every layer;
   - *prefill* (``past_length == 0``): causal attention over the new tokens at the model's
     precision (``prefill_attention``), as :class:`foscar.integrations.transformers.FoscarCache`
     does at a prefill;
@@ -34,13 +36,19 @@ turns such a step into foscar operations, whatever the engine:
     (:func:`foscar.reference.attend_chunk`, ``FoscarCache``'s extend path too); then the chunk is
     appended.
 
-Host and device: :meth:`PagedKV.begin_step` is host work only, and a decode step's device work
-(the writes, :func:`foscar.decode_attention`) waits on no device result: its index tensors go to
-the device once per step from pinned memory, the finiteness check is off. The writes still plan
-their scatter on the host at each layer (:meth:`foscar.QuantizedKVCache.append`), so a captured
-CUDA graph of a step would replay stale positions: capturing needs the step's write descriptors
-and page tables in static device buffers filled by ``begin_step``, which the cache's append does
-not offer yet.
+Host and device: every host decision about the decode rows is taken once per step, in
+:meth:`PagedKV.begin_step`, before the forward: their lengths advance in every layer, and the
+fused write's descriptors and the decode page tables go to the device in one copy (pinned
+memory, non-blocking), into a buffer reserved for ``max_step_tokens`` rows whose views every step
+of as many rows reuses. Inside the forward a decode row costs, per layer, the write's launches
+and the decode kernels' over those buffers; nothing is planned, copied or synced (the finiteness
+check is off). A decode-only step of a :class:`PagedKV` built with ``cuda_graphs=True`` is thus
+capturable (:attr:`PagedKV.step_capturable`): its decode batch covers every packed token (the
+rows past the requests' are padding that writes nothing and reads one stored token), and the
+kernels' split count is planned for the longest history the pool holds, so a graph captured at
+one step replays every later step of as many packed tokens after ``begin_step``. Steps with
+prefill or chunk rows do per-row host work and stay eager; channel-wise history formats (written
+by torch operations) cannot be captured and are refused.
 
 Prefix sharing (one block in two requests) has no meaning here: a block holds quantized history
 of one request only, and history starts after that request's own sink. Engines must not share
@@ -58,7 +66,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import DecodeBatch, KVFormat, QuantizedKVCache, decode_attention
+from .. import KVFormat, QuantizedKVCache, decode_attention
+from ..cache import DecodeStep
+from ..cache.layout import num_quantized
 from ..reference import attend_chunk
 
 __all__ = ["PagedKV", "StepRow", "window_bytes_per_request", "history_bytes_per_token"]
@@ -127,9 +137,14 @@ class _Step:
     decode: tuple[int, ...]  # row indices
     prefill: tuple[int, ...]
     extend: tuple[int, ...]
-    num_tokens: int
-    plan: DecodeBatch | None = None  # of the decode rows, planned at the first layer
+    num_tokens: int  # the rows' tokens
+    packed_tokens: int  # the forward's tokens (padding included)
+    planned: DecodeStep | None = None  # the decode rows' step, planned by begin_step
     indices: dict = field(default_factory=dict)  # packed-token indices, made at the first layer
+
+    @property
+    def decode_only(self) -> bool:
+        return len(self.decode) == len(self.rows)
 
 
 class PagedKV:
@@ -156,6 +171,16 @@ class PagedKV:
     decode_write : ``QuantizedKVCache``'s decode write path (``"auto"``: fused on a GPU)
     window_dtype : torch.dtype
         Storage of the sink and tail windows (BF16).
+    max_step_tokens : int, optional
+        Most packed tokens of a forward pass (the engine's batch budget): the storage of the
+        planned decode steps is reserved for as many rows, at a fixed address. Required with
+        ``cuda_graphs``; without it that storage grows as steps need.
+    cuda_graphs : bool
+        Make decode-only steps capturable in a CUDA graph (module docstring): their decode
+        batch covers every packed token (padding rows included), the kernels plan their split
+        count for the longest history the pool holds, and decode steps take the fused write
+        (``decode_write="fused"``; refused where a layer cannot: channel-wise groups, a device
+        Triton cannot run on).
 
     Example
     -------
@@ -163,6 +188,7 @@ class PagedKV:
     ...              block_size=16, max_requests=4)
     >>> kv.begin_step([StepRow("a", 0, 5, (3,)), StepRow("b", 7, 1, (0,))])
     >>> out = kv.attend(0, q, k, v, scaling=0.125)   # q: [6, H_q, D], k, v: [6, H, D]
+    >>> out = kv.attend(1, q, k, v, scaling=0.125)   # every layer, once per step
     """
 
     #: released requests remembered to recognise a restart, and restarts logged
@@ -184,7 +210,23 @@ class PagedKV:
         backend: str = "auto",
         decode_write: str = "auto",
         window_dtype: torch.dtype = torch.bfloat16,
+        max_step_tokens: int | None = None,
+        cuda_graphs: bool = False,
     ) -> None:
+        if max_step_tokens is not None and (
+            isinstance(max_step_tokens, bool) or not isinstance(max_step_tokens, int)
+            or max_step_tokens < 1
+        ):
+            raise ValueError(f"max_step_tokens must be a positive int, got {max_step_tokens!r}")
+        if cuda_graphs and max_step_tokens is None:
+            raise ValueError(
+                "cuda_graphs=True needs max_step_tokens (the storage a captured step reads must "
+                "be reserved before the first step)"
+            )
+        if cuda_graphs and decode_write == "torch":
+            raise ValueError(
+                "cuda_graphs=True needs the fused decode write; decode_write='torch' was given"
+            )
         self.cache = QuantizedKVCache(
             fmt,
             num_kv_heads=num_kv_heads,
@@ -197,12 +239,27 @@ class PagedKV:
             window_dtype=window_dtype,
             # a finiteness check syncs the host with the device at every layer and step
             check_finite=False,
-            decode_write=decode_write,
+            # with cuda_graphs: "fused" once every layer was found to take it (below)
+            decode_write="torch" if cuda_graphs else decode_write,
         )
         if rotations is not None:
             from ..oscar import apply_to_cache
 
             apply_to_cache(rotations, self.cache, clip_bits=clip_bits)
+        if cuda_graphs:
+            for layer in range(num_layers):
+                reason = self.cache.fused_write_reason(layer)
+                if reason is not None:
+                    raise ValueError(
+                        f"cuda_graphs=True: layer {layer} cannot take the fused decode write a "
+                        f"captured step needs ({reason})"
+                    )
+            # a captured step cannot fall back to the host-planned torch write
+            self.cache.decode_write = "fused"
+        if max_step_tokens is not None:
+            self.cache.reserve_decode_rows(max_step_tokens)
+        self.cuda_graphs = cuda_graphs
+        self.max_step_tokens = max_step_tokens
         self.backend = backend
         self.block_size = block_size
         self.max_requests = max_requests
@@ -253,16 +310,34 @@ class PagedKV:
         self.cache.add_pages(request_id, pages)
 
     # ------------------------------------------------------------------ steps
-    def begin_step(self, rows: Sequence[StepRow]) -> None:
-        """Take the layout of the next forward pass (host work only; no tensor is touched).
+    def begin_step(self, rows: Sequence[StepRow], *, num_tokens: int | None = None) -> None:
+        """Take the layout of the next forward pass and plan its decode rows (host work, and one
+        copy of the decode rows' plan to the device).
 
         Rows with ``past_length == 0`` start their request (again, after a preemption: what it
         held is released first); every other row's request must be live and hold exactly
-        ``past_length`` tokens. A rejected step changes nothing but those releases.
+        ``past_length`` tokens. The decode rows' step is planned for every layer here
+        (:meth:`foscar.QuantizedKVCache.plan_decode_step`): their lengths count the new token
+        from now on, and each layer's :meth:`attend` writes it. A rejected step changes nothing
+        but those releases.
+
+        ``num_tokens``: the forward's packed tokens, padding after the rows' included (default:
+        the rows' tokens); with ``cuda_graphs``, a decode-only step plans a row for each (the
+        padding rows write nothing), and ``num_tokens`` may not exceed ``max_step_tokens``.
         """
         rows = tuple(rows)
         if not rows:
             raise ValueError("rows must name at least one request")
+        total = sum(r.query_length for r in rows)
+        packed = total if num_tokens is None else num_tokens
+        if isinstance(packed, bool) or not isinstance(packed, int) or packed < total:
+            raise ValueError(
+                f"num_tokens must be an int >= the rows' {total} tokens, got {num_tokens!r}"
+            )
+        if self.max_step_tokens is not None and packed > self.max_step_tokens:
+            raise ValueError(
+                f"the step packs {packed} tokens, more than max_step_tokens={self.max_step_tokens}"
+            )
         ids = [r.request_id for r in rows]
         if len(set(ids)) != len(ids):
             raise ValueError(f"a step names a request twice: {ids}")
@@ -299,6 +374,20 @@ class PagedKV:
                 f"engine blocks {bad or wanted} are not free pool pages (held by another "
                 "request, given twice, or outside the pool)"
             )
+        decode = tuple(i for i, r in enumerate(rows) if r.past_length and r.query_length == 1)
+        # pages the decode rows take beyond their blocks (a pool without engine blocks), checked
+        # before anything changes: their step is planned below
+        fmt, ps = self.cache.formats[0], self.block_size
+        short = sum(
+            max(0, -(-num_quantized(rows[i].past_length + 1, fmt) // ps)
+                - len(self.cache.pages_of(rows[i].request_id)) - len(new_pages[rows[i].request_id]))
+            for i in decode
+        )
+        if short > len(free) - len(wanted):
+            raise ValueError(
+                f"page pool exhausted: the decode rows need {short} more pages, "
+                f"{len(free) - len(wanted)} are free"
+            )
         # ---- nothing below can fail
         for r in starts:
             held = self._released.pop(r.request_id, None)
@@ -314,10 +403,26 @@ class PagedKV:
         for r in rows:
             offsets.append(total)
             total += r.query_length
-        decode = tuple(i for i, r in enumerate(rows) if r.past_length and r.query_length == 1)
         prefill = tuple(i for i, r in enumerate(rows) if not r.past_length)
         extend = tuple(i for i, r in enumerate(rows) if r.past_length and r.query_length > 1)
-        self._step = _Step(rows, tuple(offsets), decode, prefill, extend, total)
+        step = _Step(rows, tuple(offsets), decode, prefill, extend, total, packed)
+        if decode:
+            padding = packed - total if self.cuda_graphs and step.decode_only else 0
+            step.planned = self.cache.plan_decode_step(
+                [rows[i].request_id for i in decode],
+                padding_rows=padding,
+                # one captured launch serves every later step: splits for the longest history
+                split_history=self.cache.num_pages * ps if self.cuda_graphs else None,
+            )
+        self._step = step
+
+    @property
+    def step_capturable(self) -> bool:
+        """Whether the begun step's forward may be captured in a CUDA graph and replayed for
+        later steps of as many packed tokens: ``cuda_graphs`` is on and every row decodes (its
+        per-layer work is then kernel launches over buffers :meth:`begin_step` refills)."""
+        step = self._step
+        return self.cuda_graphs and step is not None and step.decode_only
 
     def attend(
         self,
@@ -333,24 +438,32 @@ class PagedKV:
 
         Parameters
         ----------
-        q : [T', H_q, D]; k, v : [T', H, D] (post-RoPE), ``T' >= T`` (rows past ``T``: padding)
+        q : [T', H_q, D]; k, v : [T', H, D] (post-RoPE), ``T'`` at least the step's packed tokens
+            (rows past the requests' tokens: padding)
         scaling : the logit scale
         prefill_attention : causal attention of a prefill row (default: torch SDPA)
 
         Returns
         -------
-        ``[T', H_q, D]`` in ``q``'s dtype (padding rows zero).
+        ``[T', H_q, D]`` in ``q``'s dtype (padding rows zero, or meaningless where the decode
+        batch covers them: a capturable step).
+
+        The decode rows' work is one fused write and :func:`foscar.decode_attention` over the
+        step :meth:`begin_step` planned: no host bookkeeping, nothing copied to the device, so a
+        capturable step's call can be captured in a CUDA graph.
         """
         step = self._step
         if step is None:
             raise RuntimeError("attend() before begin_step()")
-        if q.shape[0] < step.num_tokens or k.shape[0] < step.num_tokens:
+        need = step.packed_tokens if step.planned and step.planned.batch.padding_rows else (
+            step.num_tokens
+        )
+        if q.shape[0] < need or k.shape[0] < need or v.shape[0] < need:
             raise ValueError(
-                f"the step packs {step.num_tokens} tokens, q and k hold {q.shape[0]} and "
-                f"{k.shape[0]}"
+                f"the step packs {need} tokens, q, k and v hold {q.shape[0]}, {k.shape[0]} and "
+                f"{v.shape[0]}"
             )
         prefill_attention = prefill_attention or _prefill_sdpa
-        out = torch.zeros_like(q)
         rows = step.rows
 
         def tokens(i):
@@ -361,57 +474,65 @@ class PagedKV:
         for i in step.extend:
             t = tokens(i)
             extended[i] = self._attend_extend(layer, rows[i], q[t], k[t], v[t], scaling)
-        for name, group in (("written", step.prefill + step.extend), ("decode", step.decode)):
-            if not group:
-                continue
-            idx = self._token_index(step, name, group, k.device)
+        written = step.prefill + step.extend
+        if written:
+            idx = self._token_index(step, "written", written, k.device)
             self.cache.append(
-                [rows[i].request_id for i in group],
+                [rows[i].request_id for i in written],
                 _gather(k, idx),
                 _gather(v, idx),
-                [rows[i].query_length for i in group],
+                [rows[i].query_length for i in written],
                 layer=layer,
             )
-        for i, o in extended.items():
-            out[tokens(i)] = o
+        planned = step.planned
+        if planned is not None:
+            idx = self._token_index(step, "decode", step.decode, k.device)
+            self.cache.write_decode_step(layer, _gather(k, idx), _gather(v, idx), planned)
+            # the step's batch is every layer's (the lengths agree); it names the layer it reads
+            planned.batch.layer = layer
+            o = decode_attention(
+                _gather(q, idx).contiguous(),
+                self.cache,
+                planned.batch,
+                sm_scale=scaling,
+                backend=self.backend,
+            ).to(q.dtype)
+            if not extended and not step.prefill and isinstance(idx, slice) and (
+                idx.stop == q.shape[0]
+            ):
+                return o  # the decode batch is every packed token
+        out = torch.zeros_like(q)
+        for i, o_ext in extended.items():
+            out[tokens(i)] = o_ext
         for i in step.prefill:
             t = tokens(i)
-            o = prefill_attention(
+            o_pre = prefill_attention(
                 q[t].transpose(0, 1).unsqueeze(0),
                 k[t].transpose(0, 1).unsqueeze(0),
                 v[t].transpose(0, 1).unsqueeze(0),
                 scaling,
             )
-            out[t] = o[0].to(q.dtype)
-        if step.decode:
-            if step.plan is None:
-                step.plan = self.cache.plan([rows[i].request_id for i in step.decode], layer)
-            # one plan per step: the page tables and lengths are every layer's; it names a layer
-            step.plan.layer = layer
-            idx = self._token_index(step, "decode", step.decode, q.device)
-            o = decode_attention(
-                _gather(q, idx).contiguous(),
-                self.cache,
-                step.plan,
-                sm_scale=scaling,
-                backend=self.backend,
-            )
+            out[t] = o_pre[0].to(q.dtype)
+        if planned is not None:
             if isinstance(idx, slice):
-                out[idx] = o.to(q.dtype)
+                out[idx] = o
             else:
-                out.index_copy_(0, idx, o.to(q.dtype))
+                out.index_copy_(0, idx, o)
         return out
 
     @staticmethod
     def _token_index(step: _Step, name: str, group: tuple[int, ...], device):
-        """The packed tokens of the rows ``group``: a slice when they lead the batch in order,
-        else a device index, made once per step (a copy from pinned memory, no sync)."""
+        """The packed tokens of the rows ``group`` (for the decode rows, then the padding rows
+        of their step): a slice when they lead the batch in order, else a device index, made
+        once per step (a copy from pinned memory, no sync)."""
         if name not in step.indices:
             tokens = [
                 t
                 for i in group
                 for t in range(step.offsets[i], step.offsets[i] + step.rows[i].query_length)
             ]
+            if name == "decode":
+                tokens += range(step.num_tokens, step.num_tokens + step.planned.batch.padding_rows)
             if tokens == list(range(len(tokens))):
                 step.indices[name] = slice(0, len(tokens))
             else:
@@ -432,7 +553,8 @@ class PagedKV:
 
     # ------------------------------------------------------------------ accounting
     def stored_length(self, request_id: Hashable) -> int:
-        """Tokens a live request holds (after the last step's writes)."""
+        """Tokens a live request holds (its decode token of the begun step included: the step
+        counts it in every layer when it is planned)."""
         return self.cache.seq_len(request_id, self.cache.num_layers - 1)
 
     def pool_bytes(self) -> int:
