@@ -230,3 +230,24 @@ def test_bf16_operands_stay_at_bf16_level_with_zero_mean_values():
     )
     exact = torch.einsum("hqn,hnd->hqd", p, vd)
     assert rel(naive, exact) > 10 * err  # the data is sensitive to the choice of correction
+
+
+@pytest.mark.parametrize("score_bytes", [1, 5 * 4 * 4 * 300])
+def test_attend_chunk_in_query_blocks_equals_one_block(score_bytes, monkeypatch):
+    """A long chunk on a long history goes through in blocks of query rows (the scores of one
+    block under ``CHUNK_SCORE_BYTES``): all rows at once to fp32 rounding, padding included."""
+    from foscar import reference
+
+    fmt = KVFormat(QuantFormat(2, "token", 32), QuantFormat(4, "token", 32),
+                   sink_tokens=4, recent_tokens=16)
+    cache, batch = build(fmt, 32, 16, [263, 17])
+    g = torch.Generator().manual_seed(3)
+    t = 37
+    q = torch.randn(NUM_KV_HEADS * 2, t, 32, generator=g)
+    k_new, v_new = (torch.randn(NUM_KV_HEADS, t, 32, generator=g) for _ in range(2))
+    real = torch.arange(t) < 31  # the chunk's last tokens are padding
+    whole = reference.attend_chunk(cache, batch, 0, q, k_new, v_new, 0.2, real)
+    monkeypatch.setattr(reference, "CHUNK_SCORE_BYTES", score_bytes)  # 1 row, then 4 rows
+    blocks = reference.attend_chunk(cache, batch, 0, q, k_new, v_new, 0.2, real)
+    torch.testing.assert_close(blocks, whole, rtol=1e-5, atol=1e-5)  # fp32 products in other shapes
+    assert whole.shape == (NUM_KV_HEADS * 2, t, 32) and torch.isfinite(whole).all()
