@@ -154,7 +154,7 @@ EOF
       for f in test_triton_kernel test_gluon_kernel test_cache_write test_cache_decode \
         test_decode test_quantize test_layer_formats test_oscar_cache test_oscar_positions \
         test_oscar_calibrate test_oscar_cli test_transformers test_bench_e2e test_cache_decode_step \
-        test_serving_graphs; do
+        test_serving_graphs test_serving_sampling; do
         [ -f "tests/$f.py" ] && selection+=("tests/$f.py")
       done
     fi

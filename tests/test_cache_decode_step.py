@@ -48,6 +48,10 @@ def _snapshot(cache):
             for t in st.tensors().values()]
 
 
+def _unchanged(cache, before) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(_snapshot(cache), before, strict=True))
+
+
 def _prefilled(fmt, gen, decode_write="torch", **kw):
     """Two caches holding the same prompts (PROMPTS, one sequence each, ids 0..5)."""
     caches = [_cache(fmt), _cache(fmt, decode_write, **kw)]
@@ -248,13 +252,41 @@ def test_write_refuses_a_stale_step_or_wrong_tensors():
         cache.write_decode_step(0, x, x, first.batch)
     with pytest.raises(ValueError, match="latest planned step"):
         other.write_decode_step(0, x, x, first)
+    before = _snapshot(cache)
+    with pytest.raises(ValueError, match=r"unwritten in layers \[0, 1, 2\]"):
+        cache.plan_decode_step([a, b])
+    assert _unchanged(cache, before) and [cache.seq_len(s) for s in (a, b)] == [1, 1]
+    for layer in range(LAYERS):
+        cache.write_decode_step(layer, x, x, first)
     second = cache.plan_decode_step([a, b])
+    before = _snapshot(cache)
     with pytest.raises(ValueError, match="latest planned step"):
         cache.write_decode_step(0, x, x, first)
+    assert _unchanged(cache, before)
     cache.write_decode_step(0, x, x, second)
     cache.free(b)
     with pytest.raises(ValueError, match="latest planned step"):
         cache.write_decode_step(1, x, x, second)
+    cache.plan_decode_step([a])  # the half-written step's sequences are not all live: a new one
+
+
+def test_write_refuses_a_step_whose_sequence_was_appended_to():
+    """An append to a planned sequence in the layer being written makes the step stale there
+    (its positions would overwrite the appended token); other layers and other sequences'
+    appends leave it valid."""
+    fmt = FORMATS["int4-windows"]
+    cache = _cache(fmt)
+    a, b, c = (cache.add_sequence() for _ in range(3))
+    step = cache.plan_decode_step([a, b])
+    x = torch.randn(2, H, D).to(KERNEL_DEVICE)
+    one = torch.randn(1, H, D).to(KERNEL_DEVICE)
+    cache.append([c], one, one, [1], layer=0)  # another sequence: the step stays valid
+    cache.write_decode_step(0, x, x, step)
+    cache.append([a], one, one, [1], layer=1)
+    before = _snapshot(cache)
+    with pytest.raises(ValueError, match="stale plan"):
+        cache.write_decode_step(1, x, x, step)
+    assert _unchanged(cache, before)
 
 
 def test_reserved_rows_bound_a_step():

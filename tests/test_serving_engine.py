@@ -162,7 +162,7 @@ def test_core_rejected_step_changes_nothing():
 
 def test_core_plans_decode_rows_once_per_step():
     """begin_step plans the decode rows for every layer: their lengths count the new token in
-    every layer before any layer attends, and every layer reads the step's one DecodeBatch."""
+    every layer before any layer attends, in one planned step of the decode rows only."""
     kv = _paged()
     _run(kv, [[StepRow("a", 0, 30, (0, 1))]])
     kv.begin_step([StepRow("a", 30, 1, (0, 1)), StepRow("b", 0, 5, (2,))])

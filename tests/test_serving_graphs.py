@@ -148,10 +148,10 @@ NEW_TOKENS = 40
 ENGINE = dict(num_blocks=64, block_size=64, max_batch_tokens=512, max_requests=4)
 
 
-def _serve(manager, prompts):
+def _serve(manager, prompts, **fields):
     manager.start()
     try:
-        ids = [manager.add_request(p, max_new_tokens=NEW_TOKENS) for p in prompts]
+        ids = [manager.add_request(p, max_new_tokens=NEW_TOKENS, **fields) for p in prompts]
         done = {}
         deadline = time.monotonic() + 600
         while len(done) < len(ids) and time.monotonic() < deadline:
@@ -186,6 +186,26 @@ def test_engine_replays_what_the_same_eager_steps_compute(llama, kv, monkeypatch
     want = _serve(eager, prompts)
     assert eager.cache.graph_steps == 0
     assert got == want
+
+
+def test_engine_replays_sampled_steps(llama, monkeypatch):
+    """Per-request sampling (foscar.serving.sampling, as foscar serve runs it) inside captured
+    steps: seeded tokens equal the same padded steps run eagerly."""
+    from foscar.serving import PagedKV, build_manager
+    from foscar.serving.sampling import enable_sampling
+
+    prompts = _prompts()
+    fields = dict(temperature=0.8, top_p=0.9, top_k=50, seed=7)
+    graphed = build_manager(llama, "int2", cuda_graphs=True, **ENGINE)
+    enable_sampling(graphed)
+    got = _serve(graphed, prompts, **fields)
+    assert graphed.cache.graph_steps >= NEW_TOKENS // 2
+    monkeypatch.setattr(PagedKV, "step_capturable", property(lambda self: False))
+    eager = build_manager(llama, "int2", cuda_graphs=True, **ENGINE)
+    enable_sampling(eager)
+    assert _serve(eager, prompts, **fields) == got
+    greedy = build_manager(llama, "int2", cuda_graphs=True, **ENGINE)
+    assert _serve(greedy, prompts) != got  # the draws are not the argmax
 
 
 # int4 only: the graphed steps fix the decode kernels' split count, the eager ones choose it per

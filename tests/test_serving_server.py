@@ -70,6 +70,7 @@ STARTUP_S = 300  # loading SmolLM2 on a busy 2-core machine
         ({"messages": [{"role": "user", "content": "hi"}], "top_p": "all"}, "top_p", 400),
         ({"messages": [{"role": "user", "content": "hi"}], "top_k": -1}, "top_k", 400),
         ({"messages": [{"role": "user", "content": "hi"}], "top_k": 2.5}, "top_k", 400),
+        ({"messages": [{"role": "user", "content": "hi"}], "top_k": 2**31}, "top_k", 400),
         ({"messages": [{"role": "user", "content": "hi"}], "seed": "7"}, "seed", 400),
         ({"messages": [{"role": "user", "content": "hi"}], "seed": 7.5}, "seed", 400),
         ({"messages": [{"role": "user", "content": "hi"}], "seed": True}, "seed", 400),
@@ -392,6 +393,7 @@ def _stop_strings(server: _Server, direct: list[str]) -> None:
     """An answer ends before the first stop string, as JSON and as a stream; the engine frees
     the request at once."""
     expected = direct[0][: direct[0].index("Paris")]
+    stopped = server.stats()["server"]["stopped"]
     body = _chat(PROMPTS[0], max_tokens=MAX_TOKENS, stop=["Paris", "zebra"])
     status, answer = server.request("POST", "/v1/chat/completions", body)
     assert status == 200, answer
@@ -402,6 +404,7 @@ def _stop_strings(server: _Server, direct: list[str]) -> None:
     pieces = [e["choices"][0]["delta"].get("content", "") for e in events[:-1] if e["choices"]]
     assert "".join(pieces) == expected
     assert events[-2]["choices"][0]["finish_reason"] == "stop"
+    assert server.stats()["server"]["stopped"] == stopped + 2  # both cancelled in the engine
     _wait_for(lambda: server.stats()["engine_requests"] == 0, 60, "the stopped requests to end")
 
 

@@ -21,7 +21,7 @@ Presets:
   ``eval_smollm2`` on SmolLM2's 30 layers, INT2 elsewhere; per-KV-head rotations, fitted clips
   and GPTQ keys) from a calibration file of random orthogonal rotations and GPTQ factors of
   random metrics: its speed is a calibrated file's, its tokens mean nothing. A method the engine
-  refuses (e.g. a foscar cache with CUDA graphs) is recorded as ``refused: <reason>``. Writes
+  refuses (e.g. CUDA graphs with a channel-wise format) is recorded as ``refused: <reason>``. Writes
   ``serve_qwen3_8b.{json,md,png}``; ``--merge`` folds in the runs of earlier results files
   (e.g. the other context, measured in another call).
 

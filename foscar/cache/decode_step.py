@@ -50,7 +50,9 @@ class DecodeStep:
     the layer to read), its tensors views of the cache's step buffer; ``desc``: ``[rows, 6]``
     int32 descriptors of the fused write (None where the format demotes more than one token at
     a time: channel-wise groups, written by torch); ``rows``: sequences plus padding rows.
-    Valid until the cache plans its next step or frees one of the sequences.
+    Valid until the cache plans its next step, frees any sequence, or appends to one of the
+    step's sequences in the layer being written. ``written``: the layers stored so far; the
+    cache plans no further step while some layer of this one is unwritten and its sequences live.
     """
 
     seq_ids: tuple
@@ -61,6 +63,7 @@ class DecodeStep:
     seqs: tuple[SequenceState, ...] = field(repr=False)
     new_lengths: tuple[int, ...] = field(repr=False)
     _scatter: write.DecodeScatter | None = field(default=None, repr=False)
+    written: set[int] = field(default_factory=set, repr=False)
 
     def scatter(self, cache) -> write.DecodeScatter:
         """The torch path's index tensors, made once per step on first need."""

@@ -122,6 +122,7 @@ class QuantizedKVCache(PageTable):
         self._fused_failure: str | None = None  # why "auto" stopped taking the fused write
         self._fused_reasons: list = [None] * num_layers  # per layer: (reason or None,) once known
         self._step_buffer: decode_step.StepBuffer | None = None  # planned steps' device storage
+        self._latest_step: decode_step.DecodeStep | None = None
         self.layers = [write.allocate_layer(self, f) for f in formats]
         self.transforms = [LayerTransform() for _ in range(num_layers)]
         if decode_write == "fused":
@@ -397,8 +398,8 @@ class QuantizedKVCache(PageTable):
         go to the device in one copy, into tensors that every step of as many rows reuses.
         Then, per layer, :meth:`write_decode_step` stores the layer's new K/V and
         :func:`foscar.decode_attention` reads ``step.batch`` (set ``step.batch.layer``) after
-        that layer's write; each layer must be written once before the next step is planned
-        (the lengths already count its token).
+        that layer's write; every layer must be written before the next step is planned (the
+        lengths already count its token; checked while the step's sequences live).
 
         Parameters
         ----------
@@ -412,10 +413,11 @@ class QuantizedKVCache(PageTable):
 
         Returns
         -------
-        DecodeStep, valid until the next planned step or a :meth:`free`. Raises before any
+        DecodeStep, valid until the next planned step, a :meth:`free`, or an :meth:`append` to
+        one of its sequences in the layer being written. Raises before any
         change where :meth:`append` would (unknown or repeated ids, a full pool), where a
-        sequence's layers hold different counts, or where the rows exceed
-        :meth:`reserve_decode_rows`.
+        sequence's layers hold different counts, where the rows exceed
+        :meth:`reserve_decode_rows`, or where the latest step is unwritten in some layer.
 
         Example
         -------
@@ -428,6 +430,15 @@ class QuantizedKVCache(PageTable):
         seq_ids = tuple(seq_ids)
         if not seq_ids:
             raise ValueError("seq_ids must name at least one sequence")
+        last = self._latest_step
+        if last is not None and last.serial == self._step_serial:
+            missing = sorted(set(range(self.num_layers)) - last.written)
+            if missing:
+                raise ValueError(
+                    f"the latest planned step is unwritten in layers {missing} (its lengths "
+                    "already count the token): write_decode_step them, or free its sequences, "
+                    "before planning another step"
+                )
         seqs = [self._lookup(s, f"seq_ids[{i}]") for i, s in enumerate(seq_ids)]
         if len(set(map(id, seqs))) != len(seqs):
             raise ValueError(f"seq_ids must be distinct, got {list(seq_ids)}")
@@ -457,7 +468,10 @@ class QuantizedKVCache(PageTable):
             s.lengths[:] = [n] * layers
         self._touch(range(layers))
         self._step_serial += 1
-        return decode_step.plan(self, seq_ids, seqs, new_lengths, padding_rows, split_history)
+        self._latest_step = decode_step.plan(
+            self, seq_ids, seqs, new_lengths, padding_rows, split_history
+        )
+        return self._latest_step
 
     def write_decode_step(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, step: DecodeStep
@@ -485,6 +499,7 @@ class QuantizedKVCache(PageTable):
                 "step is not this cache's latest planned step (another step was planned, or a "
                 "sequence freed, since): plan_decode_step again"
             )
+        self._check_plan_at(step.batch, layer)  # an append to a planned sequence since
         self._check_kv(k, v, step.rows)
         if self.check_finite:
             n = len(step.seq_ids)
@@ -498,6 +513,7 @@ class QuantizedKVCache(PageTable):
         if tr.value_rotation is not None:
             v = tr.rotate(v, "value")
         write.write_planned_step(self, layer, k, v, step, fused)
+        step.written.add(layer)
 
     def _step_view(self, rows: int):
         """The DecodeBatch the step buffer holds for ``rows`` rows (None if none)."""

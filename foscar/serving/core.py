@@ -172,9 +172,10 @@ class PagedKV:
     window_dtype : torch.dtype
         Storage of the sink and tail windows (BF16).
     max_step_tokens : int, optional
-        Most packed tokens of a forward pass (the engine's batch budget): the storage of the
-        planned decode steps is reserved for as many rows, at a fixed address. Required with
-        ``cuda_graphs``; without it that storage grows as steps need.
+        Most packed tokens of a forward pass (the engine's batch budget). With ``cuda_graphs``
+        (where it is required) the storage of the planned decode steps is reserved for as many
+        rows, at a fixed address, and a larger step is refused; without, that storage grows as
+        steps need and a step of any size is taken.
     cuda_graphs : bool
         Make decode-only steps capturable in a CUDA graph (module docstring): their decode
         batch covers every packed token (padding rows included), the kernels plan their split
@@ -256,7 +257,7 @@ class PagedKV:
                     )
             # a captured step cannot fall back to the host-planned torch write
             self.cache.decode_write = "fused"
-        if max_step_tokens is not None:
+        if max_step_tokens is not None and cuda_graphs:
             self.cache.reserve_decode_rows(max_step_tokens)
         self.cuda_graphs = cuda_graphs
         self.max_step_tokens = max_step_tokens
@@ -326,6 +327,7 @@ class PagedKV:
         padding rows write nothing), and ``num_tokens`` may not exceed ``max_step_tokens``.
         """
         rows = tuple(rows)
+        self._step = None  # a rejected step leaves no earlier one for attend to replay
         if not rows:
             raise ValueError("rows must name at least one request")
         total = sum(r.query_length for r in rows)
@@ -334,7 +336,7 @@ class PagedKV:
             raise ValueError(
                 f"num_tokens must be an int >= the rows' {total} tokens, got {num_tokens!r}"
             )
-        if self.max_step_tokens is not None and packed > self.max_step_tokens:
+        if self.cuda_graphs and packed > self.max_step_tokens:
             raise ValueError(
                 f"the step packs {packed} tokens, more than max_step_tokens={self.max_step_tokens}"
             )

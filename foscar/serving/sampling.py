@@ -12,9 +12,11 @@ logits processor draws the token itself, by the Gumbel-max trick:
 where the kept set is the top-k, then top-p (nucleus) tokens of ``logits / T`` (transformers'
 order), and ``u`` is a counter-based hash of ``key = hash(seed, position)`` (position: the
 request's tokens so far) and the token id ``v``. So a token depends only on the request's logits,
-seed and position: the same seed gives the same answer whatever else runs beside it, a preempted
-request draws the same tokens again, and under tensor parallelism every process (same logits,
-same request arguments, broadcast by the engine) picks the same token without sharing an RNG.
+seed and position: the same seed gives the same answer wherever the logits are the same (they
+can move in the last bits with the batch a request shares, or after a preemption re-prefills it,
+which flips near-tied tokens), a preempted request draws from the same noise again, and under
+tensor parallelism every process (same logits, same request arguments, broadcast by the engine)
+picks the same token without sharing an RNG.
 The processor returns a one-hot row (0 at the token, -inf elsewhere), which the engine's
 ``argmax`` picks. It holds no host state between calls and never syncs while a CUDA graph is
 being captured, so it can sit inside a captured step.
@@ -103,8 +105,11 @@ class _ArgumentLine(ContinuousBatchingLogitsProcessor):
         int32_tensor.copy_(self._int32([self.default] * int32_tensor.numel()).view_as(int32_tensor))
 
     def prepare_tensor_args(self, requests_with_new_token) -> torch.Tensor:
-        return self._int32([r.state.logit_processor_kwargs.get(self.name, self.default)
-                            for r in requests_with_new_token])
+        values = [r.state.logit_processor_kwargs.get(self.name, self.default)
+                  for r in requests_with_new_token]
+        if self.dtype is torch.int32:  # (top_k: beyond int32 keeps every token anyway)
+            values = [min(max(int(x), 0), 2**31 - 1) for x in values]
+        return self._int32(values)
 
     def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
         self.sampler.lines[self.name] = tensor_arg
@@ -181,6 +186,8 @@ def enable_sampling(manager) -> None:
 
     The manager's generation config must decode greedily (``do_sample=False``, as
     :func:`foscar.serving.build_manager` sets): the engine's ``argmax`` picks the drawn token.
+    The engine's logprobs (``return_logprobs``) then read the one-hot rows: 0 for a sampled
+    token, meaningless (the server refuses ``logprobs``).
     Raises ``ValueError`` for a running manager or one without the engine's logits processors.
     """
     processors = getattr(manager, "logit_processor", None)

@@ -18,7 +18,9 @@ request its pool can never hold, which the server answers with HTTP 400.
 Sampling: ``temperature`` (0 to 2; 0 is greedy), ``top_p`` (0 to 1], ``top_k`` (0: all) and
 ``seed`` apply per request; a request that sets no ``temperature`` gets the server's (greedy by
 default, where OpenAI's API samples at 1: a server answer is then reproducible without a
-seed). The same seed gives the same answer, whatever else the engine runs beside it.
+seed). A token depends only on the request's logits, seed and position: the same seed gives the
+same answer wherever the logits are the same (they can move in the last bits with the batch a
+request shares and after a preemption, which flips near-tied tokens).
 
 Threads: the standard library's ``ThreadingHTTPServer`` runs each connection in a thread of its
 own; one router thread reads the manager's outputs and puts each in its request's queue (the
@@ -134,6 +136,7 @@ class RequestRouter:
         self.peak_in_flight = 0
         self.finished = 0
         self.cancelled = 0
+        self.stopped = 0  # finished ones the server ended at a stop string
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -223,6 +226,7 @@ class RequestRouter:
                 self.manager.cancel_request(request_id)
             with self._lock:
                 self.finished += 1
+                self.stopped += early
 
     def in_flight(self) -> int:
         with self._lock:
@@ -257,7 +261,8 @@ class RequestRouter:
     def stats(self) -> dict:
         """``kv``: the pool's sizes (kv_stats, when the manager has it), ``kv_free_share``: share
         of its blocks free now; ``engine_requests``: requests holding blocks in the engine;
-        ``server``: requests in flight here, their peak, finished and cancelled ones."""
+        ``server``: requests in flight here, their peak, finished ones (``stopped``: of them, those
+        ended at a stop string, the engine told to cancel) and cancelled ones."""
         manager = self.manager
         kv_stats = getattr(manager, "kv_stats", None)
         cache = _engine_cache(manager)
@@ -267,6 +272,7 @@ class RequestRouter:
                 "in_flight": len(self._queues),
                 "peak_in_flight": self.peak_in_flight,
                 "finished": self.finished,
+                "stopped": self.stopped,
                 "cancelled": self.cancelled,
             }
         return {
@@ -315,12 +321,14 @@ def _message_text(content, index: int) -> str:
     )
 
 
-def _int_field(body: dict, name: str, *, low: int) -> int | None:
+def _int_field(body: dict, name: str, *, low: int, high: int | None = None) -> int | None:
     value = body.get(name)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise RequestError(f"{name} must be an integer >= {low}, got {value!r}", param=name)
+    if high is not None and value > high:
+        raise RequestError(f"{name} must be an integer <= {high}, got {value!r}", param=name)
     return value
 
 
@@ -395,7 +403,8 @@ class ChatRequest:
         if top_p is not None and not 0 < top_p <= 1:
             raise RequestError(f"top_p must be in (0, 1], got {top_p!r}", param="top_p")
         self.top_p = top_p
-        self.top_k = _int_field(body, "top_k", low=0)
+        # the engine carries it as an int32 per row
+        self.top_k = _int_field(body, "top_k", low=0, high=2**31 - 1)
         seed = body.get("seed")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise RequestError(f"seed must be an integer, got {seed!r}", param="seed")
@@ -768,8 +777,10 @@ class _Answer:
             if output.is_finished():
                 break
             if self.stop.stops:
-                text = self.server.tokenizer.decode(output.generated_tokens,
-                                                    skip_special_tokens=True)
+                # the answer's last tokens only (each holds at least a byte of a stop string that
+                # ends in them): the whole answer is decoded once, below
+                tail = output.generated_tokens[-self.stop.tail_tokens:]
+                text = self.server.tokenizer.decode(tail, skip_special_tokens=True)
                 self.stopped = self.stop.end(text) is not None
                 if self.stopped:
                     break
@@ -869,6 +880,9 @@ class _StopText:
 
     def __init__(self, stops: list[str]) -> None:
         self.stops = stops
+        #: answer tokens that hold any stop string ending in the last one (a token carries at
+        #: least one byte of text; a character at most 4)
+        self.tail_tokens = 4 * max((len(s) for s in stops), default=0) + 1
 
     def end(self, text: str) -> int | None:
         """Index of the first stop string in ``text``, None without one."""
