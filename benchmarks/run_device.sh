@@ -222,10 +222,11 @@ EOF
     status=$?
     ;;
   serve-qwen3)
-    # 5 runs per context (4 methods with CUDA graphs off, BF16 with them on; foscar with them on
-    # is refused at once), each capped at 75 s (8K) or 85 s (32K), plus the model build and the
-    # kernels' first compiles: up to about 8 minutes per context on an H100, so a call of at most
-    # 10 minutes takes one context (--contexts 8192; then --contexts 32768 --merge FIRST.json)
+    # 8 runs per context (4 methods, CUDA graphs off and on), each capped at 75 s (8K) or 120 s
+    # (32K), plus the model build (12 s on an H100) and the kernels' first compiles: a call of at
+    # most 10 minutes takes one context and two methods, e.g. --contexts 32768 --methods bf16
+    # int2, then --contexts 32768 --methods int4 oscar --merge FIRST.json (a run keeps the
+    # methods the later call does not measure)
     logged serve_qwen3_8b.log python3 benchmarks/tools/serve_random_model.py --preset qwen3-8b \
       --out "$OUT" "$@"
     status=$?

@@ -214,7 +214,8 @@ def test_qwen3_preset_arguments_are_checked():
         tool.parse_args(["--out", "x", "--preset", "qwen3-8b", "--contexts", "8192", "32768",
                          "--requests", "1", "2", "3"])
     a = tool.parse_args(["--out", "x", "--preset", "qwen3-8b"])
-    assert a.contexts == [8192, 32768] and a.requests == [32, 8] and a.bf16_requests == [4, 2]
+    assert a.contexts == [8192, 32768] and a.requests == [32, 6] and a.bf16_requests == [4, 2]
+    assert a.max_seconds == [75.0, 120.0]
     assert a.cuda_graphs == ["off", "on"] and a.methods[-1] == "oscar"
     assert a.shape["layers"] == 36 and a.shape["vocab"] == 151936
 
@@ -234,3 +235,28 @@ def test_random_oscar_file_has_the_recipe_layout(tmp_path):
     assert r.shape == (36, 8, 128, 128) and kv.rotations.key_gptq.shape == (36, 8, 128, 128)
     eye = torch.eye(128, dtype=torch.float64)
     assert torch.allclose(r[5, 3].T @ r[5, 3], eye, atol=1e-10)
+
+
+def test_merge_folds_methods_of_the_same_trace_and_replaces_another():
+    """serve_random_model --merge: a later call's run of a context and graphs setting keeps the
+    earlier call's methods it did not measure (same trace and memory), replaces a method it
+    measured again, and replaces the whole run when the trace differs."""
+    tool = _serve_random_model()
+
+    def run(context, graphs, kvs, requests=6, tag=""):
+        return {"context": context, "cuda_graphs": graphs, "trace": {"num_requests": requests},
+                "memory_bytes": 1, "max_seconds": 120.0,
+                "methods": [{"kv": kv, "tag": tag} for kv in kvs]}
+
+    runs = tool.fold_earlier([], run(32768, True, ["bf16", "int2"], tag="first"))
+    runs = tool.fold_earlier(runs, run(8192, True, ["bf16"]))
+    runs = tool.fold_earlier(runs, run(32768, True, ["int2", "oscar"], tag="second"))
+    assert [(r["context"], [(m["kv"], m["tag"]) for m in r["methods"]]) for r in runs] == [
+        (8192, [("bf16", "")]),
+        (32768, [("bf16", "first"), ("int2", "second"), ("oscar", "second")]),
+    ]
+    runs = tool.fold_earlier(runs, run(32768, True, ["int4"], requests=8))
+    assert [m["kv"] for m in runs[1]["methods"]] == ["int4"] and len(runs) == 2
+    runs = tool.fold_earlier(runs, run(32768, False, ["bf16"]))
+    assert [(r["context"], r["cuda_graphs"]) for r in runs] == [
+        (8192, True), (32768, False), (32768, True)]

@@ -221,6 +221,24 @@ def set_plot(results: dict, path: Path) -> bool:
     return True
 
 
+def fold_earlier(runs: list[dict], run: dict) -> list[dict]:
+    """``runs`` with ``run`` in: an earlier run of the same context and CUDA-graphs setting
+    gives up its place, and its methods that ``run`` did not measure join ``run`` where both
+    replayed the same trace in the same memory (so one call can measure some methods and a
+    later one, with ``--merge``, the others); under another trace ``run`` replaces it."""
+    key = (run["context"], run["cuda_graphs"])
+    same = ("trace", "memory_bytes", "max_seconds")
+    kept = []
+    for old in runs:
+        if (old["context"], old["cuda_graphs"]) != key:
+            kept.append(old)
+        elif all(old.get(k) == run.get(k) for k in same):
+            measured = {m["kv"] for m in run["methods"]}
+            run["methods"] = [m for m in old["methods"] if m["kv"] not in measured] + run[
+                "methods"]
+    return sorted([*kept, run], key=lambda r: (r["context"], str(r["cuda_graphs"])))
+
+
 def write_set(results: dict, out: Path, name: str) -> None:
     (out / f"{name}.json").write_text(json.dumps(results, indent=1))
     (out / f"{name}.md").write_text(set_markdown(results))
@@ -243,7 +261,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="qwen3-8b: one trace per context (8192 32768); none: only --merge")
     p.add_argument("--requests", type=int, nargs="+", default=None,
                    help="requests per trace, one value or one per context (llama-d128: 24; "
-                   "qwen3-8b: 32 at 8K, 8 at 32K)")
+                   "qwen3-8b: 32 at 8K, 6 at 32K)")
     p.add_argument("--bf16-requests", type=int, nargs="+", default=None,
                    help="qwen3-8b: KV memory in requests of the context the engine's BF16 cache "
                    "holds, one value or one per context (4 at 8K, 2 at 32K)")
@@ -257,12 +275,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "auto; qwen3-8b: off on)")
     p.add_argument("--max-seconds", type=float, nargs="+", default=None,
                    help="per method and setting, one value or one per context (llama-d128: 60; "
-                   "qwen3-8b: 75 at 8K, 85 at 32K)")
+                   "qwen3-8b: 75 at 8K, 120 at 32K)")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     p.add_argument("--block-size", type=int, default=None, help="tokens per block (64)")
     p.add_argument("--merge", nargs="+", default=[], metavar="JSON",
-                   help="qwen3-8b: results files of earlier calls; their runs of contexts this "
-                   "call does not measure join the set")
+                   help="qwen3-8b: results files of earlier calls: their runs join the set, "
+                   "and a run of a context and graphs setting this call measures again keeps the "
+                   "methods this call does not measure (same trace and memory)")
     p.add_argument("--name", default=None,
                    help="result file stem (serve_bench; qwen3-8b: serve_qwen3_8b)")
     a = p.parse_args(argv)
@@ -290,12 +309,13 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name} takes one value or one per context ({n}), got {values}")
         return values * n if len(values) == 1 else values
 
+    # 32K: the engine's BF16 cache takes about 25 s per pair of requests on an H100
     a.requests = per_context("requests", a.requests,
-                             lambda c: 24 if c is None else (32 if c <= 8192 else 8))
+                             lambda c: 24 if c is None else (32 if c <= 8192 else 6))
     a.bf16_requests = per_context("bf16-requests", a.bf16_requests,
                                   lambda c: 4 if c is None or c <= 8192 else 2)
     a.max_seconds = per_context("max-seconds", a.max_seconds,
-                                lambda c: 60.0 if c is None else (75.0 if c <= 8192 else 85.0))
+                                lambda c: 60.0 if c is None else (75.0 if c <= 8192 else 120.0))
     for name in ("requests", "bf16_requests"):
         if any(v < 1 for v in getattr(a, name)):
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
@@ -314,13 +334,13 @@ def main(argv=None) -> None:
     log = lambda s: print(s, flush=True)  # noqa: E731
     merged = []
     for path in a.merge:
-        earlier = json.loads(Path(path).read_text())
-        merged += [r for r in earlier.get("runs", []) if r["context"] not in (a.contexts or [])]
+        for run in json.loads(Path(path).read_text()).get("runs", []):
+            merged = fold_earlier(merged, run)
     if a.preset == "qwen3-8b" and not a.contexts:
         if not merged:
             sys.exit("serve_random_model.py: no --contexts and nothing to --merge")
         earlier = json.loads(Path(a.merge[0]).read_text())
-        results = {**earlier, "runs": sorted(merged, key=lambda r: r["context"])}
+        results = {**earlier, "runs": merged}
         write_set(results, out, a.name)
         log(f"wrote {out / a.name}.json, .md, .png ({len(merged)} runs merged)")
         return
@@ -381,8 +401,7 @@ def main(argv=None) -> None:
             run.update(context=context, bf16_requests=a.bf16_requests[i],
                        max_seconds=a.max_seconds[i])
             del run["env"]
-            results["runs"].append(run)
-            results["runs"].sort(key=lambda r: r["context"])
+            results["runs"] = fold_earlier(results["runs"], run)
             write_set(results, out, a.name)
     log(f"wrote {out / a.name}.json, .md, .png in {time.perf_counter() - start:.0f} s")
 
