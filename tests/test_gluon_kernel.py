@@ -321,10 +321,25 @@ def test_reconstruct_ablation_never_takes_packed_heads():
     """backend "gluon-reconstruct" at a launch where the folds pack heads (8K INT2 tiles)
     keeps one page per tile (the ablation reconstructs every value; packed heads fold)."""
     cache = QuantizedKVCache(FMT, num_kv_heads=8, head_dim=128, num_pages=1, max_seqs=1)
-    batch = types.SimpleNamespace(num_quantized_host=[8192] * 8, layer=0)
+    batch = types.SimpleNamespace(num_quantized_host=[8192] * 8, layer=0, fixed_split_history=None)
     assert gluon_backend.default_config(cache, batch, "bf16", 4).flags & GluonFlag.PACKED_HEADS
     cfg = gluon_backend.default_config(cache, batch, "bf16", 4, reconstruct=True)
     assert cfg == gluon_backend.gluon_decode_config("token")
+
+
+def test_a_fixed_split_history_fixes_the_config():
+    """A plan for a CUDA graph (fixed_split_history) gets the config of the history its splits
+    are planned for, whatever its sequences hold now: a launch captured at a short step is the
+    launch of a long one."""
+    cache = QuantizedKVCache(FMT, num_kv_heads=8, head_dim=128, num_pages=1, max_seqs=1)
+
+    def config(lengths, fixed):
+        batch = types.SimpleNamespace(num_quantized_host=lengths, layer=0, batch_size=8,
+                                      fixed_split_history=fixed)
+        return gluon_backend.default_config(cache, batch, "bf16", 4)
+
+    assert config([8192] * 8, None) != config([64] * 8, None)  # by the tiles of the launch
+    assert config([64] * 8, 8192) == config([8192] * 8, 8192) == config([8192] * 8, None)
 
 
 @pytest.mark.parametrize("in_consumers", [True, False])

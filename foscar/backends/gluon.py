@@ -169,7 +169,16 @@ def default_config(
     the query heads per KV head (configs.gluon_e4m3_config for E4M3 operands,
     configs.bf16_packs_heads for bf16 ones: packed heads for large launches, else by the key
     axis; the reconstruct ablation never packs: packed heads fold)."""
-    tiles = cache.num_kv_heads * sum(math.ceil(n / PAGE_SIZE) for n in batch.num_quantized_host)
+    if batch.fixed_split_history is not None:
+        # a captured launch serves later steps of other lengths: the config of the history its
+        # splits are planned for, whatever the capturing step held
+        tiles = cache.num_kv_heads * batch.batch_size * math.ceil(
+            batch.fixed_split_history / PAGE_SIZE
+        )
+    else:
+        tiles = cache.num_kv_heads * sum(
+            math.ceil(n / PAGE_SIZE) for n in batch.num_quantized_host
+        )
     fmt = cache.layer_format(batch.layer)
     k, v = fmt.key, fmt.value
     if operands == "e4m3":
