@@ -286,7 +286,6 @@ class QuantizedKVCache(PageTable):
         seqs = [self._lookup(s, f"seq_ids[{i}]") for i, s in enumerate(seq_ids)]
         if len(set(map(id, seqs))) != len(seqs):
             raise ValueError(f"seq_ids must be distinct, got {seq_ids}")
-        h, d = self.num_kv_heads, self.head_dim
         for name, t in (("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -310,20 +309,7 @@ class QuantizedKVCache(PageTable):
         for i, n in enumerate(num_new_tokens):
             check_int(n, f"num_new_tokens[{i}]", low=1)
         total = sum(num_new_tokens)
-        for name, t in (("k", k), ("v", v)):
-            if t.dtype not in _ALLOWED_INPUT_DTYPES:
-                raise TypeError(
-                    f"{name} must be bfloat16, float16, float32 or float64, got {t.dtype}"
-                )
-            if t.device != self.device:
-                raise ValueError(
-                    f"{name} is on {t.device}, expected the cache's device {self.device}"
-                )
-            if tuple(t.shape) != (total, h, d):
-                raise ValueError(
-                    f"{name} must have shape [num_tokens={total}, num_kv_heads={h}, "
-                    f"head_dim={d}], got {list(t.shape)}"
-                )
+        self._check_kv(k, v, total, axis="num_tokens")
         if self.check_finite:
             for name, t in (("k", k), ("v", v)):
                 if not bool(torch.isfinite(t).all()):
@@ -347,9 +333,9 @@ class QuantizedKVCache(PageTable):
         for s, n in zip(seqs, new_lengths):
             s.lengths[layer] = n
 
-    def _check_kv(self, k, v, rows: int) -> None:
+    def _check_kv(self, k, v, rows: int, axis: str = "rows") -> None:
         """Raise unless ``k, v`` are floating ``[rows, num_kv_heads, head_dim]`` tensors on the
-        cache's device."""
+        cache's device (the first axis named ``axis`` in the error)."""
         shape = (rows, self.num_kv_heads, self.head_dim)
         for name, t in (("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor):
@@ -364,7 +350,7 @@ class QuantizedKVCache(PageTable):
                 )
             if t.shape != shape:
                 raise ValueError(
-                    f"{name} must have shape [rows={rows}, num_kv_heads={shape[1]}, "
+                    f"{name} must have shape [{axis}={rows}, num_kv_heads={shape[1]}, "
                     f"head_dim={shape[2]}], got {list(t.shape)}"
                 )
 
