@@ -566,7 +566,9 @@ def test_e4m3_launch_config_follows_the_measurements(k_bits, v_bits, lengths, he
     path packs INT2 from 8K tiles and keeps its config otherwise."""
     fmt = KVFormat(QuantFormat(k_bits, "token", 128), QuantFormat(v_bits, "token", 128))
     cache = QuantizedKVCache(fmt, num_kv_heads=8, head_dim=128, num_pages=1, max_seqs=1)
-    batch = types.SimpleNamespace(num_quantized_host=list(lengths), layer=0)
+    batch = types.SimpleNamespace(
+        num_quantized_host=list(lengths), layer=0, fixed_split_history=None
+    )
     cfg = gluon_backend.default_config(cache, batch, "e4m3", heads)
     got = (
         "packed"
@@ -610,7 +612,9 @@ def test_bf16_launch_config_follows_the_measurements(
     g = 64 if head_dim == 64 else 128
     fmt = KVFormat(QuantFormat(bits, k_axis, g), QuantFormat(bits, v_axis, g))
     cache = QuantizedKVCache(fmt, num_kv_heads=8, head_dim=head_dim, num_pages=1, max_seqs=1)
-    batch = types.SimpleNamespace(num_quantized_host=list(lengths), layer=0)
+    batch = types.SimpleNamespace(
+        num_quantized_host=list(lengths), layer=0, fixed_split_history=None
+    )
     cfg = gluon_backend.default_config(cache, batch, "bf16", heads)
     if packed:
         assert cfg == configs.gluon_packed_config(bits, bits)
