@@ -310,10 +310,7 @@ class QuantizedKVCache(PageTable):
             check_int(n, f"num_new_tokens[{i}]", low=1)
         total = sum(num_new_tokens)
         self._check_kv(k, v, total, axis="num_tokens")
-        if self.check_finite:
-            for name, t in (("k", k), ("v", v)):
-                if not bool(torch.isfinite(t).all()):
-                    raise ValueError(f"{name} contains NaN or Inf (the cache stores finite values)")
+        self._check_finite(k, v)
         new_lengths = [s.lengths[layer] + n for s, n in zip(seqs, num_new_tokens)]
         need = self._pages_needed(seqs, new_lengths)  # raises before anything is written
         decode_step = all(n == 1 for n in num_new_tokens)
@@ -353,6 +350,13 @@ class QuantizedKVCache(PageTable):
                     f"{name} must have shape [{axis}={rows}, num_kv_heads={shape[1]}, "
                     f"head_dim={shape[2]}], got {list(t.shape)}"
                 )
+
+    def _check_finite(self, k, v) -> None:
+        """With ``check_finite``, raise if ``k`` or ``v`` holds NaN or Inf (a device sync)."""
+        if self.check_finite:
+            for name, t in (("k", k), ("v", v)):
+                if not bool(torch.isfinite(t).all()):
+                    raise ValueError(f"{name} contains NaN or Inf (the cache stores finite values)")
 
     # ------------------------------------------------------------------ planned decode steps
     def reserve_decode_rows(self, rows: int) -> None:
@@ -487,11 +491,8 @@ class QuantizedKVCache(PageTable):
             )
         self._check_plan_at(step.batch, layer)  # an append to a planned sequence since
         self._check_kv(k, v, step.rows)
-        if self.check_finite:
-            n = len(step.seq_ids)
-            for name, t in (("k", k[:n]), ("v", v[:n])):
-                if not bool(torch.isfinite(t).all()):
-                    raise ValueError(f"{name} contains NaN or Inf (the cache stores finite values)")
+        n = len(step.seq_ids)  # (padding rows are stored nowhere)
+        self._check_finite(k[:n], v[:n])
         fused = step.desc is not None and self._fused_write(layer)  # may raise: before any write
         tr = self.transforms[layer]
         if tr.key_rotation is not None:

@@ -361,10 +361,9 @@ def run_serve(args) -> int:
             config = AutoConfig.from_pretrained(args.model).get_text_config()
         except (OSError, ValueError) as e:
             return fail(f"--model: {e}")
-        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        if kv_heads % processes:
-            return fail(f"the model's {kv_heads} KV heads do not split over {processes} "
-                        "processes; run a number of processes that divides them")
+        _, error = _kv_heads_split(config, processes)
+        if error is not None:
+            return fail(error)
     split = f", split over {processes} processes" if processes > 1 else ""
     say("loading %s on %s (%s)%s", what, device, str(dtype).removeprefix("torch."), split)
     start = time.perf_counter()
@@ -373,12 +372,11 @@ def run_serve(args) -> int:
     except ValueError as e:
         return fail(f"--model: {e}")
     config = model.config.get_text_config()
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    kv_heads, error = _kv_heads_split(config, processes)
     say("model loaded in %.1f s: %s, %d layers, %d KV heads", time.perf_counter() - start,
         config.model_type, config.num_hidden_layers, kv_heads)
-    if kv_heads % processes:
-        return fail(f"the model's {kv_heads} KV heads do not split over {processes} processes; "
-                    "run a number of processes that divides them")
+    if error is not None:
+        return fail(error)
     kv = args.oscar or args.kv or "int4"
     try:
         manager = build_manager(
@@ -425,6 +423,16 @@ def run_serve(args) -> int:
     if rank == 0:
         return _serve(server, manager, processes, log)
     return _follow(manager, rank, processes, kv_heads, log)
+
+
+def _kv_heads_split(config, processes: int) -> tuple[int, str | None]:
+    """The model's KV heads (``config``: its text config), and why they do not split over
+    ``processes`` (None where they do)."""
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    if kv_heads % processes:
+        return kv_heads, (f"the model's {kv_heads} KV heads do not split over {processes} "
+                          "processes; run a number of processes that divides them")
+    return kv_heads, None
 
 
 def _from_rank_0(value):

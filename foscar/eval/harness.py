@@ -47,7 +47,7 @@ from ..formats import KVFormat
 from . import texts
 from .clips import CANDIDATES, calibrate_clips
 from .formats import eval_formats
-from .report import Progress, is_model_row, markdown_table
+from .report import Progress, is_model_row, markdown_table, row_label
 
 __all__ = [
     "EvalConfig",
@@ -287,7 +287,7 @@ def backend_runs(
             num_layers=layers,
         )  # fmt: skip
         for b in backend_names:
-            label = f"{name} [{b}]"
+            label = row_label({"format": name, "backend": b})
             reason = None if b == "auto" else backends.get(b).supports(probe, heads)
             if reason is None:
                 runs.append((label, name, b))
@@ -295,7 +295,7 @@ def backend_runs(
                 not_covered[label] = reason
     for b in backend_names:
         if names and not any(r[2] == b for r in runs):
-            reasons = {not_covered[f"{n} [{b}]"] for n in names}
+            reasons = {not_covered[row_label({"format": n, "backend": b})] for n in names}
             raise ValueError(
                 f"--backends {b} covers none of the selected formats on this model: "
                 + "; ".join(sorted(reasons))

@@ -37,18 +37,19 @@ turns such a step into foscar operations, whatever the engine:
     appended.
 
 Host and device: every host decision about the decode rows is taken once per step, in
-:meth:`PagedKV.begin_step`, before the forward: their lengths advance in every layer, and the
-fused write's descriptors and the decode page tables go to the device in one copy (pinned
-memory, non-blocking), into a buffer reserved for ``max_step_tokens`` rows whose views every step
-of as many rows reuses. Inside the forward a decode row costs, per layer, the write's launches
-and the decode kernels' over those buffers; nothing is planned, copied or synced (the finiteness
-check is off). A decode-only step of a :class:`PagedKV` built with ``cuda_graphs=True`` is thus
-capturable (:attr:`PagedKV.step_capturable`): its decode batch covers every packed token (the
-rows past the requests' are padding that writes nothing and reads one stored token), and the
-kernels' split count is planned for the longest history the pool holds, so a graph captured at
-one step replays every later step of as many packed tokens after ``begin_step``. Steps with
-prefill or chunk rows do per-row host work and stay eager; channel-wise history formats (written
-by torch operations) cannot be captured and are refused.
+:meth:`PagedKV.begin_step`, before the forward: their lengths advance in every layer, and the fused
+write's descriptors and the decode page tables go to the device in one copy (pinned memory,
+non-blocking), into a buffer whose views every step of as many rows reuses (reserved for
+``max_step_tokens`` rows with ``cuda_graphs``, grown as steps need without). Inside the forward a
+decode row costs, per layer, the write's launches and the decode kernels' over those buffers;
+nothing is planned, copied or synced (the finiteness check is off). A decode-only step of a
+:class:`PagedKV` built with ``cuda_graphs=True`` is thus capturable
+(:attr:`PagedKV.step_capturable`): its decode batch covers every packed token (the rows past the
+requests' are padding that writes nothing and reads one stored token), and the kernels' split count
+is planned for the longest history the pool holds, so a graph captured at one step replays every
+later step of as many packed tokens after ``begin_step``. Steps with prefill or chunk rows do
+per-row host work and stay eager; channel-wise history formats (written by torch operations) cannot
+be captured and are refused.
 
 Prefix sharing (one block in two requests) has no meaning here: a block holds quantized history
 of one request only, and history starts after that request's own sink. Engines must not share
