@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.nn.attention.bias import causal_lower_right
 
 from .cache import DecodeBatch, QuantizedKVCache, rotate_rows
 from .formats import GroupAxis, QuantFormat, operand_values, unpack_codes
@@ -139,25 +140,38 @@ def attend_chunk(
     sm_scale: float,
     new_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of a chunk of new tokens over sequence ``i``'s stored tokens (dequantized in
-    fp32) and the chunk itself, causal over the chunk: how several new tokens on a non-empty
-    sequence attend before they are appended (a chunked prefill's later chunks).
+    """Attention of a chunk of new tokens over sequence ``i``'s stored tokens (dequantized) and
+    the chunk itself, causal over the chunk: how several new tokens on a non-empty sequence
+    attend before they are appended (a chunked prefill's later chunks).
 
     ``q: [H_q, t, D]``, ``k_new, v_new: [H_kv, t, D]``; ``new_mask: bool [t]`` marks the chunk's
     real tokens (``None``: all of them). Returns ``[H_q, t, D]`` float32.
+
+    A query in bf16 or fp16 with every token real attends in its own dtype through one fused
+    SDPA call (bottom-right causal: a chunk's token sees the whole history and the chunk
+    up to itself), as the model's own prefill does; otherwise in fp32, in blocks of query rows
+    whose scores stay under :data:`CHUNK_SCORE_BYTES`.
     """
+    fused = new_mask is None and q.dtype in (torch.bfloat16, torch.float16)
+    dtype = q.dtype if fused else torch.float32
     k_past, v_past = dequantize_sequence(cache, batch, i, dtype=torch.float32)
     num_q_heads, t, _ = q.shape
     group = num_q_heads // k_new.shape[0]
-    keys = torch.cat([k_past, k_new.float()], dim=1).repeat_interleave(group, dim=0)
-    vals = torch.cat([v_past, v_new.float()], dim=1).repeat_interleave(group, dim=0)
+    keys = torch.cat([k_past.to(dtype), k_new.to(dtype)], dim=1).repeat_interleave(group, dim=0)
+    vals = torch.cat([v_past.to(dtype), v_new.to(dtype)], dim=1).repeat_interleave(group, dim=0)
+    q = q.to(dtype)
+    if fused:
+        bias = causal_lower_right(t, keys.shape[1])
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.unsqueeze(0), keys.unsqueeze(0), vals.unsqueeze(0), attn_mask=bias, scale=sm_scale
+        )
+        return o[0].float()
     causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
     if new_mask is not None:
         causal = causal & new_mask.unsqueeze(0)
     mask = torch.cat(
         [torch.ones(t, k_past.shape[1], dtype=torch.bool, device=q.device), causal], dim=1
     )
-    q = q.float()
     rows = max(1, CHUNK_SCORE_BYTES // (num_q_heads * keys.shape[1] * 4))
     if rows >= t:
         return torch.nn.functional.scaled_dot_product_attention(

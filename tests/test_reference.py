@@ -251,3 +251,26 @@ def test_attend_chunk_in_query_blocks_equals_one_block(score_bytes, monkeypatch)
     blocks = reference.attend_chunk(cache, batch, 0, q, k_new, v_new, 0.2, real)
     torch.testing.assert_close(blocks, whole, rtol=1e-5, atol=1e-5)  # fp32 products in other shapes
     assert whole.shape == (NUM_KV_HEADS * 2, t, 32) and torch.isfinite(whole).all()
+
+
+@pytest.mark.parametrize("t", [1, 37])
+def test_attend_chunk_bf16_fused_equals_fp32_blocks(t):
+    """A bf16 chunk with every token real goes through one fused SDPA call (bottom-right causal
+    over history + chunk): the fp32 row blocks' values to bf16 rounding, a chunk of one token
+    (all history visible) and a prime one on a history that is not a multiple of the group."""
+    from foscar import reference
+
+    fmt = KVFormat(QuantFormat(2, "token", 32), QuantFormat(4, "token", 32),
+                   sink_tokens=4, recent_tokens=16)
+    cache, batch = build(fmt, 32, 16, [263, 17])
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(NUM_KV_HEADS * 2, t, 32, generator=g)
+    k_new, v_new = (torch.randn(NUM_KV_HEADS, t, 32, generator=g) for _ in range(2))
+    q, k_new, v_new = (x.to(torch.bfloat16) for x in (q, k_new, v_new))
+    fused = reference.attend_chunk(cache, batch, 0, q, k_new, v_new, 0.2)
+    exact = reference.attend_chunk(cache, batch, 0, q.float(), k_new.float(), v_new.float(), 0.2)
+    assert fused.dtype == torch.float32 and fused.shape == exact.shape
+    torch.testing.assert_close(fused, exact, rtol=2e-2, atol=2e-2)
+    # the causal edge: the chunk's first token must not see the chunk's later ones
+    first = reference.attend_chunk(cache, batch, 0, q[:, :1], k_new[:, :1], v_new[:, :1], 0.2)
+    torch.testing.assert_close(fused[:, :1], first, rtol=2e-2, atol=2e-2)
