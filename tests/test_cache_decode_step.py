@@ -299,3 +299,25 @@ def test_reserved_rows_bound_a_step():
     cache.plan_decode_step(ids, padding_rows=1)
     with pytest.raises(ValueError, match="before the first plan_decode_step"):
         cache.reserve_decode_rows(8)
+
+
+def test_replayed_step_counts_every_layer_written():
+    """A CUDA graph replay runs the captured writes without their host code:
+    record_replayed_step counts every layer written, so the next step may be planned; it
+    refuses anything but the latest step and changes nothing then."""
+    cache = _cache(FORMATS["int4-windows"])
+    a, b = cache.add_sequence(), cache.add_sequence()
+    first = cache.plan_decode_step([a, b])
+    x = torch.randn(2, H, D).to(KERNEL_DEVICE)
+    cache.write_decode_step(0, x, x, first)  # (a graph captures layer 0's host code too)
+    with pytest.raises(TypeError, match="DecodeStep"):
+        cache.record_replayed_step(first.batch)
+    cache.record_replayed_step(first)
+    assert first.written == set(range(LAYERS))
+    second = cache.plan_decode_step([a, b])
+    with pytest.raises(ValueError, match="latest planned step"):
+        cache.record_replayed_step(first)
+    assert second.written == set()
+    with pytest.raises(ValueError, match=r"unwritten in layers \[0, 1, 2\]"):
+        cache.plan_decode_step([a, b])
+    assert [cache.seq_len(s) for s in (a, b)] == [2, 2]

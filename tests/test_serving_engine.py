@@ -172,6 +172,22 @@ def test_core_plans_decode_rows_once_per_step():
     assert planned.seq_ids == ("a",) and not kv.step_capturable
 
 
+def test_core_graphed_step_ends_written_in_every_layer():
+    """A forward replayed from a CUDA graph runs no attend's host code: end_step(graphed=True)
+    records the planned step as written in every layer, so the next step begins; an eager
+    forward that skipped its layers leaves the next step refused, the cache unchanged."""
+    kv = _paged()
+    _run(kv, [[StepRow("a", 0, 30, (0, 1))]])
+    kv.begin_step([StepRow("a", 30, 1, (0, 1))])  # (a replay: no attend runs)
+    kv.end_step(graphed=True)
+    kv.begin_step([StepRow("a", 31, 1, (0, 1))])
+    assert [kv.cache.seq_len("a", layer) for layer in range(2)] == [32, 32]
+    kv.end_step(graphed=False)
+    with pytest.raises(ValueError, match=r"unwritten in layers \[0, 1\]"):
+        kv.begin_step([StepRow("a", 32, 1, (0, 1))])
+    assert [kv.cache.seq_len("a", layer) for layer in range(2)] == [32, 32]
+
+
 def _graph_paged(**kw):
     return _paged(max_step_tokens=32, cuda_graphs=True, **kw)
 

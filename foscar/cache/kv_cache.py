@@ -502,6 +502,22 @@ class QuantizedKVCache(PageTable):
         write.write_planned_step(self, layer, k, v, step, fused)
         step.written.add(layer)
 
+    def record_replayed_step(self, step: DecodeStep) -> None:
+        """Record that a CUDA graph replay wrote every layer of ``step``: the captured
+        :meth:`write_decode_step` calls ran on the device without their host code, which counts
+        the layers written (:meth:`plan_decode_step` plans no further step until all are).
+        Raises unless ``step`` is the latest planned step."""
+        if not isinstance(step, DecodeStep):
+            raise TypeError(
+                f"step must be a DecodeStep (from plan_decode_step), got {type(step).__name__}"
+            )
+        if step is not self._latest_step or step.serial != self._step_serial:
+            raise ValueError(
+                "step is not this cache's latest planned step (another step was planned, or a "
+                "sequence freed, since)"
+            )
+        step.written.update(range(self.num_layers))
+
     def _step_view(self, rows: int):
         """The DecodeBatch the step buffer holds for ``rows`` rows (None if none)."""
         buffer = self._step_buffer

@@ -401,12 +401,17 @@ def _hook_model_runner(runner, cache: FoscarPagedCache) -> None:
         stream = getattr(runner.inputs_and_outputs, "compute_stream", None)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             cache.begin_step(batch_data["input_ids"].shape[-1])
-        return compute_batch(model, batch_data, *args, **kwargs)
+        runner._foscar_graphed = False
+        out = compute_batch(model, batch_data, *args, **kwargs)
+        # a replayed graph wrote every layer without running write_decode_step's host code
+        cache.paged.end_step(graphed=runner._foscar_graphed)
+        return out
 
     def foscar_get_forward_fn(*args, **kwargs):
         forward_fn, use_cuda_graph = get_forward_fn(*args, **kwargs)
         use_cuda_graph = bool(use_cuda_graph) and cache.paged.step_capturable
         cache.graph_steps += use_cuda_graph
+        runner._foscar_graphed = use_cuda_graph
         return forward_fn, use_cuda_graph
 
     runner.compute_batch = foscar_compute_batch

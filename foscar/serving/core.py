@@ -419,6 +419,14 @@ class PagedKV:
             )
         self._step = step
 
+    def end_step(self, *, graphed: bool) -> None:
+        """End the begun step's forward. ``graphed``: it ran as a CUDA graph (captured or
+        replayed), whose layer writes ran without their host code: the planned decode step is
+        recorded as written in every layer (a forward that ran eagerly wrote each itself)."""
+        step = self._step
+        if graphed and step is not None and step.planned is not None:
+            self.cache.record_replayed_step(step.planned)
+
     @property
     def step_capturable(self) -> bool:
         """Whether the begun step's forward may be captured in a CUDA graph and replayed for
