@@ -78,6 +78,11 @@ def test_summary_counts_complete_requests_only():
     assert s["wall_s"] == 2.0 and s["output_tokens_per_s"] == 4.0
     assert s["ttft_median_s"] == pytest.approx(0.35)  # 0.5 and 0.2
     assert s["tpot_median_s"] == pytest.approx((0.5 + 0.2) / 2)  # 1.0 / 2 and 0.8 / 4
+    # measured over the finished requests: a request left unfinished does not void the rest
+    assert bench.not_measured(s) is None
+    assert bench.not_measured(bench.summarize(records[2:])) == "failed: [2]"
+    assert bench.not_measured({"failed": "engine stopped"}) == "failed: engine stopped"
+    assert bench.not_measured({"refused": "no graphs"}) == "refused: no graphs"
 
 
 def _check_results(out: Path, spec: bench.TraceSpec, methods: list[str]) -> dict:
@@ -255,6 +260,13 @@ def test_merge_folds_methods_of_the_same_trace_and_replaces_another():
         (8192, [("bf16", "")]),
         (32768, [("bf16", "first"), ("int2", "second"), ("oscar", "second")]),
     ]
+    # a fresh run holds tuples where the earlier one, read from JSON, holds lists
+    fresh = run(32768, True, ["int4"], tag="fresh")
+    fresh["trace"]["prompt_tokens"] = (30720, 32640)
+    earlier = json.loads(json.dumps(runs))
+    earlier[1]["trace"]["prompt_tokens"] = [30720, 32640]
+    folded = tool.fold_earlier(earlier, fresh)
+    assert [m["kv"] for m in folded[1]["methods"]] == ["bf16", "int2", "oscar", "int4"]
     runs = tool.fold_earlier(runs, run(32768, True, ["int4"], requests=8))
     assert [m["kv"] for m in runs[1]["methods"]] == ["int4"] and len(runs) == 2
     runs = tool.fold_earlier(runs, run(32768, False, ["bf16"]))

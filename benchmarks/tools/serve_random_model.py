@@ -170,6 +170,7 @@ def set_markdown(results: dict) -> str:
         )
     lines += [
         "",
+        "done: requests finished in the time, over which the rates and latencies count; "
         "TTFT: arrival to first answer token; TPOT: first to last answer token over the tokens "
         "between; peak requests: most requests holding KV blocks at once; device peak: "
         "torch's peak allocation during the method (weights included).",
@@ -227,12 +228,15 @@ def fold_earlier(runs: list[dict], run: dict) -> list[dict]:
     replayed the same trace in the same memory (so one call can measure some methods and a
     later one, with ``--merge``, the others); under another trace ``run`` replaces it."""
     key = (run["context"], run["cuda_graphs"])
-    same = ("trace", "memory_bytes", "max_seconds")
+
+    def settings(r):  # as JSON holds them: a fresh run's tuples equal a loaded run's lists
+        return json.dumps([r.get(k) for k in ("trace", "memory_bytes", "max_seconds")])
+
     kept = []
     for old in runs:
         if (old["context"], old["cuda_graphs"]) != key:
             kept.append(old)
-        elif all(old.get(k) == run.get(k) for k in same):
+        elif settings(old) == settings(run):
             measured = {m["kv"] for m in run["methods"]}
             run["methods"] = [m for m in old["methods"] if m["kv"] not in measured] + run[
                 "methods"]

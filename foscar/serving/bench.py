@@ -316,10 +316,13 @@ def run_method(model, kv, trace: Sequence[TraceRequest], *, memory_bytes: int,
 
 def not_measured(method: dict) -> str | None:
     """``"refused: <reason>"`` or ``"failed: <reason>"`` for a method :func:`run_method` could
-    not measure, else None."""
-    for key in ("refused", "failed"):
-        if method.get(key):
-            return f"{key}: {method[key]}"
+    not measure, else None. A method whose requests did not all finish (``failed``: their
+    indices) is measured over those that did, unless none did."""
+    if method.get("refused"):
+        return f"refused: {method['refused']}"
+    failed = method.get("failed")
+    if failed and (isinstance(failed, str) or not method.get("completed")):
+        return f"failed: {failed}"
     return None
 
 
