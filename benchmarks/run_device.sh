@@ -11,6 +11,7 @@
 #   grid           the 13-point grid, token-wise K/V, every method    -> decode_grid.*
 #   axes           the four K/V axis pairs at B in {1, 8}, L in {32K, 128K} -> decode_axes.*
 #   grid-d64       the 13-point grid at head_dim 64              -> decode_grid_d64.*
+#                  (the three grids on an H100: decode_grid_h100.*, decode_axes_h100.*, ...)
 #   e4m3-accuracy  the Gluon kernel's E4M3 operands against bf16 -> e4m3_accuracy.md
 #   e2e            foscar bench --e2e: Qwen3-8B shapes, 32K and 100K prompts -> e2e_qwen3_8b.*
 #   serve          foscar bench --serve on a random Llama (head_dim 128): the engine's BF16 paged
@@ -66,6 +67,9 @@ fi
 export PYTHONUNBUFFERED=1 FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16
 gpu_fields=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw
 nvidia-smi --format=csv --query-gpu=$gpu_fields | tee "$OUT/gpu.csv"
+# the kernel grids keep one result per GPU: decode_grid.* (H200), decode_grid_h100.* (H100)
+gpu_suffix=
+grep -q "H100" "$OUT/gpu.csv" && gpu_suffix=_h100
 python3 - <<'EOF'
 import importlib, torch, triton
 found = {}
@@ -189,19 +193,21 @@ EOF
     grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT"/sanitize_*.log
     ;;
   grid)
-    logged decode_grid.log python3 -m foscar bench --grid main --methods foscar-gluon \
-      foscar-gluon-e4m3 foscar-triton foscar-reconstruct foscar-gluon-reconstruct flashinfer-bf16 \
-      flashinfer-fp8 trtllm-xqa-fp8 --out "$OUT" --name decode_grid "$@"
+    logged "decode_grid$gpu_suffix.log" python3 -m foscar bench --grid main --methods \
+      foscar-gluon foscar-gluon-e4m3 foscar-triton foscar-reconstruct foscar-gluon-reconstruct \
+      flashinfer-bf16 flashinfer-fp8 trtllm-xqa-fp8 --out "$OUT" --name "decode_grid$gpu_suffix" \
+      "$@"
     status=$?
     ;;
   axes)
-    logged decode_axes.log python3 -m foscar bench --grid axes --methods foscar-gluon \
-      foscar-triton flashinfer-bf16 --out "$OUT" --name decode_axes "$@"
+    logged "decode_axes$gpu_suffix.log" python3 -m foscar bench --grid axes --methods \
+      foscar-gluon foscar-triton flashinfer-bf16 --out "$OUT" --name "decode_axes$gpu_suffix" "$@"
     status=$?
     ;;
   grid-d64)
-    logged decode_grid_d64.log python3 -m foscar bench --grid main --head-dim 64 --methods \
-      foscar-gluon foscar-triton flashinfer-bf16 --out "$OUT" --name decode_grid_d64 "$@"
+    logged "decode_grid_d64$gpu_suffix.log" python3 -m foscar bench --grid main --head-dim 64 \
+      --methods foscar-gluon foscar-triton flashinfer-bf16 --out "$OUT" \
+      --name "decode_grid_d64$gpu_suffix" "$@"
     status=$?
     ;;
   e4m3-accuracy)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from foscar.bench.grid import markdown_table, speedups
+from foscar.bench.grid import markdown_table, peak_tbps, speedups
 
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results")
 
@@ -37,3 +37,20 @@ def test_replot_redraws_the_png_without_a_gpu(tmp_path):
     subprocess.run([sys.executable, "-m", "foscar", "bench", "--replot", str(src)], check=True)
     png = tmp_path / "decode_grid.png"
     assert png.stat().st_size > 10_000
+    assert "% of the GPU's 4.8 TB/s" in (tmp_path / "decode_grid.md").read_text()  # an H200's
+
+
+def test_percent_of_peak_is_the_measuring_gpus():
+    """The % column divides by the datasheet bandwidth of the GPU that ran the grid (an H100's
+    3.35 TB/s, not the H200's 4.8), and is left out for a GPU the table does not know."""
+    assert peak_tbps("NVIDIA H100 80GB HBM3") == 3.35 and peak_tbps("NVIDIA H200") == 4.8
+    assert peak_tbps("NVIDIA A100-SXM4-80GB") is None and peak_tbps(None) is None
+    rows = [dict(r) for r in _rows("decode_grid_h100")]
+    speedups(rows, peak=3.35)
+    r = next(r for r in rows if r["method"] == "flashinfer-bf16" and r["kv_len"] == 131072
+             and r["batch"] == 64)
+    assert r["pct_peak"] == pytest.approx(100 * r["tbps"] / 3.35)
+    assert "% of the GPU's 3.35 TB/s" in markdown_table(rows, 3.35)
+    speedups(rows)
+    table = markdown_table(rows)
+    assert "%" not in table and "1.00x" in table

@@ -28,7 +28,14 @@ from ..formats import KVFormat, QuantFormat
 from . import baselines
 from .timing import L2Flusher, bench_stats
 
-PEAK_TBPS = 4.8  # H200 HBM3e, vendor datasheet
+#: datasheet HBM bandwidth in TB/s by (part of) the GPU's name: the grids' "% of peak" column
+PEAK_TBPS = {"H200": 4.8, "H100 80GB HBM3": 3.35, "H100 NVL": 3.9, "H100 PCIe": 2.0}
+
+
+def peak_tbps(gpu: str | None) -> float | None:
+    """The datasheet HBM bandwidth of the GPU named ``gpu`` (TB/s), None if not in PEAK_TBPS."""
+    return next((tbps for name, tbps in PEAK_TBPS.items() if gpu and name in gpu), None)
+
 #: GPU spin ahead of each timed call (foscar.bench.timing), so that the host's enqueue of the
 #: call's kernels is not timed: a channel-wise format's call (three kernels) takes 230-480 us of
 #: host time to enqueue, up to 730 us on the H200, and with a 300 us spin its calls in the grids
@@ -280,12 +287,14 @@ def _key(r):
     return (r["batch"], r["kv_len"])
 
 
-def speedups(rows, baseline="flashinfer-bf16"):
+def speedups(rows, baseline="flashinfer-bf16", peak: float | None = None):
+    """Each row's speedup over ``baseline`` at its point and its effective KV throughput as %
+    of ``peak`` TB/s (None: not computed)."""
     base = {_key(r): r["ms"] for r in rows if r["method"] == baseline}
     for r in rows:
         b = base.get(_key(r))
         r["speedup_vs_flashinfer_bf16"] = b / r["ms"] if b else None
-        r["pct_peak"] = 100 * r["tbps"] / PEAK_TBPS
+        r["pct_peak"] = 100 * r["tbps"] / peak if peak else None
     return rows
 
 
@@ -305,7 +314,8 @@ def _label(r):
     return r["method"]
 
 
-def markdown_table(rows) -> str:
+def markdown_table(rows, peak: float | None = None) -> str:
+    """The rows as one table (method x point); ``peak``: the TB/s the % column divides by."""
     labels = sorted({_label(r) for r in rows})
     points = sorted({_key(r) for r in rows})
     by = {(_label(r), _key(r)): r for r in rows}
@@ -324,16 +334,14 @@ def markdown_table(rows) -> str:
                 continue
             s = r.get("speedup_vs_flashinfer_bf16")
             sp.append(s)
-            cells.append(
-                f"{r['ms'] * 1e3:.1f} us ({s:.2f}x, {r['pct_peak']:.0f}%)"
-                if s
-                else f"{r['ms'] * 1e3:.1f} us ({r['pct_peak']:.0f}%)"
-            )
+            notes = ([f"{s:.2f}x"] if s else []) + (
+                [f"{r['pct_peak']:.0f}%"] if r.get("pct_peak") is not None else [])
+            cells.append(f"{r['ms'] * 1e3:.1f} us" + (f" ({', '.join(notes)})" if notes else ""))
         lines.append(f"| {lab} | " + " | ".join(cells) + f" | {geomean(sp):.2f}x |")
     lines.append("")
     lines.append(
-        "Cells: median latency (speedup over FlashInfer BF16 at the same point, "
-        f"effective KV throughput as % of {PEAK_TBPS} TB/s)."
+        "Cells: median latency (speedup over FlashInfer BF16 at the same point"
+        + (f", effective KV throughput as % of the GPU's {peak} TB/s)." if peak else ").")
     )
     return "\n".join(lines)
 
@@ -390,12 +398,14 @@ def plot(rows, path: str) -> None:
 
 
 def write_results(rows, env, out_dir: str, name: str) -> None:
+    """``name.json`` (environment, the GPU's peak TB/s, rows), ``name.md`` and ``name.png``."""
     os.makedirs(out_dir, exist_ok=True)
-    speedups(rows)
+    peak = peak_tbps(env.get("gpu"))
+    speedups(rows, peak=peak)
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
-        json.dump({"environment": env, "peak_tbps": PEAK_TBPS, "rows": rows}, f, indent=1)
+        json.dump({"environment": env, "peak_tbps": peak, "rows": rows}, f, indent=1)
     with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
-        f.write(f"# {name}\n\n{json.dumps(env)}\n\n{markdown_table(rows)}\n")
+        f.write(f"# {name}\n\n{json.dumps(env)}\n\n{markdown_table(rows, peak)}\n")
     try:
         plot(rows, os.path.join(out_dir, f"{name}.png"))
     except ImportError:
@@ -421,12 +431,14 @@ GRIDS = ("main", "axes", "both", "quick")
 
 
 def replot(path: str) -> str:
-    """Redraw the PNG beside the results file ``path`` (no GPU needed); returns its path."""
+    """Rewrite the results file ``path`` and redraw its Markdown and PNG beside it from its
+    rows (no GPU needed; the % column against its GPU's peak); returns the PNG's path."""
     with open(path) as f:
-        rows = json.load(f)["rows"]
-    png = os.path.splitext(path)[0] + ".png"
-    plot(rows, png)
-    return png
+        stored = json.load(f)
+    stem = os.path.splitext(path)[0]
+    write_results(stored["rows"], stored["environment"], os.path.dirname(stem) or ".",
+                  os.path.basename(stem))
+    return stem + ".png"
 
 
 def run_grids(

@@ -1,7 +1,7 @@
 """``foscar bench``: decode latency beside FlashInfer on one GPU (:mod:`foscar.bench.grid`), or
 with ``--e2e`` end-to-end decode throughput of a Qwen3-8B-shaped model (:mod:`foscar.bench.e2e`);
 ``--serve`` a seeded request trace through the continuous-batching engine
-(:mod:`foscar.serving.bench`, CPU or GPU); ``--replot`` redraws a results file's plot without
+(:mod:`foscar.serving.bench`, CPU or GPU); ``--replot`` redraws a grid results file's table and plot without
 a GPU."""
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="JSON",
         type=existing_file,
         default=None,
-        help="redraw the PNG of a results file (no GPU needed) and exit",
+        help="redraw the table and plot of a grid results file (no GPU needed) and exit",
     )
     g = parser.add_argument_group("end-to-end serving benchmark (--e2e)")
     g.add_argument(
