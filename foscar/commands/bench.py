@@ -1,8 +1,8 @@
 """``foscar bench``: decode latency beside FlashInfer on one GPU (:mod:`foscar.bench.grid`), or
 with ``--e2e`` end-to-end decode throughput of a Qwen3-8B-shaped model (:mod:`foscar.bench.e2e`);
 ``--serve`` a seeded request trace through the continuous-batching engine
-(:mod:`foscar.serving.bench`, CPU or GPU); ``--replot`` redraws a grid results file's table and plot without
-a GPU."""
+(:mod:`foscar.serving.bench`, CPU or GPU); ``--replot`` redraws a grid results file's table
+and plot without a GPU."""
 
 from __future__ import annotations
 
