@@ -45,6 +45,7 @@ def test_percent_of_peak_is_the_measuring_gpus():
     3.35 TB/s, not the H200's 4.8), and is left out for a GPU the table does not know."""
     assert peak_tbps("NVIDIA H100 80GB HBM3") == 3.35 and peak_tbps("NVIDIA H200") == 4.8
     assert peak_tbps("NVIDIA A100-SXM4-80GB") is None and peak_tbps(None) is None
+    assert peak_tbps("NVIDIA GH200 480GB") is None  # not an H200's
     rows = [dict(r) for r in _rows("decode_grid_h100")]
     speedups(rows, peak=3.35)
     r = next(r for r in rows if r["method"] == "flashinfer-bf16" and r["kv_len"] == 131072

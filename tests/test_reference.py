@@ -271,6 +271,16 @@ def test_attend_chunk_bf16_fused_equals_fp32_blocks(t):
     exact = reference.attend_chunk(cache, batch, 0, q.float(), k_new.float(), v_new.float(), 0.2)
     assert fused.dtype == torch.float32 and fused.shape == exact.shape
     torch.testing.assert_close(fused, exact, rtol=2e-2, atol=2e-2)
+    # an oracle apart from attend_chunk: float64 softmax, query head h reads KV head h // 2,
+    # chunk token i sees the whole history and chunk tokens 0..i
+    k_past, v_past = reference.dequantize_sequence(cache, batch, 0, torch.float64)
+    keys = torch.cat([k_past, k_new.double()], dim=1)[torch.arange(NUM_KV_HEADS * 2) // 2]
+    vals = torch.cat([v_past, v_new.double()], dim=1)[torch.arange(NUM_KV_HEADS * 2) // 2]
+    past = k_past.shape[1]
+    seen = torch.arange(past + t)[None, :] <= past + torch.arange(t)[:, None]
+    scores = (q.double() @ keys.transpose(1, 2) * 0.2).masked_fill(~seen, -math.inf)
+    oracle = scores.softmax(-1) @ vals
+    torch.testing.assert_close(fused.double(), oracle, rtol=2e-2, atol=2e-2)
     # the causal edge: the chunk's first token must not see the chunk's later ones
     first = reference.attend_chunk(cache, batch, 0, q[:, :1], k_new[:, :1], v_new[:, :1], 0.2)
     torch.testing.assert_close(fused[:, :1], first, rtol=2e-2, atol=2e-2)

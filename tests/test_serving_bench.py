@@ -273,29 +273,3 @@ def test_merge_folds_methods_of_the_same_trace_and_replaces_another():
     assert [(r["context"], r["cuda_graphs"]) for r in runs] == [
         (8192, True), (32768, False), (32768, True)]
 
-
-def test_warm_up_reaches_every_batch_size_before_the_timed_run():
-    """The warm-up sends n short requests at once answering 2, 3, ... n + 1 tokens (the decode
-    batch shrinks a row a step, so each size compiles and captures untimed) and returns only
-    when every one finished."""
-    import types
-
-    class Manager:
-        def __init__(self):
-            self.sent, self.queue = [], []
-
-        def add_request(self, ids, request_id, max_new_tokens, eos_token_id):
-            self.sent.append((request_id, len(ids), max_new_tokens))
-            self.queue.append(request_id)
-            return request_id
-
-        def get_result(self, timeout):
-            if not self.queue:
-                return None
-            rid = self.queue.pop()  # last sent finishes first
-            return types.SimpleNamespace(request_id=rid, is_finished=lambda: True)
-
-    m = Manager()
-    bench._warm_up(m, vocab_size=50, max_seconds=5, requests=4)
-    assert [t for _, _, t in m.sent] == [2, 3, 4, 5] and not m.queue
-    assert len({rid for rid, _, _ in m.sent}) == 4 and all(n == 4 for _, n, _ in m.sent)

@@ -230,7 +230,8 @@ def fold_earlier(runs: list[dict], run: dict) -> list[dict]:
     key = (run["context"], run["cuda_graphs"])
 
     def settings(r):  # as JSON holds them: a fresh run's tuples equal a loaded run's lists
-        return json.dumps([r.get(k) for k in ("trace", "memory_bytes", "max_seconds")])
+        return json.dumps([r.get(k) for k in ("trace", "memory_bytes", "max_seconds")],
+                          sort_keys=True)
 
     kept = []
     for old in runs:

@@ -28,13 +28,15 @@ from ..formats import KVFormat, QuantFormat
 from . import baselines
 from .timing import L2Flusher, bench_stats
 
-#: datasheet HBM bandwidth in TB/s by (part of) the GPU's name: the grids' "% of peak" column
-PEAK_TBPS = {"H200": 4.8, "H100 80GB HBM3": 3.35, "H100 NVL": 3.9, "H100 PCIe": 2.0}
+#: datasheet HBM bandwidth in TB/s by how the GPU's name (torch's) begins: the grids' "% of
+#: peak" column
+PEAK_TBPS = {"NVIDIA H200": 4.8, "NVIDIA H100 80GB HBM3": 3.35, "NVIDIA H100 NVL": 3.9,
+             "NVIDIA H100 PCIe": 2.0}
 
 
 def peak_tbps(gpu: str | None) -> float | None:
     """The datasheet HBM bandwidth of the GPU named ``gpu`` (TB/s), None if not in PEAK_TBPS."""
-    return next((tbps for name, tbps in PEAK_TBPS.items() if gpu and name in gpu), None)
+    return next((tbps for name, tbps in PEAK_TBPS.items() if gpu and gpu.startswith(name)), None)
 
 #: GPU spin ahead of each timed call (foscar.bench.timing), so that the host's enqueue of the
 #: call's kernels is not timed: a channel-wise format's call (three kernels) takes 230-480 us of

@@ -257,27 +257,16 @@ def default_memory_bytes(model, spec: TraceSpec, trace: Sequence[TraceRequest]) 
     return tokens * _bf16_engine_bytes_per_token(model)
 
 
-#: most warm-up requests (each a decode batch size the timed run may meet)
-WARM_UP_REQUESTS = 64
-
-
-def _warm_up(manager, vocab_size: int, max_seconds: float = 300.0, requests: int = 1) -> None:
-    """``requests`` short requests at once, untimed: the engine builds its cache when its loop
-    starts, and request ``i`` answers ``i + 2`` tokens, so the decode batch shrinks one row a
-    step from ``requests`` to 1 and every batch size the trace can reach compiles its kernels
-    (and, with CUDA graphs, captures its graph) here rather than in the timed run. Waits at most
-    ``max_seconds`` in all."""
-    ids = [
-        manager.add_request([1 % vocab_size] * 4, request_id=f"warm-up-{i}",
-                            max_new_tokens=i + 2, eos_token_id=-1)
-        for i in range(max(1, requests))
-    ]
+def _warm_up(manager, vocab_size: int, max_seconds: float = 300.0) -> None:
+    """One short request, untimed: the engine builds its cache when its loop starts. Waits at
+    most ``max_seconds``."""
+    request_id = manager.add_request([1 % vocab_size] * 4, request_id="warm-up", max_new_tokens=2,
+                                     eos_token_id=-1)
     deadline = time.perf_counter() + max_seconds
-    pending = set(ids)
-    while pending and time.perf_counter() < deadline:
-        output = manager.get_result(timeout=0.1)
-        if output is not None and output.request_id in pending and output.is_finished():
-            pending.discard(output.request_id)
+    while time.perf_counter() < deadline:
+        output = manager.get_result(request_id=request_id, timeout=0.1)
+        if output is not None and output.is_finished():
+            return
         fatal = getattr(getattr(manager, "background_thread_status", None), "fatal_error", None)
         if fatal is not None:
             raise RuntimeError(f"the engine stopped during its warm-up: {fatal}")
@@ -310,9 +299,7 @@ def run_method(model, kv, trace: Sequence[TraceRequest], *, memory_bytes: int,
     with torch.inference_mode():
         manager.start()
     try:
-        # (the warm-up's answers stay within the trace's longest, which the pool was sized for)
-        warm = max(1, min(len(trace), WARM_UP_REQUESTS, longest - 1))
-        _warm_up(manager, vocab, min(300.0, max_seconds), warm)
+        _warm_up(manager, vocab, min(300.0, max_seconds))
         records = replay(manager, trace, max_seconds=max_seconds)
     except RuntimeError as e:  # the engine stopped (_warm_up's error)
         return {"failed": " ".join(str(e).split())}

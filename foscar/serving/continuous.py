@@ -403,7 +403,8 @@ def _hook_model_runner(runner, cache: FoscarPagedCache) -> None:
             cache.begin_step(batch_data["input_ids"].shape[-1])
         runner._foscar_graphed = False
         out = compute_batch(model, batch_data, *args, **kwargs)
-        # a replayed graph wrote every layer without running write_decode_step's host code
+        # a replayed graph wrote every layer without running write_decode_step's host code (a
+        # forward that raised leaves its step unwritten: the next is refused, as it must be)
         cache.paged.end_step(graphed=runner._foscar_graphed)
         return out
 
