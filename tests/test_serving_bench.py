@@ -96,6 +96,12 @@ def _check_results(out: Path, spec: bench.TraceSpec, methods: list[str]) -> dict
         assert m["output_tokens_per_s"] > 0 and m["ttft_p99_s"] >= m["ttft_median_s"] > 0
         assert m["tpot_p99_s"] >= m["tpot_median_s"] > 0
         assert m["peak_concurrent_requests"] >= 1
+        # what the model attended with while the engine ran: foscar's function, or the
+        # engine's own for its BF16 cache (SDPA on a CPU: 'sdpa', or 'paged|sdpa' on 5.17)
+        if m["kv"] == "bf16":
+            assert "sdpa" in m["attention"], m["attention"]
+        else:
+            assert m["attention"] == "foscar_paged"
         # the pool as built (foscar's pages carry a little bookkeeping beyond the budget's
         # per-token sizes): within 2% of the memory every method was given
         assert m["pool"]["memory_bytes"] <= 1.02 * results["memory_bytes"]
@@ -105,6 +111,7 @@ def _check_results(out: Path, spec: bench.TraceSpec, methods: list[str]) -> dict
         assert pools["bf16"]["max_tokens"] < pools["int4"]["max_tokens"] < \
             pools["int2"]["max_tokens"]
     table = (out / "serve_bench.md").read_text()
+    assert "Attention: bf16 " in table and "sdpa, int4 foscar_paged" in table
     for name in methods:
         assert f"| {name} | {spec.num_requests}/{spec.num_requests} |" in table
     assert (out / "serve_bench.png").stat().st_size > 10_000
@@ -202,6 +209,7 @@ def test_qwen3_preset_runs_every_method_per_graphs_setting_at_a_tiny_size(tmp_pa
     oscar = runs[False]["methods"][3]["pool"]
     assert oscar["bytes_per_token"] > runs[False]["methods"][2]["pool"]["bytes_per_token"]
     table = (out / "serve_qwen3_8b.md").read_text()
+    assert "Attention: bf16 " in table and "oscar-random foscar_paged." in table
     assert "| 256 | on | int2 | refused: cuda_graphs=True" in table
     assert "| 256 | off | oscar-random | 3/3 |" in table and "its speed is" in table
     # a later call measuring nothing new: the earlier runs merged into a fresh set

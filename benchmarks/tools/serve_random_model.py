@@ -153,6 +153,10 @@ def set_markdown(results: dict) -> str:
                 f"| {f(m['tpot_p99_s'], 1e3, 1)} | {m['peak_concurrent_requests']} "
                 f"| {m['pool']['max_tokens']} | {f(peak and peak / 2**30, 1, 2)} |"
             )
+    methods = [m for run in results["runs"] for m in run["methods"]]
+    kinds = {m["kv"]: m for m in methods if m.get("attention")}  # one per cache
+    if kinds:
+        lines += ["", bench.attention_line(list(kinds.values()))]
     lines += ["", "Traces (all requests arrive at once; answers run to their length):", ""]
     seen = set()
     for run in results["runs"]:

@@ -300,6 +300,9 @@ def run_method(model, kv, trace: Sequence[TraceRequest], *, memory_bytes: int,
         manager.start()
     try:
         _warm_up(manager, vocab, min(300.0, max_seconds))
+        # what the model attends with while the engine runs (its BF16 cache: paged SDPA, or a
+        # FlashAttention where one is installed)
+        attention = model.config._attn_implementation
         records = replay(manager, trace, max_seconds=max_seconds)
     except RuntimeError as e:  # the engine stopped (_warm_up's error)
         return {"failed": " ".join(str(e).split())}
@@ -308,10 +311,17 @@ def run_method(model, kv, trace: Sequence[TraceRequest], *, memory_bytes: int,
     stats = manager.kv_stats()
     result = {**summarize(records), "pool": stats,
               "peak_concurrent_requests": stats.get("peak_concurrent_requests"),
-              "records": records}
+              "attention": attention, "records": records}
     if cuda:
         result["device_peak_bytes"] = torch.cuda.max_memory_allocated(model.device)
     return result
+
+
+def attention_line(methods) -> str | None:
+    """``"Attention: bf16 paged|sdpa, int2 foscar_paged."``: each measured method's attention
+    implementation while the engine ran (None where no method recorded one)."""
+    seen = [f"{m['kv']} {m['attention']}" for m in methods if m.get("attention")]
+    return f"Attention: {', '.join(seen)}." if seen else None
 
 
 def not_measured(method: dict) -> str | None:
@@ -456,6 +466,8 @@ def markdown(results: dict) -> str:
         lines += ["", "Device peak memory: " + ", ".join(
             f"{m['kv']} {m['device_peak_bytes'] / 2**30:.2f} GiB" for m in results["methods"]
             if "device_peak_bytes" in m) + "."]
+    if attention_line(results["methods"]):
+        lines += ["", attention_line(results["methods"])]
     lines += [
         "",
         "TTFT: arrival to first answer token; TPOT: first to last answer token over the tokens "
