@@ -63,6 +63,18 @@ if ls "$WHL"/*.whl >/dev/null 2>&1; then
 else
   export PYTHONPATH=$PWD
 fi
+# a file larger than one call may carry (a GGUF model for eval) travels in parts over calls to
+# one warm machine, each call's part in an ignored folder of its own (.carry_a/, .carry_b/, ...;
+# split -b 48M FILE .carry_a/FILE.part- makes the parts): joined here, in part order, into
+# /tmp/carried/FILE (e.g. eval --model /tmp/carried/SmolLM2-135M-Instruct.Q4_1.gguf)
+if ls .carry_*/*.part-* >/dev/null 2>&1; then
+  mkdir -p /tmp/carried
+  for name in $(for f in .carry_*/*.part-*; do basename "${f%.part-*}"; done | sort -u); do
+    for f in .carry_*/"$name".part-*; do echo "${f##*/} $f"; done | sort | cut -d' ' -f2 |
+      xargs cat > "/tmp/carried/$name"
+    echo "joined /tmp/carried/$name: $(stat -c %s "/tmp/carried/$name") bytes"
+  done
+fi
 # FlashInfer JIT-compiles its kernels on first use: for Hopper only, on every core
 export PYTHONUNBUFFERED=1 FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16
 gpu_fields=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw
