@@ -59,6 +59,18 @@ def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def partial_strides(o_part: torch.Tensor, lse_part: torch.Tensor) -> dict[str, int]:
+    """The split partials' strides as every split kernel and the merge take them:
+    ``o_part: [B, Hq, parts, D]``, ``lse_part: [B, Hq, parts]``."""
+    return dict(
+        stride_op_b=o_part.stride(0),
+        stride_op_h=o_part.stride(1),
+        stride_op_split=o_part.stride(2),
+        stride_lp_b=lse_part.stride(0),
+        stride_lp_h=lse_part.stride(1),
+    )
+
+
 def launch_split(
     q: torch.Tensor,
     cache: QuantizedKVCache,
@@ -114,11 +126,7 @@ def launch_split(
         stride_sink_head=st.k_sink.stride(1),
         stride_tail_slot=st.k_tail.stride(0),
         stride_tail_head=st.k_tail.stride(1),
-        stride_op_b=o_part.stride(0),
-        stride_op_h=o_part.stride(1),
-        stride_op_split=o_part.stride(2),
-        stride_lp_b=lse_part.stride(0),
-        stride_lp_h=lse_part.stride(1),
+        **partial_strides(o_part, lse_part),
         H=ratio,
         HS=hs,
         D=d,
@@ -166,11 +174,7 @@ def merge_partials(o_part, lse_part, out, lse=None, *, pdl: bool = False) -> Non
         o_ptr=out,
         lse_ptr=lse if return_lse else out,
         num_parts=parts,
-        stride_op_b=o_part.stride(0),
-        stride_op_h=o_part.stride(1),
-        stride_op_split=o_part.stride(2),
-        stride_lp_b=lse_part.stride(0),
-        stride_lp_h=lse_part.stride(1),
+        **partial_strides(o_part, lse_part),
         stride_o_b=out.stride(0),
         stride_o_h=out.stride(1),
         stride_l_b=lse.stride(0) if return_lse else 0,
