@@ -45,6 +45,33 @@ def tiny_llama(*, layers: int, q_heads: int, kv_heads: int, head_dim: int, **con
     return LlamaForCausalLM(cfg).eval()
 
 
+def serve_requests(manager, requests, *, staggered=False, timeout=600.0):
+    """Start ``manager`` (a continuous-batching manager), add ``requests`` (each ``(prompt,
+    add_request's keyword arguments)``), wait until every one finished, stop it; returns their
+    final outputs in order. ``staggered``: each request arrives once the one before it holds
+    cache (so steps mix prefill and decode rows)."""
+    import time
+
+    manager.start()
+    deadline = time.monotonic() + timeout
+    try:
+        ids = []
+        for prompt, fields in requests:
+            ids.append(manager.add_request(prompt, **fields))
+            while staggered and not (manager.cache and ids[-1] in manager.cache.live_request_ids):
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        done = {}
+        while len(done) < len(ids) and time.monotonic() < deadline:
+            r = manager.get_result(timeout=1)
+            if r is not None and r.is_finished():
+                done[r.request_id] = r
+    finally:
+        manager.stop(block=True)
+    assert set(done) == set(ids), "requests did not finish"
+    return [done[i] for i in ids]
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """SmolLM2-135M-Instruct and its tokenizer (foscar.eval.model.load_model), loaded once: the

@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+from conftest import serve_requests
 
 from foscar import KVFormat, QuantFormat, decode_attention
 from foscar.serving import PagedKV, StepRow, build_manager, parse_kv
@@ -319,23 +320,8 @@ def _serve(manager, prompts, *, max_new=NEW_TOKENS, staggered=False):
     ``staggered``: each request arrives once the one before it holds cache (mid-generation);
     ``max_new``: one count for all, or one per prompt."""
     news = max_new if isinstance(max_new, list) else [max_new] * len(prompts)
-    manager.start()
-    deadline = time.monotonic() + 600
-    try:
-        ids = []
-        for p, new in zip(prompts, news):
-            ids.append(manager.add_request(p, max_new_tokens=new))
-            while staggered and not (manager.cache and ids[-1] in manager.cache.live_request_ids):
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
-        done = {}
-        while len(done) < len(ids) and time.monotonic() < deadline:
-            r = manager.get_result(timeout=1)
-            if r is not None and r.is_finished():
-                done[r.request_id] = r
-    finally:
-        manager.stop(block=True)
-    return [done[i] for i in ids]
+    requests = [(p, {"max_new_tokens": new}) for p, new in zip(prompts, news)]
+    return serve_requests(manager, requests, staggered=staggered)
 
 
 def test_ragged_staggered_requests_match_foscar_cache(smollm2):

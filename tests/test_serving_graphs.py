@@ -15,10 +15,10 @@
 """
 
 import math
-import time
 
 import pytest
 import torch
+from conftest import serve_requests
 
 from foscar import KVFormat, QuantFormat, QuantizedKVCache, decode_attention
 
@@ -151,21 +151,10 @@ ENGINE = dict(num_blocks=64, block_size=64, max_batch_tokens=512, max_requests=4
 
 
 def _serve(manager, prompts, **fields):
-    manager.start()
-    try:
-        ids = [manager.add_request(p, max_new_tokens=NEW_TOKENS, **fields) for p in prompts]
-        done = {}
-        deadline = time.monotonic() + 600
-        while len(done) < len(ids) and time.monotonic() < deadline:
-            r = manager.get_result(timeout=1)
-            if r is not None and r.is_finished():
-                done[r.request_id] = r
-    finally:
-        manager.stop(block=True)
-    assert set(done) == set(ids), "requests did not finish"
-    for r in done.values():
+    outs = serve_requests(manager, [(p, {"max_new_tokens": NEW_TOKENS, **fields}) for p in prompts])
+    for r in outs:
         assert r.error is None, r.error
-    return [done[i].generated_tokens for i in ids]
+    return [r.generated_tokens for r in outs]
 
 
 @pytest.fixture(scope="module")
