@@ -480,15 +480,7 @@ class QuantizedKVCache(PageTable):
         descriptors, so the call can be captured in a CUDA graph.
         """
         layer = self._check_layer(layer)
-        if not isinstance(step, DecodeStep):
-            raise TypeError(
-                f"step must be a DecodeStep (from plan_decode_step), got {type(step).__name__}"
-            )
-        if step.serial != self._step_serial or step.batch is not self._step_view(step.rows):
-            raise ValueError(
-                "step is not this cache's latest planned step (another step was planned, or a "
-                "sequence freed, since): plan_decode_step again"
-            )
+        self._check_latest_step(step)
         self._check_plan_at(step.batch, layer)  # an append to a planned sequence since
         self._check_kv(k, v, step.rows)
         n = len(step.seq_ids)  # (padding rows are stored nowhere)
@@ -507,16 +499,21 @@ class QuantizedKVCache(PageTable):
         :meth:`write_decode_step` calls ran on the device without their host code, which counts
         the layers written (:meth:`plan_decode_step` plans no further step until all are).
         Raises unless ``step`` is the latest planned step."""
+        self._check_latest_step(step)
+        step.written.update(range(self.num_layers))
+
+    def _check_latest_step(self, step) -> None:
+        """Raise unless ``step`` is the DecodeStep this cache planned last, still current (no
+        step planned and no sequence freed since)."""
         if not isinstance(step, DecodeStep):
             raise TypeError(
                 f"step must be a DecodeStep (from plan_decode_step), got {type(step).__name__}"
             )
-        if step is not self._latest_step or step.serial != self._step_serial:
+        if step.serial != self._step_serial or step.batch is not self._step_view(step.rows):
             raise ValueError(
                 "step is not this cache's latest planned step (another step was planned, or a "
-                "sequence freed, since)"
+                "sequence freed, since): plan_decode_step again"
             )
-        step.written.update(range(self.num_layers))
 
     def _step_view(self, rows: int):
         """The DecodeBatch the step buffer holds for ``rows`` rows (None if none)."""
