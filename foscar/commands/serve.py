@@ -3,7 +3,8 @@
 ``foscar serve`` loads a model, builds the engine with the KV cache of ``--kv`` / ``--oscar``
 (:func:`foscar.serving.build_manager`) and serves it over HTTP (:class:`ChatServer`).
 ``foscar bench --serve`` replays a seeded trace of requests through the engine for each KV
-cache (:mod:`foscar.serving.bench`).
+cache and compares their answers with those of the engine's own cache
+(:mod:`foscar.serving.bench`).
 
 ``foscar serve`` is this module's ``add_arguments`` + ``run`` (or ``serve_main(argv)``, the
 whole command); ``foscar bench`` adds ``add_bench_serve_arguments`` and calls
@@ -542,6 +543,7 @@ def serve_main(argv: list[str] | None = None) -> int:
 # ---------------------------------------------------------------------------- foscar bench --serve
 def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``foscar bench --serve`` (a group of ``foscar bench``)."""
+    from ..eval.texts import EVAL_OFFSET
     from ..serving.bench import DEFAULT_TRACE
 
     t = DEFAULT_TRACE
@@ -551,7 +553,7 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="replay a seeded trace of chat-sized requests through the continuous-batching "
         "engine for each KV cache: throughput, time to first token, time per output token, "
-        "peak concurrent requests (CPU or GPU)",
+        "peak concurrent requests, and how many answers equal bf16's (CPU or GPU)",
     )
     g.add_argument(
         "--serve-kv",
@@ -578,6 +580,12 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--serve-output-tokens", type=int, nargs=2, default=[lo, hi],
                    metavar=("MIN", "MAX"),
                    help=f"answer lengths, uniform in [MIN, MAX] (default {lo} {hi})")
+    g.add_argument("--serve-prompts", choices=("auto", "text", "random"), default="auto",
+                   help="text: each prompt a window of foscar's evaluation text (CPython's "
+                   f"language reference from its token {EVAL_OFFSET} on, in the model's "
+                   "tokens), so the answers mean something; random: random token ids; auto "
+                   "(default): text where the model has a tokenizer. Either way every method's "
+                   "answers are compared with bf16's")
     g.add_argument("--serve-seed", type=int, default=t.seed, help="the trace's seed")
     g.add_argument("--serve-memory-gb", type=float, default=None,
                    help="KV memory of every method, in GB (default: what holds a quarter of the "
@@ -624,9 +632,19 @@ def run_bench_serve(args) -> int:
     _set_threads(args.serve_cpu_threads, device)
     print(f"{prog}: loading the model on {device}", file=sys.stderr, flush=True)
     try:
-        model, _, name = _load(args.serve_model, device, _dtype("auto", device))
+        model, tokenizer, name = _load(args.serve_model, device, _dtype("auto", device))
     except ValueError as e:
         return _fail(prog, f"--serve-model: {e}")
+    text_ids, text_name = None, None
+    if args.serve_prompts == "text" or (args.serve_prompts == "auto" and tokenizer is not None):
+        if tokenizer is None:
+            return _fail(prog, "--serve-prompts text: the model has no tokenizer; use "
+                         "--serve-prompts random")
+        text_ids, text_name = _evaluation_text_ids(tokenizer)
+        if len(text_ids) < trace.prompt_tokens[1]:
+            return _fail(prog, f"--serve-prompts text: {text_name} is {len(text_ids)} tokens, "
+                         f"shorter than the longest prompt (--serve-prompt-tokens MAX "
+                         f"{trace.prompt_tokens[1]}); use --serve-prompts random")
     try:
         results = bench.run_benchmark(
             model,
@@ -637,12 +655,25 @@ def run_bench_serve(args) -> int:
             memory_bytes=None if args.serve_memory_gb is None else int(args.serve_memory_gb * GB),
             block_size=args.serve_block_size,
             max_seconds=args.serve_max_seconds,
+            prompt_text_ids=text_ids,
+            prompt_text_name=text_name,
             log=lambda line: print(f"{prog}: {line}", file=sys.stderr, flush=True),
         )
     except ValueError as e:
         return _fail(prog, str(e))
-    incomplete = [m["kv"] for m in results["methods"] if m["completed"] < trace.num_requests]
+    incomplete = [m["kv"] for m in results["methods"]
+                  if m.get("completed", 0) < trace.num_requests]  # a refused one holds none
     return 1 if incomplete else 0
+
+
+def _evaluation_text_ids(tokenizer) -> tuple[list[int], str]:
+    """The token ids of foscar's evaluation text (the shipped text from ``EVAL_OFFSET``, as
+    ``foscar eval`` reads it; no special tokens) and where they come from."""
+    from ..eval import texts
+
+    ref = texts.python_reference()
+    ids = tokenizer(ref.text, add_special_tokens=False)["input_ids"]
+    return list(ids[texts.EVAL_OFFSET :]), f"{ref.source}, tokens from {texts.EVAL_OFFSET}"
 
 
 add_arguments = add_serve_arguments

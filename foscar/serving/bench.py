@@ -1,12 +1,14 @@
 """``foscar bench --serve``: a seeded trace of requests through the continuous-batching engine.
 
 Requests arrive over time (Poisson arrivals at ``rate`` per second, or all at once), each with a
-prompt of random token ids and a fixed answer length, both uniform in their ranges; answers run
-to their length (no end-of-sequence token stops them), so every method does the same work. The
-same trace goes through the engine once per KV cache (the engine's own paged cache, ``bf16``,
-and foscar's formats), one after the other, on the same model and device, in one process, each
-with the same KV memory (``memory_bytes``): a format that stores a token in fewer bytes holds
-more tokens, so the engine runs more requests at once.
+prompt and a fixed answer length, both uniform in their ranges. A prompt is a window of a real
+text's token ids at a seeded offset (``text_ids``: ``foscar bench --serve`` takes foscar's
+evaluation text, tokenized by the model's tokenizer) or, without a text, random token ids.
+Answers are greedy and run to their length (no end-of-sequence token stops them), so every
+method does the same work. The same trace goes through the engine once per KV cache (the
+engine's own paged cache, ``bf16``, and foscar's formats), one after the other, on the same
+model and device, in one process, each with the same KV memory (``memory_bytes``): a format that
+stores a token in fewer bytes holds more tokens, so the engine runs more requests at once.
 
 Per method: throughput (answer tokens per second of the trace's wall time, and prompt plus
 answer tokens), time to first token (TTFT: arrival to the first answer token) and time per
@@ -15,6 +17,17 @@ concurrent requests (most requests holding KV blocks at once, the engine's count
 (blocks, tokens, bytes per token, BF16's tokens in the same memory); and on a GPU the device's
 peak memory. Each method first runs one short request, untimed, so the engine's cache is built
 before the clock starts.
+
+A sanity check of the tokens: every request's answer is recorded, and each method's answers are
+compared with ``bf16``'s (:func:`answer_agreement`): how many are the same token for token, and
+how long the common prefix is. On real weights and a real text a cache that breaks the model
+shows as short prefixes. It is no accuracy measurement (``foscar eval`` is): greedy answers part
+at the first near-tie of two tokens, and the engine batches the requests differently for each
+method (a smaller cache holds more at once), which can round differently even for the same cache.
+foscar's caches keep a request's first and latest tokens in BF16 windows (64 and 256 by
+default): a request shorter than the two together reads no quantized token, and its answers
+differ from ``bf16``'s only by BF16's rounding (on a CPU the engine's cache is float32) and the
+batching; prompts longer than that test the quantized tokens.
 
 Results: ``serve_bench.json`` (everything, with every request's times), ``serve_bench.md`` (the
 table) and ``serve_bench.png`` (the plot; needs matplotlib) under ``out``.
@@ -39,8 +52,10 @@ import torch
 
 __all__ = [
     "DEFAULT_TRACE",
+    "RANDOM_PROMPTS",
     "TraceRequest",
     "TraceSpec",
+    "answer_agreement",
     "make_trace",
     "not_measured",
     "replay",
@@ -83,6 +98,8 @@ class TraceSpec:
 
 #: the trace ``foscar bench --serve`` replays by default (sized for a GPU)
 DEFAULT_TRACE = TraceSpec()
+#: what a trace's prompts are where its results name no text (``trace["prompts"]``)
+RANDOM_PROMPTS = "random token ids"
 
 
 @dataclass(frozen=True)
@@ -97,21 +114,47 @@ class TraceRequest:
 
 
 def make_trace(
-    spec: TraceSpec, vocab_size: int, *, avoid: Sequence[int] = ()
+    spec: TraceSpec,
+    vocab_size: int,
+    *,
+    avoid: Sequence[int] = (),
+    text_ids: Sequence[int] | None = None,
 ) -> list[TraceRequest]:
-    """The requests of ``spec`` (the same for the same seed on every machine: Python's
-    ``random``), prompt ids drawn from ``[0, vocab_size)`` less ``avoid`` (special tokens)."""
+    """The requests of ``spec``, the same for the same seed on every machine (Python's
+    ``random``).
+
+    Prompts are windows of ``text_ids`` (a real text's token ids), each at an offset uniform over
+    the windows of its length that fit in the text; without ``text_ids``, random ids drawn from
+    ``[0, vocab_size)`` less ``avoid`` (special tokens). Raises ``ValueError`` where the text is
+    shorter than the longest prompt or holds ids outside ``[0, vocab_size)``.
+    """
     rng = random.Random(spec.seed)
-    banned = set(avoid)
-    pool = [t for t in range(vocab_size) if t not in banned]
-    if not pool:
-        raise ValueError(f"vocab_size={vocab_size} leaves no token outside avoid")
+    if text_ids is None:
+        banned = set(avoid)
+        pool = [t for t in range(vocab_size) if t not in banned]
+        if not pool:
+            raise ValueError(f"vocab_size={vocab_size} leaves no token outside avoid")
+    else:
+        text = tuple(text_ids)
+        if len(text) < spec.prompt_tokens[1]:
+            raise ValueError(
+                f"text_ids holds {len(text)} tokens, fewer than the longest prompt's "
+                f"{spec.prompt_tokens[1]}"
+            )
+        if min(text) < 0 or max(text) >= vocab_size:
+            raise ValueError(f"text_ids holds ids outside [0, {vocab_size})")
     clock = 0.0
     trace = []
     for i in range(spec.num_requests):
         if spec.rate > 0 and i:
             clock += rng.expovariate(spec.rate)
-        prompt = tuple(rng.choice(pool) for _ in range(rng.randint(*spec.prompt_tokens)))
+        # random ids: the draws of earlier results (length, then each id), so they reproduce
+        length = rng.randint(*spec.prompt_tokens)
+        if text_ids is None:
+            prompt = tuple(rng.choice(pool) for _ in range(length))
+        else:
+            start = rng.randint(0, len(text) - length)
+            prompt = text[start : start + length]
         trace.append(TraceRequest(i, clock, prompt, rng.randint(*spec.output_tokens)))
     return trace
 
@@ -120,8 +163,9 @@ def replay(manager, trace: Sequence[TraceRequest], *, max_seconds: float = 600.0
            clock: Callable[[], float] = time.perf_counter) -> list[dict]:
     """Send ``trace`` through a started ``manager`` at its arrival times; returns a record per
     request: ``arrival``, ``first_token``, ``finish`` (seconds after the trace's start; None if
-    it never came), ``prompt_tokens``, ``output_tokens`` (generated), ``target_tokens`` and
-    ``error``. Gives up ``max_seconds`` after the start (the requests left are cancelled)."""
+    it never came), ``prompt_tokens``, ``output_tokens`` (generated), ``target_tokens``,
+    ``answer`` (the generated token ids) and ``error``. Gives up ``max_seconds`` after the start
+    (the requests left are cancelled)."""
     records = {
         f"trace-{r.index}": {
             "index": r.index,
@@ -131,6 +175,7 @@ def replay(manager, trace: Sequence[TraceRequest], *, max_seconds: float = 600.0
             "prompt_tokens": len(r.prompt),
             "output_tokens": 0,
             "target_tokens": r.output_tokens,
+            "answer": [],
             "error": None,
         }
         for r in trace
@@ -190,6 +235,7 @@ def replay(manager, trace: Sequence[TraceRequest], *, max_seconds: float = 600.0
         if tokens and record["first_token"] is None:
             record["first_token"] = now
         record["output_tokens"] = tokens
+        record["answer"] = list(output.generated_tokens)
         if output.error is not None:
             record["error"] = str(output.error)
             open_ids.discard(output.request_id)
@@ -211,11 +257,16 @@ def _percentile(values: Sequence[float], q: float) -> float | None:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
 
 
+def _complete(record: dict) -> bool:
+    """Finished without an error, every target token generated."""
+    return (record["finish"] is not None and record["error"] is None
+            and record["output_tokens"] >= record["target_tokens"])
+
+
 def summarize(records: Sequence[dict]) -> dict:
     """Throughput, TTFT and TPOT (median and p99) of ``replay``'s records; only complete requests
     (every target token generated) count."""
-    done = [r for r in records if r["finish"] is not None and r["error"] is None
-            and r["output_tokens"] >= r["target_tokens"]]
+    done = [r for r in records if _complete(r)]
     ttft = [r["first_token"] - r["arrival"] for r in done]
     tpot = [
         (r["finish"] - r["first_token"]) / (r["output_tokens"] - 1)
@@ -237,6 +288,48 @@ def summarize(records: Sequence[dict]) -> dict:
         "ttft_p99_s": _percentile(ttft, 99),
         "tpot_median_s": _percentile(tpot, 50),
         "tpot_p99_s": _percentile(tpot, 99),
+    }
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Tokens before the first place ``a`` and ``b`` differ."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def answer_agreement(method: dict, reference: dict) -> dict | None:
+    """How the answers of ``method`` compare with those of ``reference`` (two of
+    :func:`run_method`'s results over the same trace; the reference is ``bf16``), over the
+    requests complete in both.
+
+    Returns ``identical`` (answers equal token for token), ``compared`` (requests complete in
+    both), ``prefix_median`` and ``prefix_min`` (tokens before the first difference; None when
+    nothing was compared) and ``prefix_share_median`` (that prefix over the reference answer's
+    length). None where either was not measured or its records hold no answers (results
+    written before answers were recorded).
+
+    Example: answers ``[5, 6, 7]`` and ``[5, 6, 9]`` share a prefix of 2 tokens, a share of 2/3.
+    """
+    if not_measured(method) or not_measured(reference):
+        return None
+    runs = (method.get("records"), reference.get("records"))
+    if any(records is None or any("answer" not in r for r in records) for records in runs):
+        return None
+    expected = {r["index"]: r["answer"] for r in reference["records"] if _complete(r)}
+    pairs = [(r["answer"], expected[r["index"]]) for r in method["records"]
+             if _complete(r) and r["index"] in expected]
+    prefixes = [_common_prefix(a, b) for a, b in pairs]
+    shares = [p / len(b) if b else 1.0 for p, (_, b) in zip(prefixes, pairs)]
+    return {
+        "identical": sum(a == b for a, b in pairs),
+        "compared": len(pairs),
+        "prefix_median": _percentile(prefixes, 50),
+        "prefix_min": min(prefixes, default=None),
+        "prefix_share_median": _percentile(shares, 50),
     }
 
 
@@ -340,12 +433,18 @@ def run_benchmark(model, kvs: Sequence, spec: TraceSpec, *, out: str | Path | No
                   model_name: str = "model", memory_bytes: int | None = None,
                   block_size: int | None = None, max_seconds: float = 600.0,
                   cuda_graphs: bool | None = None, request_tokens: int | None = None,
+                  prompt_text_ids: Sequence[int] | None = None,
+                  prompt_text_name: str | None = None,
                   name: str = "serve_bench", log: Callable[[str], None] = print) -> dict:
     """Replay the trace of ``spec`` for each KV cache of ``kvs`` (``build_manager``'s ``kv``
     values) on ``model``; writes ``<name>.{json,md,png}`` under ``out`` (None: no files) after
     every method and returns the results (``methods``: one dict per KV cache, in order; a
     refused or failed one holds its reason, :func:`not_measured`). ``cuda_graphs`` and
-    ``request_tokens`` go to every method's ``build_manager``."""
+    ``request_tokens`` go to every method's ``build_manager``.
+
+    ``prompt_text_ids``: the token ids of a real text whose windows are the prompts
+    (:func:`make_trace`), named ``prompt_text_name`` in ``trace["prompts"]``; None: random ids,
+    and the trace records no ``prompts`` (:data:`RANDOM_PROMPTS`)."""
     from .kv_spec import resolve_kv
 
     if not kvs:
@@ -353,7 +452,7 @@ def run_benchmark(model, kvs: Sequence, spec: TraceSpec, *, out: str | Path | No
     text = model.config.get_text_config()
     avoid = [t for t in (getattr(text, name, None) for name in
                          ("bos_token_id", "eos_token_id", "pad_token_id")) if isinstance(t, int)]
-    trace = make_trace(spec, text.vocab_size, avoid=avoid)
+    trace = make_trace(spec, text.vocab_size, avoid=avoid, text_ids=prompt_text_ids)
     if memory_bytes is None:
         memory_bytes = default_memory_bytes(model, spec, trace)
     if out is not None:
@@ -369,6 +468,12 @@ def run_benchmark(model, kvs: Sequence, spec: TraceSpec, *, out: str | Path | No
         "cuda_graphs": cuda_graphs,
         "methods": [],
     }
+    if prompt_text_ids is not None:
+        # only for a text: a random trace records what earlier results did, so that
+        # benchmarks/tools/serve_random_model.py --merge still finds their runs the same trace
+        results["trace"]["prompts"] = (
+            prompt_text_name or f"a text of {len(prompt_text_ids)} tokens"
+        )
     for kv in kvs:
         label = resolve_kv(kv, num_layers=text.num_hidden_layers,
                            head_dim=getattr(text, "head_dim", None)
@@ -382,7 +487,10 @@ def run_benchmark(model, kvs: Sequence, spec: TraceSpec, *, out: str | Path | No
         result["kv"] = label
         result["seconds"] = time.perf_counter() - start
         results["methods"].append(result)
-        log(f"{label}: {_summary_line(result)} ({result['seconds']:.1f} s)")
+        agreement = _agreement_text(result, _reference(results["methods"]))
+        log(f"{label}: {_summary_line(result)}"
+            + (f", same answer as bf16: {agreement}" if agreement else "")
+            + f" ({result['seconds']:.1f} s)")
         if out is not None:
             write_results(results, out, name)
     if out is not None:
@@ -429,9 +537,35 @@ def _graphs_text(cuda_graphs: bool | None) -> str:
     return f" The engine's CUDA graphs: {'on' if cuda_graphs else 'off'} (asked of every method)."
 
 
+def _reference(methods: Sequence[dict]) -> dict | None:
+    """The first measured ``bf16`` method: the answers the others are compared with."""
+    return next((m for m in methods if m["kv"] == "bf16" and not not_measured(m)), None)
+
+
+def _agreement_text(method: dict, reference: dict | None) -> str | None:
+    """``"3/4, median prefix 12 tokens (75%)"``; None for the reference itself, or where
+    :func:`answer_agreement` gives None."""
+    if reference is None or method is reference:
+        return None
+    a = answer_agreement(method, reference)
+    if a is None:
+        return None
+    if not a["compared"]:
+        return "0/0"
+    return (f"{a['identical']}/{a['compared']}, median prefix {a['prefix_median']:g} tokens "
+            f"({a['prefix_share_median']:.0%})")
+
+
 def markdown(results: dict) -> str:
-    """The results as a Markdown table, with the conditions above it."""
+    """The results as a Markdown table, with the conditions above it. With a measured ``bf16``
+    method, a column compares every other method's answers with its (:func:`answer_agreement`;
+    none for results without answers)."""
     env, trace = results["env"], results["trace"]
+    methods = results["methods"]
+    reference = _reference(methods)
+    agreement = {id(m): _agreement_text(m, reference) for m in methods}
+    compared = any(agreement.values())
+    prompts = trace.get("prompts")
     lines = [
         f"# Serving benchmark: {results['model']}",
         "",
@@ -441,18 +575,20 @@ def markdown(results: dict) -> str:
         + (f"Poisson arrivals at {trace['rate']}/s" if trace["rate"] else "all at once")
         + f", prompts {trace['prompt_tokens'][0]}-{trace['prompt_tokens'][1]} tokens, answers "
         f"{trace['output_tokens'][0]}-{trace['output_tokens'][1]} tokens (seed {trace['seed']}; "
-        f"{trace['prompt_tokens_total']} prompt and {trace['answer_tokens']} answer tokens).",
+        f"{trace['prompt_tokens_total']} prompt and {trace['answer_tokens']} answer tokens). "
+        f"Prompts: {f'windows of {prompts}' if prompts else RANDOM_PROMPTS}.",
         f"KV memory of every method: {results['memory_bytes'] / 1e9:.3f} GB. bf16 is the "
         f"engine's own paged cache, in the model's dtype ({results['engine_cache_dtype']})."
         + _graphs_text(results.get("cuda_graphs")),
         "",
         "| KV cache | done | answer tok/s | all tok/s | TTFT median (ms) | TTFT p99 (ms) | "
-        "TPOT median (ms) | TPOT p99 (ms) | peak requests | pool tokens | bytes/token |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "TPOT median (ms) | TPOT p99 (ms) | peak requests | pool tokens | bytes/token |"
+        + (" same answer as bf16 |" if compared else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if compared else ""),
     ]
-    for m in results["methods"]:
+    for m in methods:
         if not_measured(m):
-            lines.append(f"| {m['kv']} | {not_measured(m)} |" + " |" * 9)
+            lines.append(f"| {m['kv']} | {not_measured(m)} |" + " |" * (10 if compared else 9))
             continue
         pool = m["pool"]
         lines.append(
@@ -461,21 +597,27 @@ def markdown(results: dict) -> str:
             f"| {_fmt(m['ttft_p99_s'], 1e3, 0)} | {_fmt(m['tpot_median_s'], 1e3, 1)} "
             f"| {_fmt(m['tpot_p99_s'], 1e3, 1)} | {m['peak_concurrent_requests']} "
             f"| {pool['max_tokens']} | {pool['bytes_per_token']:.0f} |"
+            + (f" {agreement[id(m)] or '-'} |" if compared else "")
         )
-    if any("device_peak_bytes" in m for m in results["methods"]):
+    if any("device_peak_bytes" in m for m in methods):
         lines += ["", "Device peak memory: " + ", ".join(
-            f"{m['kv']} {m['device_peak_bytes'] / 2**30:.2f} GiB" for m in results["methods"]
+            f"{m['kv']} {m['device_peak_bytes'] / 2**30:.2f} GiB" for m in methods
             if "device_peak_bytes" in m) + "."]
-    if attention_line(results["methods"]):
-        lines += ["", attention_line(results["methods"])]
+    if attention_line(methods):
+        lines += ["", attention_line(methods)]
     lines += [
         "",
         "TTFT: arrival to first answer token; TPOT: first to last answer token over the tokens "
-        "between; peak requests: most requests holding KV blocks at once. Reproduce: `foscar "
-        f"bench --serve --serve-kv {' '.join(m['kv'] for m in results['methods'])} "
+        "between; peak requests: most requests holding KV blocks at once."
+        + (" Same answer as bf16: of the requests complete in both, those whose greedy answer "
+           "equals bf16's token for token; median prefix: tokens before the first difference "
+           "(and their share of the answer)." if compared else "")
+        + " Reproduce: `foscar "
+        f"bench --serve --serve-kv {' '.join(m['kv'] for m in methods)} "
         f"--serve-requests {trace['num_requests']} --serve-rate {trace['rate']} "
         f"--serve-prompt-tokens {trace['prompt_tokens'][0]} {trace['prompt_tokens'][1]} "
         f"--serve-output-tokens {trace['output_tokens'][0]} {trace['output_tokens'][1]} "
+        f"--serve-prompts {'text' if prompts else 'random'} "
         f"--serve-seed {trace['seed']} --serve-memory-gb {results['memory_bytes'] / 1e9:.6g}`.",
     ]
     return "\n".join(lines) + "\n"
