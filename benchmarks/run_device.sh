@@ -22,9 +22,9 @@
 #                  BF16 / INT4 / INT2, and how many greedy answers equal BF16's -> serve_smollm2.*
 #   eval           foscar eval on SmolLM2-135M: BF16, OSCAR INT4, the mixed INT2/INT4 recipes
 #                                                                -> eval_smollm2.*
-#   eval-e4m3      foscar eval --backends gluon gluon-e4m3 on --model PATH (a .gguf file; the
-#                  E4M3 operands need head_dim 128): INT4, INT2 + windows, OSCAR INT4 and the
-#                  15:10 recipe through each backend                  -> eval_e4m3.*
+#   eval-e4m3      foscar eval --backends gluon gluon-e4m3 (the E4M3 operands need head_dim
+#                  128): SmolLM2 with heads zero-padded to 128 (INT4, INT2 + windows), or
+#                  --model PATH of a head_dim-128 model (and OSCAR rows)  -> eval_e4m3.*
 #   tune           the Triton kernel's launch-config sweep       -> tune.json, tune.log
 #
 # (.* = .md, .json and .png.)
@@ -307,18 +307,22 @@ EOF
     ;;
   eval-e4m3)
     # every quantized row through the Gluon kernel twice: bf16 operands, then E4M3 ones (the
-    # BF16 rows once); sized for about 6 minutes on an H100 (10 depths, 32 windows per prefix)
-    if [[ " $* " != *" --model "* ]]; then
-      echo "run_device.sh eval-e4m3: needs --model PATH (a .gguf file or HF folder of a model" \
-        "with head_dim 128: the E4M3 operand path covers no other)" >&2
-      exit 2
+    # BF16 rows once). The E4M3 operands cover head_dim 128 only: --model PATH of such a model
+    # (INT4, INT2 + windows, OSCAR INT4 and the 15:10 recipe), or by default SmolLM2 with its
+    # heads zero-padded from 64 to 128 channels (the same model in exact arithmetic; INT4 and
+    # INT2 rows, no OSCAR); sized for about 6 minutes on an H100
+    if [[ " $* " == *" --model "* ]]; then
+      rows=(--oscar --oscar-gptq --oscar-context 8192 --oscar-int4-layers 15:10 --formats
+        'INT4 token min-max' 'INT2 token clipped + BF16 64/256' 'OSCAR INT4 + BF16 64/256'
+        'INT4 keys in 15 layers')
+    else
+      rows=(--pad-head-dim 128 --formats 'INT4 token min-max' 'INT4 token clipped'
+        'INT2 token clipped + BF16 64/256')
     fi
-    logged eval_e4m3.log python3 -m foscar eval --backends gluon gluon-e4m3 --oscar \
-      --oscar-gptq --oscar-context 8192 --oscar-int4-layers 15:10 --formats \
-      'INT4 token min-max' 'INT2 token clipped + BF16 64/256' 'OSCAR INT4 + BF16 64/256' \
-      'INT4 keys in 15 layers' --metrics ppl needle --ppl-prefixes 4096 8192 \
-      --ppl-windows 4096:32x60 8192:32x60 --needle-lengths 2048 4096 8192 \
-      --needle-depths $(seq 0.05 0.1 0.95) --out "$OUT" --name eval_e4m3 "$@"
+    logged eval_e4m3.log python3 -m foscar eval --backends gluon gluon-e4m3 "${rows[@]}" \
+      --metrics ppl needle --ppl-prefixes 4096 8192 --ppl-windows 4096:32x60 8192:32x60 \
+      --needle-lengths 2048 4096 8192 --needle-depths $(seq 0.05 0.1 0.95) --out "$OUT" \
+      --name eval_e4m3 "$@"
     status=$?
     ;;
   tune)

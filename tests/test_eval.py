@@ -490,3 +490,86 @@ def test_backend_runs_leave_out_the_pairs_a_backend_does_not_cover():
     fmt64 = {"token": KVFormat(QuantFormat(2, "token", 64), QuantFormat(2, "token", 64))}
     with pytest.raises(ValueError, match="--backends gluon-e4m3 covers none .* head_dim 128"):
         harness.backend_runs(["token"], fmt64, ["gluon", "gluon-e4m3"], cfg, 64)
+
+
+# ---------------------------------------------------------------------------- --pad-head-dim
+@torch.no_grad()
+@pytest.mark.parametrize("head_dim,new_dim,kv_heads", [(32, 64, 2), (32, 128, 4), (16, 32, 1)])
+def test_padded_heads_compute_what_the_model_did(head_dim, new_dim, kv_heads):
+    """pad_head_dim: the same logits (fp32, a 300-token input, RoPE at every position), heads
+    of new_dim, the real channels where RoPE turns them as before, the added ones zero."""
+    from foscar.eval.model import _padded_channels, pad_head_dim
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=4 * head_dim, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=kv_heads,
+                      head_dim=head_dim, max_position_embeddings=512)  # fmt: skip
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 96, (2, 300))
+    want = model(ids).logits
+    captured = {}
+    pad_head_dim(model, new_dim)
+    attn = model.model.layers[0].self_attn
+    hook = attn.k_proj.register_forward_hook(lambda m, i, o: captured.setdefault("k", o))
+    got = model(ids).logits
+    hook.remove()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert model.config.head_dim == new_dim and attn.scaling == head_dim**-0.5
+    assert attn.k_proj.weight.shape == (kv_heads * new_dim, 4 * head_dim)
+    k = captured["k"].reshape(2, 300, kv_heads, new_dim)
+    real = torch.zeros(new_dim, dtype=torch.bool)
+    real[_padded_channels(head_dim, new_dim)] = True
+    assert real.sum() == head_dim and (k[..., ~real] == 0).all() and (k[..., real] != 0).any()
+
+
+def test_padding_refuses_what_it_cannot_keep_exact():
+    """A new_dim that is no multiple of head_dim of at least twice it, a RoPE other than the
+    default, a model with q/k norms: a ValueError naming what is wrong, the model untouched."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from foscar.eval.model import pad_head_dim
+
+    model = _tiny()  # head_dim 32
+    before = model.model.layers[0].self_attn.q_proj.weight.clone()
+    for new_dim in (32, 48, 16):
+        says = f"multiple of the model's head_dim \\(32\\).*{new_dim}"
+        with pytest.raises(ValueError, match=says):
+            pad_head_dim(model, new_dim)
+    assert torch.equal(model.model.layers[0].self_attn.q_proj.weight, before)
+    scaled = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1,
+                         rope_scaling={"rope_type": "linear", "factor": 2.0})  # fmt: skip
+    with pytest.raises(ValueError, match="default RoPE only, not 'linear'"):
+        pad_head_dim(LlamaForCausalLM(scaled), 64)
+    qwen = Qwen3Config(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=32)  # fmt: skip
+    with pytest.raises(ValueError, match="no q/k norms"):
+        pad_head_dim(Qwen3ForCausalLM(qwen), 64)
+
+
+def test_eval_with_padded_heads_scores_as_the_model_does(toy_setup, tmp_path, capsys):
+    """foscar eval --pad-head-dim: the BF16 rows score what they score unpadded, the quantized
+    rows store heads of the new size (groups of its channels), the results name the padding;
+    a size the model cannot take, or --oscar beside it, is one error line."""
+    from foscar.commands.main import main
+
+    base = ["--model", str(toy_setup / "model"), "--text", str(toy_setup / "eval.txt"),
+            "--device", "cpu", "--metrics", "ppl", "--ppl-prefixes", "64", "--ppl-tokens", "3",
+            "--calibration-tokens", "96", "--formats", "INT4 token min"]  # fmt: skip
+    plain = _evaluate(_parser().parse_args(base))
+    padded = _evaluate(_parser().parse_args([*base, "--pad-head-dim", "64"]))
+    p_rows = {r["format"]: r for r in plain["rows"]}
+    rows = {r["format"]: r for r in padded["rows"]}
+    for name in ("FP32", "BF16"):
+        assert abs(rows[name]["ppl"]["64"] / p_rows[name]["ppl"]["64"] - 1) < 1e-3
+    assert "zero-padded to 64 channels" in padded["config"]["model"]
+    # groups of 64 channels, 32 of them zero: fp32 scales and offsets per 64 values
+    assert rows["INT4 token min-max"]["bits_per_element"] == 4 + 64 / 64
+    assert p_rows["INT4 token min-max"]["bits_per_element"] == 4 + 64 / 32
+    for extra, says in ((["--pad-head-dim", "48"], "--pad-head-dim 48: new_dim must be a multiple"),
+                        (["--pad-head-dim", "64", "--oscar"], "does not go with --oscar")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["eval", *base, "--out", str(tmp_path), *extra])
+        captured = capsys.readouterr()
+        assert exit_info.value.code == 2 and "Traceback" not in captured.err
+        assert says in captured.err.strip().splitlines()[-1]

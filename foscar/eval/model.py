@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["SMOLLM2_GGUF", "smollm2_folder", "load_model"]
+__all__ = ["SMOLLM2_GGUF", "smollm2_folder", "load_model", "pad_head_dim"]
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -80,3 +80,75 @@ def load_model(path: str | os.PathLike | None = None, *, dtype: torch.dtype = to
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
     return model, tok
+
+
+def _padded_channels(head_dim: int, new_dim: int) -> torch.Tensor:
+    """Where each of a head's ``head_dim`` channels goes in a head of ``new_dim`` channels so
+    that rotate-half RoPE over ``new_dim`` rotates it as RoPE over ``head_dim`` did: channel
+    ``i`` (and its partner ``i + head_dim/2``) at ``i * r`` (and ``i * r + new_dim/2``), with
+    ``r = new_dim / head_dim``; RoPE's frequency of pair ``j`` of ``new_dim`` is then the old
+    one of pair ``i``. The other channels stay zero."""
+    half, ratio = head_dim // 2, new_dim // head_dim
+    first = torch.arange(half) * ratio
+    return torch.cat([first, first + new_dim // 2])
+
+
+@torch.no_grad()
+def pad_head_dim(model, new_dim: int):
+    """Give a Llama-architecture ``model`` (rotate-half RoPE of the default type, no q/k norms)
+    heads of ``new_dim`` channels that compute what its heads did: its queries, keys and values
+    gain zero channels (placed so RoPE rotates the real ones as before, see
+    :func:`_padded_channels`), ``o_proj`` reads the real ones, and the attention keeps its
+    softmax scale. In exact arithmetic the model is unchanged; a KV cache then stores heads of
+    ``new_dim``, e.g. SmolLM2's 64 padded to the 128 that the Gluon kernel's E4M3 operands need
+    (each token-wise group of 128 channels holds the 64 real values and 64 zeros). Modifies the
+    model in place and returns it.
+
+    Raises ``ValueError`` (naming ``new_dim``) unless ``new_dim`` is a multiple of the head
+    size of at least twice it, or for a model of another RoPE or architecture.
+    """
+    cfg = model.config.get_text_config(decoder=True)
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    if new_dim < 2 * head_dim or new_dim % head_dim or head_dim % 2:
+        raise ValueError(
+            f"new_dim must be a multiple of the model's head_dim ({head_dim}) of at least twice "
+            f"it, got {new_dim}"
+        )
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"pad_head_dim covers the default RoPE only, not {rope['rope_type']!r}")
+    layers = [m for m in model.modules() if all(hasattr(m, a) for a in
+                                                ("q_proj", "k_proj", "v_proj", "o_proj"))]
+    rotary = [m for m in model.modules() if hasattr(m, "inv_freq")]
+    if not layers or len(rotary) != 1 or any(hasattr(m, "q_norm") for m in layers):
+        raise ValueError(
+            "pad_head_dim covers Llama-architecture models (q/k/v/o projections, one rotary "
+            "embedding, no q/k norms)"
+        )
+    where = _padded_channels(head_dim, new_dim)
+
+    def rows(weight, n_heads):  # [n_heads * head_dim, ...] -> [n_heads * new_dim, ...]
+        out = weight.new_zeros(n_heads, new_dim, *weight.shape[1:])
+        out[:, where] = weight.reshape(n_heads, head_dim, *weight.shape[1:])
+        return out.reshape(n_heads * new_dim, *weight.shape[1:])
+
+    for attn in layers:
+        for name, n_heads in (("q_proj", heads), ("k_proj", kv_heads), ("v_proj", kv_heads)):
+            lin = getattr(attn, name)
+            lin.weight = torch.nn.Parameter(rows(lin.weight, n_heads), requires_grad=False)
+            if lin.bias is not None:
+                lin.bias = torch.nn.Parameter(rows(lin.bias, n_heads), requires_grad=False)
+            lin.out_features = n_heads * new_dim
+        o = attn.o_proj
+        o.weight = torch.nn.Parameter(rows(o.weight.T, heads).T.contiguous(), requires_grad=False)
+        o.in_features = heads * new_dim
+        attn.head_dim = new_dim  # the scale (attn.scaling) stays the old head_dim's
+    emb = rotary[0]
+    # pair j of new_dim turns at the old pair j // ratio's frequency: exact for the real pairs
+    # (j = i * ratio), and the zero channels' pairs turn nothing
+    emb.inv_freq = emb.inv_freq.repeat_interleave(new_dim // head_dim)
+    if hasattr(emb, "original_inv_freq"):
+        emb.original_inv_freq = emb.inv_freq
+    cfg.head_dim = new_dim
+    return model
