@@ -573,3 +573,40 @@ def test_eval_with_padded_heads_scores_as_the_model_does(toy_setup, tmp_path, ca
         captured = capsys.readouterr()
         assert exit_info.value.code == 2 and "Traceback" not in captured.err
         assert says in captured.err.strip().splitlines()[-1]
+
+
+def test_backends_table_pairs_each_backend_with_the_first_over_the_same_positions(tmp_path):
+    """The later backends' rows of a format against the first backend's, paired position by
+    position: a constant NLL difference d gives exp(d) - 1 with a zero-width interval; a run
+    without --backends writes no such table."""
+    from foscar.eval.report import backends_table
+
+    def row(fmt, backend, nll):
+        return {"format": fmt, "backend": backend, "short": fmt, "bits_per_element": 4.5,
+                "ppl": {"64": math.exp(sum(nll) / len(nll))}, "nll": {"64": nll}}  # fmt: skip
+
+    base = [1.0, 2.0, 3.0, 4.0]
+    result = {
+        "config": {"ppl_prefixes": [64], "backends": {"named": ["gluon", "gluon-e4m3"]},
+                   "model": "toy"},  # fmt: skip
+        "rows": [
+            {"format": "BF16", "short": "BF16", "bits_per_element": 16.0,
+             "ppl": {"64": 10.0}, "nll": {"64": [x - 1 for x in base]}},  # fmt: skip
+            row("INT4 token min-max", "gluon", base),
+            row("INT4 token min-max", "gluon-e4m3", [x + 0.1 for x in base]),
+            row("INT2 token clipped", "gluon", base),
+            row("INT2 token clipped", "gluon-e4m3", [x - 0.2 for x in base]),
+        ],
+    }
+    table = backends_table(result)
+    lines = table.splitlines()
+    assert lines[0] == "| format | backends | PPL 64 gap |" and len(lines) == 4
+    up, down = 100 * (math.exp(0.1) - 1), 100 * (math.exp(-0.2) - 1)
+    assert lines[2] == (f"| INT4 token min-max | gluon-e4m3 against gluon | {up:+.1f}% "
+                        f"[{up:+.1f}, {up:+.1f}] |")  # fmt: skip
+    assert lines[3].startswith(f"| INT2 token clipped | gluon-e4m3 against gluon | {down:+.1f}%")
+    assert table in write_results(result, tmp_path, "pairs")["md"].read_text()
+    result["config"]["backends"] = {}
+    for r in result["rows"]:
+        r.pop("backend", None)
+    assert backends_table(result) == ""

@@ -221,6 +221,11 @@ def test_markdown_compares_answers_with_bf16_and_names_the_prompts():
     assert rows[4].startswith("| int4 | refused: no graphs |")
     assert "Prompts: windows of a text, tokens from 5." in table
     assert "--serve-prompts text " in table
+    # an OSCAR file's row is labelled by its name, reproduced by the path it was given as
+    oscar = {**int2, "kv": "oscar-recipe", "kv_arg": "calib/recipe.safetensors"}
+    table = bench.markdown(_results([reference, oscar]))
+    assert "| oscar-recipe | 4/4 |" in table
+    assert "--serve-kv bf16 calib/recipe.safetensors --serve-requests" in table
     # without a measured bf16, or with records of before answers were kept: no column
     for methods in ([int2, refused],
                     [reference, _method("int2", _older_records(BF16_ANSWERS))]):

@@ -130,6 +130,35 @@ def markdown_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def backends_table(result: dict) -> str:
+    """For a ``--backends`` run: each format's rows through the later backends against its row
+    through the first, perplexity gap and 95% interval paired over the same scored positions
+    (what a backend's arithmetic costs, apart from what the format costs); "" for any other
+    run."""
+    rows = [r for r in result["rows"] if r.get("backend") and "ppl" in r]
+    named = result["config"].get("backends", {}).get("named") or []
+    prefixes = [str(n) for n in result["config"].get("ppl_prefixes", [])]
+    lines = []
+    for r in rows:
+        first = next((b for b in rows if b["format"] == r["format"] and b is not r
+                      and named and b["backend"] == named[0]), None)
+        if first is None or r["backend"] == named[0]:
+            continue
+        cells = []
+        for n in prefixes:
+            if n in r["ppl"] and n in first["ppl"]:
+                gap, low, high = nll_gap(r, first, n)
+                cells.append(f"{gap:+.1f}% [{low:+.1f}, {high:+.1f}]")
+            else:
+                cells.append("")
+        lines.append(f"| {r['format']} | {r['backend']} against {first['backend']} | "
+                     + " | ".join(cells) + " |")
+    if not lines:
+        return ""
+    head = ["format", "backends"] + [f"PPL {_k(int(n))} gap" for n in prefixes]
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *lines])
+
+
 def _load_text(result: dict) -> str:
     load = result.get("load_average")
     if load:
@@ -283,6 +312,18 @@ def write_results(result: dict, out_dir: str | Path, name: str) -> dict[str, Pat
         "",
         markdown_table(result),
         "",
+    ]
+    pairs = backends_table(result)
+    if pairs:
+        lines += [
+            "Backends against each other, paired over the same scored positions (perplexity "
+            "gap and its 95% interval): what a backend's arithmetic costs apart from its "
+            "format's quantization.",
+            "",
+            pairs,
+            "",
+        ]
+    lines += [
         "Sizes of this run: " + cfg.get("sizes", ""),
         "",
         "Texts: " + "; ".join(f"{k}: {v}" for k, v in cfg.get("texts", {}).items()),

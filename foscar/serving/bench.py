@@ -485,6 +485,8 @@ def run_benchmark(model, kvs: Sequence, spec: TraceSpec, *, out: str | Path | No
                             max_seconds=max_seconds, cuda_graphs=cuda_graphs,
                             request_tokens=request_tokens)
         result["kv"] = label
+        if not isinstance(kv, str) or label != kv:  # an OSCAR file: the path it was given as
+            result["kv_arg"] = str(kv)
         result["seconds"] = time.perf_counter() - start
         results["methods"].append(result)
         agreement = _agreement_text(result, _reference(results["methods"]))
@@ -613,7 +615,7 @@ def markdown(results: dict) -> str:
            "equals bf16's token for token; median prefix: tokens before the first difference "
            "(and their share of the answer)." if compared else "")
         + " Reproduce: `foscar "
-        f"bench --serve --serve-kv {' '.join(m['kv'] for m in methods)} "
+        f"bench --serve --serve-kv {' '.join(m.get('kv_arg', m['kv']) for m in methods)} "
         f"--serve-requests {trace['num_requests']} --serve-rate {trace['rate']} "
         f"--serve-prompt-tokens {trace['prompt_tokens'][0]} {trace['prompt_tokens'][1]} "
         f"--serve-output-tokens {trace['output_tokens'][0]} {trace['output_tokens'][1]} "
