@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from foscar.results import results_json
 from foscar.serving import bench
 
 PRESETS = {
@@ -249,7 +250,7 @@ def fold_earlier(runs: list[dict], run: dict) -> list[dict]:
 
 
 def write_set(results: dict, out: Path, name: str) -> None:
-    (out / f"{name}.json").write_text(json.dumps(results, indent=1))
+    (out / f"{name}.json").write_text(results_json(results))
     (out / f"{name}.md").write_text(set_markdown(results))
     set_plot(results, out / f"{name}.png")
 

@@ -53,6 +53,7 @@ import torch
 from .. import __version__
 from ..cache import effective_bits
 from ..formats import KVFormat, QuantFormat
+from ..results import results_json
 
 __all__ = ["run_e2e", "build_model", "QWEN3_8B", "METHODS", "DEFAULT_METHODS"]
 
@@ -405,7 +406,7 @@ def plot(result: dict, path: Path) -> None:
 
 def _write(result: dict, out: Path, name: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / f"{name}.json").write_text(results_json(result))
     notes = "\n".join(f"- {n}" for n in result["notes"])
     (out / f"{name}.md").write_text(
         f"# foscar bench --e2e ({result['env'].get('gpu')})\n\n{notes}\n\n{markdown(result)}\n"

@@ -25,6 +25,7 @@ from .. import __version__
 from ..cache import QuantizedKVCache
 from ..decode import decode_attention
 from ..formats import KVFormat, QuantFormat
+from ..results import results_json
 from . import baselines
 from .timing import L2Flusher, bench_stats
 
@@ -405,7 +406,7 @@ def write_results(rows, env, out_dir: str, name: str) -> None:
     peak = peak_tbps(env.get("gpu"))
     speedups(rows, peak=peak)
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
-        json.dump({"environment": env, "peak_tbps": peak, "rows": rows}, f, indent=1)
+        f.write(results_json({"environment": env, "peak_tbps": peak, "rows": rows}))
     with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
         f.write(f"# {name}\n\n{json.dumps(env)}\n\n{markdown_table(rows, peak)}\n")
     try:

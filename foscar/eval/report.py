@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
 import textwrap
 import time
 from pathlib import Path
+
+from ..results import results_json
 
 __all__ = [
     "Progress",
@@ -305,7 +306,7 @@ def write_results(result: dict, out_dir: str | Path, name: str) -> dict[str, Pat
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / f"{name}.json", "md": out / f"{name}.md"}
-    paths["json"].write_text(json.dumps(result, indent=1) + "\n")
+    paths["json"].write_text(results_json(result))
     cfg = result["config"]
     lines = [
         f"# foscar eval: {cfg.get('model')}",

@@ -38,7 +38,6 @@ weights used on a CPU (the tables say which).
 
 from __future__ import annotations
 
-import json
 import math
 import platform
 import random
@@ -49,6 +48,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from ..results import results_json
 
 __all__ = [
     "DEFAULT_TRACE",
@@ -670,6 +671,6 @@ def plot(results: dict, path: Path) -> bool:
 
 def write_results(results: dict, out: Path, name: str = "serve_bench") -> None:
     """``<name>.json``, ``.md`` and ``.png`` under ``out``."""
-    (out / f"{name}.json").write_text(json.dumps(results, indent=1))
+    (out / f"{name}.json").write_text(results_json(results))
     (out / f"{name}.md").write_text(markdown(results))
     plot(results, out / f"{name}.png")
