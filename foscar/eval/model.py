@@ -100,12 +100,12 @@ def _padded_channels(head_dim: int, new_dim: int) -> torch.Tensor:
 def pad_head_dim(model, new_dim: int):
     """Give ``model`` (of :data:`PADDABLE_MODEL_TYPES`: rotate-half RoPE of the default type over
     whole heads, no q/k norms) heads of ``new_dim`` channels that compute what its heads did:
-    its queries, keys and values gain zero channels (placed so RoPE rotates the real ones as before, see
-    :func:`_padded_channels`), ``o_proj`` reads the real ones, and the attention keeps its
-    softmax scale. In exact arithmetic the model is unchanged; a KV cache then stores heads of
-    ``new_dim``, e.g. SmolLM2's 64 padded to the 128 that the Gluon kernel's E4M3 operands need
-    (each token-wise group of 128 channels holds the 64 real values and 64 zeros). Modifies the
-    model in place and returns it.
+    its queries, keys and values gain zero channels (placed so RoPE rotates the real ones as
+    before, see :func:`_padded_channels`), ``o_proj`` reads the real ones, and the attention
+    keeps its softmax scale. In exact arithmetic the model is unchanged; a KV cache then stores
+    heads of ``new_dim``, e.g. SmolLM2's 64 padded to the 128 that the Gluon kernel's E4M3
+    operands need (each token-wise group of 128 channels holds the 64 real values and 64 zeros).
+    Modifies the model in place and returns it.
 
     Raises ``ValueError`` before any change unless ``new_dim`` is a multiple of the head size of
     at least twice it and the model is one of :data:`PADDABLE_MODEL_TYPES` with the default
