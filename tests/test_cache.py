@@ -190,6 +190,44 @@ def test_added_pages_follow_the_held_ones_and_are_checked_first():
     assert {4, 7, 9} <= cache.free_pages()
 
 
+def test_free_page_set_follows_every_change_of_the_pool():
+    """The free pages as a set (page_is_free, free_pages) equal the free stack after explicit
+    pages, added pages, appends that take pages, frees and a benchmark's reordering; the
+    reordering must list exactly the free pages."""
+    fmt = KVFormat(QuantFormat(2, "token", 64), QuantFormat(2, "token", 64))
+    cache = make_cache(fmt, num_pages=12, page_size=16)
+
+    def consistent():
+        stack = cache._free_pages
+        assert len(set(stack)) == len(stack) == cache.num_free_pages
+        assert cache.free_pages() == frozenset(stack)
+        assert [p for p in range(12) if cache.page_is_free(p)] == sorted(stack)
+
+    a = cache.add_sequence(pages=[5, 0])
+    consistent()
+    b = cache.add_sequence()
+    cache.append([a, b], torch.randn(70, H, D), torch.randn(70, H, D), [40, 30])  # pops 4
+    consistent()
+    cache.add_pages(b, [11])
+    cache.add_pages(b, [])
+    consistent()
+    assert not cache.page_is_free(11) and not cache.page_is_free(5)
+    cache.free(a)
+    consistent()
+    assert cache.page_is_free(5) and cache.page_is_free(0)
+    order = sorted(cache._free_pages)
+    cache._set_free_order(order)
+    consistent()
+    c = cache.add_sequence()
+    cache.append([c], torch.randn(20, H, D), torch.randn(20, H, D), [20])
+    assert cache.pages_of(c) == order[-1:-3:-1]  # the last listed is taken first
+    consistent()
+    for bad in (order[:-1], [*order, 99], [cache.pages_of(b)[0], *order[3:]]):
+        with pytest.raises(ValueError, match="every free page once"):
+            cache._set_free_order(bad)
+    consistent()
+
+
 def test_layers_share_pages_but_not_storage():
     fmt = KVFormat(QuantFormat(2, "token", 64), QuantFormat(2, "token", 64))
     cache = make_cache(fmt, num_layers=2)
@@ -234,15 +272,16 @@ def test_memory_stats_match_the_formula():
 # ---------------------------------------------------------------------------- bad input
 def snapshot(cache):
     tensors = [{k: t.clone() for k, t in st.tensors().items()} for st in cache.layers]
-    return tensors, list(cache._free_pages), list(cache._free_slots), copy.deepcopy(cache._seqs)
+    return (tensors, list(cache._free_pages), set(cache._free_set), list(cache._free_slots),
+            copy.deepcopy(cache._seqs))
 
 
 def assert_unchanged(cache, snap):
-    tensors, free_pages, free_slots, seqs = snap
+    tensors, free_pages, free_set, free_slots, seqs = snap
     for st, saved in zip(cache.layers, tensors):
         for k, t in st.tensors().items():
             assert torch.equal(t, saved[k]), k
-    assert cache._free_pages == free_pages
+    assert cache._free_pages == free_pages and cache._free_set == free_set
     assert cache._free_slots == free_slots
     assert cache._seqs == seqs
 

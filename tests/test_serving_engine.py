@@ -324,10 +324,22 @@ def _serve(manager, prompts, *, max_new=NEW_TOKENS, staggered=False):
     return serve_requests(manager, requests, staggered=staggered)
 
 
-def test_ragged_staggered_requests_match_foscar_cache(smollm2):
+def test_ragged_staggered_requests_match_foscar_cache(smollm2, monkeypatch):
     """Three prompts of different lengths, each arriving while the one before it generates, so
     that steps mix prefill and decode rows: each gets the tokens FoscarCache + greedy decoding
-    gives it alone, token for token; every page and slot is free afterwards."""
+    gives it alone, token for token; every page and slot is free afterwards; the engine never
+    lists read indices (foscar reads its own pages)."""
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    asked = []
+    engine_indices = PagedAttentionCache.extend_read_and_write_indices
+
+    def spy(self, request_id, past_length, query_length, read_index, write_index):
+        asked.append((past_length, read_index))
+        return engine_indices(self, request_id, past_length, query_length, read_index,
+                              write_index)
+
+    monkeypatch.setattr(PagedAttentionCache, "extend_read_and_write_indices", spy)
     model, tok = smollm2
     prompts = [_ids(tok, "The capital of France is a city where"), _ids(tok, "Colors:"),
                _ids(tok, "One sentence about the sea and the moon at night, written by a poet:")]
@@ -340,6 +352,7 @@ def test_ragged_staggered_requests_match_foscar_cache(smollm2):
     assert manager.kv_stats()["peak_concurrent_requests"] == 3
     paged = manager.cache.paged
     assert paged.live_requests == () and paged.cache.num_free_pages == paged.cache.num_pages
+    assert any(past for past, _ in asked) and all(read is None for _, read in asked)
 
 
 def test_chunked_prefill_per_layer_formats_match_extend_path(smollm2):

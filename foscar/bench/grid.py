@@ -85,7 +85,7 @@ def random_cache(fmt: KVFormat, batch: int, kv_len: int, shape: Shape, device, s
         check_finite=False,
     )
     g = torch.Generator(device=device).manual_seed(seed)
-    cache._free_pages = torch.randperm(pages, device=device, generator=g).tolist()
+    cache._set_free_order(torch.randperm(pages, device=device, generator=g).tolist())
     ids = [cache.add_sequence() for _ in range(batch)]
     for sid in ids:
         cache._assume_appended(sid, kv_len)

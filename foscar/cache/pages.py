@@ -161,7 +161,10 @@ class PageTable:
         self.page_size = page_size
         self.device = device
         self._windows = windows
-        self._free_pages: list[int] = list(range(num_pages - 1, -1, -1))  # pop() gives 0 first
+        # the free pages: a stack (pop() gives 0 first) and the same pages as a set, so that a
+        # serving step's checks cost its own pages, not the pool's
+        self._free_pages: list[int] = list(range(num_pages - 1, -1, -1))
+        self._free_set: set[int] = set(self._free_pages)
         self._free_slots: list[int] = list(range(max_seqs - 1, -1, -1))
         self._seqs: dict[object, SequenceState] = {}
         self._next_id = 0
@@ -173,6 +176,10 @@ class PageTable:
     @property
     def num_free_pages(self) -> int:
         return len(self._free_pages)
+
+    def page_is_free(self, page: int) -> bool:
+        """Whether pool page ``page`` is free (no sequence holds it)."""
+        return page in self._free_set
 
     @property
     def sequences(self) -> tuple:
@@ -201,7 +208,7 @@ class PageTable:
         if not self._free_slots:
             raise ValueError(f"max_seqs ({self.max_seqs}) sequences are already live")
         pages = self._check_pages(pages)
-        self._free_pages = [p for p in self._free_pages if p not in set(pages)]
+        self._take_free(pages)
         slot = self._free_slots.pop()
         self._seqs[seq_id] = SequenceState(
             slot=slot, pages=list(pages), lengths=[0] * self.num_layers
@@ -215,13 +222,31 @@ class PageTable:
         table lists the pages its tokens sit in, and those do not move."""
         seq = self._lookup(seq_id, "seq_id")
         pages = self._check_pages(pages)
-        taken = set(pages)
-        self._free_pages = [p for p in self._free_pages if p not in taken]
+        self._take_free(pages)
         seq.pages.extend(pages)
 
     def free_pages(self) -> frozenset[int]:
         """The pool pages no sequence holds."""
-        return frozenset(self._free_pages)
+        return frozenset(self._free_set)
+
+    def _take_free(self, pages: list[int]) -> None:
+        """Take checked free ``pages`` out of the free stack and set."""
+        if pages:
+            taken = set(pages)
+            self._free_pages = [p for p in self._free_pages if p not in taken]
+            self._free_set -= taken
+
+    def _pop_free(self) -> int:
+        page = self._free_pages.pop()
+        self._free_set.discard(page)
+        return page
+
+    def _set_free_order(self, order: list[int]) -> None:
+        """Benchmarks only: the order free pages are taken in (``order`` holds the free pages,
+        each once; the last is taken first), e.g. scattered over the pool."""
+        if len(order) != len(self._free_set) or set(order) != self._free_set:
+            raise ValueError("order must list every free page once")
+        self._free_pages = list(order)
 
     def _check_pages(self, pages) -> list[int]:
         if pages is None:
@@ -239,9 +264,8 @@ class PageTable:
                 )
         if len(set(pages)) != len(pages):
             raise ValueError(f"pages lists a page twice: {pages}")
-        free = set(self._free_pages)
         for i, p in enumerate(pages):
-            if p not in free:
+            if p not in self._free_set:
                 owner = next((s for s, q in self._seqs.items() if p in q.pages), None)
                 raise ValueError(f"pages[{i}] = {p} overlaps the pages of sequence {owner!r}")
         return pages
@@ -252,6 +276,7 @@ class PageTable:
         seq = self._lookup(seq_id, "seq_id")
         del self._seqs[seq_id]
         self._free_pages.extend(reversed(seq.pages))
+        self._free_set.update(seq.pages)
         self._free_slots.append(seq.slot)
         self._touch(range(self.num_layers))
         self._step_serial += 1
@@ -293,7 +318,7 @@ class PageTable:
     def _take_pages(self, seqs: list[SequenceState], need: list[int]) -> None:
         for s, n in zip(seqs, need):
             for _ in range(n):
-                s.pages.append(self._free_pages.pop())
+                s.pages.append(self._pop_free())
 
     def _assume_appended(self, seq_id, length: int) -> None:
         """Benchmarks only: mark ``length`` tokens of every layer present without writing them.
@@ -308,7 +333,7 @@ class PageTable:
                 f"page pool exhausted: {need} more pages needed, {len(self._free_pages)} free"
             )
         for _ in range(max(0, need)):
-            seq.pages.append(self._free_pages.pop())
+            seq.pages.append(self._pop_free())
         seq.lengths = [length] * self.num_layers
         self._touch(range(self.num_layers))
 

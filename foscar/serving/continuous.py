@@ -322,14 +322,17 @@ class FoscarPagedCache(_TrackedCache, PagedAttentionCache):
         raise NotImplementedError("a foscar cache cannot fork requests (num_return_sequences > 1)")
 
     # ------------------------------------------------------------------ a step
-    def extend_read_and_write_indices(self, request_id, past_length, query_length, *args, **kw):
+    def extend_read_and_write_indices(self, request_id, past_length, query_length, read_index,
+                                      write_index):
         if self._rows is None:
             self._rows = []
         self._rows.append(
             StepRow(request_id, past_length, query_length, self._block_ids(request_id))
         )
+        # no read indices: foscar attends from its own pages, and the engine would list one
+        # per context token of every row, in Python, at every step
         return super().extend_read_and_write_indices(
-            request_id, past_length, query_length, *args, **kw
+            request_id, past_length, query_length, None, write_index
         )
 
     def update(self, key_states, value_states, *args, **kwargs):

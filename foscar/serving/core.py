@@ -369,9 +369,9 @@ class PagedKV:
                                            else self.cache.pages_of(r.request_id))
             for r in rows
         }
-        free = self.cache.free_pages()
+        num_free = self.cache.num_free_pages
         wanted = [p for pages in new_pages.values() for p in pages]
-        bad = [p for p in wanted if p not in free]
+        bad = [p for p in wanted if not self.cache.page_is_free(p)]
         if bad or len(set(wanted)) != len(wanted):
             raise ValueError(
                 f"engine blocks {bad or wanted} are not free pool pages (held by another "
@@ -386,10 +386,10 @@ class PagedKV:
                 - len(self.cache.pages_of(rows[i].request_id)) - len(new_pages[rows[i].request_id]))
             for i in decode
         )
-        if short > len(free) - len(wanted):
+        if short > num_free - len(wanted):
             raise ValueError(
                 f"page pool exhausted: the decode rows need {short} more pages, "
-                f"{len(free) - len(wanted)} are free"
+                f"{num_free - len(wanted)} are free"
             )
         # ---- nothing below can fail
         for r in starts:
