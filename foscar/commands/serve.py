@@ -672,8 +672,8 @@ def _evaluation_text_ids(tokenizer) -> tuple[list[int], str]:
     from ..eval import texts
 
     ref = texts.python_reference()
-    ids = tokenizer(ref.text, add_special_tokens=False)["input_ids"]
-    return list(ids[texts.EVAL_OFFSET :]), f"{ref.source}, tokens from {texts.EVAL_OFFSET}"
+    ids = texts.encode(tokenizer, ref.text)
+    return ids[texts.EVAL_OFFSET :], f"{ref.source}, tokens from {texts.EVAL_OFFSET}"
 
 
 add_arguments = add_serve_arguments

@@ -48,6 +48,7 @@ from . import texts
 from .clips import CANDIDATES, calibrate_clips
 from .formats import eval_formats
 from .report import Progress, is_model_row, markdown_table, row_label
+from .texts import encode
 
 __all__ = [
     "EvalConfig",
@@ -366,10 +367,6 @@ def _prose_passages(tok, ids: list[int], count: int) -> list[str]:
     )
 
 
-def _encode(tok, text: str) -> list[int]:
-    return tok(text, add_special_tokens=False)["input_ids"]
-
-
 def evaluate(config: EvalConfig, out=sys.stdout, extra_formats=()) -> dict:
     """Run the measurements of ``config``; returns the result dict (also printed as a table).
 
@@ -439,14 +436,14 @@ def evaluate(config: EvalConfig, out=sys.stdout, extra_formats=()) -> dict:
     # ---- texts: calibration on the default text's start; the evaluation text (perplexity,
     # agreement, haystack) is the user's or the default text's later ranges
     ref = texts.python_reference()
-    ref_ids = _encode(tok, ref.text)
+    ref_ids = encode(tok, ref.text)
     if eval_text is None:
         eval_ids = ref_ids[texts.EVAL_OFFSET :]
         hay_ids = ref_ids[texts.NEEDLE_OFFSET : texts.EVAL_OFFSET]
         eval_source = f"{ref.source}, tokens from {texts.EVAL_OFFSET}"
         hay_source = f"{ref.source}, tokens from {texts.NEEDLE_OFFSET}"
     else:
-        eval_ids = hay_ids = _encode(tok, eval_text.text)
+        eval_ids = hay_ids = encode(tok, eval_text.text)
         eval_source = hay_source = eval_text.source
     windows = {  # nominal prefix -> the first token of each scored window
         nominal: [first + j * plan[nominal][1] for j in range(plan[nominal][0])]
@@ -604,7 +601,7 @@ def evaluate(config: EvalConfig, out=sys.stdout, extra_formats=()) -> dict:
     if "agreement" in cfg.metrics:
         head, tail = _chat_parts(tok)
         ask = "Summarize the following text in a few sentences.\n\n"
-        prompts = [_encode(tok, head + ask + p + tail) for p in passages]
+        prompts = [encode(tok, head + ask + p + tail) for p in passages]
         pre = record_prefill(model, prompts)
         ban = [i for i in {tok.eos_token_id, tok.pad_token_id} if i is not None]
         count = cfg.agreement_tokens
@@ -627,11 +624,11 @@ def evaluate(config: EvalConfig, out=sys.stdout, extra_formats=()) -> dict:
     # ---- needle in a haystack
     if "needle" in cfg.metrics:
         head, tail = _chat_parts(tok)
-        question = _encode(tok, "\n\n" + QUESTION + tail + LEAD)
+        question = encode(tok, "\n\n" + QUESTION + tail + LEAD)
         for length in cfg.needle_lengths:
             values = needle_values(cfg.seed, length, len(cfg.needle_depths))
             # " 60494": a space and five digits, one token each (checked: same count per row)
-            answers = [_encode(tok, LEAD + " " + v)[len(_encode(tok, LEAD)) :] for v in values]
+            answers = [encode(tok, LEAD + " " + v)[len(encode(tok, LEAD)) :] for v in values]
             if len({len(a) for a in answers}) != 1:
                 raise ValueError(f"answers of unequal token counts: {answers}")
             budget = min(length, max_pos) - len(question) - len(answers[0]) - 40
@@ -642,7 +639,7 @@ def evaluate(config: EvalConfig, out=sys.stdout, extra_formats=()) -> dict:
                 nl = text.find("\n", cut, cut + 400)
                 cut = nl if nl >= 0 else cut
                 needle = "\n" + NEEDLE.format(value=value) + "\n"
-                prompts.append(_encode(tok, head + text[:cut] + needle + text[cut:])[: budget + 30])
+                prompts.append(encode(tok, head + text[:cut] + needle + text[cut:])[: budget + 30])
             pre = record_prefill(model, prompts)
             target = torch.tensor(answers, device=device)
             for label, name, backend in runs:

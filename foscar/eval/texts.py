@@ -33,6 +33,7 @@ from importlib import resources
 
 __all__ = [
     "Text",
+    "encode",
     "python_reference",
     "read_texts",
     "DEFAULT_TEXT",
@@ -88,3 +89,9 @@ def read_texts(paths: Sequence[str | os.PathLike]) -> Text:
         parts.append(text)
     names = ", ".join(os.path.basename(os.fspath(p)) for p in paths)
     return Text(names, "\n\n".join(parts), ", ".join(os.fspath(p) for p in paths))
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    """The token ids of ``text`` without special tokens, as every text foscar reads is
+    tokenized (evaluation ranges, prompts, needles)."""
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
