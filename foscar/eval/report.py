@@ -136,14 +136,14 @@ def backends_table(result: dict) -> str:
     through the first, perplexity gap and 95% interval paired over the same scored positions
     (what a backend's arithmetic costs, apart from what the format costs); "" for any other
     run."""
-    rows = [r for r in result["rows"] if r.get("backend") and "ppl" in r]
     named = result["config"].get("backends", {}).get("named") or []
+    rows = [r for r in result["rows"] if r.get("backend") and "ppl" in r]
+    firsts = {r["format"]: r for r in rows if named and r["backend"] == named[0]}
     prefixes = [str(n) for n in result["config"].get("ppl_prefixes", [])]
     lines = []
     for r in rows:
-        first = next((b for b in rows if b["format"] == r["format"] and b is not r
-                      and named and b["backend"] == named[0]), None)
-        if first is None or r["backend"] == named[0]:
+        first = firsts.get(r["format"])
+        if first is None or r is first:
             continue
         cells = []
         for n in prefixes:
