@@ -298,12 +298,9 @@ EOF
     fi
     logged serve_smollm2.log python3 -m foscar bench --serve --serve-kv bf16 int4 int2 \
       --serve-requests 24 --serve-rate 0 --serve-prompt-tokens 1024 4096 \
-      --serve-output-tokens 64 128 --serve-device cuda --serve-out "$OUT/serve_smollm2" "$@"
+      --serve-output-tokens 64 128 --serve-device cuda --serve-out "$OUT" \
+      --serve-name serve_smollm2 "$@"
     status=$?
-    for f in "$OUT"/serve_smollm2/serve_bench.*; do
-      [ -f "$f" ] && mv "$f" "$OUT/serve_smollm2.${f##*.}"
-    done
-    rmdir "$OUT/serve_smollm2" 2>/dev/null
     ;;
   eval)
     # the decode steps go through foscar.decode_attention (backend "auto"), the model in bf16
@@ -324,7 +321,7 @@ EOF
     # BF16 rows once). The E4M3 operands cover head_dim 128 only: --model PATH of such a model
     # (INT4, INT2 + windows, OSCAR INT4 and the 15:10 recipe), or by default SmolLM2 with its
     # heads zero-padded from 64 to 128 channels (the same model in exact arithmetic; INT4 and
-    # INT2 rows, no OSCAR); sized for about 6 minutes on an H100
+    # INT2 rows, no OSCAR: 167 s on an H100); the --model rows are sized for about 6 minutes
     if [[ " $* " == *" --model "* ]]; then
       rows=(--oscar --oscar-gptq --oscar-context 8192 --oscar-int4-layers 15:10 --formats
         'INT4 token min-max' 'INT2 token clipped + BF16 64/256' 'OSCAR INT4 + BF16 64/256'

@@ -236,10 +236,10 @@ def test_markdown_compares_answers_with_bf16_and_names_the_prompts():
 
 
 def _check_results(out: Path, spec: bench.TraceSpec, methods: list[str],
-                   prompts: str = "random token ids") -> dict:
-    """The files of a run where every method completed the trace; ``prompts``: the start of
-    what the trace line says the prompts are."""
-    results = json.loads((out / "serve_bench.json").read_text())
+                   prompts: str = "random token ids", stem: str = "serve_bench") -> dict:
+    """The files ``stem.*`` of a run where every method completed the trace; ``prompts``: the
+    start of what the trace line says the prompts are."""
+    results = json.loads((out / f"{stem}.json").read_text())
     assert [m["kv"] for m in results["methods"]] == methods
     for m in results["methods"]:
         assert m["completed"] == spec.num_requests and m["failed"] == [], m["kv"]
@@ -265,7 +265,7 @@ def _check_results(out: Path, spec: bench.TraceSpec, methods: list[str],
         # the same memory holds more history tokens the fewer bits a token takes
         assert pools["bf16"]["max_tokens"] < pools["int4"]["max_tokens"] < \
             pools["int2"]["max_tokens"]
-    table = (out / "serve_bench.md").read_text()
+    table = (out / f"{stem}.md").read_text()
     assert "Attention: bf16 " in table and "sdpa, int4 foscar_paged" in table
     for name in methods:
         assert f"| {name} | {spec.num_requests}/{spec.num_requests} |" in table
@@ -279,7 +279,7 @@ def _check_results(out: Path, spec: bench.TraceSpec, methods: list[str],
         for name in methods[1:]:
             assert re.search(rf"\| \d+/{n}, median prefix [\d.]+ tokens \(\d+%\) \|$",
                              rows[f"| {name}"]), rows[f"| {name}"]
-    assert (out / "serve_bench.png").stat().st_size > 10_000
+    assert (out / f"{stem}.png").stat().st_size > 10_000
     return results
 
 
@@ -325,7 +325,7 @@ def test_command_line_on_smollm2(tmp_path):
     argv = ["--serve-kv", *METHODS, "--serve-requests", "4", "--serve-rate", "20",
             "--serve-prompt-tokens", "16", "32", "--serve-output-tokens", "3", "5",
             "--serve-memory-gb", "0.08", "--serve-block-size", "16", "--serve-device", "cpu",
-            "--serve-cpu-threads", "1", "--serve-out", str(tmp_path)]
+            "--serve-cpu-threads", "1", "--serve-out", str(tmp_path), "--serve-name", "smollm2"]
     try:
         assert run_bench_serve(_bench_args(argv)) == 0
     finally:
@@ -333,7 +333,9 @@ def test_command_line_on_smollm2(tmp_path):
     spec = bench.TraceSpec(num_requests=4, rate=20.0, prompt_tokens=(16, 32),
                            output_tokens=(3, 5))
     results = _check_results(tmp_path, spec, METHODS,
-                             prompts="windows of python-reference.txt (CPython 3.11.7's")
+                             prompts="windows of python-reference.txt (CPython 3.11.7's",
+                             stem="smollm2")
+    assert not (tmp_path / "serve_bench.json").exists()
     assert results["model"] == "SmolLM2-135M-Instruct.Q4_1"
     assert results["trace"]["prompts"].endswith(", tokens from 56000")
     # a request of at most 37 tokens stays whole in foscar's BF16 windows (64 sink + 256

@@ -595,7 +595,9 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--serve-max-seconds", type=float, default=600.0,
                    help="give up on a method's trace after this long (default 600)")
     g.add_argument("--serve-out", default="results/serve", metavar="DIR",
-                   help="where serve_bench.{json,md,png} go (default results/serve)")
+                   help="where NAME.{json,md,png} go (default results/serve)")
+    g.add_argument("--serve-name", default="serve_bench", metavar="NAME",
+                   help="the results files' name (default serve_bench)")
 
 
 def run_bench_serve(args) -> int:
@@ -651,6 +653,7 @@ def run_bench_serve(args) -> int:
             kvs,
             trace,
             out=args.serve_out,
+            name=args.serve_name,
             model_name=name,
             memory_bytes=None if args.serve_memory_gb is None else int(args.serve_memory_gb * GB),
             block_size=args.serve_block_size,
