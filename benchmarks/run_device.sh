@@ -26,6 +26,9 @@
 #                  128): SmolLM2 with heads zero-padded to 128 (INT4, INT2 + windows), or
 #                  --model PATH of a head_dim-128 model (and OSCAR rows)  -> eval_e4m3.*
 #   tune           the Triton kernel's launch-config sweep       -> tune.json, tune.log
+#   repeat         the Gluon kernel's configs called 20 times each (every axis pair): the
+#                  difference between calls and CTAs per SM (benchmarks/tools/repeat_check.py),
+#                  then synccheck and racecheck -> repeat_check.log, repeat_*.json, repeat_sanitize.log
 #
 # (.* = .md, .json and .png.)
 #
@@ -45,11 +48,12 @@ mode=$1
 shift
 case "$mode" in
   smoke | tests | sanitize | grid | axes | grid-d64 | e4m3-accuracy | e2e | serve | serve-qwen3 | \
-    serve-smollm2 | eval | eval-e4m3 | tune) ;;
+    serve-smollm2 | eval | eval-e4m3 | tune | repeat) ;;
   -h | --help) usage ;;
   *)
     echo "run_device.sh: unknown mode '$mode' (expected smoke, tests, sanitize, grid, axes," \
-      "grid-d64, e4m3-accuracy, e2e, serve, serve-qwen3, serve-smollm2, eval, eval-e4m3 or tune)" >&2
+      "grid-d64, e4m3-accuracy, e2e, serve, serve-qwen3, serve-smollm2, eval, eval-e4m3, tune" \
+      "or repeat)" >&2
     exit 2
     ;;
 esac
@@ -236,7 +240,8 @@ EOF
     packed+=" or e4m3_packed_heads[4-2-2] or packed_heads_bf16[4-2-2]"
     race="one_token or bf16_windows[token-0-37] or odd_lengths_every_gqa_ratio[4-2-2-token]"
     race+=" or e4m3_operands_odd_lengths[3-2-2] or e4m3_packed_heads[4-2-2]"
-    race+=" or packed_heads_bf16[4-2-2]"
+    race+=" or packed_heads_bf16[4-2-2] or channel_wise_keys[4-2-2-token]"
+    race+=" or channel_wise_keys[4-2-2-channel]"
     sanitize_run memcheck $t -k "every_format or bf16_windows or split_counts or graph_replay"
     sanitize_run memcheck tests/test_cache_write.py -k "equals_torch_write"
     sanitize_run memcheck $g -k "$bf16"
@@ -244,6 +249,24 @@ EOF
     sanitize_run racecheck $g -k "$race"
     sanitize_wait || status=1
     grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT"/sanitize_*.log
+    ;;
+  repeat)
+    # INT2 and INT4, B = 1 and 8 at 32K, 20 calls a config: channel-wise K's default and its
+    # one-page config, token-wise K's default; then synccheck and racecheck over the
+    # channel-wise K default at 2 CTAs per SM (8K: 32 splits)
+    rc=benchmarks/tools/repeat_check.py
+    { python3 $rc --pairs channel/token channel/channel --bits 2 4 --configs default one-page \
+        --json "$OUT/repeat_channel.json" "$@" &&
+      python3 $rc --pairs token/token token/channel --bits 2 4 --configs default \
+        --json "$OUT/repeat_token.json" "$@"; } 2>&1 | tee "$OUT/repeat_check.log" || status=1
+    for tool in synccheck racecheck; do
+      compute-sanitizer --tool "$tool" --print-limit 20 python3 $rc --configs default \
+        --batch 1 --lengths 8192 --calls 2 > "$OUT/repeat_$tool.log" 2>&1 &
+    done
+    wait
+    cat "$OUT"/repeat_synccheck.log "$OUT"/repeat_racecheck.log > "$OUT/repeat_sanitize.log"
+    rm -f "$OUT"/repeat_synccheck.log "$OUT"/repeat_racecheck.log
+    grep -hE "SUMMARY|config=" "$OUT/repeat_sanitize.log"
     ;;
   grid)
     logged "decode_grid$gpu_suffix.log" python3 -m foscar bench --grid main --methods \

@@ -233,12 +233,7 @@ class GluonDecodeConfig:
 def gluon_decode_config(
     key_axis: str = "token", tile_pages: int | None = None
 ) -> GluonDecodeConfig:
-    """The Gluon kernel's launch config. Channel-wise K runs at 1 CTA per SM (no ``maxnreg``, the
-    consumers at 232 registers): at the 2-CTA default its outputs changed from call to call on
-    the H200 (INT2 KcVt at 32K: worst of 6 calls 1.1e-1 against fp64, 6.5e-2 with 2 stages,
-    unchanged by a late stage release or by moving its offsets out of shared memory; with
-    two-page tiles 3.9e-2), at 1 CTA per SM they are identical across calls and within the bar
-    (4.1e-3). The cause is not found.
+    """The Gluon kernel's launch config: 2 CTAs per SM (:class:`GluonDecodeConfig`'s default).
 
     ``tile_pages``: pages per tile and ring stage. 2: one stage wait and release, one cross-warp
     max exchange and one P' barrier per 128 tokens, and a channel-wise group (2 pages) is one
@@ -246,15 +241,21 @@ def gluon_decode_config(
     2 stages per consumer (8 pages in flight per CTA as with one-page tiles; INT4's 18 KiB
     stages still fit 2 CTAs per SM). Default (``None``): what the H200 measured faster: 2 for
     channel-wise K (24-27% faster at B = 8, every format), 1 for token-wise K (two-page tiles
-    were within 2% at B >= 8 and 5-10% slower at B = 1)."""
+    were within 2% at B >= 8 and 5-10% slower at B = 1).
+
+    Channel-wise K ran at 1 CTA per SM until two-page tiles released their ring stage after
+    the tile's last product (Note [late stage release] in foscar.kernels.gluon.tiles): with the
+    stage released before page b's PV product, a CTA's partial changed from call to call when
+    two CTAs shared an SM (H100: 1 of 8 KV heads of 1 of 33 splits, up to 2.9e-3 in the
+    output; ``python benchmarks/tools/repeat_check.py``); at 1 CTA per SM, and with the late
+    release at 2, every call is identical. One-page tiles keep the early release, so channel-
+    wise K with one-page tiles at 2 CTAs per SM is warned of (:func:`config_warnings` in
+    foscar.backends.gluon)."""
     if tile_pages is None:
         tile_pages = 2 if key_axis == "channel" else 1
     if tile_pages not in (1, 2):
         raise ValueError(f"tile_pages must be 1 or 2, got {tile_pages!r}")
-    if key_axis == "channel":
-        cfg = GluonDecodeConfig(maxnreg=None, ctas_per_sm=1, consumer_regs=232, producer_regs=40)
-    else:
-        cfg = GluonDecodeConfig()
+    cfg = GluonDecodeConfig()
     if tile_pages == 2:
         cfg = dataclasses.replace(cfg, tile_pages=2, stages_per_consumer=2)
     return cfg

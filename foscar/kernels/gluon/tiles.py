@@ -434,7 +434,6 @@ def _tile_pair(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: g
     if not V_CHANNEL:  # page a's product done before page b's operand (104 registers)
         o_tok, vt_a = warpgroup_mma_wait(0, deps=[o_tok, vt_a])
     vw_b = load_v_words(vw_bufs.index(2 * s + 1), V_BITS, HD)
-    mbarrier.arrive(empty.index(s))  # every read of stage s is done (a partition bar.sync first)
     vt_b = page_vt_operand(vw_b, vs_b, vz_b, magic, HS, CFG)
     o_tok = warpgroup_mma(vt_b, pb_smem.permute((1, 0)), o_tok, use_acc=True, is_async=True)
     if V_CHANNEL and not RECONSTRUCT:
@@ -449,6 +448,9 @@ def _tile_pair(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: g
     else:
         o_t, vt_a, vt_b = warpgroup_mma_wait(0, deps=[o_tok, vt_a, vt_b])
         acc = acc * alpha[None, :] + o_t  # fresh accumulator per tile, added in fp32
+    # stage s is released once the whole tile is done (Note [late stage release])
+    gl.thread_barrier()
+    mbarrier.arrive(empty.index(s))
     return m_new, l_i, z_i, acc, zp_i
 
 
