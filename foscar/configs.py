@@ -357,7 +357,9 @@ GLUON_OVER_TRITON_US = {
     (4, "token", "channel", 128, 8, 32768): (168.2, 100.0),
     (4, "token", "channel", 128, 8, 131072): (623.2, 332.4),
     # channel-wise K (1 CTA/SM, two-page tiles): Gluon won every B=8 point, Triton most B=1
-    # points (three B=1 Gluon points were 2-7x their neighbours)
+    # points (three B=1 Gluon points were 2-7x their neighbours). Measured before channel-wise
+    # K ran at 2 CTAs per SM; at 2, on an H100 (benchmarks/results/decode_axes_h100.md), Gluon
+    # won all 16 channel-wise K points, but the H200 has not measured it, so the rule stays
     (2, "channel", "token", 128, 1, 32768): (32.6, 34.0),
     (2, "channel", "token", 128, 1, 131072): (87.3, 109.4),
     (2, "channel", "token", 128, 8, 32768): (166.0, 163.4),

@@ -343,7 +343,15 @@ def _tile_pair(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: g
     products go to two [64, HS] accumulators; the two PV products of the tile chain on the
     tensor core (128 tokens, within Note [tensor-core accumulation]'s fresh-per-tile rule),
     added to the running O in fp32. Page b's operands are built after page a's products
-    complete (consumer 0 has 104 registers)."""
+    complete (consumer 0 has 104 registers).
+
+    Note [late stage release]: the tile releases its ring stage after its last wgmma wait, not
+    after its last shared-memory read. Released after page b's V words were loaded (before
+    page b's PV product), channel-wise K gave other partials in 19 of 20 calls wherever two
+    CTAs shared an SM (H100, `benchmarks/tools/repeat_check.py`; one-page tiles, which release
+    before their products, still do), and every call the same bits at 1 CTA per SM, or with
+    this release at 2. Which read the refill overtook is not isolated: the PTX reads no
+    shared memory of the stage after the early release (docs/tuning.md)."""
     SPC: gl.constexpr = CFG[0]
     HS: gl.constexpr = CFG[1]
     V_BITS: gl.constexpr = CFG[3]
