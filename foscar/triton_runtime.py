@@ -2,7 +2,24 @@
 
 The cache's fused decode-step write (foscar.cache.fused_write) and the decode backends
 (foscar.backends) both launch Triton kernels; this module is the one place that imports the
-kernel modules, decides whether a device can run them, and patches the interpreter.
+kernel modules, decides whether a device can run them, and patches the interpreter. It also
+binds a decode call's launches once per plan (:func:`bound_call`, Note [bound launches]).
+
+Note [bound launches]: triton's JIT spends most of an eager launch's host time before the kernel
+starts: it specializes every argument (types, 16-byte alignment, integers equal to 1), hashes a
+cache key and looks the kernel up, and foscar's own code rebuilds the launch's 30-40 arguments. A
+decode call over one plan repeats all of it with the same values except the query and the outputs.
+:func:`bound_call` runs a key's (the plan's layer, the config and split count, the pools) second
+call through the JIT while recording each compiled kernel with its positional arguments; a later
+call with the same key passes them to the compiled kernels' launchers, with only the named tensors
+(``q``, ``out``, ``lse``) swapped in. The first call only marks the key, so a plan made for one
+call (an eager ``generate()`` step) pays nothing. It replays only where the JIT would have chosen
+the same kernels: each named tensor with the recorded dtype, shape, strides, device and 16-byte
+alignment; no launch hook (a profiler) installed; not under the interpreter. Every other tensor a
+bound launch reads must outlive the plan (the cache's pools, the plan's tables, its workspaces): a
+launch argument sharing storage with a named tensor without being it (a view of ``q``) is refused
+at recording, and that key is never bound. A replay issues the same launches on the current stream,
+so it is CUDA-graph safe as the JIT launch is.
 """
 
 from __future__ import annotations
@@ -11,10 +28,11 @@ import contextlib
 import functools
 import importlib
 import os
+import threading
 
 import torch
 
-__all__ = ["available", "interpreting", "kernel_module", "on_device"]
+__all__ = ["available", "bound_call", "interpreting", "kernel_module", "launch", "on_device"]
 
 
 def interpreting() -> bool:
@@ -73,3 +91,137 @@ def _patch_interpreter_for_numpy2() -> None:
 
     patched._foscar_patched = True
     interp._patch_lang_tensor = patched
+
+
+# ---------------------------------------------------------------------------- bound launches
+#: bound calls kept per plan: its layers x the configs and split counts it is decoded with
+MAX_BOUND_CALLS = 256
+_recording = threading.local()
+_UNSEEN = object()  # .launches: the launches of the call being recorded, or None
+
+
+def launch(fn, grid: tuple, **kwargs):
+    """``fn[grid](**kwargs)``; inside :func:`bound_call`'s first call of a key, also recorded
+    (Note [bound launches]). Returns what the JIT returns (the compiled kernel)."""
+    kernel = fn[grid](**kwargs)
+    launches = getattr(_recording, "launches", None)
+    if launches is not None:
+        if kernel is None or hasattr(kernel, "result"):  # nothing to replay
+            _recording.launches = None
+            _recording.refused = True
+        else:
+            args = []
+            for param in fn.params:
+                if param.name in kwargs:
+                    args.append(kwargs[param.name])
+                else:
+                    args.append(param.default)
+            launches.append((kernel, tuple(grid) + (1,) * (3 - len(grid)), args))
+    return kernel
+
+
+class _Replay:
+    """The recorded launches of one call and the named tensors' properties they assume."""
+
+    def __init__(self, launches: list, tensors: dict):
+        self.meta = {name: _properties(t) for name, t in tensors.items()}
+        self.launches = []
+        for kernel, grid, args in launches:
+            slots = []
+            for i, a in enumerate(args):
+                for name, t in tensors.items():
+                    if t is not None and a is t:
+                        slots.append((i, name))
+                        args[i] = None  # swapped in at each replay; not kept alive here
+                        break
+                else:
+                    if isinstance(a, torch.Tensor) and _shares_storage(a, tensors):
+                        raise _NotBindable(f"argument {i} is a view of a named tensor")
+            self.launches.append((kernel, grid, args, slots))
+
+    def accepts(self, tensors: dict) -> bool:
+        meta = self.meta
+        for name, t in tensors.items():
+            if meta.get(name, 0) != _properties(t):
+                return False
+        return True
+
+    def __call__(self, tensors: dict) -> None:
+        stream = _current_stream()
+        for kernel, (g0, g1, g2), args, slots in self.launches:
+            if slots:
+                args = list(args)
+                for i, name in slots:
+                    args[i] = tensors[name]
+            kernel.run(
+                g0, g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None,
+                *args,
+            )
+
+
+def _current_stream():
+    """The stream triton's JIT would launch on: the current device's current stream."""
+    from triton.runtime.driver import driver
+
+    active = driver.active
+    return active.get_current_stream(active.get_current_device())
+
+
+class _NotBindable(Exception):
+    pass
+
+
+def _properties(t):
+    if t is None:
+        return None
+    return (t.dtype, t.shape, t.stride(), t.device, t.data_ptr() % 16 == 0)
+
+
+def _shares_storage(a: torch.Tensor, tensors: dict) -> bool:
+    base = a.untyped_storage().data_ptr()
+    return any(
+        t is not None and t.untyped_storage().data_ptr() == base for t in tensors.values()
+    )
+
+
+def _hooks_installed() -> bool:
+    try:
+        from triton import knobs
+    except ImportError:  # older triton: no hook chains
+        return True
+    runtime = knobs.runtime
+    return bool(runtime.launch_enter_hook.calls or runtime.launch_exit_hook.calls)
+
+
+def bound_call(memo: dict, key, tensors: dict, run) -> None:
+    """Run ``run()``, a call whose kernels launch through :func:`launch`, bound once per ``key``
+    in ``memo`` (a plan's): the key's second call records its launches (the first only marks
+    the key, so that a plan used once pays nothing), a later one with named ``tensors``
+    (``{name: tensor or None}``) of the recorded dtype, shape, strides, device and alignment
+    replays them with these tensors swapped in (Note [bound launches]). ``run`` validates and
+    raises before any launch; a call it refuses is not recorded."""
+    if interpreting() or _hooks_installed() or getattr(_recording, "launches", None) is not None:
+        run()
+        return
+    replay = memo.get(key, _UNSEEN)
+    if replay is _UNSEEN:  # a key's first call only marks it: a plan made per call never records
+        if len(memo) >= MAX_BOUND_CALLS:  # a plan's keys are few; never let them pile up
+            memo.clear()
+        memo[key] = None
+        run()
+        return
+    if replay is not None and replay.accepts(tensors):
+        replay(tensors)
+        return
+    _recording.launches, _recording.refused = [], False
+    try:
+        run()
+        launches, refused = _recording.launches, _recording.refused
+    finally:
+        _recording.launches = None
+    if refused or not launches:
+        return
+    try:
+        memo[key] = _Replay(launches, tensors)
+    except _NotBindable:
+        memo.pop(key, None)

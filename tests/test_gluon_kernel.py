@@ -891,6 +891,30 @@ def test_channel_wise_keys(ratio, k_bits, v_bits, v_axis):
 
 
 @sm90_only
+@pytest.mark.parametrize("backend", ["gluon", "triton"])
+@pytest.mark.parametrize("k_axis", ["token", "channel"])
+def test_bound_launches_replay_what_the_jit_launches(backend, k_axis):
+    """Note [bound launches]: a plan's second call replays the first call's launches with its
+    own query and outputs, bit for bit what a fresh plan's JIT launches give; a query of other
+    strides takes the JIT again, as right."""
+    fmt = KVFormat(QuantFormat(2, k_axis, 128), INT2)
+    cache, batch = build_cache(fmt, LENGTHS, num_kv_heads=2, device="cuda")
+    for _ in range(2):  # the first call marks the plan's key, the second records it
+        run(queries(batch, 8, 128, "cuda", seed=1), cache, batch, backend=backend)
+    assert [r for r in batch._launches.values() if r is not None]  # bound
+    q = queries(batch, 8, 128, "cuda", seed=2)
+    replayed = run(q, cache, batch, backend=backend)
+    fresh = run(q, cache, cache.plan(batch.seq_ids), backend=backend)
+    assert all(torch.equal(a, b) for a, b in zip(replayed, fresh))
+    check_against_reference(*replayed, q, cache, batch)
+    wide = torch.zeros(q.shape[0], q.shape[1], 256, dtype=q.dtype, device=q.device)
+    strided = wide[:, :, :128]  # other strides: the JIT specializes again
+    strided.copy_(q)
+    again = run(strided, cache, batch, backend=backend)
+    assert all(torch.equal(a, b) for a, b in zip(again, fresh))
+
+
+@sm90_only
 @pytest.mark.parametrize("v_axis", V_AXES)
 def test_channel_wise_keys_repeat_bit_for_bit(v_axis):
     """Channel-wise K at its default, 2 CTAs per SM with two-page tiles: 33 splits of one 32K

@@ -59,6 +59,27 @@ def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def outputs(q: torch.Tensor, out, lse, return_lse: bool):
+    """``out: [B, Hq, D]`` (q's dtype) and ``lse: [B, Hq]`` float32 (when ``return_lse``),
+    each allocated where the caller gave none."""
+    if out is None:
+        out = torch.empty_like(q)
+    if return_lse and lse is None:
+        lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+def bound_key(cache: QuantizedKVCache, batch: DecodeBatch) -> tuple:
+    """What a decode call's bound launches read besides the query and outputs (Note [bound
+    launches] in foscar.triton_runtime): the layer, and the addresses of its pools and windows
+    and of the plan's tables."""
+    st = cache.layers[batch.layer]
+    pools = (st.k_words, st.k_scales, st.v_words, st.v_scales, st.k_sink, st.v_sink, st.k_tail,
+             st.v_tail)
+    tables = (batch.kv_indptr, batch.kv_indices, batch.num_quantized, batch.seq_lens, batch.slots)
+    return batch.layer, tuple(t.data_ptr() for t in pools + tables)
+
+
 def partial_strides(o_part: torch.Tensor, lse_part: torch.Tensor) -> dict[str, int]:
     """The split partials' strides as every split kernel and the merge take them:
     ``o_part: [B, Hq, parts, D]``, ``lse_part: [B, Hq, parts]``."""
@@ -91,7 +112,9 @@ def launch_split(
     d = q.shape[2]
     ratio = q.shape[1] // cache.num_kv_heads
     hs, hpk, hpv = column_widths(fmt, d, ratio, cfg.block_n, reconstruct)
-    kern.decode_split_kernel[(q.shape[0], cache.num_kv_heads, programs)](
+    triton_runtime.launch(
+        kern.decode_split_kernel,
+        (q.shape[0], cache.num_kv_heads, programs),
         q_ptr=q,
         k_words_ptr=st.k_words,
         k_scales_ptr=st.k_scales,
@@ -168,7 +191,9 @@ def merge_partials(o_part, lse_part, out, lse=None, *, pdl: bool = False) -> Non
     kern = triton_runtime.kernel_module("triton_decode")
     bsz, num_q_heads, parts, d = o_part.shape
     return_lse = lse is not None
-    kern.merge_splits_kernel[(bsz, num_q_heads)](
+    triton_runtime.launch(
+        kern.merge_splits_kernel,
+        (bsz, num_q_heads),
         o_part_ptr=o_part,
         lse_part_ptr=lse_part,
         o_ptr=out,

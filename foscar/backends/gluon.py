@@ -18,6 +18,7 @@ import warnings
 
 import torch
 
+from .. import triton_runtime
 from ..cache import DecodeBatch, QuantizedKVCache
 from ..configs import (
     GluonDecodeConfig,
@@ -309,14 +310,41 @@ def decode(
     """Gluon history splits (+ the Triton window program) + the merge; returns ``out`` (and lse).
     ``operands``: "bf16" or "e4m3" (:data:`OPERANDS`; the latter needs :func:`supports_e4m3`
     and one-page tiles, or two-page ones with packed heads). A config with packed heads
-    (GluonFlag.PACKED_HEADS) is refused, before any launch, where it does not apply."""
-    kern = _gluon()
-    bsz, num_q_heads, d = q.shape
+    (GluonFlag.PACKED_HEADS) is refused, before any launch, where it does not apply.
+
+    The launches are bound once per plan, layer and arguments (Note [bound launches] in
+    foscar.triton_runtime): a later call with a query and outputs of the same shapes, strides
+    and alignment skips the validation, the config and triton's JIT."""
     if operands not in OPERANDS:
         raise ValueError(f"operands must be one of {OPERANDS}, got {operands!r}")
+    bsz, num_q_heads = q.shape[:2]
+    cfg = config or default_config(
+        cache, batch, operands, num_q_heads // cache.num_kv_heads, reconstruct
+    )
+    if splits is None and q.is_cuda:
+        sms = combine.num_sms(q.device.index or 0)
+        splits = num_splits(bsz, cache.num_kv_heads, batch.split_history, cfg, sms)
+    out, lse = combine.outputs(q, out, lse, return_lse)
+    key = ("gluon", sm_scale, cfg, splits, reconstruct, operands, return_lse,
+           *combine.bound_key(cache, batch))
+    triton_runtime.bound_call(
+        batch._launches,
+        key,
+        {"q": q, "out": out, "lse": lse},
+        lambda: _launch(q, cache, batch, sm_scale, out, lse, return_lse, cfg, splits,
+                        reconstruct, operands),
+    )
+    return (out, lse) if return_lse else out
+
+
+def _launch(q, cache, batch, sm_scale, out, lse, return_lse, cfg, splits, reconstruct,
+            operands) -> None:
+    """decode's checks and launches of ``cfg`` (the config, resolved), into ``out`` (and
+    ``lse``)."""
+    kern = _gluon()
+    bsz, num_q_heads, d = q.shape
     heads_per_kv = num_q_heads // cache.num_kv_heads
     fmt = cache.layer_format(batch.layer)
-    cfg = config or default_config(cache, batch, operands, heads_per_kv, reconstruct)
     if operands == "e4m3":
         reason = supports_e4m3(cache)
         if reason:
@@ -358,10 +386,6 @@ def decode(
     has_windows = combine.has_window_program(fmt)
     parts = splits + int(has_windows)
     o_part, lse_part = combine.workspace(batch, (bsz, num_q_heads, parts, d), q.device)
-    if out is None:
-        out = torch.empty_like(q)
-    if return_lse and lse is None:
-        lse = torch.empty(bsz, num_q_heads, dtype=torch.float32, device=q.device)
     lse_out = lse if return_lse else lse_part  # (parts == 1: the kernel writes out and lse)
     kw, ks, vw, vs = _descriptors(cache, batch.layer)
     consts = _constexprs(
@@ -374,7 +398,9 @@ def decode(
         d,
         cache.page_size,
     )
-    kern.gluon_decode_split_kernel[(bsz, cache.num_kv_heads, splits)](
+    triton_runtime.launch(
+        kern.gluon_decode_split_kernel,
+        (bsz, cache.num_kv_heads, splits),
         q_ptr=q,
         kw_desc=kw,
         ks_desc=ks,
@@ -418,7 +444,6 @@ def decode(
             lse if return_lse else None,
             pdl=bool(cfg.flags & GluonFlag.MERGE_PDL) and not has_windows,
         )
-    return (out, lse) if return_lse else out
 
 
 def compile_sm90(

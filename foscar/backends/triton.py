@@ -13,7 +13,15 @@ from .. import triton_runtime
 from ..cache import DecodeBatch, QuantizedKVCache
 from ..configs import TritonDecodeConfig, num_splits, triton_decode_config
 from ..formats import OperandMapping, Role, has_kernel_order
-from .combine import has_window_program, launch_split, merge_partials, num_sms, workspace
+from .combine import (
+    bound_key,
+    has_window_program,
+    launch_split,
+    merge_partials,
+    num_sms,
+    outputs,
+    workspace,
+)
 
 __all__ = ["available", "supports", "decode"]
 
@@ -56,7 +64,9 @@ def decode(
     config: TritonDecodeConfig | None = None,
     splits: int | None = None,
 ):
-    """Run the split kernel and the merge kernel; returns ``out`` (and ``lse``)."""
+    """Run the split kernel and the merge kernel; returns ``out`` (and ``lse``). The launches
+    are bound once per plan, layer and arguments (Note [bound launches] in
+    foscar.triton_runtime)."""
     bsz, num_q_heads, d = q.shape
     ratio = num_q_heads // cache.num_kv_heads
     fmt = cache.layer_format(batch.layer)
@@ -64,12 +74,23 @@ def decode(
     if splits is None:
         sms = num_sms(q.device.index or 0) if q.is_cuda else 4
         splits = num_splits(bsz, cache.num_kv_heads, batch.split_history, cfg, sms)
+    out, lse = outputs(q, out, lse, return_lse)
+    key = ("triton", sm_scale, cfg, splits, reconstruct, return_lse, *bound_key(cache, batch))
+    triton_runtime.bound_call(
+        batch._launches,
+        key,
+        {"q": q, "out": out, "lse": lse},
+        lambda: _launch(q, cache, batch, sm_scale, out, lse, return_lse, reconstruct, cfg, splits),
+    )
+    return (out, lse) if return_lse else out
+
+
+def _launch(q, cache, batch, sm_scale, out, lse, return_lse, reconstruct, cfg, splits):
+    """decode's launches of ``cfg`` at ``splits`` splits (resolved), into ``out`` (and
+    ``lse``)."""
+    bsz, num_q_heads, d = q.shape
+    fmt = cache.layer_format(batch.layer)
     parts = splits + int(has_window_program(fmt))
     o_part, lse_part = workspace(batch, (bsz, num_q_heads, parts, d), q.device)
-    if out is None:
-        out = torch.empty_like(q)
-    if return_lse and lse is None:
-        lse = torch.empty(bsz, num_q_heads, dtype=torch.float32, device=q.device)
     launch_split(q, cache, batch, sm_scale, o_part, lse_part, splits, parts, cfg, reconstruct)
     merge_partials(o_part, lse_part, out, lse if return_lse else None)
-    return (out, lse) if return_lse else out

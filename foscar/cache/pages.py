@@ -102,6 +102,9 @@ class DecodeBatch:
     _valid_at: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     #: the backends' split partials, by shape and device (a CUDA-graph replay allocates nothing)
     _workspaces: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    #: the decode calls' launches bound to this plan (Note [bound launches] in
+    #: foscar.triton_runtime)
+    _launches: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def batch_size(self) -> int:
