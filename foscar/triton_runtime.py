@@ -15,11 +15,12 @@ call with the same key passes them to the compiled kernels' launchers, with only
 (``q``, ``out``, ``lse``) swapped in. The first call only marks the key, so a plan made for one
 call (an eager ``generate()`` step) pays nothing. It replays only where the JIT would have chosen
 the same kernels: each named tensor with the recorded dtype, shape, strides, device and 16-byte
-alignment; no launch hook (a profiler) installed; not under the interpreter. Every other tensor a
-bound launch reads must outlive the plan (the cache's pools, the plan's tables, its workspaces): a
-launch argument sharing storage with a named tensor without being it (a view of ``q``) is refused
-at recording, and that key is never bound. A replay issues the same launches on the current stream,
-so it is CUDA-graph safe as the JIT launch is.
+alignment, the same current device (the recorded kernels were loaded for its context); no launch
+hook (a profiler) installed; not under the interpreter. Every other tensor a bound launch reads
+must outlive the plan (the cache's pools, the plan's tables, its workspaces): a launch argument
+sharing storage with a named tensor without being it (a view of ``q``) is refused at recording, and
+that key is never bound. A replay issues the same launches on the current stream, so it is
+CUDA-graph safe as the JIT launch is.
 """
 
 from __future__ import annotations
@@ -125,6 +126,7 @@ class _Replay:
 
     def __init__(self, launches: list, tensors: dict):
         self.meta = {name: _properties(t) for name, t in tensors.items()}
+        self.device = _current_device()  # the kernels were loaded for this device's context
         self.launches = []
         for kernel, grid, args in launches:
             slots = []
@@ -140,6 +142,8 @@ class _Replay:
             self.launches.append((kernel, grid, args, slots))
 
     def accepts(self, tensors: dict) -> bool:
+        if _current_device() != self.device:
+            return False
         meta = self.meta
         for name, t in tensors.items():
             if meta.get(name, 0) != _properties(t):
@@ -147,7 +151,7 @@ class _Replay:
         return True
 
     def __call__(self, tensors: dict) -> None:
-        stream = _current_stream()
+        stream = _current_stream(self.device)
         for kernel, (g0, g1, g2), args, slots in self.launches:
             if slots:
                 args = list(args)
@@ -159,12 +163,18 @@ class _Replay:
             )
 
 
-def _current_stream():
-    """The stream triton's JIT would launch on: the current device's current stream."""
+def _current_device() -> int:
+    """The device triton's JIT would launch on (and load its kernels for): the current one."""
     from triton.runtime.driver import driver
 
-    active = driver.active
-    return active.get_current_stream(active.get_current_device())
+    return driver.active.get_current_device()
+
+
+def _current_stream(device: int):
+    """The stream triton's JIT would launch on: ``device``'s current stream."""
+    from triton.runtime.driver import driver
+
+    return driver.active.get_current_stream(device)
 
 
 class _NotBindable(Exception):

@@ -55,7 +55,8 @@ def compiled(monkeypatch):
     """Bound launches as on a GPU: no interpreter, no launch hooks, a stream to launch on."""
     monkeypatch.setattr(triton_runtime, "interpreting", lambda: False)
     monkeypatch.setattr(triton_runtime, "_hooks_installed", lambda: False)
-    monkeypatch.setattr(triton_runtime, "_current_stream", lambda: 7)
+    monkeypatch.setattr(triton_runtime, "_current_stream", lambda device: 7)
+    monkeypatch.setattr(triton_runtime, "_current_device", lambda: 0)
 
 
 def call(fn, memo, key, q, out, pool, launches=None):
@@ -167,3 +168,14 @@ def test_a_plan_keeps_at_most_max_bound_calls(compiled, monkeypatch):
         call(fn, memo, key, q, torch.zeros(3, 8), pool)
         assert len(memo) <= 3
     assert 6 in memo
+
+
+def test_another_current_device_takes_the_jit(compiled, monkeypatch):
+    """The recorded kernels were loaded for the recording device's context."""
+    fn, memo, pool = FakeJit(split), {}, torch.zeros(4)
+    q = torch.zeros(3, 8)
+    for _ in range(2):
+        call(fn, memo, "k", q, torch.zeros(3, 8), pool)
+    monkeypatch.setattr(triton_runtime, "_current_device", lambda: 1)
+    call(fn, memo, "k", q, torch.zeros(3, 8), pool)
+    assert [e[0] for e in fn.log] == ["jit"] * 3
