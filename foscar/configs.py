@@ -245,12 +245,12 @@ def gluon_decode_config(
 
     Channel-wise K ran at 1 CTA per SM until two-page tiles released their ring stage after
     the tile's last product (Note [late stage release] in foscar.kernels.gluon.tiles): with the
-    stage released before page b's PV product, a CTA's partial changed from call to call when
-    two CTAs shared an SM (H100: 1 of 8 KV heads of 1 of 33 splits, up to 2.9e-3 in the
-    output; ``python benchmarks/tools/repeat_check.py``); at 1 CTA per SM, and with the late
-    release at 2, every call is identical. One-page tiles keep the early release, so channel-
-    wise K with one-page tiles at 2 CTAs per SM is warned of (:func:`config_warnings` in
-    foscar.backends.gluon)."""
+    stage released before page b's PV product, 1-9 (split, KV head) partials changed from call
+    to call when two CTAs shared an SM (H100, B=1 L=32K, up to 2.9e-3 in the output; scratch
+    runs of that kernel); at 1 CTA per SM, and with the late release at 2, every call is
+    identical (``bash benchmarks/run_device.sh repeat``). One-page tiles keep the early
+    release, so channel-wise K with one-page tiles at 2 CTAs per SM is warned of
+    (:func:`config_warnings` in foscar.backends.gluon)."""
     if tile_pages is None:
         tile_pages = 2 if key_axis == "channel" else 1
     if tile_pages not in (1, 2):

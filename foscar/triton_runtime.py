@@ -16,11 +16,13 @@ call with the same key passes them to the compiled kernels' launchers, with only
 call (an eager ``generate()`` step) pays nothing. It replays only where the JIT would have chosen
 the same kernels: each named tensor with the recorded dtype, shape, strides, device and 16-byte
 alignment, the same current device (the recorded kernels were loaded for its context); no launch
-hook (a profiler) installed; not under the interpreter. Every other tensor a bound launch reads
-must outlive the plan (the cache's pools, the plan's tables, its workspaces): a launch argument
-sharing storage with a named tensor without being it (a view of ``q``) is refused at recording, and
-that key is never bound. A replay issues the same launches on the current stream, so it is
-CUDA-graph safe as the JIT launch is.
+hook (a profiler), pre-run hook or triton debug mode; not under the interpreter. The JIT's
+per-launch checks that a kernel's globals have not changed are not repeated: foscar's kernels read
+constants only. Every other tensor a bound launch reads must outlive the plan (the cache's pools,
+the plan's tables, its workspaces): a launch argument sharing storage with a named tensor without
+being it (a view of ``q``) is refused at recording, and so are named tensors that share storage
+(``out=q``): that key is never bound. A replay issues the same launches on the current stream, so
+it is CUDA-graph safe as the JIT launch is.
 """
 
 from __future__ import annotations
@@ -97,8 +99,9 @@ def _patch_interpreter_for_numpy2() -> None:
 # ---------------------------------------------------------------------------- bound launches
 #: bound calls kept per plan: its layers x the configs and split counts it is decoded with
 MAX_BOUND_CALLS = 256
-_recording = threading.local()
-_UNSEEN = object()  # .launches: the launches of the call being recorded, or None
+_recording = threading.local()  # .launches: the launches of the call being recorded, or None
+_UNSEEN = object()  # a key not called yet
+_NEVER = object()  # a key whose launches cannot be bound
 
 
 def launch(fn, grid: tuple, **kwargs):
@@ -107,7 +110,8 @@ def launch(fn, grid: tuple, **kwargs):
     kernel = fn[grid](**kwargs)
     launches = getattr(_recording, "launches", None)
     if launches is not None:
-        if kernel is None or hasattr(kernel, "result"):  # nothing to replay
+        if kernel is None or hasattr(kernel, "result") or getattr(fn, "pre_run_hooks", None):
+            # nothing to replay, or hooks the JIT runs before every launch
             _recording.launches = None
             _recording.refused = True
         else:
@@ -125,6 +129,10 @@ class _Replay:
     """The recorded launches of one call and the named tensors' properties they assume."""
 
     def __init__(self, launches: list, tensors: dict):
+        named = [t for t in tensors.values() if t is not None]
+        storages = {t.untyped_storage().data_ptr() for t in named}
+        if len(storages) < len(named):  # out=q: a replay with separate tensors would differ
+            raise _NotBindable("two named tensors share storage")
         self.meta = {name: _properties(t) for name, t in tensors.items()}
         self.device = _current_device()  # the kernels were loaded for this device's context
         self.launches = []
@@ -195,12 +203,19 @@ def _shares_storage(a: torch.Tensor, tensors: dict) -> bool:
 
 
 def _hooks_installed() -> bool:
+    """A launch hook (a profiler) or triton's debug mode is on: the JIT must see every launch.
+    A hook set as a plain function (or None) rather than triton's hook chain counts by
+    whether it is None."""
     try:
         from triton import knobs
     except ImportError:  # older triton: no hook chains
         return True
     runtime = knobs.runtime
-    return bool(runtime.launch_enter_hook.calls or runtime.launch_exit_hook.calls)
+    for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
+        calls = getattr(hook, "calls", None)
+        if (hook is not None and calls is None) or calls:
+            return True
+    return bool(runtime.debug)
 
 
 def bound_call(memo: dict, key, tensors: dict, run) -> None:
@@ -214,6 +229,9 @@ def bound_call(memo: dict, key, tensors: dict, run) -> None:
         run()
         return
     replay = memo.get(key, _UNSEEN)
+    if replay is _NEVER:  # its launches cannot be replayed (a view of a named tensor, ...)
+        run()
+        return
     if replay is _UNSEEN:  # a key's first call only marks it: a plan made per call never records
         if len(memo) >= MAX_BOUND_CALLS:  # a plan's keys are few; never let them pile up
             memo.clear()
@@ -229,9 +247,12 @@ def bound_call(memo: dict, key, tensors: dict, run) -> None:
         launches, refused = _recording.launches, _recording.refused
     finally:
         _recording.launches = None
-    if refused or not launches:
+    if refused:  # a launch without a compiled kernel, or with pre-run hooks
+        memo[key] = _NEVER
+        return
+    if not launches:
         return
     try:
         memo[key] = _Replay(launches, tensors)
     except _NotBindable:
-        memo.pop(key, None)
+        memo[key] = _NEVER

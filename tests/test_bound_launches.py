@@ -111,13 +111,18 @@ def test_another_key_is_another_binding(compiled):
     assert [e[0] for e in fn.log] == ["jit", "jit"]
 
 
-def test_a_view_of_a_named_tensor_is_never_bound(compiled):
-    """A launch reading a view of q would replay the first call's view: refused at recording."""
+@pytest.mark.parametrize("alias", ["view", "out=q"])
+def test_named_storage_shared_at_recording_is_never_bound(compiled, alias):
+    """A launch reading a view of q would replay the first call's view; with out=q recorded, a
+    later call's separate out would be left unwritten: both refused at recording, for good."""
     fn, memo = FakeJit(split), {}
     q = torch.zeros(3, 8)
     for _ in range(4):
-        call(fn, memo, "k", q, torch.zeros(3, 8), q[:1])  # pool is a view of q
-    assert not [r for r in memo.values() if r is not None]
+        if alias == "view":
+            call(fn, memo, "k", q, torch.zeros(3, 8), q[:1])  # pool is a view of q
+        else:
+            call(fn, memo, "k", q, q, torch.zeros(4))
+    assert memo["k"] is triton_runtime._NEVER
     assert [e[0] for e in fn.log] == ["jit"] * 4
 
 
@@ -179,3 +184,20 @@ def test_another_current_device_takes_the_jit(compiled, monkeypatch):
     monkeypatch.setattr(triton_runtime, "_current_device", lambda: 1)
     call(fn, memo, "k", q, torch.zeros(3, 8), pool)
     assert [e[0] for e in fn.log] == ["jit"] * 3
+
+
+@pytest.mark.parametrize("hook", [None, print])
+def test_a_launch_hook_set_without_triton_s_hook_chain(monkeypatch, hook):
+    """triton 3.6 also takes a hook assigned as a plain function (or None): a function is a
+    hook, None is none."""
+    from triton import knobs
+
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", hook)
+    assert triton_runtime._hooks_installed() is (hook is not None)
+
+
+def test_triton_debug_mode_bypasses_the_binding(monkeypatch):
+    from triton import knobs
+
+    monkeypatch.setattr(knobs.runtime, "debug", True)
+    assert triton_runtime._hooks_installed() is True

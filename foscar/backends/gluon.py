@@ -247,7 +247,7 @@ def _descriptors(cache: QuantizedKVCache, layer: int):
 
 def config_warnings(fmt, cfg: GluonDecodeConfig) -> list[str]:
     """Why a launch of ``cfg`` over a cache of format ``fmt`` may not be repeatable (``decode``
-    warns with each): configs whose outputs changed from call to call on the H200."""
+    warns with each): configs whose outputs changed from call to call on the H200 or the H100."""
     k_channel = fmt.key.axis is GroupAxis.CHANNEL
     out = []
     if k_channel and cfg.ctas_per_sm > 1 and cfg.tile_pages == 1:
@@ -324,6 +324,8 @@ def decode(
     if splits is None and q.is_cuda:
         sms = combine.num_sms(q.device.index or 0)
         splits = num_splits(bsz, cache.num_kv_heads, batch.split_history, cfg, sms)
+    for message in config_warnings(cache.layer_format(batch.layer), cfg):  # at every call
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
     out, lse = combine.outputs(q, out, lse, return_lse)
     key = ("gluon", sm_scale, cfg, splits, reconstruct, operands, return_lse,
            *combine.bound_key(cache, batch))
@@ -376,8 +378,6 @@ def _launch(q, cache, batch, sm_scale, out, lse, return_lse, cfg, splits, recons
                 f"(GluonFlag.Q_IN_CONSUMERS); got tile_pages={cfg.tile_pages}, "
                 f"flags={cfg.flags!r}"
             )
-    for message in config_warnings(fmt, cfg):
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
     if reconstruct:  # the ablation: per-value s' y + z' instead of the folds
         cfg = dataclasses.replace(cfg, flags=cfg.flags | GluonFlag.RECONSTRUCT)
     if splits is None:
