@@ -105,8 +105,8 @@ _NEVER = object()  # a key whose launches cannot be bound
 
 
 def launch(fn, grid: tuple, **kwargs):
-    """``fn[grid](**kwargs)``; inside :func:`bound_call`'s first call of a key, also recorded
-    (Note [bound launches]). Returns what the JIT returns (the compiled kernel)."""
+    """``fn[grid](**kwargs)``; inside :func:`bound_call`'s recording call of a key, also
+    recorded (Note [bound launches]). Returns what the JIT returns (the compiled kernel)."""
     kernel = fn[grid](**kwargs)
     launches = getattr(_recording, "launches", None)
     if launches is not None:

@@ -16,7 +16,8 @@ import time
 
 import torch
 
-from foscar import KVFormat, QuantFormat, QuantizedKVCache, decode_attention
+from foscar import KVFormat, QuantFormat, decode_attention
+from foscar.bench.grid import Shape, random_cache
 from foscar.results import results_json
 
 INT2 = QuantFormat(2, "token", 128)
@@ -24,16 +25,6 @@ FORMATS = {
     "int2": KVFormat(INT2, INT2),
     "int2-kivi": KVFormat(QuantFormat(2, "channel", 128), INT2),
 }
-
-
-def build(fmt, batch: int, length: int, num_kv_heads=8, head_dim=128):
-    pages = batch * (length // 64 + 2) + 2
-    cache = QuantizedKVCache(fmt, num_kv_heads=num_kv_heads, head_dim=head_dim, num_pages=pages,
-                             max_seqs=batch, device="cuda")
-    ids = [cache.add_sequence() for _ in range(batch)]
-    k = torch.randn(batch * length, num_kv_heads, head_dim, device="cuda")
-    cache.append(ids, k, torch.randn_like(k), [length] * batch)
-    return cache, cache.plan(ids)
 
 
 def host_us(q, cache, batch, backend: str, calls: int, bound: bool) -> float:
@@ -65,7 +56,7 @@ def main(argv=None) -> int:
     rows = []
     for name in args.formats:
         for b in args.batch:
-            cache, batch = build(FORMATS[name], b, args.length)
+            cache, batch = random_cache(FORMATS[name], b, args.length, Shape(), "cuda")
             q = torch.randn(b, 32, 128, device="cuda", dtype=torch.bfloat16)
             for backend in args.backends:
                 unbound = host_us(q, cache, batch, backend, args.calls, False)

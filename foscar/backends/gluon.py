@@ -313,8 +313,9 @@ def decode(
     (GluonFlag.PACKED_HEADS) is refused, before any launch, where it does not apply.
 
     The launches are bound once per plan, layer and arguments (Note [bound launches] in
-    foscar.triton_runtime): a later call with a query and outputs of the same shapes, strides
-    and alignment skips the validation, the config and triton's JIT."""
+    foscar.triton_runtime): a later call with the same config and split count, and a query
+    and outputs of the same shapes, strides and alignment, skips the validation, the argument
+    building and triton's JIT."""
     if operands not in OPERANDS:
         raise ValueError(f"operands must be one of {OPERANDS}, got {operands!r}")
     bsz, num_q_heads = q.shape[:2]
