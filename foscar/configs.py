@@ -243,14 +243,11 @@ def gluon_decode_config(
     channel-wise K (24-27% faster at B = 8, every format), 1 for token-wise K (two-page tiles
     were within 2% at B >= 8 and 5-10% slower at B = 1).
 
-    Channel-wise K ran at 1 CTA per SM until two-page tiles released their ring stage after
-    the tile's last product (Note [late stage release] in foscar.kernels.gluon.tiles): with the
-    stage released before page b's PV product, 1-9 (split, KV head) partials changed from call
-    to call when two CTAs shared an SM (H100, B=1 L=32K, up to 2.9e-3 in the output; scratch
-    runs of that kernel); at 1 CTA per SM, and with the late release at 2, every call is
-    identical (``bash benchmarks/run_device.sh repeat``). One-page tiles keep the early
-    release, so channel-wise K with one-page tiles at 2 CTAs per SM is warned of
-    (:func:`config_warnings` in foscar.backends.gluon)."""
+    Channel-wise K runs at 2 CTAs per SM since two-page tiles release their ring stage after
+    the tile's last product (Note [late stage release] in foscar.kernels.gluon.tiles): every
+    call is identical (``bash benchmarks/run_device.sh repeat``). One-page tiles keep the early
+    release, and their outputs change from call to call there, so channel-wise K with one-page
+    tiles at 2 CTAs per SM is warned of (:func:`config_warnings` in foscar.backends.gluon)."""
     if tile_pages is None:
         tile_pages = 2 if key_axis == "channel" else 1
     if tile_pages not in (1, 2):

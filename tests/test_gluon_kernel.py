@@ -918,9 +918,9 @@ def test_bound_launches_replay_what_the_jit_launches(backend, k_axis):
 @pytest.mark.parametrize("v_axis", V_AXES)
 def test_channel_wise_keys_repeat_bit_for_bit(v_axis):
     """Channel-wise K at its default, 2 CTAs per SM with two-page tiles: 33 splits of one 32K
-    sequence over 8 KV heads (two CTAs share an SM), every call the same bits. With the ring
-    stage released before the tile's last products (one-page tiles still do), an H100 gave
-    different partials in 19 of 20 calls (benchmarks/tools/repeat_check.py)."""
+    sequence over 8 KV heads (two CTAs share an SM), every call the same bits. One-page tiles,
+    which release their ring stage before the tile's products, gave different partials in 19 of
+    20 calls on an H100 (`bash benchmarks/run_device.sh repeat`)."""
     fmt = KVFormat(QuantFormat(2, "channel", 128), QuantFormat(2, v_axis, 128))
     cache, batch = build_cache(fmt, (32768,), num_kv_heads=8, device="cuda", decode_steps=0)
     q = queries(batch, 32, 128, "cuda")

@@ -346,14 +346,11 @@ def _tile_pair(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: g
     complete (consumer 0 has 104 registers).
 
     Note [late stage release]: the tile releases its ring stage after its last wgmma wait, not
-    after its last shared-memory read. Released after page b's V words were loaded (before
-    page b's PV product), channel-wise K gave other partials in 1 to 11 of 10-12 calls
-    wherever two CTAs shared an SM (H100, scratch runs of that kernel), and every call the same
-    bits at 1 CTA per SM, or with this release at 2. One-page tiles, which still release before
-    their products, show it: 19 of 20 calls differ in 7 of 8 channel-wise cases at 2 CTAs per
-    SM (`bash benchmarks/run_device.sh repeat`). Which read the refill overtook is not
-    isolated: the PTX reads no shared memory of the stage after the early release
-    (docs/tuning.md)."""
+    after its last shared-memory read: with channel-wise K at 2 CTAs per SM, every call then
+    gives the same bits, where one-page tiles, which release before their products, differ in
+    19 of 20 calls in 7 of 8 channel-wise cases (`bash benchmarks/run_device.sh repeat`). Which
+    read the refill overtakes is not isolated: the PTX reads no shared memory of the stage
+    after the early release (docs/tuning.md)."""
     SPC: gl.constexpr = CFG[0]
     HS: gl.constexpr = CFG[1]
     V_BITS: gl.constexpr = CFG[3]
