@@ -652,24 +652,57 @@ def build_manager(
     Raises ``ValueError`` for a ``kv`` that does not fit the model or sizes that hold no request.
     """
     text = model.config.get_text_config()
-    num_layers = text.num_hidden_layers
-    head_dim = _head_dim(text)
-    num_kv_heads = _num_kv_heads(text)
-    resolved = resolve_kv(kv, num_layers=num_layers, head_dim=head_dim, num_kv_heads=num_kv_heads)
+    resolved = resolve_kv(
+        kv, num_layers=text.num_hidden_layers, head_dim=_head_dim(text),
+        num_kv_heads=_num_kv_heads(text),
+    )
     if not resolved.is_bf16:
-        layer_types = set(getattr(text, "layer_types", None) or ["full_attention"])
-        if layer_types != {"full_attention"} or getattr(text, "sliding_window", None):
-            raise ValueError(
-                f"kv={resolved.label!r}: foscar caches serve full-attention models only; this "
-                f"model has {sorted(layer_types)} layers"
-                + (f" and a sliding window of {text.sliding_window}" if text.sliding_window else "")
-            )
-        if (generation_kwargs.get("num_return_sequences") or 1) > 1:
-            raise ValueError(
-                "num_return_sequences > 1: a foscar cache cannot fork a request (its blocks hold "
-                "one request's quantized history)"
-            )
+        _check_foscar_model(text, resolved, generation_kwargs)
     block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
+    _check_block_size(block_size, resolved)
+    if cuda_graphs and not resolved.is_bf16:
+        reason = _graph_refusal(model, resolved, backend, window_dtype, block_size)
+        if reason is not None:
+            raise ValueError(f"cuda_graphs=True with kv={resolved.label!r}: {reason}")
+    _check_sizes(memory_bytes=memory_bytes, num_blocks=num_blocks,
+                 max_batch_tokens=max_batch_tokens, max_requests=max_requests,
+                 request_tokens=request_tokens)
+    requests_per_batch = generation_kwargs.pop("max_requests_per_batch", None)
+    plan = _size_pool(
+        model, resolved, memory_bytes=memory_bytes, num_blocks=num_blocks,
+        block_size=block_size, max_requests=max_requests, request_tokens=request_tokens,
+        requests_per_batch=requests_per_batch, window_dtype=window_dtype,
+    )
+    return FoscarBatchingManager(
+        model,
+        _generation_config(model, max_new_tokens, generation_kwargs),
+        _engine_config(plan, max_batch_tokens=max_batch_tokens, scheduler=scheduler,
+                       requests_per_batch=requests_per_batch, cuda_graphs=cuda_graphs),
+        plan=plan, backend=backend, window_dtype=window_dtype,
+        cuda_graphs=bool(cuda_graphs) and not resolved.is_bf16,
+    )
+
+
+def _check_foscar_model(text, resolved: ResolvedKV, generation_kwargs: dict) -> None:
+    """Raise ``ValueError`` unless a foscar cache can serve the model of text config ``text``
+    with ``generation_kwargs``: full attention in every layer, one sequence per request."""
+    layer_types = set(getattr(text, "layer_types", None) or ["full_attention"])
+    if layer_types != {"full_attention"} or getattr(text, "sliding_window", None):
+        raise ValueError(
+            f"kv={resolved.label!r}: foscar caches serve full-attention models only; this "
+            f"model has {sorted(layer_types)} layers"
+            + (f" and a sliding window of {text.sliding_window}" if text.sliding_window else "")
+        )
+    if (generation_kwargs.get("num_return_sequences") or 1) > 1:
+        raise ValueError(
+            "num_return_sequences > 1: a foscar cache cannot fork a request (its blocks hold "
+            "one request's quantized history)"
+        )
+
+
+def _check_block_size(block_size, resolved: ResolvedKV) -> None:
+    """Raise ``ValueError`` unless ``block_size`` is an int >= 4 (a power of two from 16 to 256
+    for a foscar cache)."""
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 4:
         raise ValueError(f"block_size must be an int >= 4, got {block_size!r}")
     power_of_two = block_size & (block_size - 1) == 0
@@ -677,20 +710,30 @@ def build_manager(
         raise ValueError(
             f"block_size must be a power of two from 16 to 256 for a foscar cache, got {block_size}"
         )
-    if cuda_graphs and not resolved.is_bf16:
-        reason = _graph_refusal(model, resolved, backend, window_dtype, block_size)
-        if reason is not None:
-            raise ValueError(f"cuda_graphs=True with kv={resolved.label!r}: {reason}")
-    for name, value in (("memory_bytes", memory_bytes), ("num_blocks", num_blocks),
-                        ("max_batch_tokens", max_batch_tokens), ("max_requests", max_requests),
-                        ("request_tokens", request_tokens)):
+
+
+def _check_sizes(**sizes) -> None:
+    """Raise ``ValueError`` unless each of ``sizes`` is None or a positive int, and
+    ``memory_bytes`` and ``num_blocks`` are not both given."""
+    for name, value in sizes.items():
         bad = isinstance(value, bool) or not isinstance(value, int) or value < 1
         if value is not None and bad:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if memory_bytes is not None and num_blocks is not None:
+    if sizes["memory_bytes"] is not None and sizes["num_blocks"] is not None:
         raise ValueError("give memory_bytes or num_blocks, not both")
 
-    local_heads = num_kv_heads // tp_size_of(model)
+
+def _size_pool(
+    model, resolved: ResolvedKV, *, memory_bytes: int | None, num_blocks: int | None,
+    block_size: int, max_requests: int | None, request_tokens: int | None,
+    requests_per_batch: int | None, window_dtype: torch.dtype,
+) -> _Plan:
+    """The engine's blocks (and foscar's window slots) for ``memory_bytes`` or ``num_blocks``
+    (:func:`build_manager` documents the defaults); raises ``ValueError`` if no block fits."""
+    text = model.config.get_text_config()
+    num_layers = text.num_hidden_layers
+    head_dim = _head_dim(text)
+    local_heads = _num_kv_heads(text) // tp_size_of(model)
     bf16_per_token = 2 * num_layers * local_heads * head_dim * 2
     if memory_bytes is None and num_blocks is None:
         if model.device.type == "cuda":
@@ -699,7 +742,6 @@ def build_manager(
         else:
             memory_bytes = DEFAULT_CPU_MEMORY_BYTES
 
-    requests_per_batch = generation_kwargs.pop("max_requests_per_batch", None)
     if resolved.is_bf16:
         per_token = 2 * num_layers * local_heads * head_dim * model.dtype.itemsize
         if num_blocks is None:
@@ -729,7 +771,7 @@ def build_manager(
             f"memory_bytes={memory_bytes} holds no block of {block_size} tokens"
             + ("" if resolved.is_bf16 else f" beside {slots} window slots of {window} bytes")
         )
-    plan = _Plan(
+    return _Plan(
         kv=resolved,
         num_blocks=num_blocks,
         block_size=block_size,
@@ -741,6 +783,9 @@ def build_manager(
         max_position=getattr(text, "max_position_embeddings", None),
     )
 
+
+def _generation_config(model, max_new_tokens: int, generation_kwargs: dict) -> GenerationConfig:
+    """The model's generation config, greedy unless ``generation_kwargs`` say otherwise."""
     gen = model.generation_config
     gen = GenerationConfig() if gen is None else copy.deepcopy(gen)
     gen.max_new_tokens = max_new_tokens
@@ -748,20 +793,28 @@ def build_manager(
     for name, value in generation_kwargs.items():
         setattr(gen, name, value)
     if gen.eos_token_id is None:
-        gen.eos_token_id = getattr(text, "eos_token_id", None)
+        gen.eos_token_id = getattr(model.config.get_text_config(), "eos_token_id", None)
+    return gen
 
+
+def _engine_config(
+    plan: _Plan, *, max_batch_tokens: int | None, scheduler: str,
+    requests_per_batch: int | None, cuda_graphs: bool | None,
+) -> ContinuousBatchingConfig:
+    """The engine's config for ``plan`` (the fields this transformers version has); a foscar
+    cache switches off what writes or shares the engine's own K/V."""
     fields = _config_fields(ContinuousBatchingConfig)
     cb = {
-        "num_blocks": num_blocks,
+        "num_blocks": plan.num_blocks,
         "max_batch_tokens": max_batch_tokens,
         "scheduler_type": scheduler,
         "max_requests_per_batch": requests_per_batch,
         # named page_size after 5.17 (block_size there, and deprecated after)
-        ("page_size" if "page_size" in fields else "block_size"): block_size,
+        ("page_size" if "page_size" in fields else "block_size"): plan.block_size,
     }
     if cuda_graphs is not None:
         cb["use_cuda_graph"] = cuda_graphs
-    if not resolved.is_bf16:
+    if not plan.kv.is_bf16:
         cb.update(
             allow_block_sharing=False,
             max_blocks_per_request=0,
@@ -771,11 +824,7 @@ def build_manager(
             use_cuda_graph=bool(cuda_graphs),
             auto_switch_to_flash=False,
         )
-    cb_config = ContinuousBatchingConfig(**{k: v for k, v in cb.items() if k in fields})
-    return FoscarBatchingManager(
-        model, gen, cb_config, plan=plan, backend=backend, window_dtype=window_dtype,
-        cuda_graphs=bool(cuda_graphs) and not resolved.is_bf16,
-    )
+    return ContinuousBatchingConfig(**{k: v for k, v in cb.items() if k in fields})
 
 
 def _graph_refusal(
