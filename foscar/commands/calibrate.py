@@ -56,6 +56,15 @@ def int4_layer_counts(text: str) -> tuple[int, int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    _add_input_arguments(p)
+    _add_rotation_arguments(p)
+    _add_clip_fit_arguments(p)
+    _add_width_arguments(p)
+    _add_run_arguments(p)
+
+
+def _add_input_arguments(p: argparse.ArgumentParser) -> None:
+    """What is read: the model, where, and the calibration text's tokens and positions."""
     p.add_argument(
         "--model",
         type=existing_path,
@@ -88,6 +97,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "max_position_embeddings; --context equal to --seq-len takes the sequences' own "
         "positions only",
     )
+
+
+def _add_rotation_arguments(p: argparse.ArgumentParser) -> None:
+    """Which rotations: the recipe, the covariance targets, the selection, GPTQ keys."""
     p.add_argument(
         "--recipe",
         default="full",
@@ -141,6 +154,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--fit-windows left exact: a second pass over the calibration text)",
     )
     p.add_argument(
+        "--chunk",
+        type=positive_int,
+        default=512,
+        help="queries per chunk of the value target's attention (512; memory only)",
+    )
+
+
+def _add_clip_fit_arguments(p: argparse.ArgumentParser) -> None:
+    """The per-layer clip ratios' fit."""
+    p.add_argument(
         "--clip-bits",
         type=int,
         choices=[2, 4],
@@ -170,12 +193,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar=("SINK", "RECENT"),
         help="BF16 windows the clip fit leaves exact, as the cache will (default 64 256)",
     )
-    p.add_argument(
-        "--chunk",
-        type=positive_int,
-        default=512,
-        help="queries per chunk of the value target's attention (512; memory only)",
-    )
+
+
+def _add_width_arguments(p: argparse.ArgumentParser) -> None:
+    """Per-layer widths written into the file (--bits or --int4-layers)."""
     widths = p.add_mutually_exclusive_group()
     widths.add_argument(
         "--bits",
@@ -205,6 +226,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"tokens of the sequence --bits is measured at (default {BITS_CONTEXT}; the "
         "bits per element fall toward the quantized widths as contexts grow past the windows)",
     )
+
+
+def _add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """The run's threads and output file."""
     p.add_argument(
         "--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)"
     )

@@ -38,6 +38,16 @@ def int4_layers(text: str) -> tuple[int, int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    _add_model_arguments(p)
+    _add_perplexity_arguments(p)
+    _add_decode_arguments(p)
+    _add_agreement_and_needle_arguments(p)
+    _add_selection_and_output_arguments(p)
+    _add_oscar_arguments(p)
+
+
+def _add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """What is run: the model, where, and the evaluation text."""
     p.add_argument(
         "--model",
         type=existing_path,
@@ -68,6 +78,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "windows, agreement passages and needle haystack read it instead of the shipped "
         "default (CPython's language reference, later tokens than calibration reads)",
     )
+
+
+def _add_perplexity_arguments(p: argparse.ArgumentParser) -> None:
+    """--full and the perplexity windows' sizes and place."""
     p.add_argument(
         "--full",
         action="store_true",
@@ -111,6 +125,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "pass a run's config.ppl_first_token to score its windows with other --ppl-prefixes; "
         "the agreement prompts follow the windows)",
     )
+
+
+def _add_decode_arguments(p: argparse.ArgumentParser) -> None:
+    """How decode steps attend: the path, the backends, the heads' width."""
     p.add_argument(
         "--decode",
         choices=DECODE_CHOICES,
@@ -143,6 +161,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "architecture). E.g. 128 for SmolLM2 (64) through --backends gluon-e4m3, whose E4M3 "
         "operands cover head_dim 128 only",
     )
+
+
+def _add_agreement_and_needle_arguments(p: argparse.ArgumentParser) -> None:
+    """Sizes of the greedy agreement, the needle and the clips' calibration."""
     p.add_argument(
         "--agreement-prompts",
         type=positive_int,
@@ -178,6 +200,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=_DEFAULT.calibration_tokens,
         help="tokens of the default text the clipped formats' ratios are fitted on (2048)",
     )
+
+
+def _add_selection_and_output_arguments(p: argparse.ArgumentParser) -> None:
+    """Which formats and metrics, the result files, the seed."""
     p.add_argument(
         "--formats",
         nargs="+",
@@ -210,6 +236,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--seed", type=int, default=0, help="seed of the needles' passcodes and of torch (0)"
     )
+
+
+def _add_oscar_arguments(p: argparse.ArgumentParser) -> None:
+    """OSCAR's rows (:mod:`foscar.eval.oscar_rows`)."""
     g = p.add_argument_group("OSCAR rows")
     g.add_argument(
         "--oscar",

