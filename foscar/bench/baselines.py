@@ -47,7 +47,7 @@ except Exception:  # pragma: no cover
 
 __all__ = [
     "BaselineUnavailable",
-    "DecodeStep",
+    "BaselineStep",
     "BASELINES",
     "make_flashinfer_bf16",
     "make_flashinfer_fp8",
@@ -199,8 +199,9 @@ def _gen(dev, seed: int) -> torch.Generator:
     return g
 
 
-class DecodeStep:
-    """Zero-argument callable running one decode step; ``close()`` frees its memory."""
+class BaselineStep:
+    """Zero-argument callable running one decode step of a baseline library (not foscar's
+    planned :class:`foscar.cache.DecodeStep`); ``close()`` frees its memory."""
 
     def __init__(self, fn: Callable[[], Any], keep: dict[str, Any], name: str) -> None:
         self._fn = fn
@@ -218,7 +219,7 @@ class DecodeStep:
         free_cuda_memory()
 
     def __repr__(self) -> str:
-        return f"DecodeStep({self.name})"
+        return f"BaselineStep({self.name})"
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -257,7 +258,7 @@ def _gather_seq0(kv_cache, pages, layout: str, kv_len: int, num_kv_heads: int, h
     return k0.float(), v0.float()
 
 
-def _finish(step: DecodeStep, info: dict[str, Any], verify: bool, ref_fn, tol: float, out_view):
+def _finish(step: BaselineStep, info: dict[str, Any], verify: bool, ref_fn, tol: float, out_view):
     """Runs the step once (JIT compile / warm-up), optionally checks sequence 0."""
     try:
         out = step()  # first call: JIT compile (FlashInfer) + warm-up
@@ -453,7 +454,7 @@ def _make_flashinfer(
         f"BatchDecodeWithPagedKVCacheWrapper(backend={backend}, "
         f"{'tensor-core prefill kernel' if use_tensor_cores else 'CUDA-core decode kernel'})"
     )
-    step = DecodeStep(
+    step = BaselineStep(
         fn,
         {
             "wrapper": wrapper,
@@ -649,7 +650,7 @@ def make_trtllm_xqa_fp8(
         "k_scale": k_scale,
         "v_scale": v_scale,
     }
-    step = DecodeStep(
+    step = BaselineStep(
         fn,
         {
             "kv_cache": kv_cache,
@@ -774,7 +775,7 @@ def make_sdpa_bf16(
         "batch": batch,
         "kv_len": kv_len,
     }
-    step = DecodeStep(fn, {"k": k, "v": v, "q": q}, "sdpa-bf16")
+    step = BaselineStep(fn, {"k": k, "v": v, "q": q}, "sdpa-bf16")
 
     def ref():
         return _reference_seq0(
@@ -789,7 +790,7 @@ def _require_torch() -> None:
         raise BaselineUnavailable("torch is not importable")
 
 
-BASELINES: dict[str, Callable[..., tuple[DecodeStep, dict[str, Any]]]] = {
+BASELINES: dict[str, Callable[..., tuple[BaselineStep, dict[str, Any]]]] = {
     "flashinfer-bf16": make_flashinfer_bf16,
     "flashinfer-fp8": make_flashinfer_fp8,
     "trtllm-xqa-fp8": make_trtllm_xqa_fp8,
