@@ -459,21 +459,10 @@ def prepare(
     """
     import time
 
-    group_sizes = [int(g) for g in group_sizes]
-    if group_sizes:
-        if path is not None:
-            raise ValueError("group_sizes need a calibration in the run, not a file's rotations")
-        d = model_shapes(model)["head_dim"]
-        for g in group_sizes:
-            QuantFormat(2, "token", g).check_head_dim(d, name="group")
-            if g == min(d, 128):
-                raise ValueError(f"group size {g} is the default (one group per head row)")
-    if path is not None and gptq:
-        raise ValueError("gptq rows need a calibration in the run, not a file's rotations")
-    if path is not None and context is not None:
-        raise ValueError("context shapes a calibration in the run, not a file's rotations")
-    gptq_metrics = _check_gptq_metrics(gptq_metrics)
-    int4_layers = check_int4_layers(int4_layers, model_shapes(model)["num_layers"])
+    group_sizes, gptq_metrics, int4_layers = _check_prepare_arguments(
+        model, group_sizes=group_sizes, path=path, gptq=gptq, context=context,
+        gptq_metrics=gptq_metrics, int4_layers=int4_layers,
+    )
     if path is not None:
         rot = OscarRotations.load(path)
         return oscar_formats(rot.head_dim, rotations=rot, windows=windows), {
@@ -542,6 +531,42 @@ def prepare(
             log=log,
         )
         rows += extra
+    seconds = {
+        "targets": round(t1 - t0, 1),
+        "clip_fit_and_selection": round(t2 - t1, 1),
+        "attention_errors": round(t3 - t2, 1),
+        "gptq_clip_fit": round(time.perf_counter() - t4, 1),
+    }
+    info = _prepare_info(cal, full, sel, sel_kvh, grouped, gptq_info, errors, windows, seconds)
+    return rows, info
+
+
+
+def _check_prepare_arguments(
+    model, *, group_sizes, path, gptq, context, gptq_metrics, int4_layers
+) -> tuple[list[int], tuple[str, ...], tuple[tuple[int, int], ...]]:
+    """:func:`prepare`'s checks before any work: ``(group_sizes, gptq_metrics, int4_layers)``
+    as lists and tuples, or ``ValueError`` naming the argument."""
+    group_sizes = [int(g) for g in group_sizes]
+    if group_sizes:
+        if path is not None:
+            raise ValueError("group_sizes need a calibration in the run, not a file's rotations")
+        d = model_shapes(model)["head_dim"]
+        for g in group_sizes:
+            QuantFormat(2, "token", g).check_head_dim(d, name="group")
+            if g == min(d, 128):
+                raise ValueError(f"group size {g} is the default (one group per head row)")
+    if path is not None and gptq:
+        raise ValueError("gptq rows need a calibration in the run, not a file's rotations")
+    if path is not None and context is not None:
+        raise ValueError("context shapes a calibration in the run, not a file's rotations")
+    gptq_metrics = _check_gptq_metrics(gptq_metrics)
+    int4_layers = check_int4_layers(int4_layers, model_shapes(model)["num_layers"])
+    return group_sizes, gptq_metrics, int4_layers
+
+
+def _prepare_info(cal, full, sel, sel_kvh, grouped, gptq_info, errors, windows, seconds) -> dict:
+    """What :func:`prepare` records of its calibration for the result's config."""
     fit = full.header["clip_fit"]
     info = {
         "calibration": {
@@ -553,12 +578,7 @@ def prepare(
                 "position_shifts",
             )
         },
-        "seconds": {
-            "targets": round(t1 - t0, 1),
-            "clip_fit_and_selection": round(t2 - t1, 1),
-            "attention_errors": round(t3 - t2, 1),
-            "gptq_clip_fit": round(time.perf_counter() - t4, 1),
-        },
+        "seconds": seconds,
         "windows": list(windows),
         "fitted_clips": {f"int{b}.{r}": c.tolist() for (b, r), c in full.clips.items()},
         "clip_fit_errors": {
@@ -574,8 +594,7 @@ def prepare(
         info["gptq"] = gptq_info
     if errors is not None:
         info["attention_errors_heldout"] = {"bits": 2, "windows": list(windows), "errors": errors}
-    return rows, info
-
+    return info
 
 #: GPTQ key metrics of :func:`gptq_rows`: name -> the rows' label for it
 GPTQ_METRICS = {"query": "GPTQ keys", "attention": "attention-GPTQ keys"}
