@@ -206,19 +206,9 @@ EOF
     status=${PIPESTATUS[0]}
     ;;
   tests)
-    # the tests marked gpu; where no test carries the marker, the files whose tests launch kernels
-    # (on a GPU every kernel test runs there, not in the Triton interpreter)
-    if python3 -m pytest --collect-only -q -p no:cacheprovider -m gpu tests >/dev/null 2>&1; then
-      selection=(-m gpu tests)
-    else
-      selection=()
-      for f in test_triton_kernel test_gluon_kernel test_cache_write test_cache_decode \
-        test_decode test_quantize test_layer_formats test_oscar_cache test_oscar_positions \
-        test_oscar_calibrate test_oscar_cli test_transformers test_bench_e2e test_cache_decode_step \
-        test_serving_graphs test_serving_sampling; do
-        [ -f "tests/$f.py" ] && selection+=("tests/$f.py")
-      done
-    fi
+    # the tests marked gpu (they need one) or kernels (their kernels run on the GPU, not in the
+    # Triton interpreter): tests/conftest.py marks them
+    selection=(-m "gpu or kernels" tests)
     # in 12 processes: the time goes to compiling kernels on the CPU (4 min on an H100)
     logged gpu_tests.log python3 -m pytest -q -p no:cacheprovider -rfs --durations 10 -n 12 \
       "${selection[@]}" "$@" | tail -40

@@ -19,6 +19,8 @@ import torch
 # other (the float64 reference tests ran 10x slower on a loaded 2-core machine).
 torch.set_num_threads(1)
 
+#: the one CUDA check of the tests: ``@pytest.mark.gpu`` skips a test without it
+#: (:func:`pytest_collection_modifyitems`)
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -84,6 +86,59 @@ def smollm2():
     return load_model(None)
 
 
+# ---------------------------------------------------------------------------- GPU tests
+def gpu_skip_reason(mark) -> str | None:
+    """Why a test marked ``@pytest.mark.gpu(capability=(major, minor), reason=...)`` (both
+    optional) cannot run here, or None: no CUDA device, or the first device of another compute
+    capability."""
+    why = mark.kwargs.get("reason")
+    if not HAS_CUDA:
+        return f"needs a CUDA device ({why})" if why else "needs a CUDA device"
+    capability = mark.kwargs.get("capability")
+    found = torch.cuda.get_device_capability()
+    if capability is not None and tuple(found) != tuple(capability):
+        wanted = ".".join(map(str, capability))
+        return f"needs a GPU of compute capability {wanted}, found {found[0]}.{found[1]}" + (
+            f" ({why})" if why else ""
+        )
+    return None
+
+
+#: the modules whose tests run their kernels on the GPU where there is one (elsewhere in Triton's
+#: interpreter or on the reference path): their tests are marked ``kernels``, and the GPU suite
+#: (``benchmarks/run_device.sh tests``) runs ``-m "gpu or kernels"``
+KERNEL_TEST_MODULES = (
+    "test_bench_e2e",
+    "test_cache_decode",
+    "test_cache_decode_step",
+    "test_cache_write",
+    "test_decode",
+    "test_gluon_kernel",
+    "test_layer_formats",
+    "test_oscar_cache",
+    "test_oscar_calibrate",
+    "test_oscar_cli",
+    "test_oscar_positions",
+    "test_quantize",
+    "test_serving_graphs",
+    "test_serving_sampling",
+    "test_transformers",
+    "test_triton_kernel",
+)
+
+
+def mark_gpu_tests(items) -> None:
+    """Mark the tests of :data:`KERNEL_TEST_MODULES` ``kernels``, and skip those marked ``gpu``
+    that cannot run here (:func:`gpu_skip_reason`)."""
+    for item in items:
+        if item.path.stem in KERNEL_TEST_MODULES:
+            item.add_marker(pytest.mark.kernels)
+        mark = item.get_closest_marker("gpu")
+        reason = gpu_skip_reason(mark) if mark is not None else None
+        if reason is not None:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
 # ---------------------------------------------------------------------------- pytest-xdist
 #: fixtures that load a model or build one on disk: under pytest-xdist the tests that use one
 #: run on one worker, which builds it once (with ``-n`` alone every worker that drew one would)
@@ -104,7 +159,9 @@ def pytest_configure_node(node):
     node.workerinput["groups_file"] = str(_groups_file(node.config))
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by the markers added here
 def pytest_collection_modifyitems(config, items):
+    mark_gpu_tests(items)
     path = getattr(config, "workerinput", {}).get("groups_file")
     if path is not None:  # a worker: test id -> the shared fixture it uses
         groups = {}

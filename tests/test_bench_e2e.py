@@ -9,15 +9,14 @@ import sys
 
 import pytest
 import torch
+from conftest import HAS_CUDA
 
 pytest.importorskip("transformers", reason="the e2e benchmark needs transformers (foscar[hf])")
 
 from foscar.bench import e2e  # noqa: E402
 
 
-@pytest.mark.skipif(
-    torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA"
-)
+@pytest.mark.skipif(HAS_CUDA, reason="checks the refusal on a machine without CUDA")
 def test_refuses_without_cuda():
     res = subprocess.run(
         [sys.executable, "-m", "foscar", "bench", "--e2e"], capture_output=True, text=True

@@ -10,11 +10,11 @@ import sys
 import time
 
 import pytest
-import torch
+from conftest import HAS_CUDA
 
 from foscar.commands.main import COMMANDS, build_parser, main
 
-NO_CUDA = not torch.cuda.is_available()
+NO_CUDA = not HAS_CUDA
 
 
 def cli_error(capsys, argv: list[str]) -> str:

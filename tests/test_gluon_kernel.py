@@ -44,12 +44,11 @@ if gluon_backend._gluon() is None:
         allow_module_level=True,
     )
 
-HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 #: FOSCAR_TEST_GLUON_TILE_PAGES=1 or 2 runs the launching cases with that many pages per tile
 #: (configs.gluon_decode_config otherwise picks by shape); the device test runs take both
 TILE_PAGES = int(os.environ.get("FOSCAR_TEST_GLUON_TILE_PAGES", "0"))
-sm90_only = pytest.mark.skipif(
-    not HAS_SM90, reason="launches the Gluon kernel: needs a Hopper GPU (no interpreter path)"
+sm90_only = pytest.mark.gpu(
+    capability=(9, 0), reason="launches the Gluon kernel: no interpreter path"
 )
 INT2 = QuantFormat(2, "token", 128)
 INT4 = QuantFormat(4, "token", 128)
@@ -665,7 +664,7 @@ def test_channel_wise_keys_launch_two_ctas_per_sm():
     assert gluon_backend.num_splits(8, 8, 131072, cfg, 132) == 4  # 264 // 64
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="launches the kernel: needs a GPU")
+@pytest.mark.gpu(reason="launches the kernel")
 def test_one_page_two_cta_config_for_channel_wise_keys_warns():
     fmt = KVFormat(QuantFormat(2, "channel", 128), INT2)
     cache, batch = build_cache(fmt, (300,), device="cuda")
@@ -709,7 +708,7 @@ def test_config_warnings_name_the_configs_that_raced(k_axis, v_axis, tile_pages,
     assert gluon_backend.config_warnings(fmt, gluon_decode_config(k_axis)) == []
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="launches the kernel: needs a GPU")
+@pytest.mark.gpu(reason="launches the kernel")
 def test_one_page_tiles_for_channel_wise_keys_and_values_warn():
     """KcVc with one-page tiles was not repeatable on the H200 at 1 CTA per SM; the
     default two-page config was, and does not warn."""

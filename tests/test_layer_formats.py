@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from conftest import HAS_CUDA, KERNEL_DEVICE
+from conftest import KERNEL_DEVICE
 from kernel_cases import check_against_reference, queries
 
 from foscar import (
@@ -36,7 +36,6 @@ from foscar.oscar import (
 )
 from foscar.reference import attend_dequantized
 
-HAS_SM90 = HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
 
 # lengths 1 and primes, non-multiples of the page (16) and of the groups
 LENGTHS = (1, 17, 113, 263)
@@ -208,7 +207,7 @@ def test_decode_reads_each_layer_in_its_own_format(backend, formats, ratio):
         check_against_reference(o, lse, q, cache, batch)
 
 
-@pytest.mark.skipif(not HAS_SM90, reason="launches the Gluon kernel: needs a Hopper GPU")
+@pytest.mark.gpu(capability=(9, 0), reason="launches the Gluon kernel")
 def test_gluon_and_auto_read_each_layer_in_its_own_format():
     formats = tuple(
         KVFormat(QuantFormat(kb, "token", 128), QuantFormat(vb, "token", 128), "bf16", 4, 16)

@@ -611,7 +611,7 @@ def test_fold_value_rotations_into_the_model(tiny):
         fold_value_rotations(torch.nn.Linear(2, 2), rot)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device)")
+@pytest.mark.gpu(reason="runs on the device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_fold_value_rotations_on_a_gpu_model(tiny, dtype):
     """fold_value_rotations on a model whose weights live on the GPU, from rotations on the CPU

@@ -721,9 +721,7 @@ def test_oscar_int4_layers_argument(capsys):
         assert "--oscar-int4-layers" in err and says in err, err
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="foscar eval on a GPU: decode steps run the kernels"
-)
+@pytest.mark.gpu(reason="foscar eval on a GPU: decode steps run the kernels")
 def test_foscar_eval_on_a_gpu(toy):
     """foscar eval on a GPU at toy sizes with SmolLM2's head shape (head_dim 64, 3 query heads
     per KV head): OSCAR's rows with GPTQ keys and one format per layer, KIVI, every metric.

@@ -78,7 +78,7 @@ def test_channel_wise_needs_whole_groups():
         quantize(torch.randn(40, 64), QuantFormat(2, "channel", 32))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("axis", ["token", "channel"])
 def test_a_gpu_quantizes_to_the_cpus_bits(bits, axis):

@@ -22,7 +22,7 @@ from conftest import serve_requests
 
 from foscar import KVFormat, QuantFormat, QuantizedKVCache, decode_attention
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+pytestmark = pytest.mark.gpu(reason="CUDA graphs need a GPU")
 
 H, HQ, D, PAGE, LAYERS, ROWS = 8, 32, 128, 64, 2, 8
 PROMPTS = [1, 17, 113, 263, 70]  # inside the sink, across the recent window, pages

@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from conftest import HAS_CUDA, KERNEL_DEVICE
+from conftest import KERNEL_DEVICE
 from kernel_cases import build_cache, check_against_reference, queries, rel_l2
 
 from foscar import KVFormat, QuantFormat, decode_attention
@@ -19,7 +19,7 @@ from foscar.reference import dequantize_sequence
 
 pytest.importorskip("triton")
 
-gpu_only = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (too slow in the interpreter)")
+gpu_only = pytest.mark.gpu(reason="too slow in the interpreter")
 
 # lengths 1 and primes: single-token, partial-tile, multi-tile and multi-page sequences
 LENGTHS = (1, 17, 113, 263)
