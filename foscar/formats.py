@@ -330,7 +330,7 @@ def channel_order(
 @functools.cache
 def _kernel_order(role: Role, bits: int, head_dim: int, mapping: OperandMapping) -> tuple:
     """:func:`channel_order` as a tuple, computed once per row shape (every cache write
-    packs with it; the Python loop costs ~1 ms)."""
+    packs with it; the loop runs in Python)."""
     per_word = 32 // bits
     position_of_bit = {int(b): i for i, b in enumerate(_bit_offsets(bits, mapping))}
     order = [0] * head_dim
@@ -383,8 +383,8 @@ def unpack_codes(
     mask = (1 << bits) - 1
     offsets = [int(b) for b in _bit_offsets(bits, mapping)]
     # int32 shifts are arithmetic, but the mask keeps only the field's own bits. One op per field
-    # with a Python shift amount (torch's tensor-by-tensor shift is ~4x slower on the CPU), each
-    # written straight into the uint8 result: stacking int32 fields made this 3-5x slower.
+    # with a Python shift amount (torch's tensor-by-tensor shift is slower on the CPU), each
+    # written straight into the uint8 result (stacking int32 fields was slower).
     codes = torch.empty(*w.shape, len(offsets), dtype=torch.uint8, device=w.device)
     for j, b in enumerate(offsets):
         codes[..., j] = (w >> b) & mask

@@ -109,8 +109,8 @@ def quantize_gptq(
     _, scale, lo = quantize(x, fmt)  # the clipped row's min-max scale and offset
     d, g = x.shape[-1], fmt.group_size
     # channel-major [D, H, T]: channel j of every row is one contiguous slice, so each step
-    # reads and updates whole rows of memory (2.5x faster on a CPU than [H, T, D] with the
-    # same elementwise operations, hence the same codes)
+    # reads and updates whole rows of memory (faster on a CPU than [H, T, D] with the same
+    # elementwise operations, hence the same codes)
     w = x.to(torch.float32).movedim(-1, 0).contiguous()
     s_full = scale.repeat_interleave(g, dim=-1).movedim(-1, 0).contiguous()
     z_full = lo.repeat_interleave(g, dim=-1).movedim(-1, 0).contiguous()

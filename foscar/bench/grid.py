@@ -40,9 +40,8 @@ def peak_tbps(gpu: str | None) -> float | None:
     return next((tbps for name, tbps in PEAK_TBPS.items() if gpu and gpu.startswith(name)), None)
 
 #: GPU spin ahead of each timed call (foscar.bench.timing), so that the host's enqueue of the
-#: call's kernels is not timed: a channel-wise format's call (three kernels) takes 230-480 us of
-#: host time to enqueue, up to 730 us on the H200, and with a 300 us spin its calls in the grids
-#: had a tail of slow ones (up to 8x the median) that a 1000 us spin removed in the axes grid
+#: call's kernels is not timed (a channel-wise format's call is three kernels; docs/tuning.md,
+#: Conditions, says why this long)
 SPIN_US = 1000
 MAIN_GRID = (
     [(1, L) for L in (8192, 32768, 131072, 524288)]

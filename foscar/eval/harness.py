@@ -2,12 +2,12 @@
 decode path.
 
 :class:`EvalConfig` holds what a run measures; :func:`evaluate` runs it. The default sizes fit a
-2-core CPU (about 45 minutes with SmolLM2-135M on an idle machine: 64 scored tokens per prefix,
-5 needle depths, 3 agreement prompts); ``full=True`` takes 256 scored tokens per prefix, 9
-needle depths and 8 agreement prompts, and every size has its own field. On a machine shared
-with other jobs, run it with ``OMP_WAIT_POLICY=PASSIVE`` (set before torch starts): with more
-busy threads than cores, OpenMP's spinning threads made each decode step 20x slower on 2 cores;
-passive waiting kept it at the idle speed.
+2-core CPU with SmolLM2-135M (64 scored tokens per prefix, 5 needle depths, 3 agreement
+prompts); ``full=True`` takes 256 scored tokens per prefix, 9 needle depths and 8 agreement
+prompts, and every size has its own field. On a machine shared with other jobs, run it with
+``OMP_WAIT_POLICY=PASSIVE`` (set before torch starts): with more busy threads than cores,
+OpenMP's spinning threads slow every decode step many times over; passive waiting keeps it at
+the idle speed.
 
 Decode steps on a CPU (``decode="auto"``) use ``FoscarCache(decode="dequantized")``: each
 token of the quantized history is dequantized once from the pages, when it enters the history,
