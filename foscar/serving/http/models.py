@@ -130,7 +130,7 @@ class ChatCompletionRequest(SamplingFields):
     def _lengths_and_logprobs(self):
         if (self.max_tokens is not None and self.max_completion_tokens is not None
                 and self.max_tokens != self.max_completion_tokens):
-            raise ValueError("max_tokens and max_completion_tokens differ; give one")
+            raise ValueError("max_tokens: it and max_completion_tokens differ; give one")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: only with logprobs true")
         return self
