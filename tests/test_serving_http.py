@@ -517,3 +517,23 @@ def test_slow_dead_and_malformed_clients_leave_it_serving(served, client):
     stats = _wait_idle(served)
     assert stats["server"]["cancelled"] >= cancelled + 1
     assert httpx.get(served.url + "/health").status_code == 200
+
+
+# ---------------------------------------------------------------------------- the benchmark
+def test_the_http_benchmark_measures_both_paths(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from foscar.serving.http_bench import run_http_bench
+
+    tok = tiny_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)).eval()
+    (result,) = run_http_bench(model, tok, ["int4"], out=tmp_path, name="http", command="test",
+                               requests=4, prompt_tokens=8, new_tokens=6, rounds=1,
+                               num_blocks=32, block_size=16, log=lambda line: None)
+    assert result["step_ms_direct"] > 0 and result["step_ms_http"] > 0
+    assert result["min_events_per_answer"] >= 2  # the answers streamed, token by token
+    assert "share of a step" in (tmp_path / "http.md").read_text()
+    assert json.loads((tmp_path / "http.json").read_text())["results"][0]["kv"] == "int4"

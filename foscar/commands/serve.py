@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib.util
 import logging
 import os
 import signal
@@ -205,8 +206,6 @@ SERVE_MODULES = ("fastapi", "uvicorn", "pydantic", "prometheus_client")
 
 def _check_serve(args) -> None:
     """Raise _UsageError for values no load can fix."""
-    import importlib.util
-
     missing = [m for m in SERVE_MODULES if importlib.util.find_spec(m) is None]
     if missing:
         raise _UsageError(f"the HTTP server needs {', '.join(missing)}: pip install "
@@ -703,6 +702,14 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="tokens per KV block (default 64)")
     g.add_argument("--serve-max-seconds", type=float, default=600.0,
                    help="give up on a method's trace after this long (default 600)")
+    g.add_argument("--serve-http", action="store_true",
+                   help="instead: the HTTP layer's cost per streamed token, a batch streamed "
+                   "through foscar serve's HTTP API beside the engine called directly, for each "
+                   "--serve-kv (needs the serve extra; writes NAME.{json,md})")
+    g.add_argument("--serve-http-requests", type=int, default=32,
+                   help="--serve-http: requests in the batch (default 32)")
+    g.add_argument("--serve-http-tokens", type=int, default=128,
+                   help="--serve-http: prompt and answer tokens of each request (default 128)")
     g.add_argument("--serve-out", default="results/serve", metavar="DIR",
                    help="where NAME.{json,md,png} go (default results/serve)")
     g.add_argument("--serve-name", default="serve_bench", metavar="NAME",
@@ -732,6 +739,16 @@ def run_bench_serve(args) -> int:
             raise _UsageError(f"--serve-cpu-threads must be >= 1, got {args.serve_cpu_threads}")
         if not args.serve_max_seconds > 0:
             raise _UsageError(f"--serve-max-seconds must be > 0, got {args.serve_max_seconds}")
+        if args.serve_http:
+            for flag in ("serve_http_requests", "serve_http_tokens"):
+                if getattr(args, flag) < (3 if flag == "serve_http_tokens" else 1):
+                    raise _UsageError(f"--{flag.replace('_', '-')} is too small: "
+                                      f"{getattr(args, flag)}")
+            missing = [m for m in SERVE_MODULES + ("httpx",)
+                       if importlib.util.find_spec(m) is None]
+            if missing:
+                raise _UsageError(f"--serve-http needs {', '.join(missing)}: pip install "
+                                  "'foscar[serve]'")
         if args.serve_model is not None and not Path(args.serve_model).exists():
             raise _UsageError(f"--serve-model: {args.serve_model!r} does not exist")
         ns = argparse.Namespace(device=args.serve_device, cuda_graphs=False)
@@ -746,6 +763,8 @@ def run_bench_serve(args) -> int:
         model, tokenizer, name = _load(args.serve_model, device, _dtype("auto", device))
     except ValueError as e:
         return _fail(prog, f"--serve-model: {e}")
+    if args.serve_http:
+        return _run_http_bench(args, model, tokenizer, kvs, prog)
     text_ids, text_name = None, None
     if args.serve_prompts == "text" or (args.serve_prompts == "auto" and tokenizer is not None):
         if tokenizer is None:
@@ -776,6 +795,26 @@ def run_bench_serve(args) -> int:
     incomplete = [m["kv"] for m in results["methods"]
                   if m.get("completed", 0) < trace.num_requests]  # a refused one holds none
     return 1 if incomplete else 0
+
+
+def _run_http_bench(args, model, tokenizer, kvs, prog: str) -> int:
+    """``foscar bench --serve --serve-http`` (:mod:`foscar.serving.http_bench`)."""
+    from ..serving.http_bench import run_http_bench
+
+    command = "foscar bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"]
+                                         else sys.argv[1:])
+    try:
+        run_http_bench(
+            model, tokenizer, kvs, out=args.serve_out, name=args.serve_name, command=command,
+            requests=args.serve_http_requests, prompt_tokens=args.serve_http_tokens,
+            new_tokens=args.serve_http_tokens, seed=args.serve_seed,
+            memory_bytes=None if args.serve_memory_gb is None else int(args.serve_memory_gb * GB),
+            block_size=args.serve_block_size,
+            log=lambda line: print(f"{prog}: {line}", file=sys.stderr, flush=True),
+        )
+    except ValueError as e:
+        return _fail(prog, str(e))
+    return 0
 
 
 def _evaluation_text_ids(tokenizer) -> tuple[list[int], str]:
