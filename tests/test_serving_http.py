@@ -1,8 +1,8 @@
 """The HTTP layer of ``foscar serve`` (:mod:`foscar.serving.http`) with the official ``openai``
 client, sync and async, against a real server on 127.0.0.1 (a free port).
 
-The server runs in this process, in a thread, on a tiny random Llama (2 layers) with a
-byte-level tokenizer of 258 tokens and a chat template, and an INT4 foscar cache: every field
+The server runs in this process, in a thread, on a tiny random Llama (2 layers; on the GPU
+where there is one) with a byte-level tokenizer of 258 tokens and a chat template, and an INT4 foscar cache: every field
 of the API is checked for what it does, and the load test (256 concurrent requests, mixed
 streamed and not, a quarter cancelled midway, no client retries) finishes in seconds. The
 random model's logits are near-flat, so ``logit_bias`` makes answers predictable where a test
@@ -69,8 +69,12 @@ def start_server(**server_args):
                          max_position_embeddings=2048, eos_token_id=tok.eos_token_id,
                          pad_token_id=tok.eos_token_id)
     model = LlamaForCausalLM(config).eval()
+    if torch.cuda.is_available():  # the GPU machine's run of these tests serves from the GPU
+        model = model.to("cuda", torch.bfloat16)
+    # no CUDA graphs: penalties, logit_bias and logprobs run on the host (refused under graphs)
     manager = build_manager(model, "int4", num_blocks=512, block_size=16, max_new_tokens=16,
-                            eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+                            eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
+                            cuda_graphs=False)
     server = ChatServer(("127.0.0.1", 0), manager, tok, model_id=MODEL, **server_args)
     with torch.inference_mode():
         server.start()
