@@ -2,11 +2,12 @@
 client, sync and async, against a real server on 127.0.0.1 (a free port).
 
 The server runs in this process, in a thread, on a tiny random Llama (2 layers; on the GPU
-where there is one) with a byte-level tokenizer of 258 tokens and a chat template, and an INT4 foscar cache: every field
-of the API is checked for what it does, and the load test (256 concurrent requests, mixed
-streamed and not, a quarter cancelled midway, no client retries) finishes in seconds. The
-random model's logits are near-flat, so ``logit_bias`` makes answers predictable where a test
-needs that. ``foscar serve`` itself, with SmolLM2, is :mod:`test_serving_server`'s.
+where there is one) with a byte-level tokenizer of 258 tokens and a chat template, and an INT4
+foscar cache: every field of the API is checked for what it does, and the load test (256
+concurrent requests, mixed streamed and not, a quarter cancelled midway, no client retries)
+finishes in seconds. The random model's logits are near-flat, so ``logit_bias`` makes answers
+predictable where a test needs that. ``foscar serve`` itself, with SmolLM2, is
+:mod:`test_serving_server`'s.
 """
 
 from __future__ import annotations

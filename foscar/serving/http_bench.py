@@ -169,7 +169,7 @@ def write_report(results: list[dict], out: str | Path, name: str, command: str) 
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps({"command": command, "results": results},
                                                  indent=2))
-    lines = [f"# HTTP layer cost per streamed token\n", f"`{command}`\n",
+    lines = ["# HTTP layer cost per streamed token\n", f"`{command}`\n",
              "| KV | device | requests | decode step direct (ms) | through HTTP (ms) | "
              "HTTP per token (ms) | share of a step |",
              "|---|---|---:|---:|---:|---:|---:|"]

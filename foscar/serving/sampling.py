@@ -239,7 +239,7 @@ class RequestAdjuster(ContinuousBatchingLogitsProcessor):
         rows = self.rows
         self.sampler.raw_logprobs = None
         self.sampler.logprob_rows = []
-        if not rows or scores.shape[0] != len(rows):
+        if not rows or scores.shape[0] < len(rows):  # (rows past the requests' are padding)
             return scores
         if scores.is_cuda and torch.cuda.is_current_stream_capturing():
             return scores
