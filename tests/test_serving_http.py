@@ -65,7 +65,7 @@ def start_server(**server_args):
 
     tok = tiny_tokenizer()
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                          max_position_embeddings=2048, eos_token_id=tok.eos_token_id,
                          pad_token_id=tok.eos_token_id)
@@ -367,6 +367,11 @@ def test_bodies_routes_and_methods_answer_in_openai_schema(served):
         assert response.status_code == status, response.text
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
     assert httpx.get(url + "/health").json() == {"status": "ok"}
+    assert "JSON object" in httpx.post(url + "/v1/completions", content=b"[]").text
+    # a body is JSON whatever its Content-Type says (curl -d sends a form's)
+    form = httpx.post(url + "/v1/completions", content=b'{"prompt": "x", "max_tokens": 2}',
+                      headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert form.status_code == 200 and form.json()["object"] == "text_completion"
 
 
 def test_an_api_key_is_required_where_set():
@@ -533,7 +538,7 @@ def test_the_http_benchmark_measures_both_paths(tmp_path):
     tok = tiny_tokenizer()
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=len(tok), hidden_size=128, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)).eval()
     (result,) = run_http_bench(model, tok, ["int4"], out=tmp_path, name="http", command="test",
                                requests=4, prompt_tokens=8, new_tokens=6, rounds=1,

@@ -90,6 +90,8 @@ def _validation_response(exc: RequestValidationError) -> JSONResponse:
     kind, message = error.get("type", ""), error.get("msg", "invalid")
     if kind == "json_invalid":
         return error_response(400, f"the request body is not valid JSON: {message}")
+    if not loc and kind in ("model_attributes_type", "dict_type", "model_type"):
+        return error_response(400, "the request body must be a JSON object")
     message = message.removeprefix("Value error, ")
     param = loc[0] if loc else None
     if param is None and ":" in message:  # a check across fields names its field first
@@ -103,7 +105,8 @@ def _validation_response(exc: RequestValidationError) -> JSONResponse:
 
 
 class BodyLimit:
-    """ASGI middleware: a body over ``limit`` bytes gets 413 (declared, or as it arrives)."""
+    """ASGI middleware: a body over ``limit`` bytes gets 413 (declared, or as it arrives); every
+    body is read as JSON, whatever its Content-Type says (``curl -d`` sends a form's)."""
 
     def __init__(self, app, limit: int = MAX_BODY_BYTES) -> None:
         self.app = app
@@ -116,6 +119,8 @@ class BodyLimit:
             if name == b"content-length":
                 if not value.isdigit() or int(value) > self.limit:
                     return await self._refuse(send)
+        headers = [(k, v) for k, v in scope.get("headers", ()) if k != b"content-type"]
+        scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
         seen = 0
 
         async def limited():
