@@ -23,8 +23,9 @@
 #   serve-http     foscar serve's HTTP layer on the GPU (needs the serve extra's wheels in .whl/:
 #                  bash benchmarks/serve_wheels.sh): foscar bench --serve --serve-http on SmolLM2
 #                  (BF16 / INT4 / INT2: 32 streamed requests through HTTP beside the engine
-#                  called directly) -> serve_http.{md,json}; then the HTTP tests, the load test
-#                  of 256 concurrent requests among them, on the GPU -> serve_http_tests.log
+#                  called directly) -> serve_http.{md,json}; three bursts of 256 concurrent
+#                  requests against foscar serve --kv int4 (benchmarks/tools/serve_load.py)
+#                  -> serve_http_load.json; the HTTP tests on the GPU -> serve_http_tests.log
 #   eval           foscar eval on SmolLM2-135M: BF16, OSCAR INT4, the mixed INT2/INT4 recipes
 #                                                                -> eval_smollm2.*
 #   eval-e4m3      foscar eval --backends gluon gluon-e4m3 (the E4M3 operands need head_dim
@@ -345,6 +346,12 @@ EOF
     logged serve_http.log python3 -m foscar bench --serve --serve-http --serve-kv bf16 int4 int2 \
       --serve-device cuda --serve-out "$OUT" --serve-name serve_http "$@"
     status=$?
+    if smollm2_installed; then
+      logged serve_http_load.log python3 benchmarks/tools/serve_load.py --out "$OUT" \
+        --name serve_http_load --requests 256 --waves 3 -- --kv int4 --max-pending 128
+      load_status=$?
+      [ "$status" -eq 0 ] && status=$load_status
+    fi
     logged serve_http_tests.log python3 -m pytest -q -p no:cacheprovider \
       tests/test_serving_http.py
     tests_status=$?
