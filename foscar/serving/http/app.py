@@ -303,6 +303,15 @@ async def _next_output(state: ServingState, job: Job, outputs: asyncio.Queue):
         return choice, output
 
 
+def _update(state: ServingState, job: Job, choice: Choice, output) -> str:
+    """``choice.update``; a choice ended here (a stop) is released from the engine at once,
+    while its request's other choices go on."""
+    piece = choice.update(output, job.start)
+    if choice.finished and choice.early:
+        state.router.done(choice.request_id, early=True)
+    return piece
+
+
 async def _until_disconnect(request: Request) -> None:
     while True:
         message = await request.receive()
@@ -315,7 +324,7 @@ async def _whole(state: ServingState, job: Job, outputs: asyncio.Queue,
     async def collect():
         while not all(c.finished for c in job.choices.values()):
             choice, output = await _next_output(state, job, outputs)
-            choice.update(output, job.start)
+            _update(state, job, choice, output)
 
     work = asyncio.ensure_future(collect())
     gone = asyncio.ensure_future(_until_disconnect(request))
@@ -379,7 +388,7 @@ def _stream(state: ServingState, job: Job, outputs: asyncio.Queue, include_usage
         try:
             while not all(c.finished for c in job.choices.values()):
                 choice, output = await _next_output(state, job, outputs)
-                piece = choice.update(output, job.start)
+                piece = _update(state, job, choice, output)
                 logprobs = logprobs_now(choice)
                 if piece or (logprobs and (logprobs.get("content") or logprobs.get("tokens"))):
                     yield event(job.chunk(choice.index, piece, logprobs=logprobs))
