@@ -547,3 +547,25 @@ def test_the_http_benchmark_measures_both_paths(tmp_path):
     assert result["min_events_per_answer"] >= 2  # the answers streamed, token by token
     assert "share of a step" in (tmp_path / "http.md").read_text()
     assert json.loads((tmp_path / "http.json").read_text())["results"][0]["kv"] == "int4"
+
+
+def test_a_tokens_bytes_are_its_own():
+    """logprobs' ``bytes``: a byte-level token's own byte (half a character here), a byte
+    fallback token's byte, else the text's UTF-8."""
+    from foscar.serving.http.answers import TokenText
+
+    tok = tiny_tokenizer()
+    text_of = TokenText(tok)
+    half = tok.encode("é")[0]  # é is two bytes, two tokens
+    assert text_of(half) == ("\ufffd", ["é".encode()[0]])
+    assert text_of(tok.convert_tokens_to_ids("A")) == ("A", [ord("A")])
+
+    class Fallback:
+        def decode(self, ids):
+            return {0: "\ufffd", 1: "hé"}[ids[0]]
+
+        def convert_ids_to_tokens(self, token):
+            return {0: "<0xE2>", 1: "▁hé"}[token]
+
+    fallback = TokenText(Fallback())
+    assert fallback(0) == ("\ufffd", [0xE2]) and fallback(1) == ("hé", list("hé".encode()))

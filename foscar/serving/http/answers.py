@@ -9,12 +9,62 @@ order, on one queue of the request (:class:`Job`).
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 
 from .text import StopText, TextStream
 
-__all__ = ["Choice", "Job"]
+__all__ = ["Choice", "Job", "TokenText"]
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the character standing for each byte, to its byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+class TokenText:
+    """Each token's text alone and its bytes (OpenAI's ``token`` and ``bytes``): a byte-level
+    BPE token's own bytes (part of a character, where it carries part of one), a SentencePiece
+    byte-fallback token's byte, else its text's UTF-8; remembered per token id."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._seen: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token: int) -> tuple[str, list[int]]:
+        found = self._seen.get(token)
+        if found is None:
+            text = self.tokenizer.decode([token])
+            found = (text, list(self._bytes(token, text)))
+            if len(self._seen) < 1 << 20:
+                self._seen[token] = found
+        return found
+
+    def _bytes(self, token: int, text: str) -> bytes:
+        piece = self.tokenizer.convert_ids_to_tokens(token)
+        if isinstance(piece, str):
+            fallback = _BYTE_FALLBACK.fullmatch(piece)
+            if fallback:
+                return bytes([int(fallback.group(1), 16)])
+            if piece and all(c in _BYTE_OF_CHAR for c in piece):
+                raw = bytes(_BYTE_OF_CHAR[c] for c in piece)
+                if raw.decode("utf-8", "replace") == text or "\ufffd" in text:
+                    return raw
+        return text.encode()
 
 
 class GenerationFailed(RuntimeError):
@@ -92,6 +142,7 @@ class Job:
         self.request_id = request_id
         self.model_id = model_id
         self.tokenizer = tokenizer
+        self.token_text = TokenText(tokenizer)
         self.logprobs = logprobs  # alternatives per token; None: no log-probabilities
         self.created = int(time.time())
         self.start = time.perf_counter()
@@ -110,7 +161,7 @@ class Job:
 
     # ------------------------------------------------------------------ log-probabilities
     def _token_text(self, token: int) -> str:
-        return self.tokenizer.decode([token])
+        return self.token_text(token)[0]
 
     def logprobs_of(self, entries) -> dict | None:
         """OpenAI's ``logprobs`` of a choice for ``entries`` (:class:`TokenLogprob`)."""
@@ -118,8 +169,8 @@ class Job:
             return None
         if self.kind == "chat":
             def item(token, logprob):
-                text = self._token_text(token)
-                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+                text, raw = self.token_text(token)
+                return {"token": text, "logprob": logprob, "bytes": raw}
 
             return {"content": [{**item(e.token, e.logprob),
                                  "top_logprobs": [item(t, lp) for t, lp in e.top]}
