@@ -157,10 +157,13 @@ class ChatServer:
 
     def serve_forever(self) -> None:
         """Serve in this thread until :meth:`shutdown` (on uvloop where it is installed)."""
+        serving = self._uvicorn.serve(sockets=[self.socket])
         factory = getattr(self._uvicorn.config, "get_loop_factory", None)
-        loop_factory = factory() if factory is not None else None
-        with asyncio.Runner(loop_factory=loop_factory) as runner:
-            runner.run(self._uvicorn.serve(sockets=[self.socket]))
+        if factory is None or not hasattr(asyncio, "Runner"):  # Python 3.10, older uvicorn
+            asyncio.run(serving)
+            return
+        with asyncio.Runner(loop_factory=factory()) as runner:
+            runner.run(serving)
 
     def shutdown(self) -> None:
         """Ask the HTTP server to stop (open connections get a few seconds to end)."""
