@@ -251,12 +251,13 @@ def _check_results(out: Path, spec: bench.TraceSpec, methods: list[str],
         assert m["output_tokens_per_s"] > 0 and m["ttft_p99_s"] >= m["ttft_median_s"] > 0
         assert m["tpot_p99_s"] >= m["tpot_median_s"] > 0
         assert m["peak_concurrent_requests"] >= 1
-        # what the model attended with while the engine ran: foscar's function, or the
-        # engine's own for its BF16 cache (SDPA on a CPU: 'sdpa', or 'paged|sdpa' on 5.17)
-        if m["kv"] == "bf16":
+        # what attended the cache while the engine ran: foscar's decode kernels, or the
+        # engine's own path for its BF16 cache (SDPA on a CPU: 'sdpa', or 'paged|sdpa' on 5.17)
+        if m["kv"] in ("bf16", "sdpa-bf16"):
+            assert "the engine's BF16 paged cache" in m["attention"]
             assert "sdpa" in m["attention"], m["attention"]
         else:
-            assert m["attention"] == "foscar_paged"
+            assert "foscar.decode_attention" in m["attention"], m["attention"]
         # the pool as built (foscar's pages carry a little bookkeeping beyond the budget's
         # per-token sizes): within 2% of the memory every method was given
         assert m["pool"]["memory_bytes"] <= 1.02 * results["memory_bytes"]
@@ -266,7 +267,8 @@ def _check_results(out: Path, spec: bench.TraceSpec, methods: list[str],
         assert pools["bf16"]["max_tokens"] < pools["int4"]["max_tokens"] < \
             pools["int2"]["max_tokens"]
     table = (out / f"{stem}.md").read_text()
-    assert "Attention: bf16 " in table and "sdpa, int4 foscar_paged" in table
+    assert "Attention: bf16: the engine's BF16 paged cache" in table
+    assert "; int4: foscar int4 pages, foscar.decode_attention" in table
     for name in methods:
         assert f"| {name} | {spec.num_requests}/{spec.num_requests} |" in table
     assert f"Prompts: {prompts}" in table
