@@ -16,10 +16,21 @@
 #   e2e            foscar bench --e2e: Qwen3-8B shapes, 32K and 100K prompts -> e2e_qwen3_8b.*
 #   serve          foscar bench --serve on a random Llama (head_dim 128): the engine's BF16 paged
 #                  cache beside foscar INT4 and INT2 in the same memory -> serve_bench.*
-#   serve-qwen3    the same at Qwen3-8B's shapes, contexts 8K and 32K, BF16 / INT4 / INT2 / an
-#                  OSCAR per-layer recipe, CUDA graphs off and on   -> serve_qwen3_8b.*
+#   serve-qwen3    the same at Qwen3-8B's shapes, one context per call (default 32768; ARGS
+#                  --contexts 8192 for the other), FlashInfer BF16 / FP8, the engine's SDPA BF16,
+#                  INT4 / INT2 / an OSCAR per-layer recipe, CUDA graphs off and on, the trace
+#                  warmed up untimed                              -> serve_qwen3_8b.*
+#   serve-decode   the decode phase at Qwen3-8B's shapes, one process per context (8K, then
+#                  32K): step time against its byte limit, FlashInfer BF16 / FP8, INT4, INT2, the
+#                  same KV memory and the same batch, graphs on  -> serve_decode_qwen3_8b.*
+#   serve-trace    the long-answer trace at 32K (Poisson arrivals, answers of 512-1024 tokens),
+#                  FlashInfer BF16 / FP8, INT4, INT2 in the same memory -> serve_trace_qwen3_8b.*
+#   serve-profile  torch profiles of decode steps, graphs off and on: 8K (SDPA BF16, FlashInfer
+#                  BF16, INT2), then 32K (INT4, INT2) -> serve_profile_qwen3_8b*.*, profile_*.md
 #   serve-smollm2  foscar bench --serve on SmolLM2-135M (real weights, prompts from a real text):
-#                  BF16 / INT4 / INT2, and how many greedy answers equal BF16's -> serve_smollm2.*
+#                  FlashInfer BF16 / FP8, SDPA BF16, INT4 / INT2, how many greedy answers equal
+#                  flashinfer-bf16's, and its floor (itself in another batch order)
+#                                                                -> serve_smollm2.*
 #   eval           foscar eval on SmolLM2-135M: BF16, OSCAR INT4, the mixed INT2/INT4 recipes
 #                                                                -> eval_smollm2.*
 #   eval-e4m3      foscar eval --backends gluon gluon-e4m3 (the E4M3 operands need head_dim
@@ -48,12 +59,12 @@ mode=$1
 shift
 case "$mode" in
   smoke | tests | sanitize | grid | axes | grid-d64 | e4m3-accuracy | e2e | serve | serve-qwen3 | \
-    serve-smollm2 | eval | eval-e4m3 | tune | repeat) ;;
+    serve-decode | serve-trace | serve-profile | serve-smollm2 | eval | eval-e4m3 | tune | repeat) ;;
   -h | --help) usage ;;
   *)
     echo "run_device.sh: unknown mode '$mode' (expected smoke, tests, sanitize, grid, axes," \
-      "grid-d64, e4m3-accuracy, e2e, serve, serve-qwen3, serve-smollm2, eval, eval-e4m3, tune" \
-      "or repeat)" >&2
+      "grid-d64, e4m3-accuracy, e2e, serve, serve-qwen3, serve-decode, serve-trace," \
+      "serve-profile, serve-smollm2, eval, eval-e4m3, tune or repeat)" >&2
     exit 2
     ;;
 esac
@@ -304,14 +315,45 @@ EOF
     status=$?
     ;;
   serve-qwen3)
-    # 8 runs per context (4 methods, CUDA graphs off and on), each capped at 75 s (8K) or 120 s
-    # (32K), plus the model build (12 s on an H100) and the kernels' first compiles: a call of at
-    # most 10 minutes takes one context and two methods, e.g. --contexts 32768 --methods bf16
-    # int2, then --contexts 32768 --methods int4 oscar --merge FIRST.json (a run keeps the
-    # methods the later call does not measure)
+    # 12 runs per context (6 methods, CUDA graphs off and on), each warmed up by replaying its
+    # trace untimed and capped at 75 s (8K) or 120 s (32K), plus the model build (12 s on an
+    # H100) and FlashInfer's first compiles: over 10 minutes for one context at these defaults;
+    # narrow it with --methods / --cuda-graphs, and fold calls with --merge FIRST.json (a run
+    # keeps the methods the later call does not measure)
     logged serve_qwen3_8b.log python3 benchmarks/tools/serve_random_model.py --preset qwen3-8b \
-      --out "$OUT" "$@"
+      --contexts 32768 --out "$OUT" "$@"
     status=$?
+    ;;
+  serve-decode)
+    # one process per context (CONTEXTS: "8192 32768"); the second call merges into the first's
+    # files. FlashInfer's JIT builds (about 30 s a kernel family) land in the first process
+    status=0
+    name=serve_decode_qwen3_8b
+    for context in ${CONTEXTS:-8192 32768}; do
+      logged "${name}_$context.log" python3 benchmarks/tools/serve_random_model.py \
+        --preset qwen3-8b --decode-phase --contexts "$context" --out "$OUT/$context" \
+        --name "$name" "$@" || status=1
+    done
+    python3 benchmarks/tools/serve_random_model.py --preset qwen3-8b --decode-phase --contexts \
+      --merge "$OUT"/*/"$name".json --out "$OUT" --name "$name" || status=1
+    ;;
+  serve-trace)
+    logged serve_trace_qwen3_8b.log python3 benchmarks/tools/serve_random_model.py \
+      --preset qwen3-8b --long-answers --contexts 32768 --out "$OUT" "$@"
+    status=$?
+    ;;
+  serve-profile)
+    status=0
+    logged serve_profile_8192.log python3 benchmarks/tools/serve_random_model.py \
+      --preset qwen3-8b --profile --contexts 8192 --out "$OUT/8192" \
+      --name serve_profile_qwen3_8b "$@" || status=1
+    logged serve_profile_32768.log python3 benchmarks/tools/serve_random_model.py \
+      --preset qwen3-8b --profile --contexts 32768 --methods int4 int2 --out "$OUT/32768" \
+      --name serve_profile_qwen3_8b "$@" || status=1
+    python3 benchmarks/tools/serve_random_model.py --preset qwen3-8b --profile --contexts \
+      --merge "$OUT"/*/serve_profile_qwen3_8b.json --out "$OUT" \
+      --name serve_profile_qwen3_8b || status=1
+    mv "$OUT"/*/profile_*.md "$OUT"/ 2>/dev/null
     ;;
   serve-smollm2)
     if ! smollm2_installed && [[ " $* " != *" --serve-model "* ]]; then
@@ -319,7 +361,7 @@ EOF
         "carried in parts) or --serve-model PATH" >&2
       exit 2
     fi
-    logged serve_smollm2.log python3 -m foscar bench --serve --serve-kv bf16 int4 int2 \
+    logged serve_smollm2.log python3 -m foscar bench --serve \
       --serve-requests 24 --serve-rate 0 --serve-prompt-tokens 1024 4096 \
       --serve-output-tokens 64 128 --serve-device cuda --serve-out "$OUT" \
       --serve-name serve_smollm2 "$@"

@@ -394,8 +394,8 @@ def _defaults(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         a.contexts = None
     elif a.contexts is None:
         a.contexts = [8192] if mode == "profile" else [8192, 32768]
-    if a.merge and mode != "qwen":
-        p.error("--merge belongs to the all-at-once qwen3-8b traces")
+    if a.merge and mode == "trace":
+        p.error("--merge belongs to the all-at-once traces and --decode-phase")
     n = len(a.contexts or [None])
 
     def per_context(name, values, default):
@@ -450,6 +450,13 @@ def main(argv=None) -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     log = lambda s: print(s, flush=True)  # noqa: E731
+    if a.decode_phase and a.merge and not a.contexts:  # the rows of per-context processes
+        sets = [json.loads(Path(path).read_text()) for path in a.merge]
+        results = {**sets[0], "rows": [r for found in sets for r in found["rows"]],
+                   "commands": [found.get("command") for found in sets]}
+        write_decode_set(results, out, a.name)
+        log(f"wrote {out / a.name}.json, .md, .png ({len(sets)} sets merged)")
+        return
     merged = []
     for path in a.merge:
         for run in json.loads(Path(path).read_text()).get("runs", []):
@@ -587,8 +594,8 @@ def decode_markdown(results: dict) -> str:
     profiles = [r["profile"] for r in results["rows"] if r.get("profile")]
     if profiles:
         lines += ["", "Profiles of the timed steps: " + ", ".join(profiles) + "."]
-    if results.get("command"):
-        lines += ["", f"Command: `{results['command']}`"]
+    commands = results.get("commands") or [results.get("command")]
+    lines += [""] + [f"Command: `{c}`" for c in commands if c]
     return "\n".join(lines) + "\n"
 
 

@@ -48,6 +48,7 @@ __all__ = [
     "attention_description",
     "flashinfer_bytes_per_token",
     "flashinfer_unavailable",
+    "serving_kv",
 ]
 
 #: storage dtype of each FlashInfer cache
@@ -405,3 +406,21 @@ def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)
+
+
+def serving_kv(name: str, device, dtype: torch.dtype) -> tuple[str, str]:
+    """What ``foscar serve --kv bf16|fp8`` runs on ``device`` for a model in ``dtype``: the
+    FlashInfer cache where FlashInfer can run, else for ``bf16`` the engine's own cache and its
+    paged SDPA path. Returns ``(kv, why)`` (``build_manager``'s kv and a line that says which
+    attention runs); raises ``ValueError`` (one line) for ``fp8`` without FlashInfer."""
+    if name not in FLASHINFER_STORAGE:
+        raise ValueError(f"name must be one of {sorted(FLASHINFER_STORAGE)}, got {name!r}")
+    reason = flashinfer_unavailable(device)
+    if reason is None and dtype != torch.bfloat16:
+        reason = f"FlashInfer's caches take bfloat16 queries; the model computes in {dtype}"
+    if reason is None:
+        return f"flashinfer-{name}", f"--kv {name}: {attention_description(name)}"
+    if name == "fp8":
+        raise ValueError(f"--kv fp8 runs on FlashInfer's kernels: {reason}")
+    return "sdpa-bf16", (f"--kv bf16: {reason}; the engine's own BF16 cache and its paged SDPA "
+                         "path serve instead")
