@@ -510,7 +510,7 @@ def trace_set(model, kvs, a, results: dict, out: Path, log, start: float) -> Non
     """One trace per context (all at once, or ``--long-answers``), every method once per CUDA
     graphs setting, in ``results["runs"]``, written after each."""
     s = a.shape
-    bf16_per_token = 2 * s["layers"] * s["kv_heads"] * s["head_dim"] * 2
+    bf16_per_token = 2 * s["layers"] * s["kv_heads"] * s["head_dim"] * model.dtype.itemsize
     for i, context in enumerate(a.contexts):
         hi = context - a.output_tokens[1]
         spec = bench.TraceSpec(num_requests=a.requests[i],
@@ -538,7 +538,7 @@ def decode_set(model, kvs, a, results: dict, out: Path, log, start: float) -> No
     """The decode-phase benchmark per context, every row in ``results["rows"]``, written after
     each context."""
     s = a.shape
-    bf16_per_token = 2 * s["layers"] * s["kv_heads"] * s["head_dim"] * 2
+    bf16_per_token = 2 * s["layers"] * s["kv_heads"] * s["head_dim"] * model.dtype.itemsize
     results.update(rows=[], decode={"steps": a.steps, "warmup_steps": a.warmup_steps,
                                     "max_batch": a.max_batch})
     del results["runs"]
