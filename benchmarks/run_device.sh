@@ -24,7 +24,7 @@
 #                  32K): step time against its byte limit, FlashInfer BF16 / FP8, INT4, INT2, the
 #                  same KV memory and the same batch, graphs on  -> serve_decode_qwen3_8b.*
 #   serve-trace    the long-answer trace at 32K (Poisson arrivals, answers of 512-1024 tokens),
-#                  FlashInfer BF16 / FP8, INT4, INT2 in the same memory -> serve_trace_qwen3_8b.*
+#                  FlashInfer BF16 / FP8, INT2 in the same memory -> serve_trace_qwen3_8b.*
 #   serve-profile  torch profiles of decode steps, graphs off and on: 8K (SDPA BF16, FlashInfer
 #                  BF16, INT2), then 32K (INT4, INT2) -> serve_profile_qwen3_8b*.*, profile_*.md
 #   serve-smollm2  foscar bench --serve on SmolLM2-135M (real weights, prompts from a real text):

@@ -472,10 +472,10 @@ def test_qwen3_preset_defaults_name_the_flashinfer_and_sdpa_rows():
     assert a.warm_up == "trace" and a.name == "serve_qwen3_8b"
     a = tool.parse_args(["--preset", "qwen3-8b", "--long-answers", "--contexts", "32768",
                          "--out", "x"])
-    assert (a.output_tokens, a.cuda_graphs, a.requests) == ([512, 1024], ["on"], [8])
+    assert (a.output_tokens, a.cuda_graphs, a.requests) == ([512, 1024], ["on"], [6])
     assert a.name == "serve_trace_qwen3_8b" and "sdpa-bf16" not in a.methods
     a = tool.parse_args(["--preset", "qwen3-8b", "--decode-phase", "--out", "x"])
-    assert (a.contexts, a.batch, a.bf16_requests) == ([8192, 32768], [16, 8], [16, 4])
+    assert (a.contexts, a.batch, a.bf16_requests) == ([8192, 32768], [16, 4], [8, 2])
     assert a.comparisons == ["same-memory", "same-batch"] and a.name == "serve_decode_qwen3_8b"
     a = tool.parse_args(["--preset", "qwen3-8b", "--profile", "--out", "x"])
     assert a.decode_phase and a.cuda_graphs == ["off", "on"] and a.contexts == [8192]

@@ -34,7 +34,7 @@ Presets:
   ``serve_qwen3_8b.{json,md,png}``; ``--merge`` folds in the runs of earlier results files
   (e.g. the other context, measured in another call).
 
-  ``--long-answers``: the trace a long-context service sees instead: ``--requests`` prompts
+  ``--long-answers``: the trace a long-context service sees instead: ``--requests`` (6) prompts
   within 1/16 of the context, answers of 512-1024 tokens, Poisson arrivals at ``--rate`` per
   second (seeded); writes ``serve_trace_qwen3_8b.*``.
 
@@ -294,19 +294,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.add_argument(flag, type=int, default=None, dest=key, help="override the preset's")
     p.add_argument("--methods", nargs="+", choices=METHODS, default=None,
                    help="KV caches (llama-d128: bf16 int4 int2; qwen3-8b: flashinfer-bf16 "
-                   "flashinfer-fp8 sdpa-bf16 int4 int2 oscar; --long-answers and --decode-phase: "
-                   "flashinfer-bf16 flashinfer-fp8 int4 int2; --profile: sdpa-bf16 "
-                   "flashinfer-bf16 int2)")
+                   "flashinfer-fp8 sdpa-bf16 int4 int2 oscar; --long-answers: flashinfer-bf16 "
+                   "flashinfer-fp8 int2; --decode-phase: flashinfer-bf16 flashinfer-fp8 int4 "
+                   "int2; --profile: sdpa-bf16 flashinfer-bf16 int2)")
     p.add_argument("--contexts", type=int, nargs="*", default=None,
                    help="qwen3-8b: one trace per context (8192 32768; --profile: 8192); none: "
                    "only --merge")
     p.add_argument("--requests", type=int, nargs="+", default=None,
                    help="requests per trace, one value or one per context (llama-d128: 24; "
-                   "qwen3-8b: 32 at 8K, 6 at 32K; --long-answers: 8)")
+                   "qwen3-8b: 32 at 8K, 6 at 32K; --long-answers: 6)")
     p.add_argument("--bf16-requests", type=int, nargs="+", default=None,
                    help="qwen3-8b: KV memory in requests of the context a BF16 cache "
-                   "holds, one value or one per context (4 at 8K, 2 at 32K; --decode-phase: 16 "
-                   "at 8K, 4 at 32K)")
+                   "holds, one value or one per context (4 at 8K, 2 at 32K; --decode-phase: 8 "
+                   "at 8K, 2 at 32K)")
     p.add_argument("--prompt-tokens", type=int, nargs=2, default=[1024, 3072],
                    help="llama-d128: prompt lengths, uniform in [MIN, MAX] (1024 3072)")
     p.add_argument("--output-tokens", type=int, nargs=2, default=None,
@@ -318,7 +318,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "off on)")
     p.add_argument("--max-seconds", type=float, nargs="+", default=None,
                    help="per method and setting, one value or one per context (llama-d128: 60; "
-                   "qwen3-8b: 75 at 8K, 120 at 32K; --long-answers: 150)")
+                   "qwen3-8b: 75 at 8K, 120 at 32K; --long-answers, --decode-phase: 240)")
     p.add_argument("--warm-up", choices=sorted(bench.WARM_UPS), default=None,
                    help="before each method's timed replay (llama-d128: short; qwen3-8b: trace)")
     p.add_argument("--max-batch-tokens", type=int, default=None,
@@ -333,7 +333,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="--decode-phase: same-memory same-batch (--profile: same-batch)")
     p.add_argument("--batch", type=int, nargs="+", default=None,
                    help="--decode-phase same-batch: requests, one value or one per context (16 "
-                   "at 8K, 8 at 32K)")
+                   "at 8K, 4 at 32K)")
     p.add_argument("--max-batch", type=int, default=64,
                    help="--decode-phase same-memory: at most this many requests (64)")
     p.add_argument("--steps", type=int, default=32, help="--decode-phase: timed steps (32)")
@@ -372,7 +372,7 @@ def _defaults(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     a.methods = a.methods or {
         "llama": ["bf16", "int4", "int2"],
         "qwen": ["flashinfer-bf16", "flashinfer-fp8", "sdpa-bf16", "int4", "int2", "oscar"],
-        "trace": ["flashinfer-bf16", "flashinfer-fp8", "int4", "int2"],
+        "trace": ["flashinfer-bf16", "flashinfer-fp8", "int2"],
         "decode": ["flashinfer-bf16", "flashinfer-fp8", "int4", "int2"],
         "profile": ["sdpa-bf16", "flashinfer-bf16", "int2"],
     }[mode]
@@ -410,12 +410,12 @@ def _defaults(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
 
     # 32K: the engine's BF16 cache takes about 25 s per pair of requests on an H100
     a.requests = per_context("requests", a.requests, lambda c: 24 if c is None else (
-        8 if mode == "trace" else 32 if small(c) else 6))
+        6 if mode == "trace" else 32 if small(c) else 6))
     a.bf16_requests = per_context("bf16-requests", a.bf16_requests, lambda c: (
-        16 if small(c) else 4) if mode in ("decode", "profile") else (4 if small(c) else 2))
-    a.batch = per_context("batch", a.batch, lambda c: 16 if small(c) else 8)
+        8 if small(c) else 2) if mode in ("decode", "profile") else (4 if small(c) else 2))
+    a.batch = per_context("batch", a.batch, lambda c: 16 if small(c) else 4)
     a.max_seconds = per_context("max-seconds", a.max_seconds, lambda c: 60.0 if c is None else (
-        150.0 if mode == "trace" else 75.0 if small(c) else 120.0))
+        240.0 if mode in ("trace", "decode", "profile") else 75.0 if small(c) else 120.0))
     for name in ("requests", "bf16_requests", "batch"):
         if any(v < 1 for v in getattr(a, name)):
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")

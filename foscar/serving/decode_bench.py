@@ -200,10 +200,11 @@ def run_decode_phase(model, kv, *, batch: int, context: int, memory_bytes: int |
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     text = model.config.get_text_config()
-    # answers long enough to outlast the prefill of the others, the warm-up and the timed steps
-    answer = warmup_steps + steps + 2 * batch + 16
-    if max_batch_tokens:
-        answer += math.ceil(batch * context / max_batch_tokens)
+    # answers long enough to outlast the prefill of the others (one step per chunk, counted
+    # at 2048 tokens a chunk where the engine's budget is its own: 8192 by default), the
+    # warm-up and the timed steps
+    answer = (warmup_steps + steps + 2 * batch + 16
+              + math.ceil(batch * context / (max_batch_tokens or 2048)))
     prompt = context - answer
     if prompt < 1:
         raise ValueError(f"context={context} leaves no prompt beside {answer} answer tokens")
@@ -419,8 +420,9 @@ def markdown_rows(rows: Sequence[dict]) -> list[str]:
             lines.append(head + f" {not_measured(r)} |" + " |" * 7)
             continue
         peak = r.get("device_peak_bytes")
+        peak_text = "-" if peak is None else f"{peak / 2**30:.1f}"
         lines.append(
             head + f" {r['batch']} | {r['step_median_s'] * 1e3:.2f} | {r['step_p99_s'] * 1e3:.2f} "
             f"| {r['tokens_per_s']:.0f} | {r['byte_limit_s'] * 1e3:.2f} | {r['limit_ratio']:.2f}x "
-            f"| {r['kv_read_bytes'] / 1e9:.3f} | {'-' if peak is None else f'{peak / 2**30:.1f}'} |")
+            f"| {r['kv_read_bytes'] / 1e9:.3f} | {peak_text} |")
     return lines

@@ -133,7 +133,8 @@ class FlashInferPagedKV:
                  max_step_tokens: int | None = None, cuda_graphs: bool = False,
                  k_scale=1.0, v_scale=1.0) -> None:
         if storage not in FLASHINFER_STORAGE:
-            raise ValueError(f"storage must be one of {sorted(FLASHINFER_STORAGE)}, got {storage!r}")
+            raise ValueError(
+                f"storage must be one of {sorted(FLASHINFER_STORAGE)}, got {storage!r}")
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
                             ("num_q_heads", num_q_heads), ("head_dim", head_dim),
                             ("num_blocks", num_blocks), ("block_size", block_size)):
