@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 #: the named choices of ``--kv``
-KV_NAMES = ("bf16", "int4", "int2", "sdpa-bf16", "flashinfer-bf16", "flashinfer-fp8")
+KV_NAMES = ("sdpa-bf16", "flashinfer-bf16", "flashinfer-fp8", "bf16", "int4", "int2")
 #: the FlashInfer caches by name: their storage (:mod:`foscar.serving.flashinfer_kv`)
 FLASHINFER_KVS = {"flashinfer-bf16": "bf16", "flashinfer-fp8": "fp8"}
 #: OSCAR's BF16 windows, the default of the named formats
