@@ -18,8 +18,8 @@
 #                  cache beside foscar INT4 and INT2 in the same memory -> serve_bench.*
 #   serve-qwen3    the same at Qwen3-8B's shapes, one context per call (default 32768; ARGS
 #                  --contexts 8192 for the other), FlashInfer BF16 / FP8, the engine's SDPA BF16,
-#                  INT4 / INT2 / an OSCAR per-layer recipe, CUDA graphs off and on, the trace
-#                  warmed up untimed                              -> serve_qwen3_8b.*
+#                  INT4 / INT2 / an OSCAR per-layer recipe, CUDA graphs on (ARGS --cuda-graphs
+#                  off on: both), the trace warmed up untimed     -> serve_qwen3_8b.*
 #   serve-decode   the decode phase at Qwen3-8B's shapes, one process per context (8K, then
 #                  32K): step time against its byte limit, FlashInfer BF16 / FP8, INT4, INT2, the
 #                  same KV memory and the same batch, graphs on  -> serve_decode_qwen3_8b.*
@@ -315,13 +315,13 @@ EOF
     status=$?
     ;;
   serve-qwen3)
-    # 12 runs per context (6 methods, CUDA graphs off and on), each warmed up by replaying its
-    # trace untimed and capped at 75 s (8K) or 120 s (32K), plus the model build (12 s on an
-    # H100) and FlashInfer's first compiles: over 10 minutes for one context at these defaults;
-    # narrow it with --methods / --cuda-graphs, and fold calls with --merge FIRST.json (a run
-    # keeps the methods the later call does not measure)
+    # one context per call (default 32768; --contexts 8192 for the other), 6 methods with the
+    # engine's CUDA graphs on (--cuda-graphs off on adds the eager runs), each warmed up by
+    # replaying its trace untimed and capped at 75 s (8K) or 120 s (32K), plus the model build
+    # (12 s on an H100) and FlashInfer's first compiles; fold calls with --merge FIRST.json (a
+    # run keeps the methods the later call does not measure)
     logged serve_qwen3_8b.log python3 benchmarks/tools/serve_random_model.py --preset qwen3-8b \
-      --contexts 32768 --out "$OUT" "$@"
+      --contexts 32768 --cuda-graphs on --out "$OUT" "$@"
     status=$?
     ;;
   serve-decode)

@@ -248,26 +248,24 @@ class FoscarPagedCache(_TrackedCache, PagedAttentionCache):
                 tp_size=tp,
                 num_kv_heads=settings.num_kv_heads,
             )
-        if kv.flashinfer is not None:
-            self.paged = _flashinfer_storage(settings, config, local_heads, self, block_size)
-        else:
-            self.paged = PagedKV(
-                kv.formats,
-                num_layers=len(kv.formats),
-                num_kv_heads=local_heads,
-                head_dim=_head_dim(config),
-                num_blocks=self._physical_blocks(),
-                block_size=block_size,
-                max_requests=settings.max_requests,
-                device=self.device,
-                rotations=rotations,
-                clip_bits=kv.clip_bits,
-                backend=settings.backend,
-                window_dtype=settings.window_dtype,
-                # a step's packed tokens, padding included, never exceed the engine's batch budget
-                max_step_tokens=getattr(self, "max_batch_tokens", None),
-                cuda_graphs=settings.cuda_graphs,
-            )
+        self.paged = PagedKV(
+            kv.formats,
+            num_layers=len(kv.formats),
+            num_kv_heads=local_heads,
+            head_dim=_head_dim(config),
+            num_blocks=self._physical_blocks(),
+            block_size=block_size,
+            max_requests=settings.max_requests,
+            device=self.device,
+            rotations=rotations,
+            clip_bits=kv.clip_bits,
+            backend=settings.backend,
+            window_dtype=settings.window_dtype,
+            # a step's packed tokens, padding included, never exceed the engine's batch budget
+            max_step_tokens=getattr(self, "max_batch_tokens", None),
+            cuda_graphs=settings.cuda_graphs,
+        ) if kv.flashinfer is None else _flashinfer_storage(settings, config, local_heads, self,
+                                                             block_size)
         self._slots: set = set()  # requests admitted: each holds a window slot
         self._rows: list[StepRow] | None = None  # the next forward's layout, in batch order
         #: steps run through a CUDA graph (captured, or replayed)
