@@ -327,7 +327,8 @@ def test_command_line_on_smollm2(tmp_path):
     argv = ["--serve-kv", *METHODS, "--serve-requests", "4", "--serve-rate", "20",
             "--serve-prompt-tokens", "16", "32", "--serve-output-tokens", "3", "5",
             "--serve-memory-gb", "0.08", "--serve-block-size", "16", "--serve-device", "cpu",
-            "--serve-cpu-threads", "1", "--serve-out", str(tmp_path), "--serve-name", "smollm2"]
+            "--serve-cpu-threads", "1", "--serve-out", str(tmp_path), "--serve-name", "smollm2",
+            "--serve-warm-up", "short"]
     try:
         assert run_bench_serve(_bench_args(argv)) == 0
     finally:
@@ -340,6 +341,10 @@ def test_command_line_on_smollm2(tmp_path):
     assert not (tmp_path / "serve_bench.json").exists()
     assert results["model"] == "SmolLM2-135M-Instruct.Q4_1"
     assert results["trace"]["prompts"].endswith(", tokens from 56000")
+    # real text: the reference's floor, itself with the requests in reverse order
+    assert results["agreement_floor"]["kv"] == "bf16"
+    assert results["agreement_floor"]["compared"] == spec.num_requests
+    assert "Floor of the agreement: bf16 run again" in (tmp_path / "smollm2.md").read_text()
     # a request of at most 37 tokens stays whole in foscar's BF16 windows (64 sink + 256
     # recent tokens), so its answer can part from bf16's (float32 here) only where BF16's
     # rounding of the keys and values flips a near-tie; one such request is allowed, while
