@@ -326,7 +326,7 @@ EOF
     ;;
   serve-decode)
     # one process per context (CONTEXTS: "8192 32768"); the second call merges into the first's
-    # files. FlashInfer's JIT builds (about 30 s a kernel family) land in the first process
+    # files. FlashInfer's JIT builds land in the first process (its cache serves the second)
     status=0
     name=serve_decode_qwen3_8b
     for context in ${CONTEXTS:-8192 32768}; do
