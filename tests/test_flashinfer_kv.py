@@ -150,3 +150,13 @@ def test_refused_without_flashinfer_and_the_serve_choice():
     assert kv == "sdpa-bf16" and "paged SDPA path serve instead" in why
     with pytest.raises(ValueError, match="--kv fp8 runs on FlashInfer's kernels: .*CUDA device"):
         serving_kv("fp8", "cpu", torch.bfloat16)
+
+
+def test_foscar_serve_refuses_fp8_before_loading_a_model(capsys):
+    from foscar.commands.serve import serve_main
+
+    assert serve_main(["--kv", "fp8", "--device", "cpu", "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("foscar serve: error: --kv fp8 runs on FlashInfer's kernels: FlashInfer's "
+                       "kernels need a CUDA device; the model is on cpu")
+    assert not any("loading" in line for line in err)

