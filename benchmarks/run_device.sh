@@ -20,9 +20,11 @@
 #                  --contexts 8192 for the other), FlashInfer BF16 / FP8, the engine's SDPA BF16,
 #                  INT4 / INT2 / an OSCAR per-layer recipe, CUDA graphs on (ARGS --cuda-graphs
 #                  off on: both), the trace warmed up untimed     -> serve_qwen3_8b.*
-#   serve-decode   the decode phase at Qwen3-8B's shapes, one process per context (8K, then
+#   serve-decode   tests/test_flashinfer_kv.py (FlashInfer's caches against the reference), then
+#                  the decode phase at Qwen3-8B's shapes, one process per context (8K, then
 #                  32K): step time against its byte limit, FlashInfer BF16 / FP8, INT4, INT2, the
-#                  same KV memory and the same batch, graphs on  -> serve_decode_qwen3_8b.*
+#                  same KV memory and the same batch, graphs on  -> serve_decode_qwen3_8b.*,
+#                                                         serve_flashinfer_check.log
 #   serve-trace    the long-answer trace at 32K (Poisson arrivals, answers of 512-1024 tokens),
 #                  FlashInfer BF16 / FP8, INT2 in the same memory -> serve_trace_qwen3_8b.*
 #   serve-profile  torch profiles of decode steps, graphs off and on: 8K (SDPA BF16, FlashInfer
@@ -226,7 +228,7 @@ EOF
       for f in test_triton_kernel test_gluon_kernel test_cache_write test_cache_decode \
         test_decode test_quantize test_layer_formats test_oscar_cache test_oscar_positions \
         test_oscar_calibrate test_oscar_cli test_transformers test_bench_e2e test_cache_decode_step \
-        test_serving_graphs test_serving_sampling; do
+        test_serving_graphs test_serving_sampling test_flashinfer_kv; do
         [ -f "tests/$f.py" ] && selection+=("tests/$f.py")
       done
     fi
@@ -327,7 +329,11 @@ EOF
   serve-decode)
     # one process per context (CONTEXTS: "8192 32768"); the second call merges into the first's
     # files. FlashInfer's JIT builds land in the first process (its cache serves the second)
-    status=0
+    # first the FlashInfer caches against the torch reference (and a CUDA-graph replay): a
+    # check of what the FlashInfer rows run, which also builds FlashInfer's kernels
+    logged serve_flashinfer_check.log python3 -m pytest -q -p no:cacheprovider -rs \
+      tests/test_flashinfer_kv.py
+    status=$?
     name=serve_decode_qwen3_8b
     for context in ${CONTEXTS:-8192 32768}; do
       logged "${name}_$context.log" python3 benchmarks/tools/serve_random_model.py \

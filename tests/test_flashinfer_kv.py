@@ -5,6 +5,7 @@ refusals where FlashInfer cannot run."""
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -160,3 +161,86 @@ def test_foscar_serve_refuses_fp8_before_loading_a_model(capsys):
     assert err[-1] == ("foscar serve: error: --kv fp8 runs on FlashInfer's kernels: FlashInfer's "
                        "kernels need a CUDA device; the model is on cpu")
     assert not any("loading" in line for line in err)
+
+
+needs_flashinfer = pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("flashinfer") is None,
+    reason="FlashInfer's kernels need a CUDA device and the flashinfer package")
+
+
+def _gpu_pools(storage, **kw):
+    """The same pool attended by FlashInfer and by the torch reference (bf16 model inputs)."""
+    args = dict(num_layers=2, num_kv_heads=8, num_q_heads=32, head_dim=128, num_blocks=24,
+                block_size=16, device="cuda")
+    return (FlashInferPagedKV(storage, attention="flashinfer", **args, **kw),
+            FlashInferPagedKV(storage, attention="torch", **args))
+
+
+def _inputs(tokens, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn(tokens, h, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+            for h in (32, 8, 8)]
+
+
+@needs_flashinfer
+@pytest.mark.parametrize("storage", ["bf16", "fp8"])
+def test_flashinfer_attends_as_the_reference(storage):
+    """Prefill, a chunk with a decode row and a new prefill, then decode-only steps: FlashInfer's
+    wrappers against the torch reference over the same pages."""
+    fast, ref = _gpu_pools(storage)
+    blocks = {"a": (3, 17, 5, 9, 11), "b": (0, 21), "c": (7, 8, 2)}
+    steps = [[StepRow("a", 0, 37, blocks["a"])],
+             [StepRow("a", 37, 20, blocks["a"]), StepRow("b", 0, 5, blocks["b"])],
+             [StepRow("b", 5, 1, blocks["b"]), StepRow("c", 0, 40, blocks["c"])],
+             [StepRow("a", 57, 1, blocks["a"]), StepRow("b", 6, 1, blocks["b"]),
+              StepRow("c", 40, 1, blocks["c"])]]
+    for i, rows in enumerate(steps):
+        q, k, v = _inputs(sum(r.query_length for r in rows), i)
+        fast.begin_step(rows)
+        ref.begin_step(rows)
+        for layer in range(2):
+            got = fast.attend(layer, q, k, v, scaling=128 ** -0.5)
+            want = ref.attend(layer, q, k, v, scaling=128 ** -0.5)
+            torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@needs_flashinfer
+def test_flashinfer_decode_step_replays_in_a_cuda_graph():
+    """A decode-only step padded to 8 rows captured once and replayed for the next step (its
+    plan refreshed by begin_step): the replay equals the reference's eager step."""
+    fast, ref = _gpu_pools("bf16", cuda_graphs=True, max_step_tokens=8)
+    blocks = {"a": (3, 17, 5), "b": (0, 21)}
+    for pool in (fast, ref):
+        pool.begin_step([StepRow("a", 0, 30, blocks["a"]), StepRow("b", 0, 12, blocks["b"])])
+        q, k, v = _inputs(42, 0)
+        for layer in range(2):
+            pool.attend(layer, q, k, v, scaling=128 ** -0.5)
+    q, k, v = _inputs(8, 1)
+    static = [t.clone() for t in (q, k, v)]
+    rows = [StepRow("a", 30, 1, blocks["a"]), StepRow("b", 12, 1, blocks["b"])]
+    fast.begin_step(rows, num_tokens=8)
+    assert fast.step_capturable
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # a first run outside the capture builds the kernels
+        fast.attend(0, *static, scaling=128 ** -0.5)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [fast.attend(layer, *static, scaling=128 ** -0.5) for layer in range(2)]
+    graph.replay()  # the captured step itself: its tokens written in every layer
+    # the next step: new tokens, the plan refreshed, the graph replayed
+    rows = [StepRow("a", 31, 1, blocks["a"]), StepRow("b", 13, 1, blocks["b"])]
+    q, k, v = _inputs(8, 2)
+    for t, new in zip(static, (q, k, v)):
+        t.copy_(new)
+    fast.begin_step(rows, num_tokens=8)
+    graph.replay()
+    ref.begin_step([StepRow("a", 30, 1, blocks["a"]), StepRow("b", 12, 1, blocks["b"])])
+    q0, k0, v0 = _inputs(8, 1)
+    for layer in range(2):
+        ref.attend(layer, q0[:2], k0[:2], v0[:2], scaling=128 ** -0.5)
+    ref.begin_step(rows)
+    for layer in range(2):
+        want = ref.attend(layer, q[:2], k[:2], v[:2], scaling=128 ** -0.5)
+        torch.testing.assert_close(outs[layer][:2].float(), want.float(), atol=2e-2, rtol=2e-2)
