@@ -16,10 +16,23 @@
 #   e2e            foscar bench --e2e: Qwen3-8B shapes, 32K and 100K prompts -> e2e_qwen3_8b.*
 #   serve          foscar bench --serve on a random Llama (head_dim 128): the engine's BF16 paged
 #                  cache beside foscar INT4 and INT2 in the same memory -> serve_bench.*
-#   serve-qwen3    the same at Qwen3-8B's shapes, contexts 8K and 32K, BF16 / INT4 / INT2 / an
-#                  OSCAR per-layer recipe, CUDA graphs off and on   -> serve_qwen3_8b.*
+#   serve-qwen3    the same at Qwen3-8B's shapes, one context per call (default 32768; ARGS
+#                  --contexts 8192 for the other), FlashInfer BF16 / FP8, the engine's SDPA BF16,
+#                  INT4 / INT2 / an OSCAR per-layer recipe, CUDA graphs on (ARGS --cuda-graphs
+#                  off on: both), the trace warmed up untimed     -> serve_qwen3_8b.*
+#   serve-decode   tests/test_flashinfer_kv.py (FlashInfer's caches against the reference), then
+#                  the decode phase at Qwen3-8B's shapes, one process per context (8K, then
+#                  32K): step time against its byte limit, FlashInfer BF16 / FP8, INT4, INT2, the
+#                  same KV memory and the same batch, graphs on  -> serve_decode_qwen3_8b.*,
+#                                                         serve_flashinfer_check.log
+#   serve-trace    the long-answer trace at 32K (Poisson arrivals, answers of 512-1024 tokens),
+#                  FlashInfer BF16 / FP8, INT2 in the same memory -> serve_trace_qwen3_8b.*
+#   serve-profile  torch profiles of decode steps, graphs off and on: 8K (SDPA BF16, FlashInfer
+#                  BF16, INT2), then 32K (INT4, INT2) -> serve_profile_qwen3_8b*.*, profile_*.md
 #   serve-smollm2  foscar bench --serve on SmolLM2-135M (real weights, prompts from a real text):
-#                  BF16 / INT4 / INT2, and how many greedy answers equal BF16's -> serve_smollm2.*
+#                  FlashInfer BF16 / FP8, SDPA BF16, INT4 / INT2, how many greedy answers equal
+#                  flashinfer-bf16's, and its floor (itself in another batch order)
+#                                                                -> serve_smollm2.*
 #   serve-http     foscar serve's HTTP layer on the GPU (needs the serve extra's wheels in .whl/:
 #                  bash benchmarks/serve_wheels.sh): foscar bench --serve --serve-http on SmolLM2
 #                  (BF16 / INT4 / INT2: 32 streamed requests through HTTP beside the engine
@@ -54,13 +67,13 @@ mode=$1
 shift
 case "$mode" in
   smoke | tests | sanitize | grid | axes | grid-d64 | e4m3-accuracy | e2e | serve | serve-qwen3 | \
-    serve-smollm2 | serve-http | eval | eval-e4m3 | tune | repeat) ;;
+    serve-decode | serve-trace | serve-profile | serve-smollm2 | serve-http | eval | eval-e4m3 | \
+    tune | repeat) ;;
   -h | --help) usage ;;
   *)
     echo "run_device.sh: unknown mode '$mode' (expected smoke, tests, sanitize, grid, axes," \
-      "grid-d64, e4m3-accuracy, e2e, serve, serve-qwen3, serve-smollm2, serve-http, eval," \
-      "eval-e4m3, tune" \
-      "or repeat)" >&2
+      "grid-d64, e4m3-accuracy, e2e, serve, serve-qwen3, serve-decode, serve-trace," \
+      "serve-profile, serve-smollm2, serve-http, eval, eval-e4m3, tune or repeat)" >&2
     exit 2
     ;;
 esac
@@ -301,14 +314,49 @@ EOF
     status=$?
     ;;
   serve-qwen3)
-    # 8 runs per context (4 methods, CUDA graphs off and on), each capped at 75 s (8K) or 120 s
-    # (32K), plus the model build (12 s on an H100) and the kernels' first compiles: a call of at
-    # most 10 minutes takes one context and two methods, e.g. --contexts 32768 --methods bf16
-    # int2, then --contexts 32768 --methods int4 oscar --merge FIRST.json (a run keeps the
-    # methods the later call does not measure)
+    # one context per call (default 32768; --contexts 8192 for the other), 6 methods with the
+    # engine's CUDA graphs on (--cuda-graphs off on adds the eager runs), each warmed up by
+    # replaying its trace untimed and capped at 75 s (8K) or 120 s (32K), plus the model build
+    # (12 s on an H100) and FlashInfer's first compiles; fold calls with --merge FIRST.json (a
+    # run keeps the methods the later call does not measure)
     logged serve_qwen3_8b.log python3 benchmarks/tools/serve_random_model.py --preset qwen3-8b \
-      --out "$OUT" "$@"
+      --contexts 32768 --cuda-graphs on --out "$OUT" "$@"
     status=$?
+    ;;
+  serve-decode)
+    # one process per context (CONTEXTS: "8192 32768"); the second call merges into the first's
+    # files. FlashInfer's JIT builds land in the first process (its cache serves the second)
+    # first the FlashInfer caches against the torch reference (and a CUDA-graph replay): a
+    # check of what the FlashInfer rows run, which also builds FlashInfer's kernels
+    logged serve_flashinfer_check.log python3 -m pytest -q -p no:cacheprovider -rs \
+      tests/test_flashinfer_kv.py
+    status=$?
+    name=serve_decode_qwen3_8b
+    for context in ${CONTEXTS:-8192 32768}; do
+      logged "${name}_$context.log" python3 benchmarks/tools/serve_random_model.py \
+        --preset qwen3-8b --decode-phase --contexts "$context" --out "$OUT/$context" \
+        --name "$name" "$@" || status=1
+    done
+    python3 benchmarks/tools/serve_random_model.py --preset qwen3-8b --decode-phase --contexts \
+      --merge "$OUT"/*/"$name".json --out "$OUT" --name "$name" || status=1
+    ;;
+  serve-trace)
+    logged serve_trace_qwen3_8b.log python3 benchmarks/tools/serve_random_model.py \
+      --preset qwen3-8b --long-answers --contexts 32768 --out "$OUT" "$@"
+    status=$?
+    ;;
+  serve-profile)
+    status=0
+    logged serve_profile_8192.log python3 benchmarks/tools/serve_random_model.py \
+      --preset qwen3-8b --profile --contexts 8192 --out "$OUT/8192" \
+      --name serve_profile_qwen3_8b "$@" || status=1
+    logged serve_profile_32768.log python3 benchmarks/tools/serve_random_model.py \
+      --preset qwen3-8b --profile --contexts 32768 --methods int4 int2 --out "$OUT/32768" \
+      --name serve_profile_qwen3_8b "$@" || status=1
+    python3 benchmarks/tools/serve_random_model.py --preset qwen3-8b --profile --contexts \
+      --merge "$OUT"/*/serve_profile_qwen3_8b.json --out "$OUT" \
+      --name serve_profile_qwen3_8b || status=1
+    mv "$OUT"/*/profile_*.md "$OUT"/ 2>/dev/null
     ;;
   serve-smollm2)
     if ! smollm2_installed && [[ " $* " != *" --serve-model "* ]]; then
@@ -316,7 +364,7 @@ EOF
         "carried in parts) or --serve-model PATH" >&2
       exit 2
     fi
-    logged serve_smollm2.log python3 -m foscar bench --serve --serve-kv bf16 int4 int2 \
+    logged serve_smollm2.log python3 -m foscar bench --serve \
       --serve-requests 24 --serve-rate 0 --serve-prompt-tokens 1024 4096 \
       --serve-output-tokens 64 128 --serve-device cuda --serve-out "$OUT" \
       --serve-name serve_smollm2 "$@"

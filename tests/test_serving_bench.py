@@ -251,12 +251,13 @@ def _check_results(out: Path, spec: bench.TraceSpec, methods: list[str],
         assert m["output_tokens_per_s"] > 0 and m["ttft_p99_s"] >= m["ttft_median_s"] > 0
         assert m["tpot_p99_s"] >= m["tpot_median_s"] > 0
         assert m["peak_concurrent_requests"] >= 1
-        # what the model attended with while the engine ran: foscar's function, or the
-        # engine's own for its BF16 cache (SDPA on a CPU: 'sdpa', or 'paged|sdpa' on 5.17)
-        if m["kv"] == "bf16":
+        # what attended the cache while the engine ran: foscar's decode kernels, or the
+        # engine's own path for its BF16 cache (SDPA on a CPU: 'sdpa', or 'paged|sdpa' on 5.17)
+        if m["kv"] in ("bf16", "sdpa-bf16"):
+            assert "the engine's BF16 paged cache" in m["attention"]
             assert "sdpa" in m["attention"], m["attention"]
         else:
-            assert m["attention"] == "foscar_paged"
+            assert "foscar.decode_attention" in m["attention"], m["attention"]
         # the pool as built (foscar's pages carry a little bookkeeping beyond the budget's
         # per-token sizes): within 2% of the memory every method was given
         assert m["pool"]["memory_bytes"] <= 1.02 * results["memory_bytes"]
@@ -266,7 +267,8 @@ def _check_results(out: Path, spec: bench.TraceSpec, methods: list[str],
         assert pools["bf16"]["max_tokens"] < pools["int4"]["max_tokens"] < \
             pools["int2"]["max_tokens"]
     table = (out / f"{stem}.md").read_text()
-    assert "Attention: bf16 " in table and "sdpa, int4 foscar_paged" in table
+    assert "Attention: bf16: the engine's BF16 paged cache" in table
+    assert "; int4: foscar int4 pages, foscar.decode_attention" in table
     for name in methods:
         assert f"| {name} | {spec.num_requests}/{spec.num_requests} |" in table
     assert f"Prompts: {prompts}" in table
@@ -325,7 +327,8 @@ def test_command_line_on_smollm2(tmp_path):
     argv = ["--serve-kv", *METHODS, "--serve-requests", "4", "--serve-rate", "20",
             "--serve-prompt-tokens", "16", "32", "--serve-output-tokens", "3", "5",
             "--serve-memory-gb", "0.08", "--serve-block-size", "16", "--serve-device", "cpu",
-            "--serve-cpu-threads", "1", "--serve-out", str(tmp_path), "--serve-name", "smollm2"]
+            "--serve-cpu-threads", "1", "--serve-out", str(tmp_path), "--serve-name", "smollm2",
+            "--serve-warm-up", "short"]
     try:
         assert run_bench_serve(_bench_args(argv)) == 0
     finally:
@@ -338,6 +341,10 @@ def test_command_line_on_smollm2(tmp_path):
     assert not (tmp_path / "serve_bench.json").exists()
     assert results["model"] == "SmolLM2-135M-Instruct.Q4_1"
     assert results["trace"]["prompts"].endswith(", tokens from 56000")
+    # real text: the reference's floor, itself with the requests in reverse order
+    assert results["agreement_floor"]["kv"] == "bf16"
+    assert results["agreement_floor"]["compared"] == spec.num_requests
+    assert "Floor of the agreement: bf16 run again" in (tmp_path / "smollm2.md").read_text()
     # a request of at most 37 tokens stays whole in foscar's BF16 windows (64 sink + 256
     # recent tokens), so its answer can part from bf16's (float32 here) only where BF16's
     # rounding of the keys and values flips a near-tie; one such request is allowed, while
@@ -368,6 +375,7 @@ def test_qwen3_preset_runs_every_method_per_graphs_setting_at_a_tiny_size(tmp_pa
                "--intermediate", "256", "--heads", "4", "--kv-heads", "2", "--head-dim", "64",
                "--vocab", "96", "--positions", "1024", "--contexts", "256", "--requests", "3",
                "--bf16-requests", "1", "--output-tokens", "3", "5", "--max-seconds", "60",
+               "--methods", "bf16", "int4", "int2", "oscar", "--warm-up", "short",
                "--out", str(out)])  # fmt: skip
     assert sorted(p.name for p in out.iterdir()) == [
         f"serve_qwen3_8b.{ext}" for ext in ("json", "md", "png")
@@ -387,7 +395,8 @@ def test_qwen3_preset_runs_every_method_per_graphs_setting_at_a_tiny_size(tmp_pa
     oscar = runs[False]["methods"][3]["pool"]
     assert oscar["bytes_per_token"] > runs[False]["methods"][2]["pool"]["bytes_per_token"]
     table = (out / "serve_qwen3_8b.md").read_text()
-    assert "Attention: bf16 " in table and "oscar-random foscar_paged." in table
+    assert "Attention: bf16: the engine's BF16 paged cache" in table
+    assert "oscar-random: foscar oscar-random pages, foscar.decode_attention" in table
     assert "| 256 | on | int2 | refused: cuda_graphs=True" in table
     assert "| 256 | off | oscar-random | 3/3 |" in table and "its speed is" in table
     # a later call measuring nothing new: the earlier runs merged into a fresh set
@@ -459,3 +468,101 @@ def test_merge_folds_methods_of_the_same_trace_and_replaces_another():
     assert [(r["context"], r["cuda_graphs"]) for r in runs] == [
         (8192, True), (32768, False), (32768, True)]
 
+
+
+def test_qwen3_preset_defaults_name_the_flashinfer_and_sdpa_rows():
+    tool = _serve_random_model()
+    a = tool.parse_args(["--preset", "qwen3-8b", "--out", "x"])
+    assert a.methods == ["flashinfer-bf16", "flashinfer-fp8", "sdpa-bf16", "int4", "int2", "oscar"]
+    assert a.warm_up == "trace" and a.name == "serve_qwen3_8b"
+    a = tool.parse_args(["--preset", "qwen3-8b", "--long-answers", "--contexts", "32768",
+                         "--out", "x"])
+    assert (a.output_tokens, a.cuda_graphs, a.requests) == ([512, 1024], ["on"], [6])
+    assert a.name == "serve_trace_qwen3_8b" and "sdpa-bf16" not in a.methods
+    a = tool.parse_args(["--preset", "qwen3-8b", "--decode-phase", "--out", "x"])
+    assert (a.contexts, a.batch, a.bf16_requests) == ([8192, 32768], [16, 4], [8, 2])
+    assert a.comparisons == ["same-memory", "same-batch"] and a.name == "serve_decode_qwen3_8b"
+    a = tool.parse_args(["--preset", "qwen3-8b", "--profile", "--out", "x"])
+    assert a.decode_phase and a.cuda_graphs == ["off", "on"] and a.contexts == [8192]
+
+
+def test_decode_phase_times_full_batch_steps_against_the_byte_limit(tmp_path, one_thread):
+    """The decode-phase benchmark on the CPU at a tiny size: every request prefilled, then the
+    timed steps each decode the whole batch; the FlashInfer row is refused with the reason; the
+    byte limit counts every stored token of the step's rows."""
+    from foscar.serving import decode_bench
+
+    model = tiny_llama(layers=2, q_heads=4, kv_heads=2, head_dim=64, max_position_embeddings=512)
+    found = decode_bench.run_decode_benchmark(
+        model, ["bf16", "flashinfer-bf16", "int2"], context=192,
+        comparisons=["same-memory", "same-batch"], memory_bytes=2 * 192 * 2 * 2 * 2 * 64 * 4,
+        batch=3, max_batch=4, steps=3, warmup_steps=1, block_size=16, log=lambda line: None,
+        profile_dir=tmp_path)
+    rows = {(r["comparison"], r["kv"]): r for r in found["rows"]}
+    assert found["copy_bandwidth"] > 0 and len(rows) == 6
+    assert "CUDA device" in rows["same-batch", "flashinfer-bf16"]["refused"]
+    # the same memory: the engine's fp32 pages hold 2 requests of 192 tokens; INT2 as many as
+    # its pages and BF16 windows hold (few at this length: the windows are most of a request)
+    assert rows["same-memory", "bf16"]["batch"] == 2
+    assert 1 <= rows["same-memory", "int2"]["batch"] <= 4
+    weights = decode_bench.weight_bytes(model)
+    embed = model.get_input_embeddings().weight
+    assert weights == sum(p.numel() * 4 for p in model.parameters()) - embed.numel() * 4
+    for (comparison, kv), r in rows.items():
+        if kv == "flashinfer-bf16":
+            continue
+        assert r["steps"] == 3 and r["step_p99_s"] >= r["step_median_s"] > 0
+        assert r["tokens_per_s"] == pytest.approx(r["batch"] / r["step_median_s"])
+        assert r["byte_limit_s"] == pytest.approx(
+            (weights + r["kv_read_bytes"]) / found["copy_bandwidth"])
+        # every row holds its whole prompt at the timed steps
+        assert r["kv_read_bytes"] >= r["batch"] * r["prompt_tokens"] * r["pool"][
+            "bytes_per_token"]
+        assert r["mean_stored_tokens"] > r["prompt_tokens"]
+        assert (tmp_path / f"profile_{kv}_192_{comparison}_graphs-auto.md").exists()
+    same_batch = [r["batch"] for (c, k), r in rows.items() if c == "same-batch" and "batch" in r]
+    assert same_batch == [3, 3]
+    table = "\n".join(decode_bench.markdown_rows(found["rows"]))
+    assert "| 192 | same-batch | auto | int2 | 3 |" in table
+
+
+def test_kv_read_bytes_counts_windows_at_bf16():
+    from foscar.serving.decode_bench import _kv_read_bytes
+
+    stats = {"bytes_per_token": 10}
+    assert _kv_read_bytes([(99, 1), (4, 1)], stats, 100, 0) == 100 * 10 + 5 * 10
+    assert _kv_read_bytes([(99, 1), (4, 1)], stats, 100, 20) == (20 * 100 + 80 * 10) + 5 * 100
+
+
+def test_warm_up_trace_ends_requests_one_step_apart():
+    spec = bench.TraceSpec(num_requests=5, rate=3.0, prompt_tokens=(3, 9), output_tokens=(3, 4))
+    trace = bench.make_trace(spec, 50)
+    warm = bench.warm_up_trace(trace)
+    assert [r.prompt for r in warm] == [r.prompt for r in trace]
+    assert {r.arrival_s for r in warm} == {0.0}
+    assert [r.output_tokens for r in warm] == [min(2 + i, r.output_tokens)
+                                               for i, r in enumerate(trace)]
+
+
+def test_flashinfer_bf16_is_the_reference_and_its_floor_is_reported():
+    reference = _method("flashinfer-bf16", [_record(i, a) for i, a in enumerate(BF16_ANSWERS)])
+    engine = _method("sdpa-bf16", [_record(i, a) for i, a in enumerate(BF16_ANSWERS)])
+    results = _results([engine, reference])
+    results["agreement_floor"] = {"kv": "flashinfer-bf16", **bench.answer_agreement(
+        engine, reference)}
+    table = bench.markdown(results)
+    assert "| same answer as flashinfer-bf16 |" in table
+    assert "Floor of the agreement: flashinfer-bf16 run again" in table
+    assert f"gives {len(BF16_ANSWERS)}/{len(BF16_ANSWERS)} of its own answers" in table
+
+
+def test_the_floor_runs_the_reference_in_reverse_order(one_thread):
+    model = tiny_llama(layers=1, q_heads=2, kv_heads=1, head_dim=32)
+    spec = bench.TraceSpec(num_requests=3, rate=0.0, prompt_tokens=(4, 12), output_tokens=(2, 4))
+    results = bench.run_benchmark(model, ["sdpa-bf16", "int4"], spec, out=None,
+                                  memory_bytes=1 << 20, max_seconds=60, agreement_floor=True,
+                                  warm_up="trace", log=lambda line: None)
+    floor = results["agreement_floor"]
+    assert floor["kv"] == "sdpa-bf16" and floor["compared"] == 3
+    assert results["warm_up"].startswith("the trace replayed once untimed")
+    assert all(m["warm_up"] == results["warm_up"] for m in results["methods"])

@@ -4,6 +4,12 @@ network): the engine's BF16 paged cache beside foscar's caches in the same KV me
     python benchmarks/tools/serve_random_model.py --out DIR                  # run_device.sh serve
     python benchmarks/tools/serve_random_model.py --preset qwen3-8b --out DIR \\
         [--contexts 8192 32768] [--cuda-graphs off on]                 # run_device.sh serve-qwen3
+    python benchmarks/tools/serve_random_model.py --preset qwen3-8b --decode-phase --out DIR \\
+        --contexts 32768                                               # run_device.sh serve-decode
+    python benchmarks/tools/serve_random_model.py --preset qwen3-8b --long-answers --out DIR \\
+        --contexts 32768                                               # run_device.sh serve-trace
+    python benchmarks/tools/serve_random_model.py --preset qwen3-8b --decode-phase --profile \\
+        --out DIR                                                     # run_device.sh serve-profile
 
 Presets:
 
@@ -14,9 +20,12 @@ Presets:
 * ``qwen3-8b``: Qwen3-8B's shapes (36 layers, hidden 4096, MLP 12288, 32 query / 8 KV heads,
   head_dim 128, vocabulary 151936; about 16 GB of bf16 weights). One trace per ``--contexts``
   value (prompts within 1/16 of the context, answers of ``--output-tokens``, all arriving at
-  once), KV memory for ``--bf16-requests`` requests of the context in the engine's BF16 cache
+  once), KV memory for ``--bf16-requests`` requests of the context in a BF16 cache
   (BF16 queues the rest; foscar's smaller tokens hold several times more), every method once per
-  ``--cuda-graphs`` setting. Methods: ``bf16``, ``int4``, ``int2`` and ``oscar``: OSCAR's
+  ``--cuda-graphs`` setting, after a warm-up that replays the trace untimed (``--warm-up``).
+  Methods: ``flashinfer-bf16`` and ``flashinfer-fp8`` (FlashInfer's paged kernels over BF16 and
+  FP8 pages, what vLLM and SGLang users run), ``sdpa-bf16`` (the engine's own cache and paged
+  SDPA path; ``bf16`` is the same), ``int4``, ``int2`` and ``oscar``: OSCAR's
   per-layer recipe (INT4 keys in half the layers and INT4 values in a third, as the 15:10 row of
   ``eval_smollm2`` on SmolLM2's 30 layers, INT2 elsewhere; per-KV-head rotations, fitted clips
   and GPTQ keys) from a calibration file of random orthogonal rotations and GPTQ factors of
@@ -24,6 +33,19 @@ Presets:
   refuses (e.g. CUDA graphs with a channel-wise format) is recorded as ``refused: <reason>``. Writes
   ``serve_qwen3_8b.{json,md,png}``; ``--merge`` folds in the runs of earlier results files
   (e.g. the other context, measured in another call).
+
+  ``--long-answers``: the trace a long-context service sees instead: ``--requests`` (6) prompts
+  within 1/16 of the context, answers of 512-1024 tokens, Poisson arrivals at ``--rate`` per
+  second (seeded); writes ``serve_trace_qwen3_8b.*``.
+
+  ``--decode-phase``: :mod:`foscar.serving.decode_bench` per context: every request prefilled
+  first (untimed), then ``--steps`` timed decode steps after ``--warmup-steps``; step time
+  (median, p99), tokens/s and the step's byte limit at the copy bandwidth measured in the
+  process, for ``--comparisons same-memory`` (the KV memory of ``--bf16-requests`` BF16
+  requests, as many requests as each cache holds, at most ``--max-batch``) and ``same-batch``
+  (``--batch`` requests each). ``--profile``: a torch profile of the timed steps per row,
+  summarized in ``profile_*.md`` (top kernels, host time). Writes
+  ``serve_decode_qwen3_8b.{json,md,png}`` (with ``--profile``: ``serve_profile_qwen3_8b.*``).
 
 The tokens are meaningless; memory and timing are not. ``--device cpu`` with a tiny shape
 (``--layers 2 --hidden 128 ...``) runs the same path on a CPU (the tests do).
@@ -42,7 +64,7 @@ from pathlib import Path
 import torch
 
 from foscar.results import results_json
-from foscar.serving import bench
+from foscar.serving import bench, decode_bench
 
 PRESETS = {
     "llama-d128": dict(arch="llama", layers=4, hidden=4096, intermediate=2048, heads=32,
@@ -158,20 +180,22 @@ def set_markdown(results: dict) -> str:
     kinds = {m["kv"]: m for m in methods if m.get("attention")}  # one per cache
     if kinds:
         lines += ["", bench.attention_line(list(kinds.values()))]
-    lines += ["", "Traces (all requests arrive at once; answers run to their length):", ""]
+    lines += ["", "Traces (answers run to their length):", ""]
     seen = set()
     for run in results["runs"]:
         t = run["trace"]
         if run["context"] in seen:
             continue
         seen.add(run["context"])
+        arrivals = (f"Poisson arrivals at {t['rate']}/s" if t["rate"] else "all at once")
         lines.append(
-            f"- context {run['context']}: {t['num_requests']} requests, prompts "
+            f"- context {run['context']}: {t['num_requests']} requests ({arrivals}), prompts "
             f"{t['prompt_tokens'][0]}-{t['prompt_tokens'][1]} tokens, answers "
             f"{t['output_tokens'][0]}-{t['output_tokens'][1]} (seed {t['seed']}); KV memory "
             f"{run['memory_bytes'] / 1e9:.3f} GB for every method ({run['bf16_requests']} "
             "requests of the context in the engine's BF16 cache); at most "
             f"{run['max_seconds']:.0f} s per method (requests left then count as not done)."
+            + (f" Warm-up of each method: {run['warm_up']}." if run.get("warm_up") else "")
         )
     lines += [
         "",
@@ -255,6 +279,9 @@ def write_set(results: dict, out: Path, name: str) -> None:
     set_plot(results, out / f"{name}.png")
 
 
+METHODS = ["flashinfer-bf16", "flashinfer-fp8", "sdpa-bf16", "bf16", "int4", "int2", "oscar"]
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="folder of the results")
@@ -265,27 +292,56 @@ def parse_args(argv=None) -> argparse.Namespace:
                       ("--kv-heads", "kv_heads"), ("--head-dim", "head_dim"), ("--vocab", "vocab"),
                       ("--positions", "positions")):
         p.add_argument(flag, type=int, default=None, dest=key, help="override the preset's")
-    p.add_argument("--methods", nargs="+", choices=["bf16", "int4", "int2", "oscar"],
-                   default=None, help="KV caches (llama-d128: bf16 int4 int2; qwen3-8b: and oscar)")
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=None,
+                   help="KV caches (llama-d128: bf16 int4 int2; qwen3-8b: flashinfer-bf16 "
+                   "flashinfer-fp8 sdpa-bf16 int4 int2 oscar; --long-answers: flashinfer-bf16 "
+                   "flashinfer-fp8 int2; --decode-phase: flashinfer-bf16 flashinfer-fp8 int4 "
+                   "int2; --profile: sdpa-bf16 flashinfer-bf16 int2)")
     p.add_argument("--contexts", type=int, nargs="*", default=None,
-                   help="qwen3-8b: one trace per context (8192 32768); none: only --merge")
+                   help="qwen3-8b: one trace per context (8192 32768; --profile: 8192); none: "
+                   "only --merge")
     p.add_argument("--requests", type=int, nargs="+", default=None,
                    help="requests per trace, one value or one per context (llama-d128: 24; "
-                   "qwen3-8b: 32 at 8K, 6 at 32K)")
+                   "qwen3-8b: 32 at 8K, 6 at 32K; --long-answers: 6)")
     p.add_argument("--bf16-requests", type=int, nargs="+", default=None,
-                   help="qwen3-8b: KV memory in requests of the context the engine's BF16 cache "
-                   "holds, one value or one per context (4 at 8K, 2 at 32K)")
+                   help="qwen3-8b: KV memory in requests of the context a BF16 cache "
+                   "holds, one value or one per context (4 at 8K, 2 at 32K; --decode-phase: 8 "
+                   "at 8K, 2 at 32K)")
     p.add_argument("--prompt-tokens", type=int, nargs=2, default=[1024, 3072],
                    help="llama-d128: prompt lengths, uniform in [MIN, MAX] (1024 3072)")
     p.add_argument("--output-tokens", type=int, nargs=2, default=None,
                    help="answer lengths, uniform in [MIN, MAX] (llama-d128: 32 64; qwen3-8b: "
-                   "64 128)")
+                   "64 128; --long-answers: 512 1024)")
     p.add_argument("--cuda-graphs", nargs="+", choices=sorted(GRAPHS), default=None,
                    help="the engine's CUDA graphs, each method once per setting (llama-d128: "
-                   "auto; qwen3-8b: off on)")
+                   "auto; qwen3-8b: off on; --long-answers and --decode-phase: on; --profile: "
+                   "off on)")
     p.add_argument("--max-seconds", type=float, nargs="+", default=None,
                    help="per method and setting, one value or one per context (llama-d128: 60; "
-                   "qwen3-8b: 75 at 8K, 120 at 32K)")
+                   "qwen3-8b: 75 at 8K, 120 at 32K; --long-answers, --decode-phase: 240)")
+    p.add_argument("--warm-up", choices=sorted(bench.WARM_UPS), default=None,
+                   help="before each method's timed replay (llama-d128: short; qwen3-8b: trace)")
+    p.add_argument("--max-batch-tokens", type=int, default=None,
+                   help="the engine's tokens per forward (its default if not given)")
+    p.add_argument("--long-answers", action="store_true",
+                   help="qwen3-8b: the long-answer trace with Poisson arrivals")
+    p.add_argument("--rate", type=float, default=0.25,
+                   help="--long-answers: mean arrivals per second (0.25)")
+    p.add_argument("--decode-phase", action="store_true",
+                   help="qwen3-8b: the decode-phase benchmark instead of a trace")
+    p.add_argument("--comparisons", nargs="+", choices=decode_bench.COMPARISONS, default=None,
+                   help="--decode-phase: same-memory same-batch (--profile: same-batch)")
+    p.add_argument("--batch", type=int, nargs="+", default=None,
+                   help="--decode-phase same-batch: requests, one value or one per context (16 "
+                   "at 8K, 4 at 32K)")
+    p.add_argument("--max-batch", type=int, default=64,
+                   help="--decode-phase same-memory: at most this many requests (64)")
+    p.add_argument("--steps", type=int, default=32, help="--decode-phase: timed steps (32)")
+    p.add_argument("--warmup-steps", type=int, default=8,
+                   help="--decode-phase: untimed full-batch steps before them (8)")
+    p.add_argument("--profile", action="store_true",
+                   help="--decode-phase: a torch profile of each row's timed steps, summarized "
+                   "in profile_*.md under --out")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     p.add_argument("--block-size", type=int, default=None, help="tokens per block (64)")
     p.add_argument("--merge", nargs="+", default=[], metavar="JSON",
@@ -293,23 +349,53 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "and a run of a context and graphs setting this call measures again keeps the "
                    "methods this call does not measure (same trace and memory)")
     p.add_argument("--name", default=None,
-                   help="result file stem (serve_bench; qwen3-8b: serve_qwen3_8b)")
+                   help="result file stem (serve_bench; qwen3-8b: serve_qwen3_8b, "
+                   "serve_trace_qwen3_8b, serve_decode_qwen3_8b or serve_profile_qwen3_8b)")
     a = p.parse_args(argv)
+    _defaults(p, a)
+    return a
+
+
+def _defaults(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """The preset's and the mode's defaults, and the checks between arguments."""
     qwen = a.preset == "qwen3-8b"
+    if a.profile:
+        a.decode_phase = True
+    if (a.long_answers or a.decode_phase) and not qwen:
+        p.error("--long-answers and --decode-phase belong to --preset qwen3-8b")
+    if a.long_answers and a.decode_phase:
+        p.error("give --long-answers or --decode-phase, not both")
+    mode = ("profile" if a.profile else "decode" if a.decode_phase else
+            "trace" if a.long_answers else "qwen" if qwen else "llama")
     a.shape = {**PRESETS[a.preset],
                **{k: getattr(a, k) for k in PRESETS[a.preset] if getattr(a, k, None) is not None}}
-    a.methods = a.methods or (["bf16", "int4", "int2", "oscar"] if qwen else ["bf16", "int4",
-                                                                             "int2"])
-    a.output_tokens = a.output_tokens or ([64, 128] if qwen else [32, 64])
-    a.cuda_graphs = a.cuda_graphs or (["off", "on"] if qwen else ["auto"])
-    a.name = a.name or ("serve_qwen3_8b" if qwen else "serve_bench")
+    a.methods = a.methods or {
+        "llama": ["bf16", "int4", "int2"],
+        "qwen": ["flashinfer-bf16", "flashinfer-fp8", "sdpa-bf16", "int4", "int2", "oscar"],
+        "trace": ["flashinfer-bf16", "flashinfer-fp8", "int2"],
+        "decode": ["flashinfer-bf16", "flashinfer-fp8", "int4", "int2"],
+        "profile": ["sdpa-bf16", "flashinfer-bf16", "int2"],
+    }[mode]
+    a.output_tokens = a.output_tokens or ([512, 1024] if mode == "trace" else
+                                          [64, 128] if qwen else [32, 64])
+    a.cuda_graphs = a.cuda_graphs or {"llama": ["auto"], "qwen": ["off", "on"], "trace": ["on"],
+                                      "decode": ["on"], "profile": ["off", "on"]}[mode]
+    a.warm_up = a.warm_up or ("trace" if qwen else "short")
+    a.comparisons = a.comparisons or (["same-batch"] if mode == "profile"
+                                      else list(decode_bench.COMPARISONS))
+    a.mode = mode
+    a.name = a.name or {"llama": "serve_bench", "qwen": "serve_qwen3_8b",
+                        "trace": "serve_trace_qwen3_8b", "decode": "serve_decode_qwen3_8b",
+                        "profile": "serve_profile_qwen3_8b"}[mode]
     if not qwen:
         for flag in ("contexts", "bf16_requests", "merge"):
             if getattr(a, flag):
                 p.error(f"--{flag.replace('_', '-')} belongs to --preset qwen3-8b")
         a.contexts = None
     elif a.contexts is None:
-        a.contexts = [8192, 32768]
+        a.contexts = [8192] if mode == "profile" else [8192, 32768]
+    if a.merge and mode == "trace":
+        p.error("--merge belongs to the all-at-once traces and --decode-phase")
     n = len(a.contexts or [None])
 
     def per_context(name, values, default):
@@ -319,22 +405,44 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name} takes one value or one per context ({n}), got {values}")
         return values * n if len(values) == 1 else values
 
+    def small(c):
+        return c is None or c <= 8192
+
     # 32K: the engine's BF16 cache takes about 25 s per pair of requests on an H100
-    a.requests = per_context("requests", a.requests,
-                             lambda c: 24 if c is None else (32 if c <= 8192 else 6))
-    a.bf16_requests = per_context("bf16-requests", a.bf16_requests,
-                                  lambda c: 4 if c is None or c <= 8192 else 2)
-    a.max_seconds = per_context("max-seconds", a.max_seconds,
-                                lambda c: 60.0 if c is None else (75.0 if c <= 8192 else 120.0))
-    for name in ("requests", "bf16_requests"):
+    a.requests = per_context("requests", a.requests, lambda c: 24 if c is None else (
+        6 if mode == "trace" else 32 if small(c) else 6))
+    a.bf16_requests = per_context("bf16-requests", a.bf16_requests, lambda c: (
+        8 if small(c) else 2) if mode in ("decode", "profile") else (4 if small(c) else 2))
+    a.batch = per_context("batch", a.batch, lambda c: 16 if small(c) else 4)
+    a.max_seconds = per_context("max-seconds", a.max_seconds, lambda c: 60.0 if c is None else (
+        240.0 if mode in ("trace", "decode", "profile") else 75.0 if small(c) else 120.0))
+    for name in ("requests", "bf16_requests", "batch"):
         if any(v < 1 for v in getattr(a, name)):
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    for name in ("steps", "max_batch"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if a.warmup_steps < 0 or not a.rate > 0:
+        p.error("--warmup-steps must be >= 0 and --rate > 0")
     if any(c < 2 * a.output_tokens[1] for c in a.contexts or []):
         p.error(f"--contexts must be at least twice the longest answer, got {a.contexts}")
     if qwen and a.contexts and max(a.contexts) > a.shape["positions"]:
         p.error(f"--contexts {max(a.contexts)} exceeds the model's {a.shape['positions']} "
                 "positions (--positions)")
-    return a
+
+
+def _kvs(a, scratch: str) -> list:
+    """``build_manager``'s kv of each method (OSCAR: a random calibration file in ``scratch``)."""
+    s, kvs = a.shape, []
+    for method in a.methods:
+        if method == "oscar":
+            kvs.append(str(random_oscar_file(Path(scratch) / "random.safetensors",
+                                             num_layers=s["layers"], num_kv_heads=s["kv_heads"],
+                                             head_dim=s["head_dim"],
+                                             group_size=min(s["head_dim"], 128))))
+        else:
+            kvs.append(method)
+    return kvs
 
 
 def main(argv=None) -> None:
@@ -342,6 +450,13 @@ def main(argv=None) -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     log = lambda s: print(s, flush=True)  # noqa: E731
+    if a.decode_phase and a.merge and not a.contexts:  # the rows of per-context processes
+        sets = [json.loads(Path(path).read_text()) for path in a.merge]
+        results = {**sets[0], "rows": [r for found in sets for r in found["rows"]],
+                   "commands": [found.get("command") for found in sets]}
+        write_decode_set(results, out, a.name)
+        log(f"wrote {out / a.name}.json, .md, .png ({len(sets)} sets merged)")
+        return
     merged = []
     for path in a.merge:
         for run in json.loads(Path(path).read_text()).get("runs", []):
@@ -363,17 +478,7 @@ def main(argv=None) -> None:
     params = sum(p.numel() for p in model.parameters())
     log(f"built {model_name}: {params / 1e9:.2f} B parameters in {dtype}, "
         f"{time.perf_counter() - start:.0f} s")
-    kvs = []
-    scratch = tempfile.mkdtemp(prefix="foscar-oscar-")  # not under --out: results only there
-    for method in a.methods:
-        if method == "oscar":
-            path = random_oscar_file(Path(scratch) / "random.safetensors",
-                                     num_layers=s["layers"],
-                                     num_kv_heads=s["kv_heads"], head_dim=s["head_dim"],
-                                     group_size=min(s["head_dim"], 128))
-            kvs.append(str(path))
-        else:
-            kvs.append(method)
+    kvs = _kvs(a, tempfile.mkdtemp(prefix="foscar-oscar-"))  # not under --out: results only
     if a.contexts is None:  # the single-trace layout of serve_bench.*
         spec = bench.TraceSpec(num_requests=a.requests[0], rate=0.0,
                                prompt_tokens=tuple(a.prompt_tokens),
@@ -381,22 +486,35 @@ def main(argv=None) -> None:
         for graphs in a.cuda_graphs:
             bench.run_benchmark(model, kvs, spec, out=out, model_name=model_name,
                                 max_seconds=a.max_seconds[0], cuda_graphs=GRAPHS[graphs],
-                                block_size=a.block_size, name=a.name, log=log)
+                                block_size=a.block_size, name=a.name, warm_up=a.warm_up,
+                                max_batch_tokens=a.max_batch_tokens, log=log)
         return
-    bf16_per_token = 2 * s["layers"] * s["kv_heads"] * s["head_dim"] * model.dtype.itemsize
     results = {
         "model": model_name,
         "env": bench._environment(model),
         "note": "The oscar method's calibration file is random (orthogonal per-KV-head "
         "rotations, GPTQ factors of random metrics, fixed clips; INT4 keys in half the layers, "
         "INT4 values in a third, as the 15:10 row of eval_smollm2): its speed is a calibrated "
-        "file's, its accuracy means nothing.",
+        "file's, its accuracy means nothing." if "oscar" in a.methods else "",
         "command": " ".join(["python", *sys.argv]),
         "runs": list(merged),
     }
+    if a.decode_phase:
+        decode_set(model, kvs, a, results, out, log, start)
+    else:
+        trace_set(model, kvs, a, results, out, log, start)
+    log(f"wrote {out / a.name}.json, .md, .png in {time.perf_counter() - start:.0f} s")
+
+
+def trace_set(model, kvs, a, results: dict, out: Path, log, start: float) -> None:
+    """One trace per context (all at once, or ``--long-answers``), every method once per CUDA
+    graphs setting, in ``results["runs"]``, written after each."""
+    s = a.shape
+    bf16_per_token = 2 * s["layers"] * s["kv_heads"] * s["head_dim"] * model.dtype.itemsize
     for i, context in enumerate(a.contexts):
         hi = context - a.output_tokens[1]
-        spec = bench.TraceSpec(num_requests=a.requests[i], rate=0.0,
+        spec = bench.TraceSpec(num_requests=a.requests[i],
+                               rate=a.rate if a.long_answers else 0.0,
                                prompt_tokens=(min(context - context // 16, hi), hi),
                                output_tokens=tuple(a.output_tokens), seed=0)
         memory = a.bf16_requests[i] * context * bf16_per_token
@@ -404,16 +522,123 @@ def main(argv=None) -> None:
             log(f"context {context}, CUDA graphs {graphs}: {spec.num_requests} requests, KV "
                 f"memory {memory / 1e9:.2f} GB ({a.bf16_requests[i]} BF16 requests), at most "
                 f"{a.max_seconds[i]:.0f} s per method ({time.perf_counter() - start:.0f} s so far)")
-            run = bench.run_benchmark(model, kvs, spec, out=None, model_name=model_name,
+            run = bench.run_benchmark(model, kvs, spec, out=None, model_name=results["model"],
                                       memory_bytes=memory, max_seconds=a.max_seconds[i],
                                       cuda_graphs=GRAPHS[graphs], request_tokens=context,
-                                      block_size=a.block_size, log=log)
+                                      block_size=a.block_size, warm_up=a.warm_up,
+                                      max_batch_tokens=a.max_batch_tokens, log=log)
             run.update(context=context, bf16_requests=a.bf16_requests[i],
                        max_seconds=a.max_seconds[i])
             del run["env"]
             results["runs"] = fold_earlier(results["runs"], run)
             write_set(results, out, a.name)
-    log(f"wrote {out / a.name}.json, .md, .png in {time.perf_counter() - start:.0f} s")
+
+
+def decode_set(model, kvs, a, results: dict, out: Path, log, start: float) -> None:
+    """The decode-phase benchmark per context, every row in ``results["rows"]``, written after
+    each context."""
+    s = a.shape
+    bf16_per_token = 2 * s["layers"] * s["kv_heads"] * s["head_dim"] * model.dtype.itemsize
+    results.update(rows=[], decode={"steps": a.steps, "warmup_steps": a.warmup_steps,
+                                    "max_batch": a.max_batch})
+    del results["runs"]
+    for i, context in enumerate(a.contexts):
+        memory = a.bf16_requests[i] * context * bf16_per_token
+        log(f"context {context}: same-memory {memory / 1e9:.2f} GB ({a.bf16_requests[i]} BF16 "
+            f"requests), same-batch {a.batch[i]} ({time.perf_counter() - start:.0f} s so far)")
+        found = decode_bench.run_decode_benchmark(
+            model, kvs, context=context, comparisons=a.comparisons, memory_bytes=memory,
+            batch=a.batch[i], max_batch=a.max_batch, steps=a.steps, warmup_steps=a.warmup_steps,
+            block_size=a.block_size, cuda_graphs=[GRAPHS[g] for g in a.cuda_graphs],
+            max_batch_tokens=a.max_batch_tokens, max_seconds=a.max_seconds[i],
+            profile_dir=out if a.profile else None, log=log)
+        results.update(copy_bandwidth=found["copy_bandwidth"], weight_bytes=found["weight_bytes"])
+        for row in found["rows"]:
+            row.update(memory_bytes=memory if row["comparison"] == "same-memory" else None,
+                       bf16_requests=a.bf16_requests[i])
+        results["rows"] += found["rows"]
+        write_decode_set(results, out, a.name)
+
+
+def decode_markdown(results: dict) -> str:
+    """The decode-phase rows in one table, the conditions above it."""
+    env = results["env"]
+    d = results["decode"]
+    lines = [
+        f"# Decode phase: {results['model']}",
+        "",
+        f"Device: {env['device']}; torch {env['torch']}, transformers {env['transformers']}, "
+        f"foscar {env['foscar']}. Random weights: the tokens mean nothing, memory and timing "
+        "do not depend on them. " + results.get("note", ""),
+        "",
+        f"Every request prefilled first (untimed); then {d['warmup_steps']} untimed decode steps "
+        f"of the whole batch (the engine's CUDA graph of that batch is captured, the kernels "
+        f"compiled), then {d['steps']} timed steps: the interval between the starts of "
+        "consecutive steps (the engine's whole step). Byte limit: (weight bytes "
+        f"{results['weight_bytes'] / 1e9:.2f} GB + the KV bytes the step reads) / the copy "
+        f"bandwidth measured in the process, {results['copy_bandwidth'] / 1e12:.2f} TB/s. "
+        "same-memory: the KV memory of the BF16 requests named below, as many requests as each "
+        f"cache holds (at most {d['max_batch']}); same-batch: the same requests for every cache.",
+        "",
+        *decode_bench.markdown_rows(results["rows"]),
+        "",
+    ]
+    contexts = sorted({r["context"] for r in results["rows"]})
+    for c in contexts:
+        row = next(r for r in results["rows"] if r["context"] == c)
+        lines.append(f"- context {c}: same-memory KV of {row['bf16_requests']} BF16 requests of "
+                     f"the context.")
+    attention = {r["kv"]: r["attention"] for r in results["rows"] if r.get("attention")}
+    if attention:
+        lines += ["", "Attention: " + "; ".join(f"{k}: {v}" for k, v in attention.items()) + "."]
+    profiles = [r["profile"] for r in results["rows"] if r.get("profile")]
+    if profiles:
+        lines += ["", "Profiles of the timed steps: " + ", ".join(profiles) + "."]
+    commands = results.get("commands") or [results.get("command")]
+    lines += [""] + [f"Command: `{c}`" for c in commands if c]
+    return "\n".join(lines) + "\n"
+
+
+def decode_plot(results: dict, path: Path) -> bool:
+    """Tokens/s and step time against the byte limit, per context and comparison. False
+    without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = [r for r in results["rows"] if not bench.not_measured(r)]
+    groups = sorted({(r["context"], r["comparison"]) for r in rows})
+    if not groups:
+        return False
+    fig, axes = plt.subplots(len(groups), 2, figsize=(12, 3.4 * len(groups)), squeeze=False)
+    for (context, comparison), (left, right) in zip(groups, axes):
+        mine = [r for r in rows if r["context"] == context and r["comparison"] == comparison]
+        names = [f"{r['kv']}\n(B={r['batch']}, graphs {r['cuda_graphs']})" for r in mine]
+        x = range(len(mine))
+        left.bar(x, [r["tokens_per_s"] for r in mine])
+        left.set_title(f"tokens/s, context {context}, {comparison}", fontsize=9)
+        right.bar([i - 0.2 for i in x], [r["step_median_s"] * 1e3 for r in mine], 0.4,
+                  label="step median")
+        right.bar([i + 0.2 for i in x], [r["byte_limit_s"] * 1e3 for r in mine], 0.4,
+                  label="byte limit")
+        right.set_title(f"step time (ms), context {context}, {comparison}", fontsize=9)
+        right.legend(fontsize=7)
+        for ax in (left, right):
+            ax.set_xticks(list(x), names, fontsize=7)
+    fig.suptitle(f"{results['model']} on {results['env']['device']}: decode phase")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def write_decode_set(results: dict, out: Path, name: str) -> None:
+    (out / f"{name}.json").write_text(results_json(results))
+    (out / f"{name}.md").write_text(decode_markdown(results))
+    decode_plot(results, out / f"{name}.png")
 
 
 if __name__ == "__main__":

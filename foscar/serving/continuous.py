@@ -74,6 +74,12 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     ) from e
 
 from .core import PagedKV, StepRow, history_bytes_per_token, window_bytes_per_request
+from .flashinfer_kv import (
+    FlashInferPagedKV,
+    attention_description,
+    flashinfer_bytes_per_token,
+    flashinfer_unavailable,
+)
 from .kv_spec import ResolvedKV, resolve_kv
 from .tp import rank_rotations, tp_size_of
 
@@ -258,7 +264,8 @@ class FoscarPagedCache(_TrackedCache, PagedAttentionCache):
             # a step's packed tokens, padding included, never exceed the engine's batch budget
             max_step_tokens=getattr(self, "max_batch_tokens", None),
             cuda_graphs=settings.cuda_graphs,
-        )
+        ) if kv.flashinfer is None else _flashinfer_storage(settings, config, local_heads, self,
+                                                             block_size)
         self._slots: set = set()  # requests admitted: each holds a window slot
         self._rows: list[StepRow] | None = None  # the next forward's layout, in batch order
         #: steps run through a CUDA graph (captured, or replayed)
@@ -367,6 +374,27 @@ def _head_dim(config) -> int:
     return head_dim if head_dim is not None else config.hidden_size // config.num_attention_heads
 
 
+def _flashinfer_storage(settings: _FoscarSettings, config, local_heads: int, cache,
+                        block_size: int) -> FlashInferPagedKV:
+    """The FlashInfer cache (:mod:`foscar.serving.flashinfer_kv`) in place of foscar's pool:
+    the engine's block ids are its pages; backend ``"reference"`` attends in torch."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    tp = settings.num_kv_heads // local_heads
+    return FlashInferPagedKV(
+        settings.kv.flashinfer,
+        num_layers=text.num_hidden_layers,
+        num_kv_heads=local_heads,
+        num_q_heads=text.num_attention_heads // tp,
+        head_dim=_head_dim(text),
+        num_blocks=cache._physical_blocks(),
+        block_size=block_size,
+        device=cache.device,
+        attention="torch" if settings.backend == "reference" else "flashinfer",
+        max_step_tokens=getattr(cache, "max_batch_tokens", None),
+        cuda_graphs=settings.cuda_graphs,
+    )
+
+
 _ENGINE_CACHE_LOCK = threading.Lock()
 
 
@@ -452,6 +480,7 @@ class FoscarBatchingManager(ContinuousBatchingManager):
                  cuda_graphs: bool = False) -> None:
         self._plan = plan
         self._last_cache = None
+        self._foscar_backend = backend
         super().__init__(model, generation_config, continuous_batching_config)
         kv = plan.kv
         if kv.is_bf16:
@@ -530,6 +559,19 @@ class FoscarBatchingManager(ContinuousBatchingManager):
         return super().add_request(input_ids, request_id, max_new_tokens, *args, **kwargs)
 
     # ------------------------------------------------------------------ accounting
+    def attention_description(self) -> str:
+        """What attends the cache: the engine's own path (its attention implementation), foscar's
+        decode kernels, or FlashInfer's wrappers (:mod:`foscar.serving.flashinfer_kv`)."""
+        kv = self._plan.kv
+        if kv.flashinfer is not None:
+            return attention_description(
+                kv.flashinfer, "torch" if self._foscar_backend == "reference" else "flashinfer")
+        if kv.is_bf16:
+            impl = getattr(self.model.config, "_attn_implementation", None)
+            return f"the engine's BF16 paged cache, its {impl} attention"
+        return (f"foscar {kv.label} pages, foscar.decode_attention (backend "
+                f"{self._foscar_backend}) for decode rows, torch SDPA for prefill rows")
+
     def concurrent_requests(self, request_tokens: int) -> dict:
         """Requests of ``request_tokens`` tokens the pool holds at once, and a BF16 cache in the
         same memory: ``{"kv": n, "bf16": m}`` (the engine's accounting: a request holds a block
@@ -571,6 +613,7 @@ class FoscarBatchingManager(ContinuousBatchingManager):
             "max_requests": plan.max_requests,
             "window_bytes": plan.window_bytes,
             "peak_concurrent_requests": 0 if cache is None else cache.peak_requests,
+            "attention": self.attention_description(),
         }
         if isinstance(cache, FoscarPagedCache):
             stats["memory_bytes"] = cache.paged.pool_bytes()
@@ -660,7 +703,11 @@ def build_manager(
         _check_foscar_model(text, resolved, generation_kwargs)
     block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
     _check_block_size(block_size, resolved)
-    if cuda_graphs and not resolved.is_bf16:
+    if resolved.flashinfer is not None:
+        reason = _flashinfer_refusal(model, backend)
+        if reason is not None:
+            raise ValueError(f"kv={resolved.label!r}: {reason}")
+    elif cuda_graphs and not resolved.is_bf16:
         reason = _graph_refusal(model, resolved, backend, window_dtype, block_size)
         if reason is not None:
             raise ValueError(f"cuda_graphs=True with kv={resolved.label!r}: {reason}")
@@ -742,8 +789,12 @@ def _size_pool(
         else:
             memory_bytes = DEFAULT_CPU_MEMORY_BYTES
 
-    if resolved.is_bf16:
-        per_token = 2 * num_layers * local_heads * head_dim * model.dtype.itemsize
+    if resolved.is_bf16 or resolved.flashinfer is not None:
+        per_token = (
+            2 * num_layers * local_heads * head_dim * model.dtype.itemsize if resolved.is_bf16
+            else flashinfer_bytes_per_token(resolved.flashinfer, num_layers, local_heads,
+                                            head_dim)
+        )
         if num_blocks is None:
             num_blocks = memory_bytes // (per_token * block_size)
         memory = num_blocks * block_size * per_token
@@ -769,7 +820,7 @@ def _size_pool(
     if num_blocks < 1:
         raise ValueError(
             f"memory_bytes={memory_bytes} holds no block of {block_size} tokens"
-            + ("" if resolved.is_bf16 else f" beside {slots} window slots of {window} bytes")
+            + ("" if not window else f" beside {slots} window slots of {window} bytes")
         )
     return _Plan(
         kv=resolved,
@@ -825,6 +876,17 @@ def _engine_config(
             auto_switch_to_flash=False,
         )
     return ContinuousBatchingConfig(**{k: v for k, v in cb.items() if k in fields})
+
+
+def _flashinfer_refusal(model, backend: str) -> str | None:
+    """Why a FlashInfer cache cannot serve ``model`` with ``backend``, or None (``"reference"``
+    attends in torch on any device)."""
+    if backend == "reference":
+        return None
+    reason = flashinfer_unavailable(model.device)
+    if reason is None and model.dtype != torch.bfloat16:
+        reason = f"FlashInfer's caches take bfloat16 queries; the model computes in {model.dtype}"
+    return reason
 
 
 def _graph_refusal(

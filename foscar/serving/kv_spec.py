@@ -2,7 +2,12 @@
 
 Spellings (:func:`parse_kv` for command lines, :func:`resolve_kv` for a model):
 
-- ``"bf16"``: the engine's own paged cache, unchanged (no foscar);
+- ``"bf16"`` (or ``"sdpa-bf16"``): the engine's own paged cache, unchanged (no foscar), attended
+  by the engine's paged SDPA path;
+- ``"flashinfer-bf16"``, ``"flashinfer-fp8"``: BF16 or FP8 (E4M3, per-layer ``k_scale`` /
+  ``v_scale``) paged caches attended by FlashInfer's paged prefill and decode kernels, the
+  baselines vLLM and SGLang users run (:mod:`foscar.serving.flashinfer_kv`; a CUDA device and
+  the ``flashinfer`` package);
 - ``"int4"``, ``"int2"``: token-wise min-max groups of ``min(head_dim, 128)`` channels for K and
   V, with OSCAR's BF16 windows (64 sink and 256 recent tokens);
 - a :class:`foscar.KVFormat`, or a sequence of one per layer (:func:`foscar.layer_formats`);
@@ -23,6 +28,7 @@ from dataclasses import dataclass, replace
 from .. import KVFormat, QuantFormat, layer_formats
 
 __all__ = [
+    "FLASHINFER_KVS",
     "KV_NAMES",
     "KVSpecError",
     "ResolvedKV",
@@ -34,7 +40,9 @@ __all__ = [
 ]
 
 #: the named choices of ``--kv``
-KV_NAMES = ("bf16", "int4", "int2")
+KV_NAMES = ("sdpa-bf16", "flashinfer-bf16", "flashinfer-fp8", "bf16", "int4", "int2")
+#: the FlashInfer caches by name: their storage (:mod:`foscar.serving.flashinfer_kv`)
+FLASHINFER_KVS = {"flashinfer-bf16": "bf16", "flashinfer-fp8": "fp8"}
 #: OSCAR's BF16 windows, the default of the named formats
 SINK_TOKENS, RECENT_TOKENS = 64, 256
 
@@ -78,17 +86,21 @@ def default_format(bits: int, head_dim: int, *, group_size: int | None = None,
 @dataclass(frozen=True)
 class ResolvedKV:
     """A ``kv`` argument made concrete for one model: ``formats`` one per layer (None: the
-    engine's BF16 cache), ``rotations`` (OscarRotations or None) and ``clip_bits`` for
-    :func:`foscar.oscar.apply_to_cache`; ``label``: how logs and results name it."""
+    engine's BF16 cache or a FlashInfer one), ``rotations`` (OscarRotations or None) and
+    ``clip_bits`` for :func:`foscar.oscar.apply_to_cache`; ``flashinfer``: the storage of a
+    FlashInfer cache (``"bf16"`` or ``"fp8"``; None otherwise); ``label``: how logs and
+    results name it."""
 
     label: str
     formats: tuple[KVFormat, ...] | None
     rotations: object = None
     clip_bits: object = None
+    flashinfer: str | None = None
 
     @property
     def is_bf16(self) -> bool:
-        return self.formats is None
+        """The engine's own BF16 cache (no foscar storage, no FlashInfer)."""
+        return self.formats is None and self.flashinfer is None
 
 
 def resolve_kv(
@@ -116,8 +128,10 @@ def resolve_kv(
             f"got {type(kv).__name__}"
         )
     name = parse_kv(kv)
-    if name == "bf16":
-        return ResolvedKV("bf16", None)
+    if name in ("bf16", "sdpa-bf16"):
+        return ResolvedKV(name, None)
+    if name in FLASHINFER_KVS:
+        return ResolvedKV(name, None, flashinfer=FLASHINFER_KVS[name])
     if name in ("int4", "int2"):
         fmt = default_format(int(name[3]), head_dim)
         return ResolvedKV(name, (fmt,) * num_layers)
