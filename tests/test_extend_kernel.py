@@ -67,7 +67,8 @@ def chunk(t, ratio, seed=3, dtype=torch.bfloat16):
     q = torch.randn(t, NUM_KV_HEADS * ratio, HEAD_DIM, generator=g) * 1.5
     k = torch.randn(t, NUM_KV_HEADS, HEAD_DIM, generator=g) + 0.3
     v = torch.randn(t, NUM_KV_HEADS, HEAD_DIM, generator=g)
-    return tuple(x.to(KERNEL_DEVICE, dtype) for x in (q, k, v))
+    # bf16 values in any dtype: a GPU rounds the query to bf16 operands
+    return tuple(x.bfloat16().to(KERNEL_DEVICE, dtype) for x in (q, k, v))
 
 
 def reference(cache, batch, row, q, k, v, sm_scale, *, bf16=False, mask=None):
