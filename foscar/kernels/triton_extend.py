@@ -80,10 +80,16 @@ def _history_partial(
     """The history tiles of split ``split``, as the decode kernel's split program reads them:
     ``(o [D, HS], lse2 [HS])``, normalised (zeros and -inf when the split holds no tile)."""
     kv_indices_ptr, k_words_ptr, k_scales_ptr, v_words_ptr, v_scales_ptr = ptrs
-    stride_ks_page = strides[2]
-    stride_ks_head = strides[3]
-    stride_vs_page = strides[6]
-    stride_vs_head = strides[7]
+    (
+        stride_kw_page,
+        stride_kw_head,
+        stride_ks_page,
+        stride_ks_head,
+        stride_vw_page,
+        stride_vw_head,
+        stride_vs_page,
+        stride_vs_head,
+    ) = strides
     NGK: tl.constexpr = D // K_GROUP
     NGV: tl.constexpr = D // V_GROUP
     offs_d = tl.arange(0, D)
