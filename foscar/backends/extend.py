@@ -5,8 +5,9 @@ attending to the request's stored tokens and, causally, to itself.
 serving core): on a GPU it launches the Triton extend kernel (foscar.kernels.triton_extend) over
 the quantized pages, the BF16 windows and the chunk's own BF16 keys and values; on the CPU it
 keeps the torch path (:func:`foscar.reference.attend_chunk`: the history dequantized, then SDPA).
-A layer's OSCAR rotations are applied to the query, the chunk's keys and values and the output
-(``q R_K``, ``k R_K``, ``v R_V``, ``o R_V^T``), so the kernel reads the pages as stored.
+On both paths a layer's OSCAR rotations are applied to the query, the chunk's keys and values and
+the output (``q R_K``, ``k R_K``, ``v R_V``, ``o R_V^T``; per chunk token, not per token of the
+history), and the pages are read as stored.
 
 Shapes: ``T`` chunk tokens, ``H_q`` query heads, ``H`` KV heads (query head ``h`` reads KV head
 ``h // (H_q / H)``), ``D`` head_dim. Launches use keyword arguments only.
@@ -146,11 +147,7 @@ def extend_attention(
             raise ValueError(f"path='triton': {reason}")
         use_kernel = reason is None
     if not use_kernel:
-        o = attend_chunk(
-            cache, batch, row, q_chunk.transpose(0, 1), k_chunk.transpose(0, 1),
-            v_chunk.transpose(0, 1), sm_scale, new_mask,
-        )  # fmt: skip
-        o = o.transpose(0, 1).to(q_chunk.dtype)
+        o = _torch_path(q_chunk, k_chunk, v_chunk, cache, batch, row, sm_scale, new_mask)
         if out is None:
             return o
         out.copy_(o)
@@ -165,6 +162,24 @@ def extend_attention(
         out[keep] = o
         return out
     return _kernel(q_chunk, k_chunk, v_chunk, cache, batch, row, sm_scale, out, config, num_splits)
+
+
+def _torch_path(q, k, v, cache, batch, row, sm_scale, new_mask) -> torch.Tensor:
+    """:func:`foscar.reference.attend_chunk` over the history as stored: a layer's OSCAR
+    rotations go on the query, the chunk and the output (fp32), not undone over the history."""
+    tr = cache.transforms[batch.layer]
+    dtype = q.dtype
+    if tr.key_rotation is not None:
+        q, k = tr.rotate(q, "key"), tr.rotate(k, "key")
+    if tr.value_rotation is not None:
+        v = tr.rotate(v, "value")
+    o = attend_chunk(
+        cache, batch, row, q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), sm_scale,
+        new_mask, stored=True,
+    ).transpose(0, 1)  # fmt: skip
+    if tr.value_rotation is not None:
+        o = tr.rotate(o, "value", inverse=True)
+    return o.to(dtype)
 
 
 def kernel_reason(q_chunk: torch.Tensor, cache: QuantizedKVCache) -> str | None:
