@@ -240,3 +240,23 @@ def test_long_chunk_on_long_history_gpu(t, history):
     q, k, v = chunk(t, 4)
     o = run_kernel(q, k, v, cache, batch, 0, 0.125)
     check(o, cache, batch, 0, q, k, v, 0.125)
+
+
+@pytest.mark.parametrize("fmt_name", ["int2", "kivi2"])
+def test_kernel_compiles_for_sm90(fmt_name):
+    """The compiled path (not the interpreter's) builds for sm_90a with the default config:
+    benchmarks/tools/extend_sass.py in a subprocess (the tests run with TRITON_INTERPRET=1)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    r = subprocess.run(
+        [sys.executable, "benchmarks/tools/extend_sass.py", "--default-only", "--formats",
+         fmt_name],
+        capture_output=True, text=True, cwd=root, env=dict(os.environ, TRITON_INTERPRET="0"),
+    )  # fmt: skip
+    if "ptxas" in r.stderr and "not found" in r.stderr:
+        pytest.skip(f"no ptxas here: {r.stderr[-300:]}")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "regs=" in r.stdout

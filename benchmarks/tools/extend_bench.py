@@ -43,13 +43,15 @@ from foscar.serving.kv_spec import default_format
 
 SHAPE = Shape(num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=64)
 LAYERS = 36  # Qwen3-8B
-#: the configs swept (each compiles for tens of seconds): query columns 16 to 128 at GQA 4
+#: the configs swept (each compiles for tens of seconds): query columns 16 to 128 at GQA 4; at
+#: 32 columns and more 4 warps hit 255 registers (benchmarks/tools/extend_sass.py), so 8 warps too
 SWEEP = [
     ExtendConfig(block_t=4, block_n=64),
     ExtendConfig(block_t=8, block_n=32),
     ExtendConfig(block_t=8, block_n=64),
-    ExtendConfig(block_t=16, block_n=64),
+    ExtendConfig(block_t=8, block_n=64, num_warps=8),
     ExtendConfig(block_t=16, block_n=64, num_warps=8),
+    ExtendConfig(block_t=16, block_n=64, block_window=64, num_warps=8),
     ExtendConfig(block_t=32, block_n=64, num_warps=8),
 ]
 
