@@ -347,11 +347,8 @@ def extend_kernel(
     head = kvh * H + offs_c % H
     mask_c = (offs_c < BLOCK_T * H) & (tok < num_tokens)
     tok = tl.minimum(tok, num_tokens - 1)  # padded columns read (and see) a real token
-    q = tl.load(
-        q_ptr + tok[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :],
-        mask=mask_c[:, None],
-        other=0.0,
-    ).to(tl.float32)  # [HS, D]
+    q_ptrs = q_ptr + tok[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=mask_c[:, None], other=0.0).to(tl.float32)  # [HS, D]
     n_q = tl.load(num_quantized_ptr + row)
 
     ptrs = (kv_indices_ptr, k_words_ptr, k_scales_ptr, v_words_ptr, v_scales_ptr)
@@ -371,6 +368,9 @@ def extend_kernel(
         V_GROUP, HPK, HPV, INTERP, TILE_ACC,
     )  # fmt: skip
     if split == 0:
+        # Note [query reload]: Q is loaded again (an L2 hit) rather than kept live over the
+        # history loop, where its [HS, D] fp32 took 32-64 registers per thread
+        q = tl.load(q_ptrs, mask=mask_c[:, None], other=0.0).to(tl.float32)
         if HAS_WINDOWS:
             o_w, lse_w = windows_partial(
                 q, row, kvh, qk_scale, n_q, seq_lens_ptr, slots_ptr, k_sink_ptr, v_sink_ptr,
