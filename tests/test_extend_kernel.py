@@ -221,6 +221,8 @@ def test_bad_arguments_raise_before_work():
         extend_attention(q[..., :32], k, v, cache, batch, 0)
     with pytest.raises(ValueError, match="row"):
         extend_attention(q, k, v, cache, batch, 2)
+    with pytest.raises(ValueError, match="new_mask"):
+        extend_attention(q, k, v, cache, batch, 0, new_mask=torch.ones(2, dtype=torch.bool))
     with pytest.raises(ValueError, match="path"):
         extend_attention(q, k, v, cache, batch, 0, path="cuda")
 

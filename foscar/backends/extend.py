@@ -71,7 +71,7 @@ def extend_splits(num_tokens: int, num_kv_heads: int, history: int, cfg: ExtendC
     return max(1, min(math.ceil(sms / programs), tiles // 2))
 
 
-def _check(q_chunk, k_chunk, v_chunk, cache, batch, row, out) -> None:
+def _check(q_chunk, k_chunk, v_chunk, cache, batch, row, out, new_mask) -> None:
     """ValueError naming the first argument that is not as extend_attention documents."""
     if q_chunk.dim() != 3 or q_chunk.shape[2] != cache.head_dim:
         raise ValueError(
@@ -93,6 +93,10 @@ def _check(q_chunk, k_chunk, v_chunk, cache, batch, row, out) -> None:
         raise ValueError(f"row must name a planned sequence (0..{last}), got {row}")
     if out is not None and (tuple(out.shape) != tuple(q_chunk.shape) or out.stride(-1) != 1):
         raise ValueError(f"out must be [T, H_q, D] = {list(q_chunk.shape)} with unit stride in D")
+    if new_mask is not None and (new_mask.dtype != torch.bool or tuple(new_mask.shape) != (t,)):
+        raise ValueError(
+            f"new_mask must be bool [T={t}], got {new_mask.dtype} {list(new_mask.shape)}"
+        )
 
 
 def extend_attention(
@@ -138,7 +142,7 @@ def extend_attention(
     """
     if path not in EXTEND_PATHS:
         raise ValueError(f"path must be one of {EXTEND_PATHS}, got {path!r}")
-    _check(q_chunk, k_chunk, v_chunk, cache, batch, row, out)
+    _check(q_chunk, k_chunk, v_chunk, cache, batch, row, out, new_mask)
     sm_scale = 1.0 / math.sqrt(cache.head_dim) if sm_scale is None else sm_scale
     use_kernel = path == "triton" or (path == "auto" and q_chunk.is_cuda)
     if use_kernel:
@@ -205,6 +209,8 @@ def _kernel(q, k, v, cache, batch, row, sm_scale, out, config, num_splits) -> to
     interp = triton_runtime.interpreting()
     operand = torch.float32 if interp else cache.window_dtype
     q = q.to(torch.float32 if interp else torch.bfloat16)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
     # the chunk's keys and values as the windows would store them (rounded to the window dtype)
     k = k.to(cache.window_dtype).to(operand).contiguous()
     v = v.to(cache.window_dtype).to(operand).contiguous()
