@@ -28,7 +28,8 @@
 #   tune           the Triton kernel's launch-config sweep       -> tune.json, tune.log
 #   extend         the extend kernel's GPU tests, then the kernel beside FlashInfer's BF16 paged
 #                  prefill at Qwen3-8B's shape (an 8K chunk on 8K-32K histories, a 32K prompt in
-#                  8K chunks; benchmarks/tools/extend_bench.py)
+#                  8K chunks; benchmarks/tools/extend_bench.py; --sections model --name
+#                  extend_model_ttft: the prompt's time to first token through a random Qwen3-8B)
 #                                      -> extend_tests.log, extend_bench.{json,md,log}
 #   repeat         the Gluon kernel's configs called 20 times each (every axis pair): the
 #                  difference between calls and CTAs per SM (benchmarks/tools/repeat_check.py),

@@ -14,7 +14,10 @@ Qwen3-8B's attention shape (32 query / 8 KV heads, head_dim 128), one process, o
    its write into the cache (foscar: SDPA on the first chunk, as the serving core, then the kernel,
    each chunk quantized on write by ``QuantizedKVCache.append``; FlashInfer: its prefill on BF16
    pages the chunk is copied into), and the sum; times the model's layer count, the attention
-   part of the prompt's time to first token (the rest of the model is the same for both).
+   part of the prompt's time to first token (the rest of the model is the same for both);
+5. (``--sections model``, a call of its own) the time to first token of that prompt through a
+   random-weight Qwen3-8B (serve_random_model.py's preset): FoscarCache (the kernel on its extend
+   path) beside the model's BF16 DynamicCache with SDPA attention.
 
 Formats: ``int2`` and ``int4`` (the serving engine's: token-wise groups of 128, BF16 sink 64 and
 recent 256 windows, foscar.serving.kv_spec.default_format) and ``kivi2`` (channel-wise INT2 K,
@@ -43,6 +46,8 @@ from foscar.serving.kv_spec import default_format
 
 SHAPE = Shape(num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=64)
 LAYERS = 36  # Qwen3-8B
+SECTIONS = ("correctness", "sweep", "chunk", "prompt", "model")
+DEFAULT_SECTIONS = ("correctness", "sweep", "chunk", "prompt")
 #: the configs swept (each compiles for tens of seconds): query columns 16 to 128 at GQA 4; at
 #: 32 columns and more 4 warps hit 255 registers (benchmarks/tools/extend_sass.py), so 8 warps too
 SWEEP = [
@@ -269,6 +274,60 @@ def _median_prompt(runs: list[list[dict]]) -> dict:
     return {"per_chunk": per_chunk, "layer_ms": total, "model_ms": total * LAYERS}
 
 
+def model_ttft(fmts: dict, prompt: int, chunk: int, repeats: int) -> dict:
+    """Time to first token of one prompt of random ids prefilled in chunks by a random-weight
+    Qwen3-8B (benchmarks/tools/serve_random_model.py's preset, bf16): the model's BF16 cache
+    (transformers' DynamicCache, SDPA attention) beside FoscarCache (its extend path: the
+    kernel), median seconds over ``repeats`` after one untimed prompt."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from serve_random_model import PRESETS, build_model
+    from transformers import DynamicCache
+
+    from foscar.integrations.transformers import FoscarCache, cache_kwarg, use_foscar_attention
+
+    shape = PRESETS["qwen3-8b"]
+    model, _ = build_model(shape, "cuda", torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.randint(0, shape["vocab"], (1, prompt), device="cuda", generator=g)
+
+    @torch.no_grad()
+    def seconds(make_cache) -> float:
+        kw = {cache_kwarg(model): make_cache()}
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for pos in range(0, prompt, chunk):
+            out = model(input_ids=ids[:, pos : pos + chunk], use_cache=True, logits_to_keep=1,
+                        **kw)  # fmt: skip
+        int(out.logits[0, -1].argmax())
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    def median(make_cache) -> float:
+        times = [seconds(make_cache) for _ in range(repeats + 1)][1:]
+        return sorted(times)[len(times) // 2]
+
+    def bf16_cache():
+        try:
+            return DynamicCache(config=model.config)
+        except TypeError:
+            return DynamicCache()
+
+    rows = {}
+    model.set_attn_implementation("sdpa")
+    rows["bf16-sdpa"] = median(bf16_cache)
+    print(f"model TTFT bf16-sdpa: {rows['bf16-sdpa']:.3f} s", flush=True)
+    use_foscar_attention(model)
+    for name, fmt in fmts.items():
+        rows[f"foscar-{name}"] = median(
+            lambda fmt=fmt: FoscarCache(fmt, model.config, max_cache_len=prompt + 1,
+                                        page_size=SHAPE.page_size)  # fmt: skip
+        )
+        print(f"model TTFT foscar-{name}: {rows[f'foscar-{name}']:.3f} s", flush=True)
+    del model
+    torch.cuda.empty_cache()
+    return {"seconds": rows, "layers": shape["layers"]}
+
+
 # ---------------------------------------------------------------------------- report
 def markdown(result: dict) -> str:
     lines = [
@@ -276,36 +335,46 @@ def markdown(result: dict) -> str:
         "",
         f"{result['gpu']}; torch {result['torch']}, triton {result['triton']}, flashinfer "
         f"{result['flashinfer']}. Qwen3-8B attention shape (32 / 8 heads, head_dim 128), pages of "
-        f"{SHAPE.page_size}. Command: `{result['command']}`.",
-        "",
-        "## One chunk (median ms, L2 flushed)",
-        "",
-        "| chunk | history | FlashInfer BF16 | " + " | ".join(result["formats"]) + " |",
-        "|---|---|---|" + "---|" * len(result["formats"]),
+        f"{SHAPE.page_size}. Command: `{result['command']}`. Launch config of the kernel: "
+        f"{result['best_config'] or 'extend_config default'}.",
     ]
-    for row in result["one_chunk"]:
-        cells = []
-        for name in result["formats"]:
-            e = row["formats"][name]
-            cell = f"{e['foscar_ms']:.2f} ({e['over_flashinfer']:.2f}x)"
-            if "torch_path_ms" in e:
-                cell += f"; torch path {e['torch_path_ms']:.1f}"
-            cells.append(cell)
-        lines.append(f"| {row['chunk']} | {row['history']} | {row['flashinfer_bf16_ms']:.2f} | "
-                     + " | ".join(cells) + " |")  # fmt: skip
-    lines += ["", f"## One prompt of {result['prompt']} tokens in chunks of {result['chunk']}",
-              "", "| method | per chunk: attention + write (ms), one layer | layer ms | "
-              f"x {LAYERS} layers ms |", "|---|---|---|---|"]  # fmt: skip
-    for name, p in result["prompt_runs"].items():
-        chunks = ", ".join(f"{c['attention_ms']:.1f}+{c['write_ms']:.1f}" for c in p["per_chunk"])
-        lines.append(f"| {name} | {chunks} | {p['layer_ms']:.1f} | {p['model_ms']:.0f} |")
-    lines += ["", "## Config sweep", "", "| config | ms | first call s |", "|---|---|---|"]
-    for row in result["sweep"]:
-        ms = f"{row['ms']:.3f}" if "ms" in row else row.get("error", "")
-        lines.append(f"| {row['config']} | {ms} | {row.get('first_call_s', 0):.1f} |")
-    lines += ["", "## Correctness (kernel against the torch path)", ""]
-    for name, r in result["correctness"].items():
-        lines.append(f"- {name}: relative L2 {r['rel_l2_vs_torch']:.2e}, finite {r['finite']}")
+    if "one_chunk" in result:
+        names = result["formats"]
+        lines += ["", "## One chunk (median ms, L2 flushed; foscar over FlashInfer in brackets)",
+                  "", "| chunk | history | FlashInfer BF16 | " + " | ".join(names) + " |",
+                  "|---|---|---|" + "---|" * len(names)]  # fmt: skip
+        for row in result["one_chunk"]:
+            cells = []
+            for name in names:
+                e = row["formats"][name]
+                cell = f"{e['foscar_ms']:.2f} ({e['over_flashinfer']:.2f}x)"
+                if "torch_path_ms" in e:
+                    cell += f"; torch path {e['torch_path_ms']:.1f}"
+                cells.append(cell)
+            lines.append(f"| {row['chunk']} | {row['history']} | {row['flashinfer_bf16_ms']:.2f} "
+                         "| " + " | ".join(cells) + " |")  # fmt: skip
+    if "prompt_runs" in result:
+        lines += ["", f"## One prompt of {result['prompt']} tokens in chunks of "
+                  f"{result['chunk']}, one layer", "", "| method | per chunk: attention + write "
+                  f"(ms) | layer ms | x {LAYERS} layers ms |", "|---|---|---|---|"]  # fmt: skip
+        for name, p in result["prompt_runs"].items():
+            chunks = ", ".join(f"{c['attention_ms']:.1f}+{c['write_ms']:.1f}"
+                               for c in p["per_chunk"])  # fmt: skip
+            lines.append(f"| {name} | {chunks} | {p['layer_ms']:.1f} | {p['model_ms']:.0f} |")
+    if "model_ttft" in result:
+        lines += ["", f"## Time to first token, random-weight Qwen3-8B, {result['prompt']} tokens "
+                  f"in chunks of {result['chunk']}", "", "| cache | seconds |", "|---|---|"]
+        for name, sec in result["model_ttft"]["seconds"].items():
+            lines.append(f"| {name} | {sec:.3f} |")
+    if result.get("sweep"):
+        lines += ["", "## Config sweep", "", "| config | ms | first call s |", "|---|---|---|"]
+        for row in result["sweep"]:
+            ms = f"{row['ms']:.3f}" if "ms" in row else row.get("error", "")
+            lines.append(f"| {row['config']} | {ms} | {row.get('first_call_s', 0):.1f} |")
+    if "correctness" in result:
+        lines += ["", "## Correctness (kernel against the torch path)", ""]
+        for name, r in result["correctness"].items():
+            lines.append(f"- {name}: relative L2 {r['rel_l2_vs_torch']:.2e}, finite {r['finite']}")
     return "\n".join(lines) + "\n"
 
 
@@ -321,6 +390,9 @@ def main(argv=None) -> int:
                    choices=sorted(formats()))
     p.add_argument("--prompt", type=int, default=32768, help="prompt tokens (32768)")
     p.add_argument("--no-sweep", action="store_true", help="use extend_config's defaults")
+    p.add_argument("--sections", nargs="+", default=list(DEFAULT_SECTIONS), choices=SECTIONS,
+                   help="what to measure (default: " + " ".join(DEFAULT_SECTIONS) + "; model "
+                   "builds a 16 GB random Qwen3-8B: run it in a call of its own)")
     p.add_argument("--iters", type=int, default=10)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -345,9 +417,11 @@ def main(argv=None) -> int:
     except ImportError:
         print("extend_bench: needs flashinfer (its wheel in .whl/)", file=sys.stderr)
         return 2
-    result["correctness"] = check_correctness(fmts, 300, 2000)
+    if "correctness" in args.sections:
+        result["correctness"] = check_correctness(fmts, 300, 2000)
     first = next(iter(fmts.values()))
-    result["sweep"] = [] if args.no_sweep else sweep(first, args.chunk, args.histories[0], 3)
+    sweep_on = "sweep" in args.sections and not args.no_sweep
+    result["sweep"] = sweep(first, args.chunk, args.histories[0], 3) if sweep_on else []
     timed_rows = [r for r in result["sweep"] if "ms" in r]
     best = min(timed_rows, key=lambda r: r["ms"])["config"] if timed_rows else None
 
@@ -357,15 +431,20 @@ def main(argv=None) -> int:
         return ExtendConfig(**best)
 
     result["best_config"] = best
-    result["one_chunk"] = one_chunk(fmts, cfg_for, args.chunk, args.histories, args.torch_path,
-                                    args.iters)  # fmt: skip
-    result["prompt_runs"] = {"flashinfer-bf16": prompt_flashinfer(args.prompt, args.chunk, 2)}
-    for name, fmt in fmts.items():
-        try:
-            result["prompt_runs"][f"foscar-{name}"] = prompt_foscar(fmt, cfg_for, args.prompt,
-                                                                    args.chunk, 2)  # fmt: skip
-        except Exception:
-            traceback.print_exc()
+    if "chunk" in args.sections:
+        result["one_chunk"] = one_chunk(fmts, cfg_for, args.chunk, args.histories,
+                                        args.torch_path, args.iters)  # fmt: skip
+    if "prompt" in args.sections:
+        result["prompt_runs"] = {"flashinfer-bf16": prompt_flashinfer(args.prompt, args.chunk, 2)}
+        for name, fmt in fmts.items():
+            try:
+                result["prompt_runs"][f"foscar-{name}"] = prompt_foscar(
+                    fmt, cfg_for, args.prompt, args.chunk, 2
+                )
+            except Exception:
+                traceback.print_exc()
+    if "model" in args.sections:
+        result["model_ttft"] = model_ttft(fmts, args.prompt, args.chunk, 2)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
