@@ -255,7 +255,9 @@ def _chunk_partial(
     return o, lse
 
 
-@triton.jit
+# the request's row, the chunk length and the split count vary from call to call: one compile
+# for all of them (triton would specialize each on == 1 and on divisibility by 16)
+@triton.jit(do_not_specialize=["row", "num_tokens", "num_splits"])
 def extend_kernel(
     # pointers
     q_ptr,  # [T, Hq, D] bf16
