@@ -262,3 +262,81 @@ def test_kernel_compiles_for_sm90(fmt_name):
         pytest.skip(f"no ptxas here: {r.stderr[-300:]}")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "regs=" in r.stdout
+
+
+# ---------------------------------------------------------------------------- the call sites
+def kernel_everywhere(monkeypatch):
+    """Route the call sites' extend_attention to the kernel (on the CPU: the interpreter), as a
+    GPU does, to check what they hand it (layouts, rows, masks)."""
+    import functools
+
+    from foscar.integrations import transformers as integration
+    from foscar.serving import core
+
+    for module in (core, integration):
+        monkeypatch.setattr(
+            module, "extend_attention", functools.partial(extend_attention, path="triton")
+        )
+
+
+def test_serving_core_chunk_on_the_kernel_matches_torch_path(monkeypatch):
+    """PagedKV: a chunk row (13 tokens on 40 stored, beside a decode row) attends through the
+    kernel as through the torch path."""
+    from foscar.serving import PagedKV, StepRow
+
+    fmt = KVFormat(QuantFormat(4, "token", 64), QuantFormat(2, "channel", 32), **W)
+
+    def run():
+        kv = PagedKV(fmt, num_layers=2, num_kv_heads=2, head_dim=HEAD_DIM, num_blocks=16,
+                     block_size=PAGE, max_requests=3)  # fmt: skip
+        gen = torch.Generator().manual_seed(0)
+        steps = [
+            [StepRow("a", 0, 40), StepRow("b", 0, 21)],
+            [StepRow("b", 21, 1), StepRow("a", 40, 13)],
+        ]
+        outs = []
+        for rows in steps:
+            kv.begin_step(rows)
+            t = sum(r.query_length for r in rows)
+            q = torch.randn(t, 6, HEAD_DIM, generator=gen).bfloat16().float()
+            k, v = (torch.randn(t, 2, HEAD_DIM, generator=gen).bfloat16().float() for _ in "kv")
+            outs.append([kv.attend(layer, q, k, v, scaling=0.125) for layer in range(2)])
+        return outs[-1]
+
+    torch_path = run()
+    kernel_everywhere(monkeypatch)
+    kernel = run()
+    for a, b in zip(kernel, torch_path):
+        assert torch.isfinite(a).all()
+        assert rel_l2(a, b) < 1e-2
+
+
+def test_foscar_cache_chunked_prefill_on_the_kernel_matches_torch_path(monkeypatch):
+    """FoscarCache's extend path (a tiny Llama, two rows, the second left-padded, the prompt
+    in chunks of 19 and 11) gives the logits of the torch path through the kernel."""
+    from conftest import tiny_llama
+
+    from foscar.integrations.transformers import FoscarCache, cache_kwarg, use_foscar_attention
+
+    model = tiny_llama(layers=2, q_heads=4, kv_heads=2, head_dim=HEAD_DIM)
+    use_foscar_attention(model)
+    fmt = KVFormat(QuantFormat(2, "token", 64), QuantFormat(4, "token", 64), **W)
+    ids = torch.randint(0, 96, (2, 30), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 30, dtype=torch.long)
+    mask[1, :3] = 0  # left padding of the second row
+
+    @torch.no_grad()
+    def logits():
+        cache = FoscarCache(fmt, model.config, max_cache_len=32, page_size=PAGE)
+        kw = {cache_kwarg(model): cache}
+        outs = []
+        for a, b in ((0, 19), (19, 30)):
+            out = model(input_ids=ids[:, a:b], attention_mask=mask[:, :b], use_cache=True, **kw)
+            outs.append(out.logits)
+        return outs[-1]
+
+    torch_path = logits()
+    kernel_everywhere(monkeypatch)
+    kernel = logits()
+    assert torch.isfinite(kernel).all()
+    assert rel_l2(kernel, torch_path) < 1e-2
