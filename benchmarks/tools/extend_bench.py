@@ -28,6 +28,7 @@ token-wise INT2 V, groups of 128, the same windows). Writes ``extend_bench.json`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -394,7 +395,22 @@ def main(argv=None) -> int:
                    help="what to measure (default: " + " ".join(DEFAULT_SECTIONS) + "; model "
                    "builds a 16 GB random Qwen3-8B: run it in a call of its own)")
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--config", default=None, metavar="K=V,...",
+                   help="the kernel's config instead of the sweep's best, e.g. "
+                   "block_t=16,block_n=64,num_warps=8 (ExtendConfig fields)")
     args = p.parse_args(argv)
+    forced = None
+    if args.config:
+        fields = {f.name: f.type for f in dataclasses.fields(ExtendConfig)}
+        forced = {}
+        for item in args.config.split(","):
+            key, _, value = item.partition("=")
+            ok = key in fields and (value.isdigit() or fields[key] == "bool")
+            if not ok:
+                p.error(f"--config: {item!r} is not FIELD=INT of ExtendConfig "
+                        f"({', '.join(fields)})")  # fmt: skip
+            forced[key] = value.lower() == "true" if fields[key] == "bool" else int(value)
+        forced = ExtendConfig(**forced).__dict__.copy()
     if not torch.cuda.is_available():
         print("extend_bench: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -424,6 +440,8 @@ def main(argv=None) -> int:
     result["sweep"] = sweep(first, args.chunk, args.histories[0], 3) if sweep_on else []
     timed_rows = [r for r in result["sweep"] if "ms" in r]
     best = min(timed_rows, key=lambda r: r["ms"])["config"] if timed_rows else None
+    if forced is not None:
+        best = forced
 
     def cfg_for(fmt):
         if best is None:
