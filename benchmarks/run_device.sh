@@ -45,6 +45,12 @@
 #                  128): SmolLM2 with heads zero-padded to 128 (INT4, INT2 + windows), or
 #                  --model PATH of a head_dim-128 model (and OSCAR rows)  -> eval_e4m3.*
 #   tune           the Triton kernel's launch-config sweep       -> tune.json, tune.log
+#   extend-tests   the extend kernel's tests, compiled          -> extend_tests.log
+#   extend         the extend kernel beside FlashInfer's BF16 paged prefill at Qwen3-8B's shape
+#                  (an 8K chunk on 8K-32K histories, a 32K prompt in 8K chunks;
+#                  benchmarks/tools/extend_bench.py, --sections to run part of it; --sections
+#                  model --name extend_model_ttft: the prompt's time to first token through a
+#                  random-weight Qwen3-8B)                   -> extend_bench.{json,md,log}
 #   repeat         the Gluon kernel's configs called 20 times each (every axis pair): the
 #                  difference between calls and CTAs per SM (benchmarks/tools/repeat_check.py),
 #                  then synccheck and racecheck -> repeat_check.log, repeat_*.json, repeat_sanitize.log
@@ -68,12 +74,13 @@ shift
 case "$mode" in
   smoke | tests | sanitize | grid | axes | grid-d64 | e4m3-accuracy | e2e | serve | serve-qwen3 | \
     serve-decode | serve-trace | serve-profile | serve-smollm2 | serve-http | eval | eval-e4m3 | \
-    tune | repeat) ;;
+    tune | repeat | extend-tests | extend) ;;
   -h | --help) usage ;;
   *)
     echo "run_device.sh: unknown mode '$mode' (expected smoke, tests, sanitize, grid, axes," \
       "grid-d64, e4m3-accuracy, e2e, serve, serve-qwen3, serve-decode, serve-trace," \
-      "serve-profile, serve-smollm2, serve-http, eval, eval-e4m3, tune or repeat)" >&2
+      "serve-profile, serve-smollm2, serve-http, eval, eval-e4m3, tune, repeat, extend-tests" \
+      "or extend)" >&2
     exit 2
     ;;
 esac
@@ -277,6 +284,16 @@ EOF
     cat "$OUT"/repeat_synccheck.log "$OUT"/repeat_racecheck.log > "$OUT/repeat_sanitize.log"
     rm -f "$OUT"/repeat_synccheck.log "$OUT"/repeat_racecheck.log
     grep -hE "SUMMARY|config=" "$OUT/repeat_sanitize.log"
+    ;;
+  extend-tests)
+    logged extend_tests.log python3 -m pytest -q -p no:cacheprovider tests/test_extend_kernel.py \
+      tests/test_extend_oscar.py "$@"
+    status=$?
+    ;;
+  extend)
+    logged "extend_bench$gpu_suffix.log" python3 benchmarks/tools/extend_bench.py --out "$OUT" \
+      --name "extend_bench$gpu_suffix" "$@"
+    status=$?
     ;;
   grid)
     logged "decode_grid$gpu_suffix.log" python3 -m foscar bench --grid main --methods \

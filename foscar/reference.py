@@ -139,13 +139,17 @@ def attend_chunk(
     v_new: torch.Tensor,
     sm_scale: float,
     new_mask: torch.Tensor | None = None,
+    *,
+    stored: bool = False,
 ) -> torch.Tensor:
     """Attention of a chunk of new tokens over sequence ``i``'s stored tokens (dequantized) and
     the chunk itself, causal over the chunk: how several new tokens on a non-empty sequence
     attend before they are appended (a chunked prefill's later chunks).
 
     ``q: [H_q, t, D]``, ``k_new, v_new: [H_kv, t, D]``; ``new_mask: bool [t]`` marks the chunk's
-    real tokens (``None``: all of them). Returns ``[H_q, t, D]`` float32.
+    real tokens (``None``: all of them). Returns ``[H_q, t, D]`` float32. ``stored``: the
+    history is read as stored (a layer's OSCAR rotations not undone): ``q``, ``k_new`` and
+    ``v_new`` are in the rotated coordinates and so is the output.
 
     A query in bf16 or fp16 with every token real attends in its own dtype through one fused
     SDPA call (bottom-right causal: a chunk's token sees the whole history and the chunk
@@ -154,7 +158,7 @@ def attend_chunk(
     """
     fused = new_mask is None and q.dtype in (torch.bfloat16, torch.float16)
     dtype = q.dtype if fused else torch.float32
-    k_past, v_past = dequantize_sequence(cache, batch, i, dtype=torch.float32)
+    k_past, v_past = dequantize_sequence(cache, batch, i, dtype=torch.float32, stored=stored)
     num_q_heads, t, _ = q.shape
     group = num_q_heads // k_new.shape[0]
     keys = torch.cat([k_past.to(dtype), k_new.to(dtype)], dim=1).repeat_interleave(group, dim=0)

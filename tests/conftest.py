@@ -113,6 +113,7 @@ KERNEL_TEST_MODULES = (
     "test_cache_decode_step",
     "test_cache_write",
     "test_decode",
+    "test_extend_kernel",
     "test_flashinfer_kv",
     "test_gluon_kernel",
     "test_layer_formats",

@@ -78,11 +78,12 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         "foscar.integrations.transformers needs transformers>=5: pip install 'foscar[hf]'"
     ) from e
 
+from ..backends.extend import extend_attention
 from ..cache import DecodeBatch, QuantizedKVCache, check_decode_write, layer_formats
 from ..decode import BACKENDS, decode_attention, default_backend
 from ..formats import GroupAxis, KVFormat
 from ..quantize import dequantize
-from ..reference import _history_operands, attend_chunk
+from ..reference import _history_operands
 
 __all__ = [
     "ATTENTION_NAME",
@@ -721,12 +722,16 @@ class FoscarCache(Cache):
         return last.sum(dim=-1).tolist()
 
     def _extend(self, layer, query, k, v, attention_mask, scaling) -> torch.Tensor:
-        """Several new tokens on a non-empty cache: dequantized past + new tokens, in torch."""
+        """Several new tokens on a non-empty cache: the extend kernel on a GPU, the dequantized past
+        and the new tokens in torch on the CPU (foscar.backends.extend)."""
         bsz, _, t, _ = query.shape
         vis = self._new_token_mask(attention_mask, bsz, t, k.device)
         plan = self.kv.plan(self.seq_ids, layer)
         outs = [
-            attend_chunk(self.kv, plan, b, query[b], k[b], v[b], scaling, vis[b]).transpose(0, 1)
+            extend_attention(
+                query[b].transpose(0, 1), k[b].transpose(0, 1), v[b].transpose(0, 1), self.kv,
+                plan, b, scaling, new_mask=vis[b],
+            )
             for b in range(bsz)
         ]  # each [T, H_q, D]
         counts = self._real_counts(vis, require_left_padding=False)

@@ -75,7 +75,7 @@ _LN2 = tl.constexpr(0.6931471805599453)
 
 # ---------------------------------------------------------------------------- one tile
 @triton.jit
-def _quantized_tile(
+def quantized_tile(
     t,
     state,
     n_q,
@@ -343,7 +343,7 @@ def _window_tile(
 
 
 @triton.jit
-def _windows_partial(
+def windows_partial(
     q,
     b,
     kvh,
@@ -606,7 +606,7 @@ def decode_split_kernel(
                 )
                 qx_g, corr_g = fold_channel_k(q_fold, ks, kz, HPK, INTERP)
                 for sub in tl.static_range(KPT):
-                    state = _quantized_tile(
+                    state = quantized_tile(
                         grp * KPT + sub,
                         state,
                         n_q,
@@ -640,7 +640,7 @@ def decode_split_kernel(
                     )
         else:
             for t in range(t_begin, t_full):
-                state = _quantized_tile(
+                state = quantized_tile(
                     t,
                     state,
                     n_q,
@@ -673,7 +673,7 @@ def decode_split_kernel(
                     TILE_ACC,
                 )
             if t_full < t_end:
-                state = _quantized_tile(
+                state = quantized_tile(
                     t_full,
                     state,
                     n_q,
@@ -734,7 +734,7 @@ def decode_split_kernel(
         HPW: tl.constexpr = 2 * HS if HS < 16 else HS
         qw = tl.trans(pad_cols(tl.trans(q), HPW, 0.0))  # [HPW, D]
         # (names differ from the other branch: a runtime if/else may not rebind with new shapes)
-        o_w, lse_w = _windows_partial(
+        o_w, lse_w = windows_partial(
             qw,
             b,
             kvh,

@@ -32,8 +32,9 @@ turns such a step into foscar operations, whatever the engine:
     precision (``prefill_attention``), as :class:`foscar.integrations.transformers.FoscarCache`
     does at a prefill;
   - *extend* (several new tokens on a non-empty request: a chunk of a chunked prefill): the
-    stored tokens dequantized in fp32 and the new ones, causal over the new ones
-    (:func:`foscar.reference.attend_chunk`, ``FoscarCache``'s extend path too); then the chunk is
+    stored tokens and the new ones, causal over the new ones
+    (:func:`foscar.backends.extend.extend_attention`, ``FoscarCache``'s extend path too: the
+    extend kernel on a GPU, the stored tokens dequantized in fp32 on the CPU); then the chunk is
     appended.
 
 Host and device: every host decision about the decode rows is taken once per step, in
@@ -68,9 +69,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import KVFormat, QuantizedKVCache, decode_attention
+from ..backends.extend import extend_attention
 from ..cache import DecodeStep
 from ..cache.layout import num_quantized
-from ..reference import attend_chunk
 
 __all__ = ["PagedKV", "StepRow", "window_bytes_per_request", "history_bytes_per_token"]
 
@@ -555,12 +556,10 @@ class PagedKV:
 
     def _attend_extend(self, layer, row: StepRow, q, k, v, scaling) -> torch.Tensor:
         """``q: [t, H_q, D]``, ``k, v: [t, H, D]`` of a chunk on ``row``'s stored tokens ->
-        ``[t, H_q, D]``: fp32 attention over the dequantized history and the chunk."""
+        ``[t, H_q, D]``: the extend kernel on a GPU, fp32 attention over the dequantized history and
+        the chunk on the CPU (:func:`foscar.backends.extend.extend_attention`)."""
         plan = self.cache.plan([row.request_id], layer)
-        o = attend_chunk(
-            self.cache, plan, 0, q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scaling
-        )  # [H_q, t, D]
-        return o.transpose(0, 1).to(q.dtype)
+        return extend_attention(q, k, v, self.cache, plan, 0, scaling)
 
     # ------------------------------------------------------------------ accounting
     def stored_length(self, request_id: Hashable) -> int:

@@ -1,0 +1,97 @@
+"""Compile the extend kernel (foscar.kernels.triton_extend) for sm_90a on any machine (no GPU
+needed) and print each config's registers, stack (spills) and shared memory:
+
+    python benchmarks/tools/extend_sass.py [--formats int2 int4 kivi2] [--ratio 4] [--default-only]
+
+Uses triton's bundled ptxas (as benchmarks/tools/sass_count.py). The configs are
+extend_bench.py's sweep plus the default of each format.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+sys.path.insert(0, os.path.dirname(__file__))
+from extend_bench import SWEEP, formats  # noqa: E402
+from sass_count import resources  # noqa: E402
+
+from foscar.backends.combine import has_window_program  # noqa: E402
+from foscar.backends.extend import ExtendConfig, extend_config, query_columns  # noqa: E402
+from foscar.configs import column_widths  # noqa: E402
+from foscar.kernels import triton_extend as kern  # noqa: E402
+
+POINTERS = {
+    "q_ptr": "*bf16",
+    "k_chunk_ptr": "*bf16",
+    "v_chunk_ptr": "*bf16",
+    "k_sink_ptr": "*bf16",
+    "v_sink_ptr": "*bf16",
+    "k_tail_ptr": "*bf16",
+    "v_tail_ptr": "*bf16",
+    "k_words_ptr": "*i32",
+    "v_words_ptr": "*i32",
+    "k_scales_ptr": "*fp32",
+    "v_scales_ptr": "*fp32",
+    "o_ptr": "*bf16",
+    "o_part_ptr": "*fp32",
+    "lse_part_ptr": "*fp32",
+}
+
+
+def compile_extend(fmt, cfg: ExtendConfig, *, head_dim=128, ratio=4, page=64, direct=True):
+    hs = query_columns(cfg, ratio)
+    _, hpk, hpv = column_widths(fmt, head_dim, hs, cfg.block_n, False)
+    consts = dict(
+        H=ratio, BLOCK_T=cfg.block_t, HS=hs, D=head_dim, PAGE=page, BLOCK_N=cfg.block_n,
+        K_BITS=fmt.key.bits, V_BITS=fmt.value.bits, K_CHANNEL=fmt.key.axis.value == "channel",
+        V_CHANNEL=fmt.value.axis.value == "channel", K_GROUP=fmt.key.group_size,
+        V_GROUP=fmt.value.group_size, SINK=fmt.sink_tokens, TAIL=fmt.tail_capacity,
+        HAS_WINDOWS=has_window_program(fmt), BLOCK_W=cfg.block_window, HPK=hpk, HPV=hpv,
+        DIRECT=direct, ROUND_OUT=True, INTERP=False, TILE_ACC=cfg.tile_acc,
+    )  # fmt: skip
+    sig, attrs = {}, {}
+    for i, name in enumerate(kern.extend_kernel.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = POINTERS.get(name, "*i32")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in ("qk_scale", "zero"):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+            if name.startswith("stride_") and not name.startswith("stride_lp"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = triton.compiler.ASTSource(
+        fn=kern.extend_kernel, signature=sig, constexprs=consts, attrs=attrs
+    )
+    options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--formats", nargs="+", default=["int2", "int4", "kivi2"])
+    p.add_argument("--ratio", type=int, default=4, help="query heads per KV head (4)")
+    p.add_argument("--default-only", action="store_true", help="extend_config's config only")
+    args = p.parse_args(argv)
+    failed = 0
+    for name in args.formats:
+        fmt = formats()[name]
+        cfgs = [extend_config(fmt, 128, args.ratio), *([] if args.default_only else SWEEP)]
+        for cfg in dict.fromkeys(cfgs):
+            try:
+                print(f"{name} {cfg}: {resources(compile_extend(fmt, cfg, ratio=args.ratio))}")
+            except Exception as exc:
+                failed += 1
+                print(f"{name} {cfg}: FAILED {type(exc).__name__}: {str(exc)[:2000]}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

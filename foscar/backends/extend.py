@@ -1,0 +1,338 @@
+"""Extend attention: a chunk of new tokens of one request (a chunked prefill's later chunk)
+attending to the request's stored tokens and, causally, to itself.
+
+:func:`extend_attention` is the one entry both callers use (``FoscarCache``'s extend path and the
+serving core): on a GPU it launches the Triton extend kernel (foscar.kernels.triton_extend) over
+the quantized pages, the BF16 windows and the chunk's own BF16 keys and values; on the CPU it
+keeps the torch path (:func:`foscar.reference.attend_chunk`: the history dequantized, then SDPA).
+On both paths a layer's OSCAR rotations are applied to the query, the chunk's keys and values and
+the output (``q R_K``, ``k R_K``, ``v R_V``, ``o R_V^T``; per chunk token, not per token of the
+history), and the pages are read as stored.
+
+Shapes: ``T`` chunk tokens, ``H_q`` query heads, ``H`` KV heads (query head ``h`` reads KV head
+``h // (H_q / H)``), ``D`` head_dim. Launches use keyword arguments only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .. import triton_runtime
+from ..cache import DecodeBatch, QuantizedKVCache
+from ..configs import column_widths
+from ..reference import attend_chunk
+from . import triton as triton_backend
+from .combine import MAGIC_BF16X2, has_window_program, merge_partials, num_sms
+
+__all__ = ["ExtendConfig", "extend_config", "extend_attention", "extend_splits"]
+
+EXTEND_PATHS = ("auto", "triton", "torch")
+
+
+@dataclass(frozen=True)
+class ExtendConfig:
+    """Launch knobs of the extend kernel (not yet tuned on a GPU: ``run_device.sh extend``
+    measures them beside FlashInfer's BF16 prefill)."""
+
+    block_t: int = 4  # chunk tokens per program (query columns: block_t x query heads per KV head)
+    block_n: int = 64  # tokens per tile of the quantized history
+    block_window: int = 32  # tokens per tile of the BF16 sink/tail and of the chunk
+    num_warps: int = 4
+    num_stages: int = 2
+    tile_acc: bool = True  # token-wise V: fresh PV accumulator per tile (triton_decode Note)
+
+
+def extend_config(fmt, head_dim: int, heads_per_kv: int) -> ExtendConfig:
+    """The config for a layer format and a GQA ratio: about 32 query columns per program, and
+    32-token history tiles for token-wise K of 4+ channel groups, as decode (their larger tiles
+    faulted on the H200; foscar.configs.triton_decode_config)."""
+    block_t = max(1, 32 // heads_per_kv)
+    block_n = 64
+    if fmt.key.axis.value == "token" and head_dim // fmt.key.group_size >= 4:
+        block_n = 32
+    return ExtendConfig(block_t=block_t, block_n=block_n)
+
+
+def query_columns(cfg: ExtendConfig, heads_per_kv: int) -> int:
+    """Query columns HS of a program: ``block_t x heads_per_kv`` padded to a power of two >= 16."""
+    return max(16, 1 << (cfg.block_t * heads_per_kv - 1).bit_length())
+
+
+def extend_splits(num_tokens: int, num_kv_heads: int, history: int, cfg: ExtendConfig, sms: int):
+    """History splits: one while the chunk's programs fill the device; else enough to fill it,
+    each split at least two history tiles."""
+    programs = math.ceil(num_tokens / cfg.block_t) * num_kv_heads
+    if programs >= sms:
+        return 1
+    tiles = math.ceil(history / cfg.block_n)
+    return max(1, min(math.ceil(sms / programs), tiles // 2))
+
+
+def _check(q_chunk, k_chunk, v_chunk, cache, batch, row, out, new_mask) -> None:
+    """ValueError naming the first argument that is not as extend_attention documents."""
+    if q_chunk.dim() != 3 or q_chunk.shape[2] != cache.head_dim:
+        raise ValueError(
+            f"q_chunk must be [T, H_q, head_dim={cache.head_dim}], got {list(q_chunk.shape)}"
+        )
+    t, num_q_heads, d = q_chunk.shape
+    if num_q_heads % cache.num_kv_heads:
+        raise ValueError(
+            f"q_chunk's heads ({num_q_heads}) must be a multiple of num_kv_heads "
+            f"({cache.num_kv_heads})"
+        )
+    for name, x in (("k_chunk", k_chunk), ("v_chunk", v_chunk)):
+        if tuple(x.shape) != (t, cache.num_kv_heads, d):
+            raise ValueError(
+                f"{name} must be [T={t}, H={cache.num_kv_heads}, D={d}], got {list(x.shape)}"
+            )
+    if not 0 <= row < len(batch.seq_ids):
+        last = len(batch.seq_ids) - 1
+        raise ValueError(f"row must name a planned sequence (0..{last}), got {row}")
+    if out is not None and (tuple(out.shape) != tuple(q_chunk.shape) or out.stride(-1) != 1):
+        raise ValueError(f"out must be [T, H_q, D] = {list(q_chunk.shape)} with unit stride in D")
+    if new_mask is not None and (new_mask.dtype != torch.bool or tuple(new_mask.shape) != (t,)):
+        raise ValueError(
+            f"new_mask must be bool [T={t}], got {new_mask.dtype} {list(new_mask.shape)}"
+        )
+
+
+def extend_attention(
+    q_chunk: torch.Tensor,
+    k_chunk: torch.Tensor,
+    v_chunk: torch.Tensor,
+    cache: QuantizedKVCache,
+    batch: DecodeBatch,
+    row: int,
+    sm_scale: float | None = None,
+    *,
+    new_mask: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    path: str = "auto",
+    config: ExtendConfig | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention of a chunk of new tokens of sequence ``batch.seq_ids[row]`` over its stored
+    tokens in layer ``batch.layer`` and, bottom-right causal, over the chunk itself (the chunk
+    is appended to the cache by the caller, after this call).
+
+    Parameters
+    ----------
+    q_chunk : [T, H_q, D] the chunk's queries (model coordinates; any strides, unit in D).
+    k_chunk, v_chunk : [T, H, D] the chunk's keys and values (model coordinates).
+    cache, batch, row : the cache, a plan of it naming the layer, the sequence's row in it.
+    sm_scale : softmax scale (default ``1 / sqrt(D)``).
+    new_mask : bool [T], the chunk's real tokens (None: all); the others are neither keys nor
+        computed (their output rows are zero on the kernel path).
+    out : [T, H_q, D] output buffer (q's dtype); allocated when None.
+    path : ``"auto"`` (the kernel on a GPU, torch on the CPU), ``"triton"`` (the kernel; on the
+        CPU through the Triton interpreter) or ``"torch"``.
+    config, num_splits : kernel launch knobs (:func:`extend_config`, :func:`extend_splits`).
+
+    Returns
+    -------
+    [T, H_q, D] in q's dtype (``out`` when given).
+
+    Example
+    -------
+    >>> plan = cache.plan([seq], layer)
+    >>> o = extend_attention(q, k, v, cache, plan, 0)  # then cache.append([seq], k, v, [T])
+    """
+    if path not in EXTEND_PATHS:
+        raise ValueError(f"path must be one of {EXTEND_PATHS}, got {path!r}")
+    _check(q_chunk, k_chunk, v_chunk, cache, batch, row, out, new_mask)
+    sm_scale = 1.0 / math.sqrt(cache.head_dim) if sm_scale is None else sm_scale
+    use_kernel = path == "triton" or (path == "auto" and q_chunk.is_cuda)
+    if use_kernel:
+        reason = kernel_reason(q_chunk, cache)
+        if reason is not None and path == "triton":
+            raise ValueError(f"path='triton': {reason}")
+        use_kernel = reason is None
+    if not use_kernel:
+        o = _torch_path(q_chunk, k_chunk, v_chunk, cache, batch, row, sm_scale, new_mask)
+        if out is None:
+            return o
+        out.copy_(o)
+        return out
+    if out is None:
+        out = torch.empty_like(q_chunk)
+    if new_mask is not None and not bool(new_mask.all()):
+        keep = new_mask.nonzero().squeeze(1)
+        out.zero_()
+        o = _kernel(q_chunk[keep], k_chunk[keep], v_chunk[keep], cache, batch, row, sm_scale,
+                    None, config, num_splits)  # fmt: skip
+        out[keep] = o
+        return out
+    return _kernel(q_chunk, k_chunk, v_chunk, cache, batch, row, sm_scale, out, config, num_splits)
+
+
+def _torch_path(q, k, v, cache, batch, row, sm_scale, new_mask) -> torch.Tensor:
+    """:func:`foscar.reference.attend_chunk` over the history as stored: a layer's OSCAR
+    rotations go on the query, the chunk and the output (fp32), not undone over the history."""
+    tr = cache.transforms[batch.layer]
+    dtype = q.dtype
+    if tr.key_rotation is not None:
+        q, k = tr.rotate(q, "key"), tr.rotate(k, "key")
+    if tr.value_rotation is not None:
+        v = tr.rotate(v, "value")
+    o = attend_chunk(
+        cache, batch, row, q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), sm_scale,
+        new_mask, stored=True,
+    ).transpose(0, 1)  # fmt: skip
+    if tr.value_rotation is not None:
+        o = tr.rotate(o, "value", inverse=True)
+    return o.to(dtype)
+
+
+def kernel_reason(q_chunk: torch.Tensor, cache: QuantizedKVCache) -> str | None:
+    """None if the extend kernel can run ``q_chunk`` on ``cache`` here, else why not."""
+    if not triton_runtime.available(q_chunk.device, "triton_extend"):
+        return (
+            "the extend kernel needs Triton on CUDA (or the interpreter), q is on "
+            f"{q_chunk.device}"
+        )
+    return triton_backend.supports(cache, q_chunk.shape[1])
+
+
+def _kernel(q, k, v, cache, batch, row, sm_scale, out, config, num_splits) -> torch.Tensor:
+    """The rotations, the kernel and (several splits) the merge; returns ``[T, H_q, D]``."""
+    cache.check_plan(batch)
+    tr = cache.transforms[batch.layer]
+    dtype = q.dtype
+    if tr.key_rotation is not None:
+        q = tr.rotate(q, "key")
+        k = tr.rotate(k, "key")
+    if tr.value_rotation is not None:
+        v = tr.rotate(v, "value")
+    interp = triton_runtime.interpreting()
+    operand = torch.float32 if interp else cache.window_dtype
+    q = q.to(torch.float32 if interp else torch.bfloat16)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    # the chunk's keys and values as the windows would store them (rounded to the window dtype)
+    k = k.to(cache.window_dtype).to(operand).contiguous()
+    v = v.to(cache.window_dtype).to(operand).contiguous()
+    rotated_out = tr.value_rotation is not None
+    target = None if rotated_out else out
+    o = launch_extend(q, k, v, cache, batch, row, sm_scale, target, config, num_splits, dtype)
+    if rotated_out:
+        o = tr.rotate(o, "value", inverse=True).to(dtype)
+        if out is None:
+            return o
+        out.copy_(o)
+        return out
+    return o
+
+
+def launch_extend(
+    q, k, v, cache, batch, row, sm_scale, out=None, config=None, num_splits=None, dtype=None
+) -> torch.Tensor:
+    """The extend kernel on the stored coordinates: ``q: [T, H_q, D]``, ``k, v: [T, H, D]``
+    contiguous (bf16 on a GPU) -> ``out: [T, H_q, D]`` (``dtype``, default q's)."""
+    kern = triton_runtime.kernel_module("triton_extend")
+    t, num_q_heads, d = q.shape
+    ratio = num_q_heads // cache.num_kv_heads
+    fmt = cache.layer_format(batch.layer)
+    cfg = config or extend_config(fmt, d, ratio)
+    hs = query_columns(cfg, ratio)
+    # the product widths of decode's tile at HS query columns
+    _, hpk, hpv = column_widths(fmt, d, hs, cfg.block_n, False)
+    if num_splits is None:
+        sms = num_sms(q.device.index or 0) if q.is_cuda else 4
+        num_splits = extend_splits(t, cache.num_kv_heads, batch.num_quantized_host[row], cfg, sms)
+    if out is None:
+        out = torch.empty(q.shape, dtype=dtype or q.dtype, device=q.device)
+    direct = num_splits == 1
+    if direct:
+        o_part = lse_part = out  # unused
+        part_strides = (0,) * 6
+    else:
+        # the merge's layout (foscar.backends.combine): splits after the heads
+        o_part = torch.empty(t, num_q_heads, num_splits, d, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(t, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
+        part_strides = (o_part.stride(2), o_part.stride(0), o_part.stride(1), lse_part.stride(2),
+                        lse_part.stride(0), lse_part.stride(1))  # fmt: skip
+    st = cache.layers[batch.layer]
+    with triton_runtime.on_device(q.device):
+        triton_runtime.launch(
+            kern.extend_kernel,
+            (math.ceil(t / cfg.block_t), cache.num_kv_heads, num_splits),
+            q_ptr=q,
+            k_chunk_ptr=k,
+            v_chunk_ptr=v,
+            k_words_ptr=st.k_words,
+            k_scales_ptr=st.k_scales,
+            v_words_ptr=st.v_words,
+            v_scales_ptr=st.v_scales,
+            k_sink_ptr=st.k_sink,
+            v_sink_ptr=st.v_sink,
+            k_tail_ptr=st.k_tail,
+            v_tail_ptr=st.v_tail,
+            kv_indptr_ptr=batch.kv_indptr,
+            kv_indices_ptr=batch.kv_indices,
+            num_quantized_ptr=batch.num_quantized,
+            seq_lens_ptr=batch.seq_lens,
+            slots_ptr=batch.slots,
+            o_ptr=out,
+            o_part_ptr=o_part,
+            lse_part_ptr=lse_part,
+            row=row,
+            num_tokens=t,
+            qk_scale=sm_scale * 1.4426950408889634,
+            magic=MAGIC_BF16X2,
+            zero=0.0,
+            num_splits=num_splits,
+            stride_q_t=q.stride(0),
+            stride_q_h=q.stride(1),
+            stride_kc_t=k.stride(0),
+            stride_kc_h=k.stride(1),
+            stride_kw_page=st.k_words.stride(0),
+            stride_kw_head=st.k_words.stride(1),
+            stride_ks_page=st.k_scales.stride(0),
+            stride_ks_head=st.k_scales.stride(1),
+            stride_vw_page=st.v_words.stride(0),
+            stride_vw_head=st.v_words.stride(1),
+            stride_vs_page=st.v_scales.stride(0),
+            stride_vs_head=st.v_scales.stride(1),
+            stride_sink_slot=st.k_sink.stride(0),
+            stride_sink_head=st.k_sink.stride(1),
+            stride_tail_slot=st.k_tail.stride(0),
+            stride_tail_head=st.k_tail.stride(1),
+            stride_o_t=out.stride(0),
+            stride_o_h=out.stride(1),
+            stride_op_split=part_strides[0],
+            stride_op_t=part_strides[1],
+            stride_op_h=part_strides[2],
+            stride_lp_split=part_strides[3],
+            stride_lp_t=part_strides[4],
+            stride_lp_h=part_strides[5],
+            H=ratio,
+            BLOCK_T=cfg.block_t,
+            HS=hs,
+            D=d,
+            PAGE=cache.page_size,
+            BLOCK_N=cfg.block_n,
+            K_BITS=fmt.key.bits,
+            V_BITS=fmt.value.bits,
+            K_CHANNEL=fmt.key.axis.value == "channel",
+            V_CHANNEL=fmt.value.axis.value == "channel",
+            K_GROUP=fmt.key.group_size,
+            V_GROUP=fmt.value.group_size,
+            SINK=fmt.sink_tokens,
+            TAIL=fmt.tail_capacity,
+            HAS_WINDOWS=has_window_program(fmt),
+            BLOCK_W=cfg.block_window,
+            HPK=hpk,
+            HPV=hpv,
+            DIRECT=direct,
+            ROUND_OUT=out.dtype == torch.bfloat16,
+            INTERP=triton_runtime.interpreting(),
+            TILE_ACC=cfg.tile_acc,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+        if not direct:
+            merge_partials(o_part, lse_part, out)
+    return out
