@@ -29,6 +29,9 @@
 #   repeat         the Gluon kernel's configs called 20 times each (every axis pair): the
 #                  difference between calls and CTAs per SM (benchmarks/tools/repeat_check.py),
 #                  then synccheck and racecheck -> repeat_check.log, repeat_*.json, repeat_sanitize.log
+#   sass           benchmarks/tools/sass_identity.py REF [REF ...] on every core (no GPU used):
+#                  the SASS of every shipped kernel config at each REF (a git ref, WORKTREE,
+#                  or a folder holding foscar/; default HEAD WORKTREE)  -> sass_identity.txt
 #
 # (.* = .md, .json and .png.)
 #
@@ -48,12 +51,12 @@ mode=$1
 shift
 case "$mode" in
   smoke | tests | sanitize | grid | axes | grid-d64 | e4m3-accuracy | e2e | serve | serve-qwen3 | \
-    serve-smollm2 | eval | eval-e4m3 | tune | repeat) ;;
+    serve-smollm2 | eval | eval-e4m3 | tune | repeat | sass) ;;
   -h | --help) usage ;;
   *)
     echo "run_device.sh: unknown mode '$mode' (expected smoke, tests, sanitize, grid, axes," \
-      "grid-d64, e4m3-accuracy, e2e, serve, serve-qwen3, serve-smollm2, eval, eval-e4m3, tune" \
-      "or repeat)" >&2
+      "grid-d64, e4m3-accuracy, e2e, serve, serve-qwen3, serve-smollm2, eval, eval-e4m3, tune," \
+      "repeat or sass)" >&2
     exit 2
     ;;
 esac
@@ -362,6 +365,11 @@ EOF
       --metrics ppl needle --ppl-prefixes 4096 8192 --ppl-windows 4096:32x60 8192:32x60 \
       --needle-lengths 2048 4096 8192 --needle-depths $(seq 0.05 0.1 0.95) --out "$OUT" \
       --name eval_e4m3 "$@"
+    status=$?
+    ;;
+  sass)
+    logged sass_identity.log python3 benchmarks/tools/sass_identity.py "$@" --jobs "$(nproc)" \
+      --out "$OUT/sass_identity.txt"
     status=$?
     ;;
   tune)

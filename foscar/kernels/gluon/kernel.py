@@ -39,8 +39,9 @@ natural-log LSE itself; otherwise the Triton ``merge_splits_kernel`` merges the 
 programmatic dependent launch that this kernel's CTAs signal after storing them
 (GluonFlag.MERGE_PDL).
 
-``CFG``, the compile-time tuple every partition takes: (SPC, HS, K_BITS, V_BITS, V_CHANNEL,
-OPT, K_CHANNEL, HD, TP, H, PS); ``OPT`` holds the config's GluonFlag bits.
+``CFG``, the compile-time configuration every partition takes, read by field name
+(foscar.kernels.gluon.layouts.TileConfig: SPC, HS, K_BITS, V_BITS, V_CHANNEL, OPT, K_CHANNEL,
+HD, TP, H, PS); ``CFG.OPT`` holds the config's GluonFlag bits.
 
 Supported: INT2/INT4 K and V, each token-wise (g = D) or channel-wise (groups of 128 tokens = 2
 pages) at D = 128, token-wise at D = 64; cache pages of 64 tokens, or 16-256 for token-wise K
@@ -70,6 +71,7 @@ from .layouts import (
     plain_shared_layout,
     q_in_consumers,
     scaled_extraction,
+    tile_config,
 )
 from .operands import e4m3_key_channel, pow4, scaled_exponent_k, scaled_exponent_v
 from .tiles import step, swap_halves
@@ -105,11 +107,11 @@ def _consume(C: gl.constexpr, ring, q_args, op_bufs, split, qk_scale, magic, CFG
     q_args: (q_ptr, stride_q_b, stride_q_h) for _stage_q (GluonFlag.Q_IN_CONSUMERS); split:
     (seq_ptrs, num_splits) for _split_span; op_bufs: (P'^T per page, channel-wise K's Q' and zq,
     Q^T and its per-head factor) buffers of both consumers; CFG: see the kernel."""
-    TP: gl.constexpr = CFG[8]
-    HS: gl.constexpr = CFG[1]
-    OPT: gl.constexpr = CFG[5]
-    K_CHANNEL: gl.constexpr = CFG[6]
-    HD: gl.constexpr = CFG[7]
+    TP: gl.constexpr = CFG.TP
+    HS: gl.constexpr = CFG.HS
+    OPT: gl.constexpr = CFG.OPT
+    K_CHANNEL: gl.constexpr = CFG.K_CHANNEL
+    HD: gl.constexpr = CFG.HD
     acc_l: gl.constexpr = acc_layout(HS)
     p_bufs, kq_bufs, zq_bufs, qt_bufs, hf_bufs = op_bufs
     QC: gl.constexpr = q_in_consumers(OPT)
@@ -125,8 +127,8 @@ def _consume(C: gl.constexpr, ring, q_args, op_bufs, split, qk_scale, magic, CFG
         gl.thread_barrier()
     t_begin, t_full, t_end, n_q, _ = _split_span(*split, TP)
     E4M3: gl.constexpr = e4m3_operands(OPT)
-    SCALED_K: gl.constexpr = scaled_extraction(OPT, CFG[2], HD) and not K_CHANNEL
-    SCALED_V: gl.constexpr = scaled_extraction(OPT, CFG[3], HD) and not CFG[4]
+    SCALED_K: gl.constexpr = scaled_extraction(OPT, CFG.K_BITS, HD) and not K_CHANNEL
+    SCALED_V: gl.constexpr = scaled_extraction(OPT, CFG.V_BITS, HD) and not CFG.V_CHANNEL
     ql: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
     qf = qt_smem.load(ql).to(gl.float32)  # Q, or Q~ = Q 4^-a with the scaled extraction
     if PACKED:  # column c of the score tile: head c % (HS / 2), from qa or qb
@@ -176,7 +178,7 @@ def _consume(C: gl.constexpr, ring, q_args, op_bufs, split, qk_scale, magic, CFG
             vfac = 2.0 * pow4((c // 8) % 2, True)
         else:
             vfac = gl.full([HD], 2.0, gl.float32, gl.SliceLayout(1, acc_l))
-        C_MID: gl.constexpr = ((1 << CFG[3]) - 1) / 2
+        C_MID: gl.constexpr = ((1 << CFG.V_BITS) - 1) / 2
         offset = gl.sum(z_i, axis=0) - (C_MID / 256) * gl.sum(zp_i, axis=0)
         num = acc * vfac[:, None] + offset[None, :]
     elif SCALED_V:  # acc holds sum_n P' y~, y~ = 128 + 4^a q: O = acc 4^-a + 128 (1 - 4^-a) sum P'
@@ -216,12 +218,12 @@ def _stage_q(q_ptr, stride_q_b, stride_q_h, qt_smem, hf_smem, CFG: gl.constexpr,
     compute-sanitizer memcheck). Packed heads (GluonFlag.PACKED_HEADS): row c holds head
     c % (HS / 2), in ``qt_smem`` for the first HS / 2 rows (page a's columns) and in ``qb_smem``
     for the rest, the other rows zero; ``hf_smem`` per row."""
-    HS: gl.constexpr = CFG[1]
-    K_BITS: gl.constexpr = CFG[2]
-    OPT: gl.constexpr = CFG[5]
-    K_CHANNEL: gl.constexpr = CFG[6]
-    HD: gl.constexpr = CFG[7]
-    H: gl.constexpr = CFG[9]
+    HS: gl.constexpr = CFG.HS
+    K_BITS: gl.constexpr = CFG.K_BITS
+    OPT: gl.constexpr = CFG.OPT
+    K_CHANNEL: gl.constexpr = CFG.K_CHANNEL
+    HD: gl.constexpr = CFG.HD
+    H: gl.constexpr = CFG.H
     b = gl.program_id(0)
     kvh = gl.program_id(1)
     ql: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
@@ -319,17 +321,17 @@ def _store_heads(o, o_base, stride_o_h, H: gl.constexpr, HS: gl.constexpr):
 @gluon.jit
 def _producer(descs, ring, kv_indices_ptr, split, CFG: gl.constexpr):
     kw_desc, ks_desc, vw_desc, vs_desc = descs
-    TP: gl.constexpr = CFG[8]
-    PS: gl.constexpr = CFG[10]
+    TP: gl.constexpr = CFG.TP
+    PS: gl.constexpr = CFG.PS
     if PS != UNIT:
         _producer_units(descs, ring, kv_indices_ptr, split, CFG)
         return
     t_begin, _, t_end, n_q, page_base = _split_span(*split, TP)
     kvh = gl.program_id(1)
     kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty = ring
-    SPC: gl.constexpr = CFG[0]
-    V_CHANNEL: gl.constexpr = CFG[4]
-    K_CHANNEL: gl.constexpr = CFG[6]
+    SPC: gl.constexpr = CFG.SPC
+    V_CHANNEL: gl.constexpr = CFG.V_CHANNEL
+    K_CHANNEL: gl.constexpr = CFG.K_CHANNEL
     # a stage: TP pages of words, and TP scale chunks of each role (one-page tiles of a
     # channel-wise role take both chunks of the page's 2-page group)
     nbytes: gl.constexpr = (
@@ -411,10 +413,12 @@ def _producer_units(descs, ring, kv_indices_ptr, split, CFG: gl.constexpr):
     before the wait for its stage. Units and pages past the history repeat the last one (the
     consumers mask those rows)."""
     kw_desc, ks_desc, vw_desc, vs_desc = descs
-    TP: gl.constexpr = CFG[8]
-    PS: gl.constexpr = CFG[10]
-    SPC: gl.constexpr = CFG[0]
-    gl.static_assert(not (CFG[4] or CFG[6]), "page sizes other than 64: token-wise K and V")
+    TP: gl.constexpr = CFG.TP
+    PS: gl.constexpr = CFG.PS
+    SPC: gl.constexpr = CFG.SPC
+    gl.static_assert(
+        not (CFG.V_CHANNEL or CFG.K_CHANNEL), "page sizes other than 64: token-wise K and V"
+    )
     t_begin, _, t_end, n_q, page_base = _split_span(*split, TP)
     kvh = gl.program_id(1)
     kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty = ring
@@ -570,7 +574,9 @@ def gluon_decode_split_kernel(
         gl.NVMMASharedLayout.get_default_for([HS, HD], op_dtype),
     )
     hf_bufs = gl.allocate_shared_memory(gl.float32, [2 * HS], plain_shared_layout(1))
-    CFG: gl.constexpr = (SPC, HS, K_BITS, V_BITS, V_CHANNEL, OPT, K_CHANNEL, HD, TP, H, PS)
+    CFG: gl.constexpr = tile_config(
+        SPC, HS, K_BITS, V_BITS, V_CHANNEL, OPT, K_CHANNEL, HD, TP, H, PS
+    )
     q_args = (q_ptr, stride_q_b, stride_q_h)
     if not q_in_consumers(OPT):
         _stage_q(*q_args, qt_bufs.index(0), hf_bufs.slice(0, HS), CFG)
