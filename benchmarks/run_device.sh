@@ -12,7 +12,8 @@
 #   axes           the four K/V axis pairs at B in {1, 8}, L in {32K, 128K} -> decode_axes.*
 #   grid-d64       the 13-point grid at head_dim 64              -> decode_grid_d64.*
 #                  (the three grids on an H100: decode_grid_h100.*, decode_axes_h100.*, ...)
-#   e4m3-accuracy  the Gluon kernel's E4M3 operands against bf16 -> e4m3_accuracy.md
+#   e4m3-accuracy  the Gluon kernel's E4M3 operands against bf16, and on the tests' adversarial
+#                  inputs against fp64, the torch emulation and the bound -> e4m3_accuracy.md
 #   e2e            foscar bench --e2e: Qwen3-8B shapes, 32K and 100K prompts -> e2e_qwen3_8b.*
 #   serve          foscar bench --serve on a random Llama (head_dim 128): the engine's BF16 paged
 #                  cache beside foscar INT4 and INT2 in the same memory -> serve_bench.*
@@ -54,6 +55,9 @@
 #   repeat         the Gluon kernel's configs called 20 times each (every axis pair): the
 #                  difference between calls and CTAs per SM (benchmarks/tools/repeat_check.py),
 #                  then synccheck and racecheck -> repeat_check.log, repeat_*.json, repeat_sanitize.log
+#   sass           benchmarks/tools/sass_identity.py REF [REF ...] on every core (no GPU used):
+#                  the SASS of every shipped kernel config at each REF (a git ref, WORKTREE,
+#                  or a folder holding foscar/; default HEAD WORKTREE)  -> sass_identity.txt
 #
 # (.* = .md, .json and .png.)
 #
@@ -74,13 +78,13 @@ shift
 case "$mode" in
   smoke | tests | sanitize | grid | axes | grid-d64 | e4m3-accuracy | e2e | serve | serve-qwen3 | \
     serve-decode | serve-trace | serve-profile | serve-smollm2 | serve-http | eval | eval-e4m3 | \
-    tune | repeat | extend-tests | extend) ;;
+    tune | repeat | extend-tests | extend | sass | host-time) ;;
   -h | --help) usage ;;
   *)
     echo "run_device.sh: unknown mode '$mode' (expected smoke, tests, sanitize, grid, axes," \
       "grid-d64, e4m3-accuracy, e2e, serve, serve-qwen3, serve-decode, serve-trace," \
-      "serve-profile, serve-smollm2, serve-http, eval, eval-e4m3, tune, repeat, extend-tests" \
-      "or extend)" >&2
+      "serve-profile, serve-smollm2, serve-http, eval, eval-e4m3, tune, repeat, extend-tests," \
+      "extend, sass or host-time)" >&2
     exit 2
     ;;
 esac
@@ -449,6 +453,11 @@ EOF
       --metrics ppl needle --ppl-prefixes 4096 8192 --ppl-windows 4096:32x60 8192:32x60 \
       --needle-lengths 2048 4096 8192 --needle-depths $(seq 0.05 0.1 0.95) --out "$OUT" \
       --name eval_e4m3 "$@"
+    status=$?
+    ;;
+  sass)
+    logged sass_identity.log python3 benchmarks/tools/sass_identity.py "$@" --jobs "$(nproc)" \
+      --out "$OUT/sass_identity.txt"
     status=$?
     ;;
   tune)

@@ -150,3 +150,203 @@ def check_against_reference(o, lse, q, cache, batch, *, sm_scale=None):
         # the logits carry bf16-level error (Q*s' rounds for channel-wise K)
         assert float((lse.double() - ref_lse).abs().max()) <= 2e-2
     return err, bar
+
+
+# ---------------------------------------------------------------------------- E4M3 adversarial
+#: E4M3's unit roundoff (3 mantissa bits, round to nearest) and the smallest normal / subnormal
+E4M3_U = 2.0**-4
+#: the inputs of the E4M3 accuracy tests: (name, what it stresses)
+E4M3_ADVERSARIAL = {
+    "gaussian": "zero-mean Gaussian Q, K, V (the tests' spreads)",
+    "peaky": "Q 30x: logits spread over ~100 nats, one token per head takes the softmax",
+    "flat": "Q 1e-3x: a flat softmax, Q's values 3 decades below the Gaussian's",
+    "keys 100x": "K 100x the Gaussian's: large logits from the keys' side",
+    "key offsets": "each key row offset by 20 N(0, 1): rows far from zero-mean",
+    "key outlier": "key channel 3 offset by 50 in every token",
+    "value decades": "value rows scaled by exp(3 N(0, 1)): s'_V over ~5 decades",
+    "sink": "token 0 takes as much softmax mass as the flat tail of all the others, whose "
+    "values share a mean",
+}
+
+
+def e4m3_adversarial_cache(
+    kind,
+    bits,
+    *,
+    clip_v=False,
+    windows=False,
+    page_size=64,
+    ratio=4,
+    length=2000,
+    num_kv_heads=2,
+    device="cpu",
+    seed=0,
+):
+    """(cache, batch, q) of one sequence for an E4M3_ADVERSARIAL ``kind``: token-wise INT``bits``
+    K and V (g = 128, head_dim 128), V clipped at the 0.9 percentile if ``clip_v``, BF16 sink
+    and recent windows of 64 / 256 tokens if ``windows``."""
+    from foscar import QuantFormat
+
+    if kind not in E4M3_ADVERSARIAL:
+        raise ValueError(f"kind must be one of {sorted(E4M3_ADVERSARIAL)}, got {kind!r}")
+    g = torch.Generator().manual_seed(seed)
+    h, d, n = num_kv_heads, 128, length
+    fmt = KVFormat(
+        QuantFormat(bits, "token", 128),
+        QuantFormat(bits, "token", 128, clip=0.9 if clip_v else None),
+        sink_tokens=64 if windows else 0,
+        recent_tokens=256 if windows else 0,
+    )
+    spread = torch.linspace(0.3, 2.0, d)
+    k = torch.randn(n, h, d, generator=g) * spread
+    v = torch.randn(n, h, d, generator=g) * spread.flip(0)
+    q = torch.randn(1, h * ratio, d, generator=g)
+    if kind == "peaky":
+        q = q * 30
+    elif kind == "flat":
+        q = q * 1e-3
+    elif kind == "keys 100x":
+        k = k * 100
+    elif kind == "key offsets":
+        k = k + 20 * torch.randn(n, h, 1, generator=g)
+    elif kind == "key outlier":
+        k[..., 3] += 50
+    elif kind == "value decades":
+        v = v * torch.exp(3 * torch.randn(n, h, 1, generator=g))
+    elif kind == "sink":
+        q = q[:, ::ratio].repeat_interleave(ratio, dim=1)  # one query per KV head
+        qh = q[0, ::ratio]  # [h, d]
+        k[1:] *= 0.01
+        # logit log(n) above the tail's (~0): P of the sink = the tail's sum
+        k[0] = qh / qh.norm(dim=-1, keepdim=True) ** 2 * math.log(n) * math.sqrt(d)
+        v[1:] += torch.randn(1, h, d, generator=g)
+    cache = QuantizedKVCache(
+        fmt,
+        num_kv_heads=h,
+        head_dim=d,
+        num_pages=math.ceil(n / page_size) + 2,
+        max_seqs=1,
+        page_size=page_size,
+        device=device,
+    )
+    ids = [cache.add_sequence()]
+    cache.append(ids, k.to(device), v.to(device), [n])
+    return cache, cache.plan(ids), q.to(device, torch.bfloat16)
+
+
+def token_history(cache, batch, i, name):
+    """Codes [H, n, D] (natural channel order) and the folded (s', z') [H, n] of sequence i's
+    quantized history, role ``name``: token-wise groups of head_dim (the E4M3 path's formats)."""
+    from foscar.formats import unpack_codes
+
+    st = cache.layers[batch.layer]
+    f = cache.role_format(batch.layer, name)
+    if f.group_size != cache.head_dim or f.axis.value != "token":
+        raise ValueError(f"token-wise groups of head_dim only, got {f.short()}")
+    lq = batch.num_quantized_host[i]
+    ps = batch.page_size
+    start = int(batch.kv_indptr[i])
+    pages = batch.kv_indices[start : int(batch.kv_indptr[i + 1])].long()
+    t = torch.arange(lq, device=pages.device)
+    words = getattr(st, f"{name}_words")[pages[t // ps], :, t % ps]  # [n, H, W]
+    mapping = cache.layer_format(batch.layer).mapping
+    codes = unpack_codes(words, f.bits, mapping, cache.channel_order(name, batch.layer))
+    sz = getattr(st, f"{name}_scales")[pages[t // ps], :, t % ps]  # [n, H, 2]
+    return codes.transpose(0, 1), sz[..., 0].transpose(0, 1), sz[..., 1].transpose(0, 1)
+
+
+def _windows_of(cache, batch, i, k, v):
+    """Sequence i's BF16 window tokens (sink, then recent) of its dequantized k, v [H, L, D]."""
+    fmt = cache.layer_format(batch.layer)
+    lq = batch.num_quantized_host[i]
+    sink = fmt.sink_tokens if lq else 0  # (no history: every token is a window's)
+    idx = torch.cat([torch.arange(sink), torch.arange(sink + lq, k.shape[1])])
+    return k[:, idx], v[:, idx]
+
+
+def e4m3_emulated_attention(q, cache, batch, sm_scale, **options):
+    """foscar.kernels.e4m3_emulation over every sequence and KV head, its BF16 windows (the
+    Triton window program's partial) in fp64, merged by the LSEs: o [B, Hq, D] float64."""
+    from foscar.kernels.e4m3_emulation import emulate_head
+
+    h = cache.num_kv_heads
+    ratio = q.shape[1] // h
+    v_bits = cache.role_format(batch.layer, "v").bits
+    outs = []
+    for i in range(batch.batch_size):
+        k_all, v_all = (x.cpu() for x in dequantize_sequence(cache, batch, i, torch.float64))
+        kw, vw = _windows_of(cache, batch, i, k_all, v_all)
+        lq = batch.num_quantized_host[i]
+        hist = (token_history(cache, batch, i, "k"), token_history(cache, batch, i, "v"))
+        heads = []
+        for j in range(h):
+            qh = q[i, j * ratio : (j + 1) * ratio].cpu().float()
+            parts = []
+            if lq:
+                kc, ks, kz = (x[j].cpu() for x in hist[0])
+                vc, vs, vz = (x[j].cpu() for x in hist[1])
+                k_hist, v_hist = (kc, ks, kz), (vc, vs, vz)
+                parts.append(
+                    emulate_head(qh, k_hist, v_hist, v_bits=v_bits, sm_scale=sm_scale, **options)
+                )
+            if kw.shape[1]:
+                s = qh.double() @ kw[j].T * sm_scale
+                parts.append((torch.softmax(s, -1) @ vw[j], torch.logsumexp(s, -1)))
+            lse = torch.stack([p[1] for p in parts])  # [parts, ratio]
+            w = torch.softmax(lse, dim=0)
+            heads.append(sum(w[p][:, None] * parts[p][0] for p in range(len(parts))))
+        outs.append(torch.cat(heads))
+    return torch.stack(outs)
+
+
+def e4m3_error_bound(q, cache, batch, sm_scale, confidence=4.0) -> float:
+    """A bound on the relative L2 error of the E4M3 path against fp64 attention over the
+    dequantized cache, from E4M3's unit roundoff u = 2^-4 (foscar.kernels.e4m3_emulation has the
+    arithmetic) in the probabilistic model of rounding errors (independent, mean zero, each
+    within its bound; Higham and Mary, SIAM J. Sci. Comput. 2019): a sum of such errors e_i
+    exceeds ``confidence`` sqrt(sum_i bound_i^2) with probability under 2 exp(-confidence^2 / 2)
+    (Hoeffding). Per head, with weights P_n over the quantized tokens and the windows':
+        Q~ = Q + dQ,  |dQ_d| <= u^2 |Q_d| + 2^-17 max|Q|   (two E4M3 terms; the smallest
+                      subnormal 2^-9 at the head's scale, max |Q| 2^sigma >= 128)
+        dO = sm_scale sum_d dQ_d G_d,  G_d = sum_n P_n x_nd (v_n - O) / sum P   (first order)
+        dP'_n <= u P'_n + 2^-18 max P', P' = P s'_V (256 P' <= 256 against the running max of
+                 S + log2 s'_V, a split's at most the largest; 2^-10 absolute below 2^-6)
+        dO += sum_n dP'_n (q_n - C) / sum P   (P' = P s', codes q, middle code C)
+    and the BF16 window tokens' P at u = 2^-8 (the Triton window program). Returns the bound's
+    L2 over heads relative to ||O||."""
+    h = cache.num_kv_heads
+    ratio = q.shape[1] // h
+    v_bits = cache.role_format(batch.layer, "v").bits
+    c_mid = ((1 << v_bits) - 1) / 2
+    lam = confidence
+    num, den = 0.0, 0.0
+    for i in range(batch.batch_size):
+        k_all, v_all = dequantize_sequence(cache, batch, i, torch.float64)
+        k_all, v_all = k_all.cpu(), v_all.cpu()
+        kw, vw = _windows_of(cache, batch, i, k_all, v_all)
+        lq = batch.num_quantized_host[i]
+        vc, vs, _ = (x.cpu().double() for x in token_history(cache, batch, i, "v"))
+        sink = cache.layer_format(batch.layer).sink_tokens if lq else 0
+        kq, vq = k_all[:, sink : sink + lq], v_all[:, sink : sink + lq]
+        codes = (vc - c_mid).norm(dim=-1)  # [H, n]
+        for j in range(h):
+            qh = q[i, j * ratio : (j + 1) * ratio].cpu().double()  # [r, D]
+            dq = E4M3_U**2 * qh.abs() + 2.0**-17 * qh.abs().amax(-1, keepdim=True)
+            s_q = qh @ kq[j].T * sm_scale  # [r, n]
+            s_w = qh @ kw[j].T * sm_scale
+            top = torch.cat([s_q, s_w], -1).amax(-1, keepdim=True)
+            p_q, p_w = torch.exp(s_q - top), torch.exp(s_w - top)
+            total = p_q.sum(-1) + p_w.sum(-1)  # [r]
+            o = (p_q @ vq[j] + p_w @ vw[j]) / total[:, None]  # [r, D]
+            # Q: G sum P [r, D (d), D (e)] over the quantized tokens (windows: the bf16 Q)
+            g = torch.einsum("rn,nd,rne->rde", p_q, kq[j], vq[j][None] - o[:, None])
+            err_q = sm_scale * (dq[:, :, None] * g).norm(dim=(1, 2))
+            pv = p_q * vs[j][None]  # P' (up to the shared scale)
+            err_p = ((E4M3_U * pv + 2.0**-18 * pv.amax(-1, keepdim=True)) * codes[j][None]).norm(
+                dim=-1
+            )
+            err_w = (2.0**-8 * p_w * vw[j].norm(dim=-1)[None]).norm(dim=-1)
+            err = lam * (err_q + err_p + err_w) / total  # (g, err_p, err_w: times sum P)
+            num += float((err**2).sum())
+            den += float((o**2).sum())
+    return math.sqrt(num / den)

@@ -5,10 +5,13 @@ cuobjdump; no GPU needed) from each version's ``foscar`` package, hashes each ke
 the instruction addresses stripped, and compares the versions config by config:
 
     python benchmarks/tools/sass_identity.py REF [REF ...] [--out FILE] [--only KINDS] [-k TEXT]
+        [--jobs N]
 
 REF is a git ref of this repository, ``WORKTREE`` (this checkout as it is), or a directory that
 holds a ``foscar/`` package. One REF prints its hashes; several print, per config, whether all
 agree. A refactor keeps every device measurement of a config whose hash it leaves unchanged.
+``--jobs N`` compiles each version's configs in N processes (about 7 s of one core per Gluon
+config; all kinds of both versions take about 16 minutes in one process).
 
 The configs (``--only`` picks kinds, ``-k`` a substring of the names):
 
@@ -483,9 +486,10 @@ def _write_kernel(bits, d, group, sink, recent, clip, gptq, mapping):
     return _compile_triton(cache_write.decode_write_kernel, consts, dtypes, options)
 
 
-def hashes(kinds, pattern):
-    """name -> (hash, instructions) of every config of ``kinds`` whose name holds ``pattern``,
-    compiled from the ``foscar`` on sys.path (the child process of :func:`ref_hashes`)."""
+def hashes(kinds, pattern, shard=0, shards=1):
+    """name -> (hash, instructions) of every config of ``kinds`` whose name holds ``pattern``
+    (of those, every ``shards``-th from the ``shard``-th), compiled from the ``foscar`` on
+    sys.path (a child process of :func:`ref_hashes`)."""
     os.environ["TRITON_INTERPRET"] = "0"
     jobs = {}
     if "gluon" in kinds:
@@ -502,10 +506,11 @@ def hashes(kinds, pattern):
     if "write" in kinds:
         for name, args in write_cases().items():
             jobs[name] = lambda args=args: _write_kernel(*args)
+    picked = [name for name in jobs if pattern in name][shard::shards]
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, job in jobs.items():
-            if pattern in name:
+            if name in picked:
                 try:
                     out[name] = _sass_hash(job().asm["cubin"], tmp)
                 except Exception as e:  # reported in the table, the other configs go on
@@ -529,8 +534,8 @@ def _root(ref: str, tmp: str) -> str:
     return root
 
 
-def ref_hashes(ref: str, kinds, pattern) -> dict:
-    """Compile in a fresh process whose ``foscar`` is the one of ``ref``."""
+def ref_hashes(ref: str, kinds, pattern, jobs=1) -> dict:
+    """Compile in ``jobs`` fresh processes whose ``foscar`` is the one of ``ref``."""
     with tempfile.TemporaryDirectory() as tmp:
         root = _root(ref, tmp)
         env = dict(os.environ, PYTHONPATH=root, TRITON_INTERPRET="0")
@@ -544,13 +549,34 @@ def ref_hashes(ref: str, kinds, pattern) -> dict:
             "-k",
             pattern,
         ]
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp)
-        if done.returncode:
-            raise SystemExit(f"{ref}: {done.stderr[-3000:]}")
+        procs = []
+        for shard in range(jobs):
+            shard_dir = os.path.join(tmp, f"shard{shard}")
+            os.makedirs(shard_dir)
+            procs.append(
+                subprocess.Popen(
+                    cmd + ["--shard", f"{shard}/{jobs}"],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    env=env,
+                    cwd=shard_dir,
+                )
+            )
+        per_shard = []
+        for proc in procs:
+            stdout, stderr = proc.communicate()
+            if proc.returncode:
+                raise SystemExit(f"{ref}: {stderr[-3000:]}")
+            per_shard.append(
+                [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+            )
+        # shard i holds configs i, i + jobs, ...: round robin restores the configs' order
         out = {}
-        for line in done.stdout.splitlines():
-            if line.startswith("{"):
-                out.update(json.loads(line))
+        for i in range(max(map(len, per_shard))):
+            for rows in per_shard:
+                if i < len(rows):
+                    out.update(rows[i])
         return out
 
 
@@ -607,17 +633,24 @@ def main(argv=None):
     )
     ap.add_argument("-k", default="", help="only configs whose names contain this text")
     ap.add_argument("--out", help="also write the table (and the command) to this file")
+    ap.add_argument(
+        "--jobs", type=int, default=1, help="compiling processes per version (default: 1)"
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--shard", default="0/1", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     kinds = a.only.split(",")
     unknown = set(kinds) - set(KINDS)
     if unknown:
         ap.error(f"--only takes {','.join(KINDS)}, got {','.join(sorted(unknown))}")
+    if a.jobs < 1:
+        ap.error(f"--jobs takes a positive count, got {a.jobs}")
     if a.child:
         sys.path.insert(0, a.child)
-        hashes(kinds, a.k)
+        shard, shards = (int(x) for x in a.shard.split("/"))
+        hashes(kinds, a.k, shard, shards)
         return
-    results = {ref: ref_hashes(ref, kinds, a.k) for ref in a.refs}
+    results = {ref: ref_hashes(ref, kinds, a.k, a.jobs) for ref in a.refs}
     text, total, same = table(a.refs, results)
     import triton
 
@@ -625,6 +658,7 @@ def main(argv=None):
         ["python benchmarks/tools/sass_identity.py", *a.refs]
         + (["--only", a.only] if kinds != list(KINDS) else [])
         + (["-k", a.k] if a.k else [])
+        + (["--jobs", str(a.jobs)] if a.jobs > 1 else [])
     )
     head = [
         f"SASS of foscar's kernels for sm_90a, compiled on the CPU (triton {triton.__version__}'s "

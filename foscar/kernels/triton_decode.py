@@ -38,6 +38,8 @@ the splits (``merge_splits_kernel``, also the Gluon backend's merge); the operan
 foscar.kernels.triton_operands, the paged loads in foscar.kernels.triton_loads.
 """
 
+import dataclasses
+
 import triton
 import triton.language as tl
 
@@ -74,39 +76,86 @@ _LN2 = tl.constexpr(0.6931471805599453)
 
 
 # ---------------------------------------------------------------------------- one tile
+TILE_FIELDS = (
+    "HS",  # H padded (>= 8, power of two)
+    "D",
+    "PAGE",
+    "BLOCK_N",
+    "K_BITS",
+    "V_BITS",
+    "K_CHANNEL",
+    "V_CHANNEL",
+    "K_GROUP",
+    "V_GROUP",
+    "HPK",  # columns of the QK product: (column blocks x HS), at least 16
+    "HPV",  # columns of the PV product
+    "RECONSTRUCT",
+    "INTERP",
+    "TILE_ACC",  # token-wise V: a fresh PV accumulator per tile (Note [tensor-core accumulation])
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """The split kernel's compile-time arguments that a tile reads, by field name (the kernel's
+    constexprs of the same names)."""
+
+    HS: int
+    D: int
+    PAGE: int
+    BLOCK_N: int
+    K_BITS: int
+    V_BITS: int
+    K_CHANNEL: bool
+    V_CHANNEL: bool
+    K_GROUP: int
+    V_GROUP: int
+    HPK: int
+    HPV: int
+    RECONSTRUCT: bool
+    INTERP: bool
+    TILE_ACC: bool
+
+    def __repr__(self):
+        # the constexpr's part of the mangled names of the functions that take it: letters,
+        # digits and underscores only
+        return "TileConfig_" + "_".join(f"{n}{int(getattr(self, n))}" for n in TILE_FIELDS)
+
+
+@triton.constexpr_function
+def tile_config(*values):
+    """:class:`TileConfig` of the kernel's constexprs, in :data:`TILE_FIELDS` order."""
+    return TileConfig(*values)
+
+
 @triton.jit
 def quantized_tile(
     t,
     state,
-    n_q,
-    page_base,
-    n_pages,
-    kvh,
-    magic,
-    qk_scale,
-    zero,
-    q,
     qx,
     qsum_g,
+    seq,  # (n_q, page_base, n_pages, kvh, magic, qk_scale, zero, q)
     ptrs,  # (kv_indices, k_words, k_scales, v_words, v_scales)
     strides,  # (k_words, k_scales, v_words, v_scales) x (page, head)
-    HS: tl.constexpr,
-    D: tl.constexpr,
-    PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    K_BITS: tl.constexpr,
-    V_BITS: tl.constexpr,
-    K_CHANNEL: tl.constexpr,
-    V_CHANNEL: tl.constexpr,
-    K_GROUP: tl.constexpr,
-    V_GROUP: tl.constexpr,
-    HPK: tl.constexpr,
-    HPV: tl.constexpr,
-    RECONSTRUCT: tl.constexpr,
+    CFG: tl.constexpr,  # TileConfig
     MASKED: tl.constexpr,
-    INTERP: tl.constexpr,
-    TILE_ACC: tl.constexpr,
 ):
+    HS: tl.constexpr = CFG.HS
+    D: tl.constexpr = CFG.D
+    PAGE: tl.constexpr = CFG.PAGE
+    BLOCK_N: tl.constexpr = CFG.BLOCK_N
+    K_BITS: tl.constexpr = CFG.K_BITS
+    V_BITS: tl.constexpr = CFG.V_BITS
+    K_CHANNEL: tl.constexpr = CFG.K_CHANNEL
+    V_CHANNEL: tl.constexpr = CFG.V_CHANNEL
+    K_GROUP: tl.constexpr = CFG.K_GROUP
+    V_GROUP: tl.constexpr = CFG.V_GROUP
+    HPK: tl.constexpr = CFG.HPK
+    HPV: tl.constexpr = CFG.HPV
+    RECONSTRUCT: tl.constexpr = CFG.RECONSTRUCT
+    INTERP: tl.constexpr = CFG.INTERP
+    TILE_ACC: tl.constexpr = CFG.TILE_ACC
+    n_q, page_base, n_pages, kvh, magic, qk_scale, zero, q = seq
     m_i, l2, z2, acc, pf_s, pf_z, pf_page = state
     kv_indices_ptr, k_words_ptr, k_scales_ptr, v_words_ptr, v_scales_ptr = ptrs
     (
@@ -573,6 +622,24 @@ def decode_split_kernel(
         )
         # the scale multipliers of token-wise K carry c = sm_scale * log2(e)
         k_mult = 1.0 if (K_CHANNEL or RECONSTRUCT) else qk_scale
+        seq = (n_q, page_base, n_pages, kvh, magic, k_mult, zero, q_fold)
+        CFG: tl.constexpr = tile_config(
+            HS,
+            D,
+            PAGE,
+            BLOCK_N,
+            K_BITS,
+            V_BITS,
+            K_CHANNEL,
+            V_CHANNEL,
+            K_GROUP,
+            V_GROUP,
+            HPK,
+            HPV,
+            RECONSTRUCT,
+            INTERP,
+            TILE_ACC,
+        )
         ptrs = (kv_indices_ptr, k_words_ptr, k_scales_ptr, v_words_ptr, v_scales_ptr)
         strides = (
             stride_kw_page,
@@ -606,105 +673,13 @@ def decode_split_kernel(
                 )
                 qx_g, corr_g = fold_channel_k(q_fold, ks, kz, HPK, INTERP)
                 for sub in tl.static_range(KPT):
-                    state = quantized_tile(
-                        grp * KPT + sub,
-                        state,
-                        n_q,
-                        page_base,
-                        n_pages,
-                        kvh,
-                        magic,
-                        k_mult,
-                        zero,
-                        q_fold,
-                        qx_g,
-                        corr_g,
-                        ptrs,
-                        strides,
-                        HS,
-                        D,
-                        PAGE,
-                        BLOCK_N,
-                        K_BITS,
-                        V_BITS,
-                        K_CHANNEL,
-                        V_CHANNEL,
-                        K_GROUP,
-                        V_GROUP,
-                        HPK,
-                        HPV,
-                        RECONSTRUCT,
-                        False,
-                        INTERP,
-                        TILE_ACC,
-                    )
+                    t = grp * KPT + sub
+                    state = quantized_tile(t, state, qx_g, corr_g, seq, ptrs, strides, CFG, False)
         else:
             for t in range(t_begin, t_full):
-                state = quantized_tile(
-                    t,
-                    state,
-                    n_q,
-                    page_base,
-                    n_pages,
-                    kvh,
-                    magic,
-                    k_mult,
-                    zero,
-                    q_fold,
-                    qx,
-                    qsum_g,
-                    ptrs,
-                    strides,
-                    HS,
-                    D,
-                    PAGE,
-                    BLOCK_N,
-                    K_BITS,
-                    V_BITS,
-                    K_CHANNEL,
-                    V_CHANNEL,
-                    K_GROUP,
-                    V_GROUP,
-                    HPK,
-                    HPV,
-                    RECONSTRUCT,
-                    False,
-                    INTERP,
-                    TILE_ACC,
-                )
+                state = quantized_tile(t, state, qx, qsum_g, seq, ptrs, strides, CFG, False)
             if t_full < t_end:
-                state = quantized_tile(
-                    t_full,
-                    state,
-                    n_q,
-                    page_base,
-                    n_pages,
-                    kvh,
-                    magic,
-                    k_mult,
-                    zero,
-                    q_fold,
-                    qx,
-                    qsum_g,
-                    ptrs,
-                    strides,
-                    HS,
-                    D,
-                    PAGE,
-                    BLOCK_N,
-                    K_BITS,
-                    V_BITS,
-                    K_CHANNEL,
-                    V_CHANNEL,
-                    K_GROUP,
-                    V_GROUP,
-                    HPK,
-                    HPV,
-                    RECONSTRUCT,
-                    True,
-                    INTERP,
-                    TILE_ACC,
-                )
+                state = quantized_tile(t_full, state, qx, qsum_g, seq, ptrs, strides, CFG, True)
         m_i, l2, z2, acc, pf_s, pf_z, pf_page = state
         l_i = tl.sum(l2, axis=0)  # [HS]
         if RECONSTRUCT:

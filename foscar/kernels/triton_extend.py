@@ -29,7 +29,7 @@ of at least 16. Not: an fp32 query on a GPU (rounded to bf16 operands), RECONSTR
 import triton
 import triton.language as tl
 
-from .triton_decode import quantized_tile, windows_partial
+from .triton_decode import quantized_tile, tile_config, windows_partial
 from .triton_loads import channel_scale_pages, channel_scales_at
 from .triton_operands import fold_channel_k, pad_cols, pick_block, round_bf16, to_operand
 
@@ -157,6 +157,11 @@ def _history_partial(
     )
     # the scale multipliers of token-wise K carry c = sm_scale * log2(e)
     k_mult = 1.0 if K_CHANNEL else qk_scale
+    seq = (n_q, page_base, n_pages, kvh, magic, k_mult, zero, q_fold)
+    CFG: tl.constexpr = tile_config(
+        HS, D, PAGE, BLOCK_N, K_BITS, V_BITS, K_CHANNEL, V_CHANNEL, K_GROUP, V_GROUP, HPK, HPV,
+        False, INTERP, TILE_ACC,
+    )  # fmt: skip
     if K_FOLD_ONCE:
         for grp in range(t_begin // KPT, t_end // KPT):
             k_pages = channel_scale_pages(
@@ -179,24 +184,13 @@ def _history_partial(
             qx_g, corr_g = fold_channel_k(q_fold, ks, kz, HPK, INTERP)
             for sub in tl.static_range(KPT):
                 state = quantized_tile(
-                    grp * KPT + sub, state, n_q, page_base, n_pages, kvh, magic, k_mult, zero,
-                    q_fold, qx_g, corr_g, ptrs, strides, HS, D, PAGE, BLOCK_N, K_BITS, V_BITS,
-                    K_CHANNEL, V_CHANNEL, K_GROUP, V_GROUP, HPK, HPV, False, False, INTERP,
-                    TILE_ACC,
-                )  # fmt: skip
+                    grp * KPT + sub, state, qx_g, corr_g, seq, ptrs, strides, CFG, False
+                )
     else:
         for t in range(t_begin, t_full):
-            state = quantized_tile(
-                t, state, n_q, page_base, n_pages, kvh, magic, k_mult, zero, q_fold, qx,
-                qsum_g, ptrs, strides, HS, D, PAGE, BLOCK_N, K_BITS, V_BITS, K_CHANNEL,
-                V_CHANNEL, K_GROUP, V_GROUP, HPK, HPV, False, False, INTERP, TILE_ACC,
-            )  # fmt: skip
+            state = quantized_tile(t, state, qx, qsum_g, seq, ptrs, strides, CFG, False)
         if t_full < t_end:
-            state = quantized_tile(
-                t_full, state, n_q, page_base, n_pages, kvh, magic, k_mult, zero, q_fold, qx,
-                qsum_g, ptrs, strides, HS, D, PAGE, BLOCK_N, K_BITS, V_BITS, K_CHANNEL,
-                V_CHANNEL, K_GROUP, V_GROUP, HPK, HPV, False, True, INTERP, TILE_ACC,
-            )  # fmt: skip
+            state = quantized_tile(t_full, state, qx, qsum_g, seq, ptrs, strides, CFG, True)
     m_i, l2, z2, acc, pf_s, pf_z, pf_page = state
     l_i = tl.sum(l2, axis=0)  # [HS]
     if V_CHANNEL:

@@ -39,8 +39,9 @@ natural-log LSE itself; otherwise the Triton ``merge_splits_kernel`` merges the 
 programmatic dependent launch that this kernel's CTAs signal after storing them
 (GluonFlag.MERGE_PDL).
 
-``CFG``, the compile-time tuple every partition takes: (SPC, HS, K_BITS, V_BITS, V_CHANNEL,
-OPT, K_CHANNEL, HD, TP, H, PS); ``OPT`` holds the config's GluonFlag bits.
+``CFG``, the compile-time configuration every partition takes, read by field name
+(foscar.kernels.gluon.layouts.TileConfig: SPC, HS, K_BITS, V_BITS, V_CHANNEL, OPT, K_CHANNEL,
+HD, TP, H, PS); ``CFG.OPT`` holds the config's GluonFlag bits.
 
 Supported: INT2/INT4 K and V, each token-wise (g = D) or channel-wise (groups of 128 tokens = 2
 pages) at D = 128, token-wise at D = 64; cache pages of 64 tokens, or 16-256 for token-wise K
@@ -70,6 +71,7 @@ from .layouts import (
     plain_shared_layout,
     q_in_consumers,
     scaled_extraction,
+    tile_config,
 )
 from .operands import e4m3_key_channel, pow4, scaled_exponent_k, scaled_exponent_v
 from .tiles import step, swap_halves
@@ -105,11 +107,11 @@ def _consume(C: gl.constexpr, ring, q_args, op_bufs, split, qk_scale, magic, CFG
     q_args: (q_ptr, stride_q_b, stride_q_h) for _stage_q (GluonFlag.Q_IN_CONSUMERS); split:
     (seq_ptrs, num_splits) for _split_span; op_bufs: (P'^T per page, channel-wise K's Q' and zq,
     Q^T and its per-head factor) buffers of both consumers; CFG: see the kernel."""
-    TP: gl.constexpr = CFG[8]
-    HS: gl.constexpr = CFG[1]
-    OPT: gl.constexpr = CFG[5]
-    K_CHANNEL: gl.constexpr = CFG[6]
-    HD: gl.constexpr = CFG[7]
+    TP: gl.constexpr = CFG.TP
+    HS: gl.constexpr = CFG.HS
+    OPT: gl.constexpr = CFG.OPT
+    K_CHANNEL: gl.constexpr = CFG.K_CHANNEL
+    HD: gl.constexpr = CFG.HD
     acc_l: gl.constexpr = acc_layout(HS)
     p_bufs, kq_bufs, zq_bufs, qt_bufs, hf_bufs = op_bufs
     QC: gl.constexpr = q_in_consumers(OPT)
@@ -119,18 +121,27 @@ def _consume(C: gl.constexpr, ring, q_args, op_bufs, split, qk_scale, magic, CFG
     PACKED: gl.constexpr = packed_heads(OPT)
     gl.static_assert(not PACKED or QC, "packed heads: each consumer stages its Q")
     qb_smem = qt_bufs.index(2 + QI) if PACKED else qt_smem  # Q^ in columns HS/2.. (packed)
+    E4M3: gl.constexpr = e4m3_operands(OPT)
+    NQ: gl.constexpr = 4 if PACKED else 2  # E4M3: the low terms of Q^ at NQ + the high's index
+    if E4M3:
+        q_lo = (qt_bufs.index(NQ + QI), qt_bufs.index(NQ + 2 + QI) if PACKED else 0)
+    else:
+        q_lo = 0
     if QC:  # Q's load overlaps the producer's first copies; the 4 warps then see all of Q^T
-        _stage_q(*q_args, qt_smem, hf_smem, CFG, qb_smem)
+        _stage_q(*q_args, qt_smem, hf_smem, CFG, qb_smem, q_lo)
         fence_async_shared()
         gl.thread_barrier()
     t_begin, t_full, t_end, n_q, _ = _split_span(*split, TP)
-    E4M3: gl.constexpr = e4m3_operands(OPT)
-    SCALED_K: gl.constexpr = scaled_extraction(OPT, CFG[2], HD) and not K_CHANNEL
-    SCALED_V: gl.constexpr = scaled_extraction(OPT, CFG[3], HD) and not CFG[4]
+    SCALED_K: gl.constexpr = scaled_extraction(OPT, CFG.K_BITS, HD) and not K_CHANNEL
+    SCALED_V: gl.constexpr = scaled_extraction(OPT, CFG.V_BITS, HD) and not CFG.V_CHANNEL
     ql: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
     qf = qt_smem.load(ql).to(gl.float32)  # Q, or Q~ = Q 4^-a with the scaled extraction
     if PACKED:  # column c of the score tile: head c % (HS / 2), from qa or qb
         qf = qf + qb_smem.load(ql).to(gl.float32)
+    if E4M3:  # the low terms: the product sees Q^ = high + low
+        qf = qf + q_lo[0].load(ql).to(gl.float32)
+        if PACKED:
+            qf = qf + q_lo[1].load(ql).to(gl.float32)
     if E4M3:  # qf = Q^ 2^sigma 4^-a per column (see the kernel): sum(Q^) and hf = 2^(9 - sigma)
         k = gl.arange(0, HD, layout=gl.SliceLayout(0, ql))
         if SCALED_K:
@@ -162,7 +173,7 @@ def _consume(C: gl.constexpr, ring, q_args, op_bufs, split, qk_scale, magic, CFG
     )
     n_all = gl.maximum(t_end - t_begin - C + 1, 0) // 2
     n_full = gl.maximum(t_full - t_begin - C + 1, 0) // 2
-    ops = (ring, qt_smem, p_bufs, qsums, kfold, qk_scale, magic, qb_smem)
+    ops = (ring, qt_smem, p_bufs, qsums, kfold, qk_scale, magic, qb_smem, q_lo)
     for i in range(n_full):
         st = step(i, t_begin + C + 2 * i, n_q, st, ops, C, CFG, False)
     if n_full < n_all:  # the last tile, partly past the history
@@ -176,7 +187,7 @@ def _consume(C: gl.constexpr, ring, q_args, op_bufs, split, qk_scale, magic, CFG
             vfac = 2.0 * pow4((c // 8) % 2, True)
         else:
             vfac = gl.full([HD], 2.0, gl.float32, gl.SliceLayout(1, acc_l))
-        C_MID: gl.constexpr = ((1 << CFG[3]) - 1) / 2
+        C_MID: gl.constexpr = ((1 << CFG.V_BITS) - 1) / 2
         offset = gl.sum(z_i, axis=0) - (C_MID / 256) * gl.sum(zp_i, axis=0)
         num = acc * vfac[:, None] + offset[None, :]
     elif SCALED_V:  # acc holds sum_n P' y~, y~ = 128 + 4^a q: O = acc 4^-a + 128 (1 - 4^-a) sum P'
@@ -208,20 +219,24 @@ def _consumer0(ring, q_args, op_bufs, split, qk_scale, magic, CFG: gl.constexpr)
 
 
 @gluon.jit
-def _stage_q(q_ptr, stride_q_b, stride_q_h, qt_smem, hf_smem, CFG: gl.constexpr, qb_smem=0):
+def _stage_q(
+    q_ptr, stride_q_b, stride_q_h, qt_smem, hf_smem, CFG: gl.constexpr, qb_smem=0, q_lo=0
+):
     """Q [HS, D] of this CTA's KV head into ``qt_smem`` as the QK product's operand, K-major (its
     transposed view is the B operand; heads past H are zero), and the per-head factor into
     ``hf_smem`` (E4M3: 2^(9 - sigma); bf16: 1). The caller fences and synchronizes.
     B operands are stored K-major (MN-major B with 16-byte rows read out of bounds on the H200:
     compute-sanitizer memcheck). Packed heads (GluonFlag.PACKED_HEADS): row c holds head
     c % (HS / 2), in ``qt_smem`` for the first HS / 2 rows (page a's columns) and in ``qb_smem``
-    for the rest, the other rows zero; ``hf_smem`` per row."""
-    HS: gl.constexpr = CFG[1]
-    K_BITS: gl.constexpr = CFG[2]
-    OPT: gl.constexpr = CFG[5]
-    K_CHANNEL: gl.constexpr = CFG[6]
-    HD: gl.constexpr = CFG[7]
-    H: gl.constexpr = CFG[9]
+    for the rest, the other rows zero; ``hf_smem`` per row. E4M3: Q^ in two terms, the high
+    ones in ``qt_smem`` (``qb_smem``) and the low ones, e4m3(Q 2^sigma - high), in ``q_lo``
+    (its page-b buffer second, packed heads)."""
+    HS: gl.constexpr = CFG.HS
+    K_BITS: gl.constexpr = CFG.K_BITS
+    OPT: gl.constexpr = CFG.OPT
+    K_CHANNEL: gl.constexpr = CFG.K_CHANNEL
+    HD: gl.constexpr = CFG.HD
+    H: gl.constexpr = CFG.H
     b = gl.program_id(0)
     kvh = gl.program_id(1)
     ql: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
@@ -259,15 +274,27 @@ def _stage_q(q_ptr, stride_q_b, stride_q_h, qt_smem, hf_smem, CFG: gl.constexpr,
             gl.maximum(261 - ((amax.to(gl.int32, bitcast=True) >> 23) & 0xFF), 1), 254
         )
         q8 = qf * (ebits << 23).to(gl.float32, bitcast=True)[:, None]
+        # two terms: one E4M3 copy of Q rounds each value by up to 2^-4 of it, and the logits'
+        # error grows with their spread (0.19 relative L2 on the output for logits 30x the
+        # Gaussian's; foscar.kernels.e4m3_emulation); the low term, e4m3(Q - high) at the same
+        # scale (its values down to 2^-10, E4M3's smallest subnormal), leaves 2^-8 and one
+        # more product over the same K operand
+        hi = q8.to(gl.float8e4nv)
+        lo = (q8 - hi.to(gl.float32)).to(gl.float8e4nv)
         if PACKED:
             # the zero halves from a product, not a constant (the ptxas pairing above: with
             # constant zeros these rows read back nonzero on the H200)
             first = (h_row < HS // 2)[:, None]
+            hi32 = hi.to(gl.float32)
+            lo32 = lo.to(gl.float32)
             zero = q8 * 0.0
-            qt_smem.store(gl.where(first, q8, zero).to(gl.float8e4nv))
-            qb_smem.store(gl.where(first, zero, q8).to(gl.float8e4nv))
+            qt_smem.store(gl.where(first, hi32, zero).to(gl.float8e4nv))
+            qb_smem.store(gl.where(first, zero, hi32).to(gl.float8e4nv))
+            q_lo[0].store(gl.where(first, lo32, zero).to(gl.float8e4nv))
+            q_lo[1].store(gl.where(first, zero, lo32).to(gl.float8e4nv))
         else:
-            qt_smem.store(q8.to(gl.float8e4nv))
+            qt_smem.store(hi)
+            q_lo[0].store(lo)
         hf_smem.store(((263 - ebits) << 23).to(gl.float32, bitcast=True))
     else:
         if scaled_extraction(OPT, K_BITS, HD) and not K_CHANNEL:  # Q~ = Q 4^-a, exact in bf16
@@ -319,17 +346,17 @@ def _store_heads(o, o_base, stride_o_h, H: gl.constexpr, HS: gl.constexpr):
 @gluon.jit
 def _producer(descs, ring, kv_indices_ptr, split, CFG: gl.constexpr):
     kw_desc, ks_desc, vw_desc, vs_desc = descs
-    TP: gl.constexpr = CFG[8]
-    PS: gl.constexpr = CFG[10]
+    TP: gl.constexpr = CFG.TP
+    PS: gl.constexpr = CFG.PS
     if PS != UNIT:
         _producer_units(descs, ring, kv_indices_ptr, split, CFG)
         return
     t_begin, _, t_end, n_q, page_base = _split_span(*split, TP)
     kvh = gl.program_id(1)
     kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty = ring
-    SPC: gl.constexpr = CFG[0]
-    V_CHANNEL: gl.constexpr = CFG[4]
-    K_CHANNEL: gl.constexpr = CFG[6]
+    SPC: gl.constexpr = CFG.SPC
+    V_CHANNEL: gl.constexpr = CFG.V_CHANNEL
+    K_CHANNEL: gl.constexpr = CFG.K_CHANNEL
     # a stage: TP pages of words, and TP scale chunks of each role (one-page tiles of a
     # channel-wise role take both chunks of the page's 2-page group)
     nbytes: gl.constexpr = (
@@ -411,10 +438,12 @@ def _producer_units(descs, ring, kv_indices_ptr, split, CFG: gl.constexpr):
     before the wait for its stage. Units and pages past the history repeat the last one (the
     consumers mask those rows)."""
     kw_desc, ks_desc, vw_desc, vs_desc = descs
-    TP: gl.constexpr = CFG[8]
-    PS: gl.constexpr = CFG[10]
-    SPC: gl.constexpr = CFG[0]
-    gl.static_assert(not (CFG[4] or CFG[6]), "page sizes other than 64: token-wise K and V")
+    TP: gl.constexpr = CFG.TP
+    PS: gl.constexpr = CFG.PS
+    SPC: gl.constexpr = CFG.SPC
+    gl.static_assert(
+        not (CFG.V_CHANNEL or CFG.K_CHANNEL), "page sizes other than 64: token-wise K and V"
+    )
     t_begin, _, t_end, n_q, page_base = _split_span(*split, TP)
     kvh = gl.program_id(1)
     kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty = ring
@@ -564,16 +593,21 @@ def gluon_decode_split_kernel(
     # Q^T [HS, D] per consumer (the prologue's, in buffer 0, unless each consumer stages its own:
     # GluonFlag.Q_IN_CONSUMERS) and its per-head factor
     op_dtype: gl.constexpr = gl.float8e4nv if e4m3_operands(OPT) else gl.bfloat16
-    qt_bufs = gl.allocate_shared_memory(  # packed heads: each consumer's qb at 2 + C
+    # packed heads: each consumer's qb at 2 + C; E4M3: the low terms after the high ones
+    NQ: gl.constexpr = (4 if packed_heads(OPT) else 2) * (2 if e4m3_operands(OPT) else 1)
+    qt_bufs = gl.allocate_shared_memory(
         op_dtype,
-        [4 if packed_heads(OPT) else 2, HS, HD],
+        [NQ, HS, HD],
         gl.NVMMASharedLayout.get_default_for([HS, HD], op_dtype),
     )
     hf_bufs = gl.allocate_shared_memory(gl.float32, [2 * HS], plain_shared_layout(1))
-    CFG: gl.constexpr = (SPC, HS, K_BITS, V_BITS, V_CHANNEL, OPT, K_CHANNEL, HD, TP, H, PS)
+    CFG: gl.constexpr = tile_config(
+        SPC, HS, K_BITS, V_BITS, V_CHANNEL, OPT, K_CHANNEL, HD, TP, H, PS
+    )
     q_args = (q_ptr, stride_q_b, stride_q_h)
     if not q_in_consumers(OPT):
-        _stage_q(*q_args, qt_bufs.index(0), hf_bufs.slice(0, HS), CFG)
+        q_lo = (qt_bufs.index(NQ // 2), 0) if e4m3_operands(OPT) else 0
+        _stage_q(*q_args, qt_bufs.index(0), hf_bufs.slice(0, HS), CFG, 0, q_lo)
     p_bufs = gl.allocate_shared_memory(  # P'^T of each consumer's pages
         op_dtype, [2 * TP, HS, 64], gl.NVMMASharedLayout.get_default_for([HS, 64], op_dtype)
     )

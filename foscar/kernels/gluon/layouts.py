@@ -15,6 +15,8 @@ Supported: INT2/INT4 at head_dim 128 and 64; bf16 operands (k_width 2) and E4M3 
 
 from __future__ import annotations
 
+import dataclasses
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -26,6 +28,38 @@ D = 128
 PAGE = 64
 #: PAGE for the kernels' own code (a tile unit: 64 tokens, whatever the cache's page size)
 UNIT = gl.constexpr(PAGE)
+
+
+# ------------------------------------------------------------------------ compile-time config
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """The kernel's compile-time configuration, one constexpr that every partition and tile
+    program takes (``CFG``) and reads by field name."""
+
+    SPC: int  # ring stages per consumer (2 x SPC in all)
+    HS: int  # query heads per KV head, padded: the wgmma N
+    K_BITS: int  # 2 or 4
+    V_BITS: int
+    V_CHANNEL: bool  # channel-wise V groups of 128 tokens (else token-wise, g = D)
+    OPT: int  # int(GluonDecodeConfig.flags): foscar.configs.GluonFlag
+    K_CHANNEL: bool  # channel-wise K groups of 128 tokens (else token-wise, g = D)
+    HD: int  # head_dim
+    TP: int  # pages per tile and stage: 1 or 2
+    H: int  # query heads per KV head
+    PS: int  # the cache's page size
+
+    def __repr__(self):
+        # the constexpr's part of the mangled names of the functions that take it: letters,
+        # digits and underscores only
+        return "TileConfig_" + "_".join(
+            f"{f.name}{int(getattr(self, f.name))}" for f in dataclasses.fields(self)
+        )
+
+
+@gluon.constexpr_function
+def tile_config(SPC, HS, K_BITS, V_BITS, V_CHANNEL, OPT, K_CHANNEL, HD, TP, H, PS):
+    """The kernel's constexpr arguments as one :class:`TileConfig` (the values as given)."""
+    return TileConfig(SPC, HS, K_BITS, V_BITS, V_CHANNEL, OPT, K_CHANNEL, HD, TP, H, PS)
 
 
 # ------------------------------------------------------------------------ compile-time switches

@@ -12,8 +12,8 @@ group over two pages (channel-wise). Every ``convert_layout(..., assert_trivial=
 compile-time proof that the bit operations land each value in the register the m64nNk16 (bf16)
 or m64nNk32 (E4M3) A fragment wants: the layouts of foscar.kernels.gluon.layouts.
 
-``CFG``: the kernel's compile-time tuple (SPC, HS, K_BITS, V_BITS, V_CHANNEL, OPT, K_CHANNEL, HD,
-TP, H, PS), see foscar.kernels.gluon.kernel.
+``CFG``: the kernel's compile-time configuration, read by field name
+(foscar.kernels.gluon.layouts.TileConfig).
 
 Supported: INT2/INT4, head_dim 128 and 64 (bf16; a head_dim-64 INT2 V piece is a nibble), E4M3
 at head_dim 128 with token-wise K and V; the scaled INT2 extraction (GluonFlag.SCALED_INT2) at
@@ -399,8 +399,8 @@ def channel_key_operand(ks_bufs, s, qt_smem, kfold, CFG: gl.constexpr):
         qt_smem,
         q_smem,
         zq_smem,
-        CFG[1],
-        scaled_extraction(CFG[5], CFG[2], CFG[7]),
+        CFG.HS,
+        scaled_extraction(CFG.OPT, CFG.K_BITS, CFG.HD),
     )
     return zq, q_smem.permute((1, 0))
 
@@ -440,11 +440,11 @@ def _reconstruct(op, s, z, PER_ROW: gl.constexpr, HS: gl.constexpr):
 @gluon.jit
 def page_k_operand(words, ks, kz, magic, HS: gl.constexpr, CFG: gl.constexpr):
     """K operand [64 tokens, HD] of one page's words (reconstructed in the ablation)."""
-    K_BITS: gl.constexpr = CFG[2]
-    K_CHANNEL: gl.constexpr = CFG[6]
-    HD: gl.constexpr = CFG[7]
-    RECONSTRUCT: gl.constexpr = reconstructs(CFG[5])
-    SCALED: gl.constexpr = scaled_extraction(CFG[5], K_BITS, HD)
+    K_BITS: gl.constexpr = CFG.K_BITS
+    K_CHANNEL: gl.constexpr = CFG.K_CHANNEL
+    HD: gl.constexpr = CFG.HD
+    RECONSTRUCT: gl.constexpr = reconstructs(CFG.OPT)
+    SCALED: gl.constexpr = scaled_extraction(CFG.OPT, K_BITS, HD)
     k_op = _k_operand(words, magic, HS, K_BITS, HD, K_CHANNEL and not RECONSTRUCT, SCALED)
     if RECONSTRUCT:  # token-wise: the rows of K; channel-wise: its columns
         k_op = _reconstruct(k_op, ks, kz, not K_CHANNEL, HS)
@@ -454,10 +454,10 @@ def page_k_operand(words, ks, kz, magic, HS: gl.constexpr, CFG: gl.constexpr):
 @gluon.jit
 def page_vt_operand(words, vs, vz, magic, HS: gl.constexpr, CFG: gl.constexpr):
     """V^T operand [HD, 64 tokens] of one page's words (reconstructed in the ablation)."""
-    V_BITS: gl.constexpr = CFG[3]
-    V_CHANNEL: gl.constexpr = CFG[4]
-    HD: gl.constexpr = CFG[7]
-    vt_op = _vt_operand(words, magic, HS, V_BITS, HD, scaled_extraction(CFG[5], V_BITS, HD))
-    if reconstructs(CFG[5]):  # channel-wise: the rows of V^T; token-wise: its columns
+    V_BITS: gl.constexpr = CFG.V_BITS
+    V_CHANNEL: gl.constexpr = CFG.V_CHANNEL
+    HD: gl.constexpr = CFG.HD
+    vt_op = _vt_operand(words, magic, HS, V_BITS, HD, scaled_extraction(CFG.OPT, V_BITS, HD))
+    if reconstructs(CFG.OPT):  # channel-wise: the rows of V^T; token-wise: its columns
         vt_op = _reconstruct(vt_op, vs, vz, V_CHANNEL, HS)
     return vt_op

@@ -132,14 +132,14 @@ def _key_logits(s_acc, ks, kz, zq, qsums, qk_scale, CFG: gl.constexpr):
     its scale back, and the product Q^ . q 2^(sigma - 9): S = c (s'_K hf acc + (z'_K + 128
     s'_K) sum(Q^)) (the cache's bf16 constants, x = s' (q + 128) + z')."""
     qsum, dq = qsums
-    if reconstructs(CFG[5]):
+    if reconstructs(CFG.OPT):
         return s_acc * qk_scale
-    elif e4m3_operands(CFG[5]):
+    elif e4m3_operands(CFG.OPT):
         ks, kz = _tile_factor(ks), _tile_factor(kz)
         return (s_acc * dq[None, :]) * (ks * qk_scale) + (kz + 128.0 * ks) * qsum[None, :]
-    elif CFG[6]:
+    elif CFG.K_CHANNEL:
         return (s_acc + zq[None, :]) * qk_scale
-    elif scaled_extraction(CFG[5], CFG[2], CFG[7]):
+    elif scaled_extraction(CFG.OPT, CFG.K_BITS, CFG.HD):
         ks, kz = _tile_factor(ks), _tile_factor(kz)
         return (s_acc + dq[None, :]) * (ks * qk_scale) + kz * qsum[None, :]
     else:
@@ -188,13 +188,13 @@ def _channel_value_fold(
 @gluon.jit
 def _tile(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: gl.constexpr):
     """One page (64 tokens) of consumer C: tile t, its i-th (ops: see step)."""
-    SPC: gl.constexpr = CFG[0]
-    HS: gl.constexpr = CFG[1]
-    V_BITS: gl.constexpr = CFG[3]
-    V_CHANNEL: gl.constexpr = CFG[4]
-    OPT: gl.constexpr = CFG[5]
-    K_CHANNEL: gl.constexpr = CFG[6]
-    HD: gl.constexpr = CFG[7]
+    SPC: gl.constexpr = CFG.SPC
+    HS: gl.constexpr = CFG.HS
+    V_BITS: gl.constexpr = CFG.V_BITS
+    V_CHANNEL: gl.constexpr = CFG.V_CHANNEL
+    OPT: gl.constexpr = CFG.OPT
+    K_CHANNEL: gl.constexpr = CFG.K_CHANNEL
+    HD: gl.constexpr = CFG.HD
     FAST_MAX: gl.constexpr = fast_max(OPT)
     FAST_RCP: gl.constexpr = fast_rcp(OPT)
     RECONSTRUCT: gl.constexpr = reconstructs(OPT)
@@ -205,13 +205,13 @@ def _tile(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: gl.con
         "E4M3 operands: token-wise K and V at head_dim 128",
     )
     acc_l: gl.constexpr = acc_layout(HS)
-    ring, qt_smem, p_bufs, qsums, kfold, qk_scale, magic, _ = ops
+    ring, qt_smem, p_bufs, qsums, kfold, qk_scale, magic, _, q_lo = ops
     kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty = ring
     m_i, l_i, z_i, acc, zp_i = st
     p_smem = p_bufs.index(C)
     s = C * SPC + i % SPC
     mbarrier.wait(ready.index(s), (i // SPC) & 1)
-    kw = load_k_words(kw_bufs.index(s), CFG[2], HD)
+    kw = load_k_words(kw_bufs.index(s), CFG.K_BITS, HD)
     vw = load_v_words(vw_bufs.index(s), V_BITS, HD, E4M3)
     ks, kz, zq = 0, 0, 0
     if K_CHANNEL and RECONSTRUCT:  # per channel, read before the stage is released
@@ -230,8 +230,8 @@ def _tile(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: gl.con
     # stage s may be refilled (Gluon puts a partition bar.sync before the arrive)
     mbarrier.arrive(empty.index(s))
     if E4M3:  # the int32 fields stay the wait's deps; the E4M3 operand is their bytes
-        kx = k_fields_e4m3(kw, CFG[2], HD, scaled_extraction(OPT, CFG[2], HD))
-        k_op = k_operand_from_fields(kx, HS, CFG[2], HD)
+        kx = k_fields_e4m3(kw, CFG.K_BITS, HD, scaled_extraction(OPT, CFG.K_BITS, HD))
+        k_op = k_operand_from_fields(kx, HS, CFG.K_BITS, HD)
     else:
         k_op = page_k_operand(kw, ks, kz, magic, HS, CFG)
 
@@ -243,7 +243,10 @@ def _tile(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: gl.con
         use_acc=False,
         is_async=True,
     )
-    if E4M3:  # V's fields as the QK wait's deps: built while the QK product runs
+    if E4M3:
+        # Q^'s low terms into the same accumulator (kernel._stage_q), then V's fields as the QK
+        # wait's deps: built while the QK products run
+        s_tok = warpgroup_mma(k_op, q_lo[0].permute((1, 0)), s_tok, use_acc=True, is_async=True)
         vx = vt_fields_e4m3(vw, V_BITS, HD, SCALED_V)
     else:
         vt_op = page_vt_operand(vw, vs, vz, magic, HS, CFG)  # meant to overlap the QK wgmma
@@ -351,20 +354,20 @@ def _tile_pair(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: g
     19 of 20 calls in 7 of 8 channel-wise cases (`bash benchmarks/run_device.sh repeat`). Which
     read the refill overtakes is not isolated: the PTX reads no shared memory of the stage
     after the early release (docs/tuning.md)."""
-    SPC: gl.constexpr = CFG[0]
-    HS: gl.constexpr = CFG[1]
-    V_BITS: gl.constexpr = CFG[3]
-    V_CHANNEL: gl.constexpr = CFG[4]
-    OPT: gl.constexpr = CFG[5]
-    K_CHANNEL: gl.constexpr = CFG[6]
-    HD: gl.constexpr = CFG[7]
+    SPC: gl.constexpr = CFG.SPC
+    HS: gl.constexpr = CFG.HS
+    V_BITS: gl.constexpr = CFG.V_BITS
+    V_CHANNEL: gl.constexpr = CFG.V_CHANNEL
+    OPT: gl.constexpr = CFG.OPT
+    K_CHANNEL: gl.constexpr = CFG.K_CHANNEL
+    HD: gl.constexpr = CFG.HD
     FAST_MAX: gl.constexpr = fast_max(OPT)
     FAST_RCP: gl.constexpr = fast_rcp(OPT)
     RECONSTRUCT: gl.constexpr = reconstructs(OPT)
     SCALED_V: gl.constexpr = scaled_extraction(OPT, V_BITS, HD)
     gl.static_assert(not e4m3_operands(OPT), "E4M3 operands: one-page tiles")
     acc_l: gl.constexpr = acc_layout(HS)
-    ring, qt_smem, p_bufs, qsums, kfold, qk_scale, magic, _ = ops
+    ring, qt_smem, p_bufs, qsums, kfold, qk_scale, magic, _, _ = ops
     kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty = ring
     m_i, l_i, z_i, acc, zp_i = st
     pa_smem = p_bufs.index(2 * C)
@@ -387,7 +390,7 @@ def _tile_pair(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: g
             ks_b, kz_b = scale_pairs(ks_bufs.index(2 * s + 1), HS)
         b_qk = qt_smem.permute((1, 0))
     zero = gl.zeros([64, HS], gl.float32, acc_l)
-    K_BITS: gl.constexpr = CFG[2]
+    K_BITS: gl.constexpr = CFG.K_BITS
     kw_a = load_k_words(kw_bufs.index(2 * s), K_BITS, HD)
     k_a = page_k_operand(kw_a, ks_a, kz_a, magic, HS, CFG)
     sa_tok = warpgroup_mma(k_a, b_qk, zero, use_acc=False, is_async=True)
@@ -540,21 +543,21 @@ def _tile_pair_packed(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MA
     two columns of each head once per split. P' goes to two buffers, page a's columns in pa
     (the rest zero) and page b's in pb, so that the two PV products chained into one
     accumulator leave page a's output in columns < HS/2 and page b's in the rest."""
-    SPC: gl.constexpr = CFG[0]
-    HS: gl.constexpr = CFG[1]
-    K_BITS: gl.constexpr = CFG[2]
-    V_BITS: gl.constexpr = CFG[3]
-    OPT: gl.constexpr = CFG[5]
-    HD: gl.constexpr = CFG[7]
+    SPC: gl.constexpr = CFG.SPC
+    HS: gl.constexpr = CFG.HS
+    K_BITS: gl.constexpr = CFG.K_BITS
+    V_BITS: gl.constexpr = CFG.V_BITS
+    OPT: gl.constexpr = CFG.OPT
+    HD: gl.constexpr = CFG.HD
     FAST_MAX: gl.constexpr = fast_max(OPT)
     FAST_RCP: gl.constexpr = fast_rcp(OPT)
-    gl.static_assert(e4m3_operands(OPT) and HS == 8 and CFG[9] <= HS // 2)
-    gl.static_assert(not (CFG[4] or CFG[6]), "packed heads: token-wise K and V")
+    gl.static_assert(e4m3_operands(OPT) and HS == 8 and CFG.H <= HS // 2)
+    gl.static_assert(not (CFG.V_CHANNEL or CFG.K_CHANNEL), "packed heads: token-wise K and V")
     SCALED_K: gl.constexpr = scaled_extraction(OPT, K_BITS, HD)
     SCALED_V: gl.constexpr = scaled_extraction(OPT, V_BITS, HD)
     acc_l: gl.constexpr = acc_layout(HS)
     mma_l: gl.constexpr = acc_layout(HS, 32)
-    ring, qt_smem, p_bufs, qsums, kfold, qk_scale, magic, qb_smem = ops
+    ring, qt_smem, p_bufs, qsums, kfold, qk_scale, magic, qb_smem, q_lo = ops
     kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty = ring
     m_i, l_i, z_i, acc, zp_i = st
     pa_smem = p_bufs.index(2 * C)
@@ -562,24 +565,18 @@ def _tile_pair_packed(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MA
     s = C * SPC + i % SPC
     mbarrier.wait(ready.index(s), (i // SPC) & 1)
     kx_a = k_fields_e4m3(load_k_words(kw_bufs.index(2 * s), K_BITS, HD), K_BITS, HD, SCALED_K)
-    s_tok = warpgroup_mma(
-        k_operand_from_fields(kx_a, HS, K_BITS, HD),
-        qt_smem.permute((1, 0)),
-        gl.zeros([64, HS], gl.float32, mma_l),
-        use_acc=False,
-        is_async=True,
-    )
+    k_a = k_operand_from_fields(kx_a, HS, K_BITS, HD)
+    zero_s = gl.zeros([64, HS], gl.float32, mma_l)
+    s_tok = warpgroup_mma(k_a, qt_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    # Q^'s low terms (kernel._stage_q) into the same accumulator
+    s_tok = warpgroup_mma(k_a, q_lo[0].permute((1, 0)), s_tok, use_acc=True, is_async=True)
     SERIAL: gl.constexpr = V_BITS == 4  # INT4's registers: one K operand, V words read late
     if SERIAL:  # page a's K operand released before page b's is built
         s_tok, kx_a = warpgroup_mma_wait(0, deps=[s_tok, kx_a])
     kx_b = k_fields_e4m3(load_k_words(kw_bufs.index(2 * s + 1), K_BITS, HD), K_BITS, HD, SCALED_K)
-    s_tok = warpgroup_mma(
-        k_operand_from_fields(kx_b, HS, K_BITS, HD),
-        qb_smem.permute((1, 0)),
-        s_tok,
-        use_acc=True,
-        is_async=True,
-    )
+    k_b = k_operand_from_fields(kx_b, HS, K_BITS, HD)
+    s_tok = warpgroup_mma(k_b, qb_smem.permute((1, 0)), s_tok, use_acc=True, is_async=True)
+    s_tok = warpgroup_mma(k_b, q_lo[1].permute((1, 0)), s_tok, use_acc=True, is_async=True)
     # INT2 V words (8 registers for both pages) are read before the release; INT4's (16) after
     # the softmax, the stage held that much longer (at 112 registers INT4 spilled 22 bytes)
     EARLY_V: gl.constexpr = not SERIAL
@@ -642,19 +639,21 @@ def _tile_pair_packed_bf16(
     """_tile_pair_packed with bf16 operands (mantissa injection, token-wise K and V): two pages'
     scores in one [64, HS] tile. Each page's K (and V) operand takes 32 registers, so page a's
     product completes before page b's operand is built (112 registers per consumer thread)."""
-    SPC: gl.constexpr = CFG[0]
-    HS: gl.constexpr = CFG[1]
-    K_BITS: gl.constexpr = CFG[2]
-    V_BITS: gl.constexpr = CFG[3]
-    OPT: gl.constexpr = CFG[5]
-    HD: gl.constexpr = CFG[7]
+    SPC: gl.constexpr = CFG.SPC
+    HS: gl.constexpr = CFG.HS
+    K_BITS: gl.constexpr = CFG.K_BITS
+    V_BITS: gl.constexpr = CFG.V_BITS
+    OPT: gl.constexpr = CFG.OPT
+    HD: gl.constexpr = CFG.HD
     FAST_MAX: gl.constexpr = fast_max(OPT)
     FAST_RCP: gl.constexpr = fast_rcp(OPT)
-    gl.static_assert(not e4m3_operands(OPT) and HS == 8 and CFG[9] <= HS // 2)
-    gl.static_assert(not (CFG[4] or CFG[6] or reconstructs(OPT)), "packed heads: token-wise, folds")
+    gl.static_assert(not e4m3_operands(OPT) and HS == 8 and CFG.H <= HS // 2)
+    gl.static_assert(
+        not (CFG.V_CHANNEL or CFG.K_CHANNEL or reconstructs(OPT)), "packed heads: token-wise, folds"
+    )
     SCALED_V: gl.constexpr = scaled_extraction(OPT, V_BITS, HD)
     acc_l: gl.constexpr = acc_layout(HS)
-    ring, qt_smem, p_bufs, qsums, kfold, qk_scale, magic, qb_smem = ops
+    ring, qt_smem, p_bufs, qsums, kfold, qk_scale, magic, qb_smem, _ = ops
     kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty = ring
     m_i, l_i, z_i, acc, zp_i = st
     pa_smem = p_bufs.index(2 * C)
@@ -703,12 +702,13 @@ def _tile_pair_packed_bf16(
 @gluon.jit
 def step(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: gl.constexpr):
     """Tile t, consumer C's i-th, of one page or two (CFG's TP), packed heads or not; ops = (ring,
-    qt_smem, p_bufs, qsums, kfold, qk_scale, magic, qb_smem)."""
-    if packed_heads(CFG[5]) and e4m3_operands(CFG[5]):
+    qt_smem, p_bufs, qsums, kfold, qk_scale, magic, qb_smem, q_lo), q_lo the buffers of Q^'s low
+    E4M3 terms (page a's, page b's; 0 for bf16 operands)."""
+    if packed_heads(CFG.OPT) and e4m3_operands(CFG.OPT):
         st = _tile_pair_packed(i, t, n_q, st, ops, C, CFG, MASKED)
-    elif packed_heads(CFG[5]):
+    elif packed_heads(CFG.OPT):
         st = _tile_pair_packed_bf16(i, t, n_q, st, ops, C, CFG, MASKED)
-    elif CFG[8] == 2:
+    elif CFG.TP == 2:
         st = _tile_pair(i, t, n_q, st, ops, C, CFG, MASKED)
     else:
         st = _tile(i, t, n_q, st, ops, C, CFG, MASKED)
