@@ -216,7 +216,7 @@ def test_free_page_set_follows_every_change_of_the_pool():
     consistent()
     assert cache.page_is_free(5) and cache.page_is_free(0)
     order = sorted(cache._free_pages)
-    cache._set_free_order(order)
+    cache.set_free_order(order)
     consistent()
     c = cache.add_sequence()
     cache.append([c], torch.randn(20, H, D), torch.randn(20, H, D), [20])
@@ -224,7 +224,7 @@ def test_free_page_set_follows_every_change_of_the_pool():
     consistent()
     for bad in (order[:-1], [*order, 99], [cache.pages_of(b)[0], *order[3:]]):
         with pytest.raises(ValueError, match="every free page once"):
-            cache._set_free_order(bad)
+            cache.set_free_order(bad)
     consistent()
 
 

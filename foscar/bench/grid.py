@@ -85,10 +85,10 @@ def random_cache(fmt: KVFormat, batch: int, kv_len: int, shape: Shape, device, s
         check_finite=False,
     )
     g = torch.Generator(device=device).manual_seed(seed)
-    cache._set_free_order(torch.randperm(pages, device=device, generator=g).tolist())
+    cache.set_free_order(torch.randperm(pages, device=device, generator=g).tolist())
     ids = [cache.add_sequence() for _ in range(batch)]
     for sid in ids:
-        cache._assume_appended(sid, kv_len)
+        cache.assume_appended(sid, kv_len)
     for st in cache.layers:
         for t in (st.k_words, st.v_words):
             t.random_(-(2**31), 2**31 - 1, generator=g)

@@ -22,6 +22,7 @@ checked in constant time.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import operator
@@ -76,7 +77,10 @@ class DecodeBatch:
 
     A plan stays valid until a sequence it covers is freed or appended to in ``layer``
     (Note [stale plans] in foscar.cache.pages); :func:`foscar.decode_attention` raises on a
-    stale one. It may be pointed at another layer (``batch.layer = l``) whose lengths agree.
+    stale one. :meth:`for_layer` gives the same tables for another layer whose lengths agree.
+
+    A plan is data only: the decode backends' workspaces and bound launches belong to their
+    plans (:class:`foscar.DecodePlan`), never to the batch.
     """
 
     seq_ids: tuple
@@ -100,11 +104,14 @@ class DecodeBatch:
     _sequences: tuple = field(default=(), repr=False, compare=False)
     #: layer -> the stamp at which this plan was last found valid for it
     _valid_at: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-    #: the backends' split partials, by shape and device (a CUDA-graph replay allocates nothing)
-    _workspaces: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-    #: the decode calls' launches bound to this plan (Note [bound launches] in
-    #: foscar.triton_runtime)
-    _launches: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def for_layer(self, layer: int) -> DecodeBatch:
+        """The same page tables and lengths (the same device tensors) as a plan of ``layer``,
+        for a layer that holds as many tokens of each sequence (every layer of a decode step;
+        :meth:`PageTable.check_plan` raises where they differ)."""
+        if layer == self.layer:
+            return self
+        return dataclasses.replace(self, layer=layer)
 
     @property
     def batch_size(self) -> int:
@@ -244,9 +251,14 @@ class PageTable:
         self._free_set.discard(page)
         return page
 
-    def _set_free_order(self, order: list[int]) -> None:
-        """Benchmarks only: the order free pages are taken in (``order`` holds the free pages,
-        each once; the last is taken first), e.g. scattered over the pool."""
+    def free_page_order(self) -> list[int]:
+        """The free pages in the order appends take them, the next one last (the order
+        :meth:`set_free_order` sets)."""
+        return list(self._free_pages)
+
+    def set_free_order(self, order: list[int]) -> None:
+        """Benchmarks: the order free pages are taken in (``order`` holds the free pages, each
+        once; the last is taken first), e.g. scattered over the pool."""
         if len(order) != len(self._free_set) or set(order) != self._free_set:
             raise ValueError("order must list every free page once")
         self._free_pages = list(order)
@@ -323,7 +335,7 @@ class PageTable:
             for _ in range(n):
                 s.pages.append(self._pop_free())
 
-    def _assume_appended(self, seq_id, length: int) -> None:
+    def assume_appended(self, seq_id, length: int) -> None:
         """Benchmarks only: mark ``length`` tokens of every layer present without writing them.
 
         Pages are taken as an append would take them, but the pool keeps whatever bits it
