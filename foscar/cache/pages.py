@@ -251,6 +251,16 @@ class PageTable:
         self._free_set.discard(page)
         return page
 
+    def free_slot_order(self) -> list[int]:
+        """The free window slots in the order new sequences take them, the next one last."""
+        return list(self._free_slots)
+
+    def sequence_state(self, seq_id) -> SequenceState:
+        """A copy of live sequence ``seq_id``'s record: its window slot, pages and tokens per
+        layer."""
+        seq = self._lookup(seq_id, "seq_id")
+        return SequenceState(slot=seq.slot, pages=list(seq.pages), lengths=list(seq.lengths))
+
     def free_page_order(self) -> list[int]:
         """The free pages in the order appends take them, the next one last (the order
         :meth:`set_free_order` sets)."""
