@@ -239,7 +239,7 @@ def decode_attention(
         (:func:`default_backend`), else the Triton kernel for bf16 queries on a GPU
         when it covers the format (bf16 mapping, head_dim 64 or 128, at most 16 query heads
         per KV head), else the
-        reference, the folded torch computation (:func:`foscar.reference.attend_folded`) in
+        reference, the folded torch computation (:func:`foscar.backends.folded.attend_folded`) in
         fp32 (fp64 for fp64 queries). ``"triton-reconstruct"`` dequantizes every value before
         the products (the baseline folding is measured against); ``"gluon-reconstruct"`` is the
         same ablation in the Gluon kernel's pipeline. ``"gluon-e4m3"`` is the Gluon kernel with
