@@ -26,6 +26,8 @@
 #                  128): SmolLM2 with heads zero-padded to 128 (INT4, INT2 + windows), or
 #                  --model PATH of a head_dim-128 model (and OSCAR rows)  -> eval_e4m3.*
 #   tune           the Triton kernel's launch-config sweep       -> tune.json, tune.log
+#   host-time      host time of a held DecodePlan's run, launches bound and unbound
+#                                                                -> host_time.json, host_time.log
 #   repeat         the Gluon kernel's configs called 20 times each (every axis pair): the
 #                  difference between calls and CTAs per SM (benchmarks/tools/repeat_check.py),
 #                  then synccheck and racecheck -> repeat_check.log, repeat_*.json, repeat_sanitize.log
@@ -366,6 +368,10 @@ EOF
     ;;
   tune)
     logged tune.log python3 benchmarks/tools/tune_triton.py --out "$OUT/tune.json" "$@"
+    status=$?
+    ;;
+  host-time)
+    logged host_time.log python3 benchmarks/tools/host_time.py --json "$OUT/host_time.json" "$@"
     status=$?
     ;;
 esac
