@@ -189,8 +189,7 @@ def plan(
         batch.padding_rows = padding_rows
         batch.fixed_split_history = split_history
         batch._sequences = sequences
-        batch._valid_at.clear()
-        batch._valid_at[layer] = cache._stamps[layer]
+        cache.mark_plan_valid(batch, layer)
     return DecodeStep(
         seq_ids=seq_ids,
         batches=batches,

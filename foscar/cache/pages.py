@@ -15,9 +15,9 @@ before any launch) compares them on the host, with no device sync: each sequence
 same live sequence (not freed, its id not reused) holding the planned number of tokens in the
 plan's layer. An append to another layer leaves the plan right: it writes only that layer's
 pool tensors, and a live sequence's page list only grows, so the planned pages stay its first
-pages. Every change bumps a per-layer stamp; a plan remembers the stamp it was last found right
-at, so a plan reused with nothing changed (a CUDA-graph replay, the layers of one step) is
-checked in constant time.
+pages. Every change bumps a per-layer stamp; the cache remembers, per plan (weakly, by
+identity), the stamp it last found the plan right at, so a plan reused with nothing changed (a
+CUDA-graph replay, a step's plans) is checked in constant time. The plan itself stays data.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import dataclasses
 import itertools
 import math
 import operator
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -51,7 +52,7 @@ def host_to(device: torch.device, values, dtype=torch.long) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: the cache remembers plans it checked
 class DecodeBatch:
     """Where each sequence of a decode batch lives in the cache, as the kernels read it.
 
@@ -102,8 +103,6 @@ class DecodeBatch:
     fixed_split_history: int | None = None
     #: the planned sequences' records (compared by identity: Note [stale plans])
     _sequences: tuple = field(default=(), repr=False, compare=False)
-    #: layer -> the stamp at which this plan was last found valid for it
-    _valid_at: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def for_layer(self, layer: int) -> DecodeBatch:
         """The same page tables and lengths (the same device tensors) as a plan of ``layer``,
@@ -179,6 +178,8 @@ class PageTable:
         self._seqs: dict[object, SequenceState] = {}
         self._next_id = 0
         self._stamps = [next(_STAMPS) for _ in range(num_layers)]
+        #: plan -> {layer: the stamp at which it was last found valid there} (Note [stale plans])
+        self._valid_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         #: planned decode steps so far, and frees (a planned step is valid while this stands)
         self._step_serial = 0
 
@@ -410,7 +411,7 @@ class PageTable:
             layer=layer,
             _sequences=tuple(seqs),
         )
-        batch._valid_at[layer] = self._stamps[layer]
+        self.mark_plan_valid(batch, layer)
         return batch
 
     def check_plan(self, batch: DecodeBatch) -> None:
@@ -426,7 +427,8 @@ class PageTable:
     def _check_plan_at(self, batch: DecodeBatch, layer: int) -> None:
         """:meth:`check_plan` of ``batch`` in ``layer`` (a valid layer index)."""
         stamp = self._stamps[layer]
-        if batch._valid_at.get(layer) == stamp:
+        valid_at = self._valid_plans.get(batch)
+        if valid_at is not None and valid_at.get(layer) == stamp:
             return
         seqs = batch._sequences
         if len(seqs) != len(batch.seq_ids):
@@ -438,7 +440,12 @@ class PageTable:
             lengths = lengths[: len(seqs)]
         if any(map(operator.is_not, live, seqs)) or lengths != [s.lengths[layer] for s in seqs]:
             self._raise_stale(batch, layer, live)
-        batch._valid_at[layer] = stamp
+        self._valid_plans.setdefault(batch, {})[layer] = stamp
+
+    def mark_plan_valid(self, batch: DecodeBatch, layer: int) -> None:
+        """Record ``batch`` as made now for ``layer`` (its only valid layer until checked again):
+        :meth:`plan` and a planned decode step call this for the batches they fill."""
+        self._valid_plans[batch] = {layer: self._stamps[layer]}
 
     def _raise_stale(self, batch: DecodeBatch, layer: int, live: list) -> None:
         """The error of :meth:`check_plan`, naming the first sequence that changed."""
