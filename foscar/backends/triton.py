@@ -26,8 +26,12 @@ from .combine import (
     num_sms,
     outputs,
     partial_strides,
-    triton_decode,
 )
+
+try:
+    from ..kernels import triton_decode
+except Exception:  # no Triton, or an install without a backend: available() says so
+    triton_decode = None
 
 __all__ = ["TritonDecodePlan", "available", "decode", "launch_split", "supports", "window_partial"]
 
