@@ -122,6 +122,11 @@ class CacheAttention:
         self._decode_plans: dict[tuple[int, int], DecodePlan] = {}
         self.backend = backend
 
+    # copies (deepcopy, pickle) make their plans again: a plan's bound launches hold compiled
+    # kernels of this process
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_decode_plans": {}}
+
     @property
     def backend(self) -> str:
         return self._backend

@@ -183,6 +183,17 @@ class PageTable:
         #: planned decode steps so far, and frees (a planned step is valid while this stands)
         self._step_serial = 0
 
+    # copies (deepcopy, pickle) forget which plans were found valid: plans are this process's
+    # objects, weakly held, and a copy checks any plan in full once
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        del state["_valid_plans"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._valid_plans = weakref.WeakKeyDictionary()
+
     # ------------------------------------------------------------------ sequences
     @property
     def num_free_pages(self) -> int:
