@@ -52,6 +52,8 @@
 #                  benchmarks/tools/extend_bench.py, --sections to run part of it; --sections
 #                  model --name extend_model_ttft: the prompt's time to first token through a
 #                  random-weight Qwen3-8B)                   -> extend_bench.{json,md,log}
+#   host-time      host time of a held DecodePlan's run, launches bound and unbound
+#                                                                -> host_time.json, host_time.log
 #   repeat         the Gluon kernel's configs called 20 times each (every axis pair): the
 #                  difference between calls and CTAs per SM (benchmarks/tools/repeat_check.py),
 #                  then synccheck and racecheck -> repeat_check.log, repeat_*.json, repeat_sanitize.log
@@ -462,6 +464,10 @@ EOF
     ;;
   tune)
     logged tune.log python3 benchmarks/tools/tune_triton.py --out "$OUT/tune.json" "$@"
+    status=$?
+    ;;
+  host-time)
+    logged host_time.log python3 benchmarks/tools/host_time.py --json "$OUT/host_time.json" "$@"
     status=$?
     ;;
 esac

@@ -1,4 +1,11 @@
-"""Public decode entry: validate -> pick a backend (foscar.backends' registry) -> launch."""
+"""Public decode entry: validate -> pick a backend (foscar.backends' registry) -> plan -> run.
+
+:class:`DecodePlan` is FlashInfer's wrapper pattern: made once per DecodeBatch (one layer's
+page tables and lengths), it picks and checks the backend and holds the backend's plan (split
+workspaces allocated when it is made, bound launches, TMA descriptors); :meth:`DecodePlan.run`
+takes the query and the outputs of each call. :func:`decode_attention` makes a plan for its
+one call.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +13,10 @@ import math
 
 import torch
 
-from . import backends, configs, reference
+from . import backends, configs
 from .cache import DecodeBatch, QuantizedKVCache
 
-__all__ = ["decode_attention", "default_backend", "BACKENDS"]
+__all__ = ["BACKENDS", "DecodePlan", "decode_attention", "default_backend"]
 
 #: ``"auto"`` and the registered backends (foscar.backends): ``"triton-reconstruct"`` and
 #: ``"gluon-reconstruct"`` are the per-value reconstruction baselines of the two kernels
@@ -26,12 +33,26 @@ def default_backend(cache: QuantizedKVCache, q: torch.Tensor, layer: int = 0) ->
     faster), else the Triton kernel on a GPU when it covers the format, else the reference.
     ``layer``: whose format decides, where the cache holds one per layer (Gluon serves such a
     cache only where it covers every layer's format)."""
+    return auto_backend(cache, q.device, q.dtype, q.shape[0], q.shape[1], layer)
+
+
+def auto_backend(
+    cache: QuantizedKVCache,
+    device: torch.device,
+    dtype: torch.dtype,
+    batch_size: int,
+    num_q_heads: int,
+    layer: int = 0,
+) -> str:
+    """:func:`default_backend` for queries ``[batch_size, num_q_heads, head_dim]`` of ``dtype``
+    on ``device``."""
     gluon, triton = backends.get("gluon"), backends.get("triton")
+    cuda = device.type == "cuda"
     if (
-        q.is_cuda
-        and q.dtype == torch.bfloat16
-        and gluon.available(q.device)
-        and gluon.supports(cache, q.shape[1]) is None
+        cuda
+        and dtype == torch.bfloat16
+        and gluon.available(device)
+        and gluon.supports(cache, num_q_heads) is None
     ):
         fmt = cache.layer_format(layer)
         k, v = fmt.key, fmt.value
@@ -40,18 +61,143 @@ def default_backend(cache: QuantizedKVCache, q: torch.Tensor, layer: int = 0) ->
             v.axis.value,
             cache.head_dim,
             tuple({k.bits, v.bits}),
-            q.shape[0] * cache.num_kv_heads,
+            batch_size * cache.num_kv_heads,
             cache.page_size,
         ):
             return "gluon"
     if (
-        q.is_cuda
-        and triton.available(q.device)
-        and triton.supports(cache, q.shape[1]) is None
-        and q.dtype == torch.bfloat16
+        cuda
+        and triton.available(device)
+        and triton.supports(cache, num_q_heads) is None
+        and dtype == torch.bfloat16
     ):
         return "triton"
     return "reference"
+
+
+class DecodePlan:
+    """Decode attention over one :class:`DecodeBatch` (its layer ``batch.layer``) of ``cache``,
+    planned once and run per call (FlashInfer's ``plan``/``run``).
+
+    Parameters
+    ----------
+    cache : QuantizedKVCache
+    batch : DecodeBatch
+        From ``cache.plan(seq_ids, layer)`` or a decode step's ``step.batches[layer]``. The plan
+        reads its tables at every run, so a batch whose tensors are refilled in place (a planned
+        decode step's) keeps its plan.
+    num_q_heads : int
+        Query heads (a multiple of the cache's KV heads).
+    q_dtype : torch.dtype
+        The queries' dtype (bfloat16 for the kernels).
+    sm_scale : float, optional
+        Logit scale (default ``1 / sqrt(head_dim)``).
+    backend : str
+        As :func:`decode_attention`'s; ``"auto"`` is resolved here, once.
+
+    The backend's plan (``backend_plan``) owns the split workspace, allocated here, so that a
+    CUDA graph captured over :meth:`run` and its replays allocate nothing, and the bound
+    launches later runs replay (Note [bound launches] in foscar.triton_runtime).
+
+    Example
+    -------
+    >>> plan = foscar.DecodePlan(cache, cache.plan(seq_ids), num_q_heads=32)
+    >>> o = plan.run(q)
+    """
+
+    def __init__(
+        self,
+        cache: QuantizedKVCache,
+        batch: DecodeBatch,
+        *,
+        num_q_heads: int,
+        q_dtype: torch.dtype = torch.bfloat16,
+        sm_scale: float | None = None,
+        backend: str = "auto",
+    ) -> None:
+        if not isinstance(cache, QuantizedKVCache):
+            raise TypeError(f"cache must be a QuantizedKVCache, got {type(cache).__name__}")
+        if not isinstance(batch, DecodeBatch):
+            raise TypeError(
+                f"batch must be a DecodeBatch (from cache.plan), got {type(batch).__name__}"
+            )
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if isinstance(num_q_heads, bool) or not isinstance(num_q_heads, int) or (
+            num_q_heads < 1 or num_q_heads % cache.num_kv_heads
+        ):
+            raise ValueError(
+                f"num_q_heads must be a positive multiple of num_kv_heads "
+                f"({cache.num_kv_heads}), got {num_q_heads!r}"
+            )
+        if not isinstance(q_dtype, torch.dtype) or not q_dtype.is_floating_point:
+            raise TypeError(
+                f"q must be a floating tensor (bfloat16 for the kernels), got {q_dtype}"
+            )
+        cache.check_plan(batch)  # a plan made before a free or an append raises here
+        self.cache = cache
+        self.batch = batch
+        self.num_q_heads = num_q_heads
+        self.q_dtype = q_dtype
+        self.sm_scale = 1.0 / math.sqrt(cache.head_dim) if sm_scale is None else float(sm_scale)
+        if backend == "auto":
+            backend = auto_backend(
+                cache, cache.device, q_dtype, batch.batch_size, num_q_heads, batch.layer
+            )
+        self.backend = backend
+        impl = backends.get(backend)
+        if not impl.available(cache.device):
+            raise ValueError(
+                f"backend {backend!r} needs {impl.requirement}; q is on {cache.device}"
+            )
+        reason = impl.supports(cache, num_q_heads)
+        if reason:
+            raise ValueError(f"backend {backend!r} does not cover this cache: {reason}")
+        if impl.query_dtypes is not None and q_dtype not in impl.query_dtypes:
+            dtypes = " or ".join(str(d).removeprefix("torch.") for d in impl.query_dtypes)
+            raise TypeError(f"backend {backend!r} needs {dtypes} queries, got {q_dtype}")
+        self.backend_plan = impl.plan(cache, batch, num_q_heads, self.sm_scale)
+
+    def run(
+        self,
+        q: torch.Tensor,
+        *,
+        out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+        return_lse: bool = False,
+    ):
+        """Attention of ``q: [batch, num_q_heads, head_dim]`` over the batch; returns ``o`` (and
+        ``lse`` with ``return_lse``), as :func:`decode_attention`."""
+        cache, batch = self.cache, self.batch
+        if not isinstance(q, torch.Tensor):
+            raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+        if q.device != cache.device:
+            raise ValueError(f"q is on {q.device}, expected the cache's device {cache.device}")
+        cache.check_query(q, batch)
+        if q.shape[1] != self.num_q_heads or q.dtype != self.q_dtype:
+            raise ValueError(
+                f"q must be {self.q_dtype} with {self.num_q_heads} heads (the plan's), got "
+                f"{q.dtype} with {q.shape[1]}"
+            )
+        cache.check_plan(batch)  # a plan made before a free or an append raises here
+        if out is not None and (
+            out.shape != q.shape or out.dtype != q.dtype or out.device != q.device
+        ):
+            raise ValueError(
+                f"out must be a {q.dtype} tensor of shape {list(q.shape)} on {q.device}"
+            )
+        tr = cache.transforms[batch.layer]
+        if tr.key_rotation is not None:
+            q = tr.rotate(q, "key").to(q.dtype)
+        run = self.backend_plan.run
+        if tr.value_rotation is None:
+            return run(q, out=out, lse=lse, return_lse=return_lse)
+        o, lse_o = run(q, out=None, lse=lse, return_lse=True)
+        o = tr.rotate(o, "value", inverse=True).to(q.dtype)
+        if out is not None:
+            out.copy_(o)
+            o = out
+        return (o, lse_o) if return_lse else o
 
 
 def decode_attention(
@@ -75,8 +221,9 @@ def decode_attention(
     cache : QuantizedKVCache
     batch : DecodeBatch
         From ``cache.plan(seq_ids, layer)``; row ``i`` of ``q`` belongs to ``batch.seq_ids[i]``.
-        It also holds the kernels' split workspace, so reusing one plan across layers and
-        CUDA-graph replays allocates nothing.
+        Page tables and lengths only: each call makes a :class:`DecodePlan` for itself; hold
+        one (``DecodePlan(cache, batch, num_q_heads=...)``) to reuse its workspace and bound
+        launches over many calls, as CUDA-graph capture and serving do.
         Plan after the step's appends: a plan whose sequences were freed, or appended to in
         its layer, since ``cache.plan`` raises ``ValueError`` (checked on the host, no device
         sync).
@@ -92,7 +239,7 @@ def decode_attention(
         (:func:`default_backend`), else the Triton kernel for bf16 queries on a GPU
         when it covers the format (bf16 mapping, head_dim 64 or 128, at most 16 query heads
         per KV head), else the
-        reference, the folded torch computation (:func:`foscar.reference.attend_folded`) in
+        reference, the folded torch computation (:func:`foscar.backends.folded.attend_folded`) in
         fp32 (fp64 for fp64 queries). ``"triton-reconstruct"`` dequantizes every value before
         the products (the baseline folding is measured against); ``"gluon-reconstruct"`` is the
         same ablation in the Gluon kernel's pipeline. ``"gluon-e4m3"`` is the Gluon kernel with
@@ -133,35 +280,11 @@ def decode_attention(
         raise ValueError(f"q is on {q.device}, expected the cache's device {cache.device}")
     if not q.is_floating_point():
         raise TypeError(f"q must be a floating tensor (bfloat16 for the kernels), got {q.dtype}")
-    reference.check_query(q, cache, batch)
+    cache.check_query(q, batch)
     cache.check_plan(batch)  # a plan made before a free or an append raises here
-    sm_scale = 1.0 / math.sqrt(cache.head_dim) if sm_scale is None else float(sm_scale)
-    if backend == "auto":
-        backend = default_backend(cache, q, batch.layer)
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
         raise ValueError(f"out must be a {q.dtype} tensor of shape {list(q.shape)} on {q.device}")
-    tr = cache.transforms[batch.layer]
-    if tr.key_rotation is not None:
-        q = tr.rotate(q, "key").to(q.dtype)
-    if tr.value_rotation is None:
-        return _decode(q, cache, batch, sm_scale, backend, return_lse, out, lse)
-    o, lse_o = _decode(q, cache, batch, sm_scale, backend, True, None, lse)
-    o = tr.rotate(o, "value", inverse=True).to(q.dtype)
-    if out is not None:
-        out.copy_(o)
-        o = out
-    return (o, lse_o) if return_lse else o
-
-
-def _decode(q, cache, batch, sm_scale, name, return_lse, out, lse):
-    """The backend call of :func:`decode_attention` (validated arguments, stored coordinates)."""
-    backend = backends.get(name)
-    if not backend.available(q.device):
-        raise ValueError(f"backend {name!r} needs {backend.requirement}; q is on {q.device}")
-    reason = backend.supports(cache, q.shape[1])
-    if reason:
-        raise ValueError(f"backend {name!r} does not cover this cache: {reason}")
-    if backend.query_dtypes is not None and q.dtype not in backend.query_dtypes:
-        dtypes = " or ".join(str(d).removeprefix("torch.") for d in backend.query_dtypes)
-        raise TypeError(f"backend {name!r} needs {dtypes} queries, got {q.dtype}")
-    return backend.launch(q, cache, batch, sm_scale, out=out, lse=lse, return_lse=return_lse)
+    plan = DecodePlan(
+        cache, batch, num_q_heads=q.shape[1], q_dtype=q.dtype, sm_scale=sm_scale, backend=backend
+    )
+    return plan.run(q, out=out, lse=lse, return_lse=return_lse)

@@ -76,6 +76,7 @@ __all__ = [
     "operand_values",
     "fold_scale_offset",
     "words_per_row",
+    "bit_offsets",
     "Role",
     "channel_order",
     "kernel_bit_location",
@@ -272,7 +273,7 @@ def words_per_row(head_dim: int, bits: int) -> int:
     return head_dim * bits // 32
 
 
-def _bit_offsets(bits: int, mapping: OperandMapping, device=None) -> torch.Tensor:
+def bit_offsets(bits: int, mapping: OperandMapping, device=None) -> torch.Tensor:
     """``bit(i)`` of the layout above for the ``32 // bits`` values of a word, as int64.
 
     Computed on ``device`` (no host-to-device copy, so no stream sync on a GPU)."""
@@ -332,7 +333,7 @@ def _kernel_order(role: Role, bits: int, head_dim: int, mapping: OperandMapping)
     """:func:`channel_order` as a tuple, computed once per row shape (every cache write
     packs with it; the loop runs in Python)."""
     per_word = 32 // bits
-    position_of_bit = {int(b): i for i, b in enumerate(_bit_offsets(bits, mapping))}
+    position_of_bit = {int(b): i for i, b in enumerate(bit_offsets(bits, mapping))}
     order = [0] * head_dim
     for c in range(head_dim):
         word, bit = kernel_bit_location(role, c, head_dim, bits)
@@ -360,7 +361,7 @@ def pack_codes(
     nw = words_per_row(head_dim, bits)
     per_word = 32 // bits
     c = codes.to(torch.int32).reshape(*codes.shape[:-1], nw, per_word)
-    shifts = _bit_offsets(bits, mapping, codes.device).to(torch.int32)
+    shifts = bit_offsets(bits, mapping, codes.device).to(torch.int32)
     # The fields are disjoint, so their sum is their OR (no carries; int32 wraps two's
     # complement, so bit 31 is just a bit).
     return (c << shifts).sum(dim=-1, dtype=torch.int32)
@@ -381,7 +382,7 @@ def unpack_codes(
         return unpack_codes(words, bits, mapping)[..., inverse.to(words.device)]
     w = words.to(torch.int32)
     mask = (1 << bits) - 1
-    offsets = [int(b) for b in _bit_offsets(bits, mapping)]
+    offsets = [int(b) for b in bit_offsets(bits, mapping)]
     # int32 shifts are arithmetic, but the mask keeps only the field's own bits. One op per field
     # with a Python shift amount (torch's tensor-by-tensor shift is slower on the CPU), each
     # written straight into the uint8 result (stacking int32 fields was slower).

@@ -1,9 +1,10 @@
-"""Where foscar's Triton kernels can run: importing them, the CPU interpreter, the launch device.
+"""Where foscar's Triton kernels can run: the CPU interpreter, the launch device, bound launches.
 
 The cache's fused decode-step write (foscar.cache.fused_write) and the decode backends
-(foscar.backends) both launch Triton kernels; this module is the one place that imports the
-kernel modules, decides whether a device can run them, and patches the interpreter. It also
-binds a decode call's launches once per plan (:func:`bound_call`, Note [bound launches]).
+(foscar.backends) import their kernel modules themselves (None where Triton cannot be
+imported); this module decides whether a device can run them (:func:`available`), holds the one
+interpreter switch (:func:`interpreting`) and patches the interpreter. It also binds a decode
+plan's launches (:func:`bound_call`, Note [bound launches]).
 
 Note [bound launches]: triton's JIT spends most of an eager launch's host time before the kernel
 starts: it specializes every argument (types, 16-byte alignment, integers equal to 1), hashes a
@@ -28,14 +29,13 @@ it is CUDA-graph safe as the JIT launch is.
 from __future__ import annotations
 
 import contextlib
-import functools
-import importlib
 import os
 import threading
+from types import ModuleType
 
 import torch
 
-__all__ = ["available", "bound_call", "interpreting", "kernel_module", "launch", "on_device"]
+__all__ = ["available", "bound_call", "interpreting", "launch", "on_device"]
 
 
 def interpreting() -> bool:
@@ -43,28 +43,16 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@functools.cache
-def kernel_module(name: str):
-    """``foscar.kernels.<name>`` (e.g. ``"triton_decode"``, ``"cache_write"``), or None where
-    Triton or the module cannot be imported. Under the interpreter, patches it first
-    (Note [interpreter and numpy >= 2.4])."""
-    try:
-        import triton  # noqa: F401
-
-        module = importlib.import_module(f"foscar.kernels.{name}")
-    except Exception:  # ImportError, or a broken install without a backend
-        return None
-    if interpreting():
-        _patch_interpreter_for_numpy2()
-    return module
-
-
-def available(device: torch.device, kernels: str = "triton_decode") -> bool:
-    """The kernel module ``kernels`` imports and can run on ``device`` (CUDA, or the CPU
-    interpreter)."""
-    if kernel_module(kernels) is None:
+def available(device: torch.device, kernels: ModuleType | None) -> bool:
+    """The kernel module ``kernels`` imported (a launcher's ``from ..kernels import ...``, None
+    where Triton could not be imported) and can run on ``device`` (CUDA, or the CPU
+    interpreter, patched here: Note [interpreter and numpy >= 2.4])."""
+    if kernels is None:
         return False
-    return device.type == "cuda" or (device.type == "cpu" and interpreting())
+    if device.type == "cpu" and interpreting():
+        _patch_interpreter_for_numpy2()
+        return True
+    return device.type == "cuda"
 
 
 def on_device(device: torch.device):
@@ -107,6 +95,8 @@ _NEVER = object()  # a key whose launches cannot be bound
 def launch(fn, grid: tuple, **kwargs):
     """``fn[grid](**kwargs)``; inside :func:`bound_call`'s recording call of a key, also
     recorded (Note [bound launches]). Returns what the JIT returns (the compiled kernel)."""
+    if interpreting():
+        _patch_interpreter_for_numpy2()
     kernel = fn[grid](**kwargs)
     launches = getattr(_recording, "launches", None)
     if launches is not None:

@@ -42,7 +42,7 @@ def build_cache(
     )
     if shuffle_pages:  # pages out of order, so page-table indexing is exercised
         perm = torch.randperm(num_pages, generator=g).tolist()
-        cache._set_free_order(perm)
+        cache.set_free_order(perm)
     ids = [cache.add_sequence() for _ in lengths]
     total = sum(lengths)
     spread = torch.linspace(0.3, 2.0, head_dim)

@@ -1,6 +1,5 @@
 """Paged quantized cache: placement, windows, demotion, page tables, reuse, bad input."""
 
-import copy
 import math
 
 import pytest
@@ -198,7 +197,7 @@ def test_free_page_set_follows_every_change_of_the_pool():
     cache = make_cache(fmt, num_pages=12, page_size=16)
 
     def consistent():
-        stack = cache._free_pages
+        stack = cache.free_page_order()
         assert len(set(stack)) == len(stack) == cache.num_free_pages
         assert cache.free_pages() == frozenset(stack)
         assert [p for p in range(12) if cache.page_is_free(p)] == sorted(stack)
@@ -215,8 +214,8 @@ def test_free_page_set_follows_every_change_of_the_pool():
     cache.free(a)
     consistent()
     assert cache.page_is_free(5) and cache.page_is_free(0)
-    order = sorted(cache._free_pages)
-    cache._set_free_order(order)
+    order = sorted(cache.free_page_order())
+    cache.set_free_order(order)
     consistent()
     c = cache.add_sequence()
     cache.append([c], torch.randn(20, H, D), torch.randn(20, H, D), [20])
@@ -224,7 +223,7 @@ def test_free_page_set_follows_every_change_of_the_pool():
     consistent()
     for bad in (order[:-1], [*order, 99], [cache.pages_of(b)[0], *order[3:]]):
         with pytest.raises(ValueError, match="every free page once"):
-            cache._set_free_order(bad)
+            cache.set_free_order(bad)
     consistent()
 
 
@@ -272,8 +271,8 @@ def test_memory_stats_match_the_formula():
 # ---------------------------------------------------------------------------- bad input
 def snapshot(cache):
     tensors = [{k: t.clone() for k, t in st.tensors().items()} for st in cache.layers]
-    return (tensors, list(cache._free_pages), set(cache._free_set), list(cache._free_slots),
-            copy.deepcopy(cache._seqs))
+    seqs = {s: cache.sequence_state(s) for s in cache.sequences}
+    return tensors, cache.free_page_order(), cache.free_pages(), cache.free_slot_order(), seqs
 
 
 def assert_unchanged(cache, snap):
@@ -281,9 +280,9 @@ def assert_unchanged(cache, snap):
     for st, saved in zip(cache.layers, tensors):
         for k, t in st.tensors().items():
             assert torch.equal(t, saved[k]), k
-    assert cache._free_pages == free_pages and cache._free_set == free_set
-    assert cache._free_slots == free_slots
-    assert cache._seqs == seqs
+    assert cache.free_page_order() == free_pages and cache.free_pages() == free_set
+    assert cache.free_slot_order() == free_slots
+    assert {s: cache.sequence_state(s) for s in cache.sequences} == seqs
 
 
 @pytest.fixture

@@ -20,8 +20,8 @@ FORMATS = [
 
 def _snapshot(cache):
     state = [t.clone() for st in cache.layers for t in st.tensors().values()]
-    seqs = {s: (list(q.pages), list(q.lengths), q.slot) for s, q in cache._seqs.items()}
-    return state, seqs, list(cache._free_pages)
+    seqs = {s: cache.sequence_state(s) for s in cache.sequences}
+    return state, seqs, cache.free_page_order()
 
 
 def _general_writer(cache, layer, seqs, lengths, k, v, fused=False):

@@ -83,7 +83,7 @@ def _run_pair(fmt, steps, *, decode_write="torch", padding=0, backend="reference
         ids = _order(step)
         n = len(ids)
         planned = got.plan_decode_step(ids, padding_rows=padding)
-        assert planned.rows == n + padding and planned.batch.batch_size == n + padding
+        assert planned.rows == n + padding and planned.batches[0].batch_size == n + padding
         for layer in range(LAYERS):
             # padding rows carry garbage: they must be written nowhere
             k, v = (torch.randn(n + padding, H, D, generator=gen) * 3 for _ in range(2))
@@ -93,8 +93,7 @@ def _run_pair(fmt, steps, *, decode_write="torch", padding=0, backend="reference
             plan = ref.plan(ids, layer)
             want = decode_attention(q[:n], ref, plan, backend=backend)
             got.write_decode_step(layer, k, v, planned)
-            planned.batch.layer = layer
-            out = decode_attention(q, got, planned.batch, backend=backend)
+            out = decode_attention(q, got, planned.batches[layer], backend=backend)
             assert torch.equal(out[:n], want), f"step {step} layer {layer}"
             assert torch.isfinite(out[n:]).all()
         for a, b in zip(_snapshot(ref), _snapshot(got)):
@@ -148,15 +147,14 @@ def test_padding_rows_fused_write_and_kernel():
         ids = _order(step)
         n = len(ids)
         planned = got.plan_decode_step(ids, padding_rows=2, split_history=4096)
-        assert planned.batch.split_history == 4096
+        assert all(b.split_history == 4096 for b in planned.batches)
         for layer in range(LAYERS):
             k, v = (torch.randn(n + 2, H, D, generator=gen).to(KERNEL_DEVICE) for _ in range(2))
             q = torch.randn(n + 2, HQ, D, generator=gen).to(torch.bfloat16).to(KERNEL_DEVICE)
             ref.append(ids, k[:n], v[:n], layer=layer)
             want = decode_attention(q[:n], ref, ref.plan(ids, layer), backend="triton")
             got.write_decode_step(layer, k, v, planned)
-            planned.batch.layer = layer
-            out = decode_attention(q, got, planned.batch, backend="triton")
+            out = decode_attention(q, got, planned.batches[layer], backend="triton")
             # the split count differs (fixed history): the merge rounds differently
             torch.testing.assert_close(out[:n], want, atol=2e-2, rtol=2e-2)
             assert torch.isfinite(out[n:].float()).all()
@@ -178,7 +176,7 @@ def test_step_tensors_keep_their_address():
         ids = list(range(6)) if step % 2 else [1, 4]
         planned = cache.plan_decode_step(ids, padding_rows=6 - len(ids) + 4)
         assert planned.rows == 10
-        b = planned.batch
+        b = planned.batches[0]
         ptrs = (id(b), planned.desc.data_ptr(), b.kv_indptr.data_ptr(), b.kv_indices.data_ptr(),
                 b.seq_lens.data_ptr(), b.num_quantized.data_ptr(), b.slots.data_ptr(),
                 b.kv_last_page_len.data_ptr())
@@ -249,7 +247,7 @@ def test_write_refuses_a_stale_step_or_wrong_tensors():
     with pytest.raises(ValueError, match="layer must be in"):
         cache.write_decode_step(LAYERS, x, x, first)
     with pytest.raises(TypeError, match="DecodeStep"):
-        cache.write_decode_step(0, x, x, first.batch)
+        cache.write_decode_step(0, x, x, first.batches[0])
     with pytest.raises(ValueError, match="latest planned step"):
         other.write_decode_step(0, x, x, first)
     before = _snapshot(cache)
@@ -311,7 +309,7 @@ def test_replayed_step_counts_every_layer_written():
     x = torch.randn(2, H, D).to(KERNEL_DEVICE)
     cache.write_decode_step(0, x, x, first)  # (a graph captures layer 0's host code too)
     with pytest.raises(TypeError, match="DecodeStep"):
-        cache.record_replayed_step(first.batch)
+        cache.record_replayed_step(first.batches[0])
     cache.record_replayed_step(first)
     assert first.written == set(range(LAYERS))
     second = cache.plan_decode_step([a, b])

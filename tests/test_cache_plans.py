@@ -123,13 +123,14 @@ def test_plans_stay_valid_while_their_sequences_do_not_change():
             if batch is None:
                 batch = cache.plan(ids, layer)
                 planned_at = layer
-            batch.layer = layer
-            q = _q(batch)
-            o = decode_attention(q, cache, batch)
+            layer_batch = batch.for_layer(layer)
+            q = _q(layer_batch)
+            o = decode_attention(q, cache, layer_batch)
             if step == 5:  # the reused plan reads what a fresh one reads; replays agree
                 expected = decode_attention(q, cache, cache.plan(ids, layer))
                 torch.testing.assert_close(o, expected, atol=0, rtol=0)
-                torch.testing.assert_close(decode_attention(q, cache, batch), o, atol=0, rtol=0)
+                again = decode_attention(q, cache, layer_batch)
+                torch.testing.assert_close(again, o, atol=0, rtol=0)
         assert planned_at == 0
     assert len(cache.pages_of(ids[0])) == 4  # 3 pages after the prefill
     # a plan of layer 0 outlives appends to layer 1, and other sequences' lives

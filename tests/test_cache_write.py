@@ -296,11 +296,11 @@ def test_fused_write_refusals_leave_the_cache_unchanged():
         sid = cache.add_sequence()
         x = torch.randn(41, 2, 64, device=KERNEL_DEVICE)
         cache.append([sid], x[:40], x[:40], [40])
-        before, pages = _snapshot(cache), list(cache._free_pages)
+        before, pages = _snapshot(cache), cache.free_page_order()
         with pytest.raises(ValueError, match=f"decode_write='fused' cannot.*{why}"):
             cache.append([sid], x[40:], x[40:])
         assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(cache)))
-        assert cache._free_pages == pages and cache.seq_len(sid) == 40
+        assert cache.free_page_order() == pages and cache.seq_len(sid) == 40
     # OSCAR's layers (per-layer clips, GPTQ keys) take the fused write; head_dim 96 does not
     fmt = KVFormat(QuantFormat(2, "token", 64), QuantFormat(2, "token", 64))
     cache = _pair(fmt, 64)[1]

@@ -266,17 +266,16 @@ def test_kernel_compiles_for_sm90(fmt_name):
 
 # ---------------------------------------------------------------------------- the call sites
 def kernel_everywhere(monkeypatch):
-    """Route the call sites' extend_attention to the kernel (on the CPU: the interpreter), as a
-    GPU does, to check what they hand it (layouts, rows, masks)."""
+    """Route the attention core's extend_attention (both call sites: FoscarCache and the serving
+    core) to the kernel (on the CPU: the interpreter), as a GPU does, to check what they hand it
+    (layouts, rows, masks)."""
     import functools
 
-    from foscar.integrations import transformers as integration
-    from foscar.serving import core
+    from foscar import attention
 
-    for module in (core, integration):
-        monkeypatch.setattr(
-            module, "extend_attention", functools.partial(extend_attention, path="triton")
-        )
+    monkeypatch.setattr(
+        attention, "extend_attention", functools.partial(extend_attention, path="triton")
+    )
 
 
 def test_serving_core_chunk_on_the_kernel_matches_torch_path(monkeypatch):

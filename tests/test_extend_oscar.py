@@ -9,7 +9,7 @@ from kernel_cases import rel_l2
 
 from foscar import KVFormat, QuantFormat, QuantizedKVCache
 from foscar.backends import extend
-from foscar.reference import attend_chunk
+from foscar.backends.extend import attend_chunk
 
 HEAD_DIM = 64
 

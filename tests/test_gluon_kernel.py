@@ -32,7 +32,7 @@ from kernel_cases import (
     rel_l2,
 )
 
-from foscar import KVFormat, QuantFormat, QuantizedKVCache, configs, decode_attention
+from foscar import DecodePlan, KVFormat, QuantFormat, QuantizedKVCache, configs, decode_attention
 from foscar.configs import GluonDecodeConfig, GluonFlag, gluon_decode_config
 
 pytest.importorskip("triton")
@@ -514,20 +514,24 @@ def test_e4m3_operands_name_what_they_do_not_cover(fmt, head_dim, reason):
 
 def test_tma_descriptors_cover_the_pools_and_are_cached():
     """One TMA box is one page of one KV head: the words of 64 tokens ([1, 1, 64, D * bits / 32])
-    and the page's 128 scale floats; built once per layer's pools."""
+    and the page's 128 scale floats; built once per plan (the plan owns them, the cache holds
+    none)."""
     fmt = KVFormat(INT4, QuantFormat(2, "channel", 128))
-    cache, _ = build_cache(fmt, (100, 300), num_kv_heads=2)
-    kw, ks, vw, vs = gluon_backend._descriptors(cache, 0)
+    cache, batch = build_cache(fmt, (100, 300), num_kv_heads=2)
+    plan = gluon_backend.GluonDecodePlan(cache, batch, 8, 128**-0.5)
+    kw, ks, vw, vs = plan.descriptors()
     st = cache.layers[0]
     assert (kw.block_shape, kw.shape) == ([1, 1, 64, 16], list(st.k_words.shape))
     assert (vw.block_shape, vw.shape) == ([1, 1, 64, 8], list(st.v_words.shape))
     for desc, scales in ((ks, st.k_scales), (vs, st.v_scales)):
         assert desc.block_shape == [1, 1, 128]
         assert desc.shape == [scales.shape[0], scales.shape[1], scales[0, 0].numel()]
-    assert gluon_backend._descriptors(cache, 0)[0] is kw
+    assert plan.descriptors()[0] is kw
+    other = gluon_backend.GluonDecodePlan(cache, batch, 8, 128**-0.5)
+    assert other.descriptors()[0] is not kw
     fmt64 = KVFormat(QuantFormat(2, "token", 64), QuantFormat(4, "token", 64))
     cache, _ = build_cache(fmt64, (100,), head_dim=64)
-    kw, ks, vw, _ = gluon_backend._descriptors(cache, 0)
+    kw, ks, vw, _ = gluon_backend.tma_descriptors(cache, 0)
     assert (kw.block_shape, vw.block_shape, ks.block_shape) == (
         [1, 1, 64, 4],
         [1, 1, 64, 8],
@@ -839,32 +843,41 @@ def _forced_tile_pages(monkeypatch):
         monkeypatch.setattr(gluon_backend, "gluon_decode_config", forced)
 
 
-def run(q, cache, batch, backend="gluon", **kw):
-    """Decode into NaN-poisoned outputs, so that any unwritten element fails the check."""
+def run(q, cache, batch, backend="gluon", plan=None, **kw):
+    """Decode into NaN-poisoned outputs, so that any unwritten element fails the check
+    (``plan``: a DecodePlan of ``batch`` to run instead of decode_attention's own)."""
     out = torch.full_like(q, math.nan)
     lse = torch.full(q.shape[:2], math.nan, dtype=torch.float32, device=q.device)
-    o, lse = decode_attention(
-        q, cache, batch, backend=backend, return_lse=True, out=out, lse=lse, **kw
-    )
+    if plan is not None:
+        o, lse = plan.run(q, return_lse=True, out=out, lse=lse)
+    else:
+        o, lse = decode_attention(
+            q, cache, batch, backend=backend, return_lse=True, out=out, lse=lse, **kw
+        )
     assert o.data_ptr() == out.data_ptr()
     return o, lse
 
 
-def poison_workspace(q, cache, batch, splits):
-    """Allocate the batch's split workspace (one call) and fill it with NaN, so that a later
-    call that reads a partial it did not write fails the check."""
-    gluon_backend.decode(q, cache, batch, 128**-0.5, splits=splits)
-    for o_part, lse_part in batch._workspaces.values():
+def poisoned_plan(q, cache, batch, splits):
+    """A Gluon plan of ``splits`` splits whose split workspace (allocated when the plan is made)
+    is filled with NaN, so that a call that reads a partial it did not write fails the check."""
+    plan = gluon_backend.GluonDecodePlan(cache, batch, q.shape[1], 128**-0.5, splits=splits)
+    assert plan.workspace.tensors()
+    for o_part, lse_part in plan.workspace.tensors():
         o_part.fill_(math.nan)
         lse_part.fill_(math.nan)
+    return plan
 
 
-def run_launcher(q, cache, batch, return_lse=True, **kw):
-    """gluon_backend.decode (explicit configs, splits, operands) into NaN-poisoned outputs, at
-    sm_scale 128^-0.5: (out, lse); lse stays NaN unless ``return_lse``."""
+def run_launcher(q, cache, batch, return_lse=True, plan=None, **kw):
+    """A Gluon plan's run (explicit configs, splits, operands; ``plan``: one made already) into
+    NaN-poisoned outputs, at sm_scale 128^-0.5: (out, lse); lse stays NaN unless
+    ``return_lse``."""
     out = torch.full_like(q, math.nan)
     lse = torch.full(q.shape[:2], math.nan, dtype=torch.float32, device=q.device)
-    gluon_backend.decode(q, cache, batch, 128**-0.5, out=out, lse=lse, return_lse=return_lse, **kw)
+    if plan is None:
+        plan = gluon_backend.GluonDecodePlan(cache, batch, q.shape[1], 128**-0.5, **kw)
+    plan.run(q, out=out, lse=lse, return_lse=return_lse)
     return out, lse
 
 
@@ -901,18 +914,19 @@ def test_bound_launches_replay_what_the_jit_launches(backend, k_axis):
     strides takes the JIT again, as right."""
     fmt = KVFormat(QuantFormat(2, k_axis, 128), INT2)
     cache, batch = build_cache(fmt, LENGTHS, num_kv_heads=2, device="cuda")
+    plan = DecodePlan(cache, batch, num_q_heads=8, backend=backend)
     for _ in range(2):  # the first call marks the plan's key, the second records it
-        run(queries(batch, 8, 128, "cuda", seed=1), cache, batch, backend=backend)
-    assert [r for r in batch._launches.values() if r is not None]  # bound
+        run(queries(batch, 8, 128, "cuda", seed=1), cache, batch, plan=plan)
+    assert [r for r in plan.backend_plan.bound.values() if r is not None]  # bound
     q = queries(batch, 8, 128, "cuda", seed=2)
-    replayed = run(q, cache, batch, backend=backend)
+    replayed = run(q, cache, batch, plan=plan)
     fresh = run(q, cache, cache.plan(batch.seq_ids), backend=backend)
     assert all(torch.equal(a, b) for a, b in zip(replayed, fresh))
     check_against_reference(*replayed, q, cache, batch)
     wide = torch.zeros(q.shape[0], q.shape[1], 256, dtype=q.dtype, device=q.device)
     strided = wide[:, :, :128]  # other strides: the JIT specializes again
     strided.copy_(q)
-    again = run(strided, cache, batch, backend=backend)
+    again = run(strided, cache, batch, plan=plan)
     assert all(torch.equal(a, b) for a, b in zip(again, fresh))
 
 
@@ -988,10 +1002,7 @@ def test_split_counts_and_poisoned_workspace(splits):
     """More splits than pages leaves empty splits (lse -inf), which the merge must drop."""
     cache, batch = build_cache(FMT, (1, 700, 4097), device="cuda")
     q = queries(batch, 8, 128, "cuda")
-    poison_workspace(q, cache, batch, splits)
-    o, lse = gluon_backend.decode(
-        q, cache, batch, 1 / math.sqrt(128), splits=splits, return_lse=True
-    )
+    o, lse = poisoned_plan(q, cache, batch, splits).run(q, return_lse=True)
     check_against_reference(o, lse, q, cache, batch)
 
 
@@ -1005,8 +1016,8 @@ def test_one_split_writes_the_output(return_lse):
     q = queries(batch, 8, 128, "cuda")
     res = {}
     for splits in (2, 1):
-        poison_workspace(q, cache, batch, splits)
-        out, lse = run_launcher(q, cache, batch, return_lse, splits=splits)
+        plan = poisoned_plan(q, cache, batch, splits)
+        out, lse = run_launcher(q, cache, batch, return_lse, plan=plan)
         check_against_reference(out, lse if return_lse else None, q, cache, batch)
         if not return_lse:
             assert bool(lse.isnan().all())  # not asked for, not written

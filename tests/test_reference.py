@@ -217,10 +217,10 @@ def test_bf16_operands_stay_at_bf16_level_with_zero_mean_values():
     assert err <= 5e-3
 
     # the naive correction: sum_n P_n z'_n from the unrounded P, beside bf16(P s') . y
-    from foscar.reference import _history_operands
+    from foscar.reference import history_operands
 
-    y, s, z = _history_operands(cache, batch, 0, "v", 0, batch.num_quantized_host[0])
-    yk, sk, zk = _history_operands(cache, batch, 0, "k", 0, batch.num_quantized_host[0])
+    y, s, z = history_operands(cache, batch, 0, "v", 0, batch.num_quantized_host[0])
+    yk, sk, zk = history_operands(cache, batch, 0, "k", 0, batch.num_quantized_host[0])
     logits = torch.einsum("hqd,hnd->hqn", q[0].reshape(1, 4, 128), kd) / math.sqrt(128)
     p = logits.softmax(-1)
     p_scaled = (p * s[..., 0].unsqueeze(1)).to(torch.bfloat16).double()
@@ -236,7 +236,7 @@ def test_bf16_operands_stay_at_bf16_level_with_zero_mean_values():
 def test_attend_chunk_in_query_blocks_equals_one_block(score_bytes, monkeypatch):
     """A long chunk on a long history goes through in blocks of query rows (the scores of one
     block under ``CHUNK_SCORE_BYTES``): all rows at once to fp32 rounding, padding included."""
-    from foscar import reference
+    from foscar.backends import extend as core
 
     fmt = KVFormat(QuantFormat(2, "token", 32), QuantFormat(4, "token", 32),
                    sink_tokens=4, recent_tokens=16)
@@ -246,9 +246,9 @@ def test_attend_chunk_in_query_blocks_equals_one_block(score_bytes, monkeypatch)
     q = torch.randn(NUM_KV_HEADS * 2, t, 32, generator=g)
     k_new, v_new = (torch.randn(NUM_KV_HEADS, t, 32, generator=g) for _ in range(2))
     real = torch.arange(t) < 31  # the chunk's last tokens are padding
-    whole = reference.attend_chunk(cache, batch, 0, q, k_new, v_new, 0.2, real)
-    monkeypatch.setattr(reference, "CHUNK_SCORE_BYTES", score_bytes)  # 1 row, then 4 rows
-    blocks = reference.attend_chunk(cache, batch, 0, q, k_new, v_new, 0.2, real)
+    whole = core.attend_chunk(cache, batch, 0, q, k_new, v_new, 0.2, real)
+    monkeypatch.setattr(core, "CHUNK_SCORE_BYTES", score_bytes)  # 1 row, then 4 rows
+    blocks = core.attend_chunk(cache, batch, 0, q, k_new, v_new, 0.2, real)
     torch.testing.assert_close(blocks, whole, rtol=1e-5, atol=1e-5)  # fp32 products in other shapes
     assert whole.shape == (NUM_KV_HEADS * 2, t, 32) and torch.isfinite(whole).all()
 
@@ -258,6 +258,7 @@ def test_attend_chunk_bf16_fused_equals_fp32_blocks(t):
     """A bf16 chunk with every token real goes through one fused SDPA call (bottom-right causal
     over history + chunk): the fp32 row blocks' values to bf16 rounding, a chunk of one token
     (all history visible) and a prime one on a history that is not a multiple of the group."""
+    from foscar.backends import extend as core
     from foscar import reference
 
     fmt = KVFormat(QuantFormat(2, "token", 32), QuantFormat(4, "token", 32),
@@ -267,8 +268,8 @@ def test_attend_chunk_bf16_fused_equals_fp32_blocks(t):
     q = torch.randn(NUM_KV_HEADS * 2, t, 32, generator=g)
     k_new, v_new = (torch.randn(NUM_KV_HEADS, t, 32, generator=g) for _ in range(2))
     q, k_new, v_new = (x.to(torch.bfloat16) for x in (q, k_new, v_new))
-    fused = reference.attend_chunk(cache, batch, 0, q, k_new, v_new, 0.2)
-    exact = reference.attend_chunk(cache, batch, 0, q.float(), k_new.float(), v_new.float(), 0.2)
+    fused = core.attend_chunk(cache, batch, 0, q, k_new, v_new, 0.2)
+    exact = core.attend_chunk(cache, batch, 0, q.float(), k_new.float(), v_new.float(), 0.2)
     assert fused.dtype == torch.float32 and fused.shape == exact.shape
     torch.testing.assert_close(fused, exact, rtol=2e-2, atol=2e-2)
     # an oracle apart from attend_chunk: float64 softmax, query head h reads KV head h // 2,
@@ -282,5 +283,5 @@ def test_attend_chunk_bf16_fused_equals_fp32_blocks(t):
     oracle = scores.softmax(-1) @ vals
     torch.testing.assert_close(fused.double(), oracle, rtol=2e-2, atol=2e-2)
     # the causal edge: the chunk's first token must not see the chunk's later ones
-    first = reference.attend_chunk(cache, batch, 0, q[:, :1], k_new[:, :1], v_new[:, :1], 0.2)
+    first = core.attend_chunk(cache, batch, 0, q[:, :1], k_new[:, :1], v_new[:, :1], 0.2)
     torch.testing.assert_close(fused[:, :1], first, rtol=2e-2, atol=2e-2)

@@ -20,7 +20,7 @@ import pytest
 import torch
 from conftest import serve_requests
 
-from foscar import KVFormat, QuantFormat, QuantizedKVCache, decode_attention
+from foscar import DecodePlan, KVFormat, QuantFormat, QuantizedKVCache, decode_attention
 
 pytestmark = pytest.mark.gpu(reason="CUDA graphs need a GPU")
 
@@ -74,13 +74,20 @@ def test_captured_decode_step_replays_later_steps(bits, windows, backend):
     out = torch.empty_like(q_in)
     split = graphed.num_pages * PAGE  # the longest history: one launch serves every step
 
+    plans = {}  # (cache, layer) -> the DecodePlan of its step batch (the serving core's way)
+
     def layers(cache, planned, k, v, q, o):
         for layer in range(LAYERS):
             cache.write_decode_step(layer, k[layer], v[layer], planned)
-            planned.batch.layer = layer
-            decode_attention(q[layer], cache, planned.batch, out=o[layer], backend=backend)
+            batch = planned.batches[layer]
+            plan = plans.get((id(cache), layer))
+            if plan is None or plan.batch is not batch:
+                plan = plans[id(cache), layer] = DecodePlan(
+                    cache, batch, num_q_heads=HQ, backend=backend
+                )
+            plan.run(q[layer], out=o[layer])
 
-    graph = None
+    graph = graph_batches = None
     for step in range(24):  # the 263-token prompt's history crosses a page
         ids = _order(step)
         n = len(ids)
@@ -96,7 +103,8 @@ def test_captured_decode_step_replays_later_steps(bits, windows, backend):
         layers(eager, planned, k, v, q, eager_out)
 
         planned = graphed.plan_decode_step(ids, padding_rows=ROWS - n, split_history=split)
-        assert planned.batch is graphed._step_view(ROWS)  # the tensors the graph reads
+        graph_batches = graph_batches or planned.batches
+        assert planned.batches is graph_batches  # the tensors the graph reads
         k_in.copy_(k)
         v_in.copy_(v)
         q_in.copy_(q)

@@ -502,26 +502,35 @@ def test_continued_generation_extends_the_cache(tiny):
     assert out.shape[1] == more.shape[1] + 12
 
 
-def test_plan_is_reused_across_layers(tiny, monkeypatch):
-    """One cache.plan per decode step, shared by all layers (it carries the kernel workspace)."""
-    calls = []
+@pytest.mark.parametrize("decode", ["kernel", "dequantized"])
+def test_one_planned_step_per_decode_step(tiny, monkeypatch, decode):
+    """Each decode step is planned once, for every layer (QuantizedKVCache.plan_decode_step);
+    no layer plans its own page tables."""
+    from foscar import QuantizedKVCache
+
+    steps, plans = [], []
+    plan_step, plan = QuantizedKVCache.plan_decode_step, QuantizedKVCache.plan
+
+    def counting_step(self, *args, **kwargs):
+        step = plan_step(self, *args, **kwargs)
+        steps.append(step)
+        return step
+
+    def counting_plan(self, *args, **kwargs):
+        plans.append(args)
+        return plan(self, *args, **kwargs)
+
+    monkeypatch.setattr(QuantizedKVCache, "plan_decode_step", counting_step)
+    monkeypatch.setattr(QuantizedKVCache, "plan", counting_plan)
     enc = ragged_batch([10, 20], seed=6)
     use_foscar_attention(tiny)
-    cache = FoscarCache(FORMATS["INT4 Ktoken Vtoken"], tiny.config, page_size=PAGE)
-    cache_plan = FoscarCache._plan_for
-
-    def counting(self, layer):
-        plan = cache_plan(self, layer)
-        calls.append((layer, id(plan)))
-        return plan
-
-    monkeypatch.setattr(FoscarCache, "_plan_for", counting)
+    cache = FoscarCache(FORMATS["INT4 Ktoken Vtoken"], tiny.config, page_size=PAGE, decode=decode)
     tiny.generate(
         **enc, max_new_tokens=6, min_new_tokens=6, do_sample=False, **{cache_kwarg(tiny): cache}
     )
-    steps = [calls[i : i + 3] for i in range(0, len(calls), 3)]
-    assert len(steps) == 5 and all([layer for layer, _ in s] == [0, 1, 2] for s in steps)
-    assert all(len({p for _, p in s}) == 1 for s in steps)
+    assert len(steps) == 5 and not plans
+    assert all(s.written == set(range(cache.num_layers)) for s in steps)
+    assert all([b.layer for b in s.batches] == list(range(cache.num_layers)) for s in steps)
 
 
 # ---------------------------------------------------------------------------- rejected input

@@ -110,11 +110,12 @@ def test_split_counts_and_poisoned_workspace(splits):
     q = queries(batch, 8, 128, KERNEL_DEVICE)
     from foscar.backends import triton as tb
 
-    tb.decode(q, cache, batch, 1 / math.sqrt(128), splits=splits)  # creates the workspace
-    for o_part, lse_part in batch._workspaces.values():
+    plan = tb.TritonDecodePlan(cache, batch, 8, 1 / math.sqrt(128), splits=splits)
+    assert plan.workspace.tensors()  # allocated when the plan is made
+    for o_part, lse_part in plan.workspace.tensors():
         o_part.fill_(math.nan)
         lse_part.fill_(math.nan)
-    o, lse = tb.decode(q, cache, batch, 1 / math.sqrt(128), splits=splits, return_lse=True)
+    o, lse = plan.run(q, return_lse=True)
     check_against_reference(o, lse, q, cache, batch)
 
 

@@ -1,7 +1,8 @@
-"""Host time of one eager decode call: how long ``decode_attention`` takes to return (the GPU
-kernels run behind it; at these sizes they take less than the host's work), with the plan's
-launches bound (Note [bound launches] in foscar.triton_runtime: every call after the second
-replays) and unbound (the plan's bindings dropped before each call: triton's JIT every time).
+"""Host time of one eager decode call: how long a held ``foscar.DecodePlan``'s ``run`` takes to
+return (the GPU kernels run behind it; at these sizes they take less than the host's work),
+with the plan's launches bound (Note [bound launches] in foscar.triton_runtime: every call
+after the second replays) and unbound (the plan's bindings dropped before each call: triton's
+JIT every time).
 GPU only. From the repository root:
 
     python benchmarks/tools/host_time.py [--backends gluon triton auto] [--calls 300]
@@ -16,7 +17,7 @@ import time
 
 import torch
 
-from foscar import KVFormat, QuantFormat, decode_attention
+from foscar import DecodePlan, KVFormat, QuantFormat
 from foscar.bench.grid import Shape, random_cache
 from foscar.results import results_json
 
@@ -28,15 +29,16 @@ FORMATS = {
 
 
 def host_us(q, cache, batch, backend: str, calls: int, bound: bool) -> float:
-    """Median microseconds for decode_attention to return, over ``calls`` calls."""
+    """Median microseconds for a DecodePlan's run to return, over ``calls`` calls."""
+    plan = DecodePlan(cache, batch, num_q_heads=q.shape[1], backend=backend)
     times = []
     for i in range(calls + 10):
         if not bound:
-            batch._launches.clear()
+            plan.backend_plan.bound.clear()
         if i % 50 == 0:
             torch.cuda.synchronize()  # keep the queue short, outside the timed calls
         t0 = time.perf_counter()
-        decode_attention(q, cache, batch, backend=backend)
+        plan.run(q)
         t1 = time.perf_counter()
         if i >= 10:  # the first calls compile and record
             times.append((t1 - t0) * 1e6)

@@ -98,15 +98,16 @@ def repeat(q, cache, batch, cfg, splits, ref, calls) -> dict:
     each: the largest difference between calls, the worst and best error against ``ref``, and
     which (split, KV head) partials differed from the first call's (where the difference starts)."""
     b, hq, d = q.shape
-    parts = splits + int(combine.has_window_program(cache.layer_format(batch.layer)))
-    o_part, lse_part = combine.workspace(batch, (b, hq, parts, d), q.device)
+    plan = gluon.GluonDecodePlan(cache, batch, hq, 1 / math.sqrt(d), config=cfg, splits=splits)
+    ((o_part, lse_part),) = plan.workspace.tensors()  # allocated when the plan is made
+    parts = o_part.shape[2]
     hkv = cache.num_kv_heads
     outs, partials = [], []
     for _ in range(calls):
         out = torch.full_like(q, float("nan"))
         o_part.fill_(float("nan"))
         lse_part.fill_(float("nan"))
-        gluon.decode(q, cache, batch, 1 / math.sqrt(d), out=out, config=cfg, splits=splits)
+        plan.run(q, out=out)
         outs.append(out.float())
         partials.append((o_part.clone(), lse_part.clone()))
     torch.cuda.synchronize()

@@ -41,7 +41,7 @@ def begin_step_ms(num_blocks: int, requests: int, context: int, steps: int) -> f
     kv.begin_step([StepRow(r, 0, context, blocks[r][: -(-context // BLOCK)])
                    for r in range(requests)])
     for r in range(requests):
-        kv.cache._assume_appended(r, context)
+        kv.cache.assume_appended(r, context)
     times, length = [], context
     for _ in range(steps):
         rows = [StepRow(r, length, 1, blocks[r][: -(-(length + 1) // BLOCK)])

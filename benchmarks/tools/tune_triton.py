@@ -91,17 +91,12 @@ def main() -> None:
                         scales = (1, 2) if a.round == 1 else (1,)
                         choices = [num_splits(batch, 8, kv_len, cfg, 132 * k) for k in scales]
                     for splits in choices:
-                        fn = functools.partial(
-                            tb.decode,
-                            q,
-                            cache,
-                            plan,
-                            1 / math.sqrt(128),
-                            out=out,
-                            config=cfg,
-                            splits=splits,
-                        )
                         try:
+                            run = tb.TritonDecodePlan(
+                                cache, plan, q.shape[1], 1 / math.sqrt(128), config=cfg,
+                                splits=splits,
+                            ).run
+                            fn = functools.partial(run, q, out=out)
                             fn()
                             ms = bench_stats(fn, iters=20, warmup=3, flusher=flusher, spin_us=300)[
                                 "median_ms"

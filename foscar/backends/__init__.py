@@ -2,18 +2,22 @@
 :func:`foscar.decode_attention` dispatches through.
 
 A backend says whether it can run on a device (``available``), whether it covers a cache and a
-query head count (``supports``: None, or the reason it does not) and launches (``launch``).
-Registered names:
+query head count (``supports``: None, or the reason it does not), and makes plans (``plan``):
+FlashInfer's wrapper pattern, a plan made once per DecodeBatch (one layer's page tables and
+lengths) owns what its launches keep between calls (split workspaces, bound launches, TMA
+descriptors), and its ``run(q, out=, lse=, return_lse=)`` takes what changes per call. A
+backend writes nothing onto the cache or the batch. Registered names:
 
 * ``"gluon"``: the warp-specialized Hopper kernel (foscar.backends.gluon);
 * ``"gluon-e4m3"``: the same kernel with FP8 (E4M3) operands, faster and less accurate;
 * ``"triton"``: the Triton split kernel on any GPU, or the CPU interpreter (foscar.backends.triton);
 * ``"triton-reconstruct"``, ``"gluon-reconstruct"``: the kernels with per-value
   reconstruction instead of the folds, the baselines ``foscar bench`` compares against;
-* ``"reference"``: the folded torch computation (:func:`foscar.reference.attend_folded`).
+* ``"reference"``: the folded torch computation (foscar.backends.folded).
 
-The launcher modules: ``triton.py``, ``gluon.py`` and ``combine.py`` (the split workspace, the
-BF16 window partial and the LSE merge both kernels share).
+The launcher modules: ``triton.py`` (the Triton split kernel), ``gluon.py`` (the Gluon kernel;
+the window partial of ``triton.py``), ``folded.py`` (torch) and ``combine.py`` (the split
+workspace, the partials' conventions and the LSE merge both kernels share).
 """
 
 from __future__ import annotations
@@ -26,17 +30,30 @@ from typing import Protocol
 
 import torch
 
-from .. import reference
 from ..cache import DecodeBatch, QuantizedKVCache
-from ..triton_runtime import on_device
-from . import gluon, triton
+from . import folded, gluon, triton
 
-__all__ = ["Backend", "REFERENCE_BLOCK_N", "get", "names", "register"]
+__all__ = ["Backend", "DecodeRun", "REFERENCE_BLOCK_N", "get", "names", "register"]
 
 #: Tokens per tile of the CPU reference backend. Per-tile Python work dominates on a CPU: at
 #: 8K tokens (3 KV heads, D=64) one call takes 67 ms with 256-token tiles and 31 ms with 1024
 #: (2 cores); the result changes only by fp32 rounding.
 REFERENCE_BLOCK_N = 1024
+
+
+class DecodeRun(Protocol):
+    """A backend's plan over one DecodeBatch: what :meth:`Backend.plan` returns."""
+
+    def run(
+        self,
+        q: torch.Tensor,
+        *,
+        out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+        return_lse: bool = False,
+    ):
+        """Attention of ``q: [B, Hq, D]`` over the batch in the stored coordinates; returns
+        ``o`` (``out`` when given), and ``lse: [B, Hq]`` float32 with ``return_lse``."""
 
 
 class Backend(Protocol):
@@ -56,19 +73,11 @@ class Backend(Protocol):
     def supports(self, cache: QuantizedKVCache, num_q_heads: int) -> str | None:
         """None if it covers ``cache`` (every layer's format) and ``num_q_heads``, else why not."""
 
-    def launch(
-        self,
-        q: torch.Tensor,
-        cache: QuantizedKVCache,
-        batch: DecodeBatch,
-        sm_scale: float,
-        *,
-        out: torch.Tensor | None,
-        lse: torch.Tensor | None,
-        return_lse: bool,
-    ):
-        """Attention of ``q: [B, Hq, D]`` over ``batch`` in the stored coordinates; returns
-        ``o`` (``out`` when given), and ``lse: [B, Hq]`` float32 with ``return_lse``."""
+    def plan(
+        self, cache: QuantizedKVCache, batch: DecodeBatch, num_q_heads: int, sm_scale: float
+    ) -> DecodeRun:
+        """A plan of its launches over ``batch`` (``batch.layer`` of ``cache``) for queries of
+        ``num_q_heads`` heads at ``sm_scale``."""
 
 
 #: each cache's coverage answers, by (backend, query heads): a cache's formats, head_dim, page
@@ -79,11 +88,13 @@ _COVERAGE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 @dataclass(frozen=True)
 class KernelBackend:
-    """A kernel launcher module (``available``, ``supports``, ``decode``) with fixed keyword
-    arguments of its ``decode``; ``extra_check``: a coverage check run before ``supports``."""
+    """A kernel launcher module (``available``, ``supports``) and its plan class, made with
+    fixed keyword arguments ``options``; ``extra_check``: a coverage check run before
+    ``supports``."""
 
     name: str
     module: ModuleType
+    plan_class: type
     requirement: str
     options: tuple[tuple[str, object], ...] = ()
     extra_check: Callable[[QuantizedKVCache], str | None] | None = None
@@ -101,18 +112,8 @@ class KernelBackend:
             )
         return answers[key]
 
-    def launch(self, q, cache, batch, sm_scale, *, out, lse, return_lse):
-        with on_device(q.device):  # a cache on cuda:1 while cuda:0 is current
-            return self.module.decode(
-                q,
-                cache,
-                batch,
-                sm_scale,
-                out=out,
-                lse=lse,
-                return_lse=return_lse,
-                **dict(self.options),
-            )
+    def plan(self, cache, batch, num_q_heads, sm_scale):
+        return self.plan_class(cache, batch, num_q_heads, sm_scale, **dict(self.options))
 
 
 @dataclass(frozen=True)
@@ -130,21 +131,8 @@ class ReferenceBackend:
     def supports(self, cache: QuantizedKVCache, num_q_heads: int) -> str | None:
         return None
 
-    def launch(self, q, cache, batch, sm_scale, *, out, lse, return_lse):
-        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        o, lse_ref = reference.attend_folded(
-            q, cache, batch, sm_scale, block_n=self.block_n, dtype=dtype
-        )
-        o = o.to(q.dtype)
-        if out is not None:
-            out.copy_(o)
-            o = out
-        if not return_lse:
-            return o
-        if lse is not None:
-            lse.copy_(lse_ref)
-            return o, lse
-        return o, lse_ref.to(torch.float32)
+    def plan(self, cache, batch, num_q_heads, sm_scale):
+        return folded.FoldedDecodePlan(cache, batch, num_q_heads, sm_scale, block_n=self.block_n)
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -171,16 +159,22 @@ def names() -> tuple[str, ...]:
 _GLUON_NEEDS = "triton's Gluon and a Hopper (sm_90) GPU"
 _TRITON_NEEDS = "Triton and a CUDA device (or TRITON_INTERPRET=1 on the CPU)"
 for _backend in (
-    KernelBackend("gluon", gluon, _GLUON_NEEDS, (("reconstruct", False),)),
-    KernelBackend("triton", triton, _TRITON_NEEDS, (("reconstruct", False),)),
+    KernelBackend("gluon", gluon, gluon.GluonDecodePlan, _GLUON_NEEDS),
+    KernelBackend("triton", triton, triton.TritonDecodePlan, _TRITON_NEEDS),
     ReferenceBackend(),
-    KernelBackend("triton-reconstruct", triton, _TRITON_NEEDS, (("reconstruct", True),)),
-    KernelBackend("gluon-reconstruct", gluon, _GLUON_NEEDS, (("reconstruct", True),)),
+    KernelBackend(
+        "triton-reconstruct", triton, triton.TritonDecodePlan, _TRITON_NEEDS,
+        (("reconstruct", True),),
+    ),
+    KernelBackend(
+        "gluon-reconstruct", gluon, gluon.GluonDecodePlan, _GLUON_NEEDS, (("reconstruct", True),)
+    ),
     KernelBackend(
         "gluon-e4m3",
         gluon,
+        gluon.GluonDecodePlan,
         _GLUON_NEEDS,
-        (("reconstruct", False), ("operands", "e4m3")),
+        (("operands", "e4m3"),),
         extra_check=gluon.supports_e4m3,
     ),
 ):

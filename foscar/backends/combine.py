@@ -1,13 +1,13 @@
-"""Split-KV decode as both kernels run it: the workspace of partials, the Triton split kernel
-(foscar.kernels.triton_decode) whose programs read history splits and the BF16 windows, and the
-log-sum-exp merge of the partials.
+"""What both kernel backends share: the split workspace a plan owns, the conventions of the
+split partials, the LSE merge kernel that combines them, and the coverage both need.
 
 A decode launch writes ``parts`` normalised partial outputs per (sequence, query head) into
 ``o_part: [B, Hq, parts, D]`` float32 with their ``lse_part: [B, Hq, parts]`` float32: split
-``0 .. splits - 1`` over the quantized history (the Triton or the Gluon kernel), then, where the
-format keeps BF16 tokens, one more from the Triton split kernel's window program. The merge
-kernel combines them into ``out: [B, Hq, D]`` (and ``lse: [B, Hq]``). Launches use keyword
-arguments only.
+``0 .. splits - 1`` over the quantized history (the Triton split kernel of
+foscar.backends.triton, or the Gluon kernel of foscar.backends.gluon), then, where the format
+keeps BF16 tokens, one more from the Triton split kernel's window program. The merge kernel
+(foscar.kernels.triton_decode.merge_splits_kernel, launched here) combines them into
+``out: [B, Hq, D]`` (and ``lse: [B, Hq]``). Launches use keyword arguments only.
 """
 
 from __future__ import annotations
@@ -18,15 +18,22 @@ import torch
 
 from .. import triton_runtime
 from ..cache import DecodeBatch, QuantizedKVCache
-from ..configs import TritonDecodeConfig, column_widths, triton_decode_config
+from ..formats import Role, has_kernel_order
+
+try:
+    from ..kernels import triton_decode
+except Exception:  # no Triton, or an install without a backend: the backends are unavailable
+    triton_decode = None
 
 __all__ = [
+    "SplitWorkspace",
+    "bound_key",
     "has_window_program",
-    "launch_split",
+    "layout_reason",
     "merge_partials",
     "num_sms",
-    "window_partial",
-    "workspace",
+    "outputs",
+    "partial_strides",
 ]
 
 MAGIC_BF16X2 = 0x43004300  # two bf16 128.0: the mantissa-injection base of both halves
@@ -39,18 +46,41 @@ def has_window_program(fmt) -> bool:
     return fmt.sink_tokens > 0 or fmt.tail_capacity > 1
 
 
-def workspace(batch: DecodeBatch, shape: tuple, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split partials ``(o_part [B, Hq, parts, D], lse_part [B, Hq, parts])`` float32 for
-    ``shape = (B, Hq, parts, D)``, allocated once per batch plan and shape (graph-safe reuse)."""
-    memo = batch._workspaces
-    key = (shape, device)
-    if key not in memo:
-        b, h, parts, d = shape
-        memo[key] = (
-            torch.empty(b, h, parts, d, dtype=torch.float32, device=device),
-            torch.empty(b, h, parts, dtype=torch.float32, device=device),
-        )
-    return memo[key]
+def layout_reason(cache: QuantizedKVCache) -> str | None:
+    """``None`` if the packed rows of every layer have the kernels' channel layout and the BF16
+    windows are stored as bfloat16 (what the split kernel's programs and the Gluon kernel read),
+    else why not."""
+    for fmt in dict.fromkeys(cache.formats):
+        for role, f in ((Role.KEY, fmt.key), (Role.VALUE, fmt.value)):
+            if not has_kernel_order(role, cache.head_dim, f.bits):
+                return f"no kernel layout for {role.value} rows of head_dim {cache.head_dim}"
+    if cache.window_dtype not in (torch.bfloat16,):
+        return f"the BF16 windows must be stored as bfloat16, got {cache.window_dtype}"
+    return None
+
+
+class SplitWorkspace:
+    """A plan's split partials ``(o_part [B, Hq, parts, D], lse_part [B, Hq, parts])`` float32,
+    one pair per shape, allocated once (a CUDA-graph replay and a bound launch read the same
+    tensors at every call)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._partials: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def partials(self, shape: tuple[int, int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pair for ``shape = (B, Hq, parts, D)``, allocated at its first request."""
+        if shape not in self._partials:
+            b, h, parts, d = shape
+            self._partials[shape] = (
+                torch.empty(b, h, parts, d, dtype=torch.float32, device=self.device),
+                torch.empty(b, h, parts, dtype=torch.float32, device=self.device),
+            )
+        return self._partials[shape]
+
+    def tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every pair allocated so far."""
+        return list(self._partials.values())
 
 
 @functools.cache
@@ -71,13 +101,13 @@ def outputs(q: torch.Tensor, out, lse, return_lse: bool):
 
 def bound_key(cache: QuantizedKVCache, batch: DecodeBatch) -> tuple:
     """What a decode call's bound launches read besides the query and outputs (Note [bound
-    launches] in foscar.triton_runtime): the layer, and the addresses of its pools and windows
-    and of the plan's tables."""
+    launches] in foscar.triton_runtime): the addresses of the layer's pools and windows and of
+    the plan's tables."""
     st = cache.layers[batch.layer]
     pools = (st.k_words, st.k_scales, st.v_words, st.v_scales, st.k_sink, st.v_sink, st.k_tail,
              st.v_tail)
     tables = (batch.kv_indptr, batch.kv_indices, batch.num_quantized, batch.seq_lens, batch.slots)
-    return batch.layer, tuple(t.data_ptr() for t in pools + tables)
+    return tuple(t.data_ptr() for t in pools + tables)
 
 
 def partial_strides(o_part: torch.Tensor, lse_part: torch.Tensor) -> dict[str, int]:
@@ -92,107 +122,14 @@ def partial_strides(o_part: torch.Tensor, lse_part: torch.Tensor) -> dict[str, i
     )
 
 
-def launch_split(
-    q: torch.Tensor,
-    cache: QuantizedKVCache,
-    batch: DecodeBatch,
-    sm_scale: float,
-    o_part: torch.Tensor,
-    lse_part: torch.Tensor,
-    splits: int,
-    programs: int,
-    cfg: TritonDecodeConfig,
-    reconstruct: bool,
-) -> None:
-    """The Triton split kernel over ``programs`` split indices: ``0 .. splits - 1`` read the
-    quantized history, index ``splits`` (when the format has windows) the BF16 sink and tail."""
-    kern = triton_runtime.kernel_module("triton_decode")
-    fmt = cache.layer_format(batch.layer)
-    st = cache.layers[batch.layer]
-    d = q.shape[2]
-    ratio = q.shape[1] // cache.num_kv_heads
-    hs, hpk, hpv = column_widths(fmt, d, ratio, cfg.block_n, reconstruct)
-    triton_runtime.launch(
-        kern.decode_split_kernel,
-        (q.shape[0], cache.num_kv_heads, programs),
-        q_ptr=q,
-        k_words_ptr=st.k_words,
-        k_scales_ptr=st.k_scales,
-        v_words_ptr=st.v_words,
-        v_scales_ptr=st.v_scales,
-        k_sink_ptr=st.k_sink,
-        v_sink_ptr=st.v_sink,
-        k_tail_ptr=st.k_tail,
-        v_tail_ptr=st.v_tail,
-        kv_indptr_ptr=batch.kv_indptr,
-        kv_indices_ptr=batch.kv_indices,
-        num_quantized_ptr=batch.num_quantized,
-        seq_lens_ptr=batch.seq_lens,
-        slots_ptr=batch.slots,
-        o_part_ptr=o_part,
-        lse_part_ptr=lse_part,
-        qk_scale=sm_scale * kern.LOG2E,
-        magic=MAGIC_BF16X2,
-        zero=0.0,
-        num_splits=splits,
-        stride_q_b=q.stride(0),
-        stride_q_h=q.stride(1),
-        stride_kw_page=st.k_words.stride(0),
-        stride_kw_head=st.k_words.stride(1),
-        stride_ks_page=st.k_scales.stride(0),
-        stride_ks_head=st.k_scales.stride(1),
-        stride_vw_page=st.v_words.stride(0),
-        stride_vw_head=st.v_words.stride(1),
-        stride_vs_page=st.v_scales.stride(0),
-        stride_vs_head=st.v_scales.stride(1),
-        stride_sink_slot=st.k_sink.stride(0),
-        stride_sink_head=st.k_sink.stride(1),
-        stride_tail_slot=st.k_tail.stride(0),
-        stride_tail_head=st.k_tail.stride(1),
-        **partial_strides(o_part, lse_part),
-        H=ratio,
-        HS=hs,
-        D=d,
-        PAGE=cache.page_size,
-        BLOCK_N=cfg.block_n,
-        K_BITS=fmt.key.bits,
-        V_BITS=fmt.value.bits,
-        K_CHANNEL=fmt.key.axis.value == "channel",
-        V_CHANNEL=fmt.value.axis.value == "channel",
-        K_GROUP=fmt.key.group_size,
-        V_GROUP=fmt.value.group_size,
-        SINK=fmt.sink_tokens,
-        TAIL=fmt.tail_capacity,
-        HAS_WINDOWS=has_window_program(fmt),
-        BLOCK_W=cfg.block_window,
-        HPK=hpk,
-        HPV=hpv,
-        RECONSTRUCT=reconstruct,
-        INTERP=triton_runtime.interpreting(),
-        TILE_ACC=cfg.tile_acc,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
-    )
-
-
-def window_partial(q, cache, batch, sm_scale, o_part, lse_part) -> None:
-    """Only the BF16 window program, into ``o_part[:, :, 0]`` / ``lse_part[:, :, 0]`` (views of a
-    larger workspace: another kernel covers the history splits)."""
-    fmt = cache.layer_format(batch.layer)
-    cfg = triton_decode_config(fmt, q.shape[2], q.shape[1] // cache.num_kv_heads)
-    launch_split(q, cache, batch, sm_scale, o_part, lse_part, 0, 1, cfg, False)
-
-
 def merge_partials(o_part, lse_part, out, lse=None, *, pdl: bool = False) -> None:
     """LSE merge of the split partials ``o_part: [B, Hq, parts, D]`` into ``out`` (and ``lse``).
     ``pdl``: launch it as a programmatic dependent of the previous kernel (sm_90+; that kernel
     signals ``griddepcontrol.launch_dependents``), so its launch overlaps that kernel's tail."""
-    kern = triton_runtime.kernel_module("triton_decode")
     bsz, num_q_heads, parts, d = o_part.shape
     return_lse = lse is not None
     triton_runtime.launch(
-        kern.merge_splits_kernel,
+        triton_decode.merge_splits_kernel,
         (bsz, num_q_heads),
         o_part_ptr=o_part,
         lse_part_ptr=lse_part,

@@ -4,7 +4,7 @@ attending to the request's stored tokens and, causally, to itself.
 :func:`extend_attention` is the one entry both callers use (``FoscarCache``'s extend path and the
 serving core): on a GPU it launches the Triton extend kernel (foscar.kernels.triton_extend) over
 the quantized pages, the BF16 windows and the chunk's own BF16 keys and values; on the CPU it
-keeps the torch path (:func:`foscar.reference.attend_chunk`: the history dequantized, then SDPA).
+keeps the torch path (:func:`attend_chunk`: the history dequantized, then SDPA).
 On both paths a layer's OSCAR rotations are applied to the query, the chunk's keys and values and
 the output (``q R_K``, ``k R_K``, ``v R_V``, ``o R_V^T``; per chunk token, not per token of the
 history), and the pages are read as stored.
@@ -19,15 +19,28 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention.bias import causal_lower_right
 
 from .. import triton_runtime
 from ..cache import DecodeBatch, QuantizedKVCache
+from ..cache.read import dequantize_sequence
 from ..configs import column_widths
-from ..reference import attend_chunk
 from . import triton as triton_backend
 from .combine import MAGIC_BF16X2, has_window_program, merge_partials, num_sms
 
-__all__ = ["ExtendConfig", "extend_config", "extend_attention", "extend_splits"]
+try:
+    from ..kernels import triton_extend
+except Exception:  # no Triton, or an install without a backend: kernel_reason() says so
+    triton_extend = None
+
+__all__ = [
+    "CHUNK_SCORE_BYTES",
+    "ExtendConfig",
+    "attend_chunk",
+    "extend_attention",
+    "extend_config",
+    "extend_splits",
+]
 
 EXTEND_PATHS = ("auto", "triton", "torch")
 
@@ -97,6 +110,71 @@ def _check(q_chunk, k_chunk, v_chunk, cache, batch, row, out, new_mask) -> None:
         raise ValueError(
             f"new_mask must be bool [T={t}], got {new_mask.dtype} {list(new_mask.shape)}"
         )
+
+
+#: bytes of fp32 attention scores ``[H_q, rows, L]`` that :func:`attend_chunk` computes at once:
+#: a chunk's queries go through in blocks of rows under it, so a chunk of 8192 tokens on a
+#: 32K history with 32 query heads (42 GB of scores, twice over in softmax) fits any device
+CHUNK_SCORE_BYTES = 256 * 2**20
+
+
+def attend_chunk(
+    cache: QuantizedKVCache,
+    batch: DecodeBatch,
+    i: int,
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    sm_scale: float,
+    new_mask: torch.Tensor | None = None,
+    *,
+    stored: bool = False,
+) -> torch.Tensor:
+    """Attention of a chunk of new tokens over sequence ``i``'s stored tokens (dequantized) and
+    the chunk itself, causal over the chunk: how several new tokens on a non-empty sequence
+    attend before they are appended (a chunked prefill's later chunks).
+
+    ``q: [H_q, t, D]``, ``k_new, v_new: [H_kv, t, D]``; ``new_mask: bool [t]`` marks the chunk's
+    real tokens (``None``: all of them). Returns ``[H_q, t, D]`` float32. ``stored``: the
+    history is read as stored (a layer's OSCAR rotations not undone): ``q``, ``k_new`` and
+    ``v_new`` are in the rotated coordinates and so is the output.
+
+    A query in bf16 or fp16 with every token real attends in its own dtype through one fused
+    SDPA call (bottom-right causal: a chunk's token sees the whole history and the chunk
+    up to itself), as the model's own prefill does; otherwise in fp32, in blocks of query rows
+    whose scores stay under :data:`CHUNK_SCORE_BYTES`.
+    """
+    fused = new_mask is None and q.dtype in (torch.bfloat16, torch.float16)
+    dtype = q.dtype if fused else torch.float32
+    k_past, v_past = dequantize_sequence(cache, batch, i, dtype=torch.float32, stored=stored)
+    num_q_heads, t, _ = q.shape
+    group = num_q_heads // k_new.shape[0]
+    keys = torch.cat([k_past.to(dtype), k_new.to(dtype)], dim=1).repeat_interleave(group, dim=0)
+    vals = torch.cat([v_past.to(dtype), v_new.to(dtype)], dim=1).repeat_interleave(group, dim=0)
+    q = q.to(dtype)
+    if fused:
+        bias = causal_lower_right(t, keys.shape[1])
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.unsqueeze(0), keys.unsqueeze(0), vals.unsqueeze(0), attn_mask=bias, scale=sm_scale
+        )
+        return o[0].float()
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    if new_mask is not None:
+        causal = causal & new_mask.unsqueeze(0)
+    mask = torch.cat(
+        [torch.ones(t, k_past.shape[1], dtype=torch.bool, device=q.device), causal], dim=1
+    )
+    rows = max(1, CHUNK_SCORE_BYTES // (num_q_heads * keys.shape[1] * 4))
+    if rows >= t:
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, keys, vals, attn_mask=mask, scale=sm_scale
+        )
+    out = torch.empty_like(q)
+    for r in range(0, t, rows):  # each query row's softmax is its own: blocks change no value
+        out[:, r : r + rows] = torch.nn.functional.scaled_dot_product_attention(
+            q[:, r : r + rows], keys, vals, attn_mask=mask[r : r + rows], scale=sm_scale
+        )
+    return out
 
 
 def extend_attention(
@@ -169,7 +247,7 @@ def extend_attention(
 
 
 def _torch_path(q, k, v, cache, batch, row, sm_scale, new_mask) -> torch.Tensor:
-    """:func:`foscar.reference.attend_chunk` over the history as stored: a layer's OSCAR
+    """:func:`attend_chunk` over the history as stored: a layer's OSCAR
     rotations go on the query, the chunk and the output (fp32), not undone over the history."""
     tr = cache.transforms[batch.layer]
     dtype = q.dtype
@@ -188,7 +266,7 @@ def _torch_path(q, k, v, cache, batch, row, sm_scale, new_mask) -> torch.Tensor:
 
 def kernel_reason(q_chunk: torch.Tensor, cache: QuantizedKVCache) -> str | None:
     """None if the extend kernel can run ``q_chunk`` on ``cache`` here, else why not."""
-    if not triton_runtime.available(q_chunk.device, "triton_extend"):
+    if not triton_runtime.available(q_chunk.device, triton_extend):
         return (
             "the extend kernel needs Triton on CUDA (or the interpreter), q is on "
             f"{q_chunk.device}"
@@ -231,7 +309,7 @@ def launch_extend(
 ) -> torch.Tensor:
     """The extend kernel on the stored coordinates: ``q: [T, H_q, D]``, ``k, v: [T, H, D]``
     contiguous (bf16 on a GPU) -> ``out: [T, H_q, D]`` (``dtype``, default q's)."""
-    kern = triton_runtime.kernel_module("triton_extend")
+    kern = triton_extend
     t, num_q_heads, d = q.shape
     ratio = num_q_heads // cache.num_kv_heads
     fmt = cache.layer_format(batch.layer)

@@ -5,8 +5,11 @@ The Gluon kernel reads the quantized history (one or two 64-token pages per tile
 words); a format's BF16 sink/recent windows are read by the Triton kernel's window program into
 one more partial, and the Triton merge kernel combines the partials (a programmatic dependent
 launch of the split kernel when there are no windows); a launch of one split without windows
-writes the output itself. Everything per call is cached (TMA descriptors on the cache, the split
-workspace on the DecodeBatch), so a CUDA-graph replay allocates nothing.
+writes the output itself. A :class:`GluonDecodePlan`, made once per DecodeBatch (one layer's),
+owns everything the launches read besides the cache and the batch: the split workspace
+(allocated when the plan is made, so a CUDA-graph replay allocates nothing), the TMA
+descriptors of the layer's pools and the bound launches (Note [bound launches] in
+foscar.triton_runtime).
 """
 
 from __future__ import annotations
@@ -30,9 +33,10 @@ from ..configs import (
 )
 from ..formats import GroupAxis, OperandMapping
 from . import combine
-from . import triton as triton_backend
+from .triton import window_partial
 
 __all__ = [
+    "GluonDecodePlan",
     "available",
     "supports",
     "supports_e4m3",
@@ -73,7 +77,9 @@ def _gluon():
 
 def available(device: torch.device) -> bool:
     """Gluon is importable and ``device`` is a Hopper GPU (sm_90: wgmma, TMA, setmaxnreg)."""
-    if device.type != "cuda" or _gluon() is None or not triton_backend.available(device):
+    if device.type != "cuda" or _gluon() is None:
+        return False
+    if not triton_runtime.available(device, combine.triton_decode):  # the windows and merge
         return False
     return torch.cuda.get_device_capability(device) == (9, 0)
 
@@ -85,7 +91,7 @@ def supports(cache: QuantizedKVCache, num_q_heads: int) -> str | None:
         reason = _supports_format(cache, fmt, num_q_heads)
         if reason is not None:
             return reason
-    return triton_backend.supports(cache, num_q_heads)  # the window program and the merge
+    return combine.layout_reason(cache)  # the window program and the merge read them too
 
 
 def _supports_format(cache: QuantizedKVCache, fmt, num_q_heads: int) -> str | None:
@@ -208,41 +214,32 @@ def _box_rows(page_size: int) -> int:
     return min(page_size, PAGE_SIZE)
 
 
-def _descriptors(cache: QuantizedKVCache, layer: int):
-    """TMA descriptors of one layer's pools, built once per pool tensor (cached on the cache):
-    words ``[pages, H, P, W]`` int32 (box ``[1, 1, R, W]``, W = head_dim * bits / 32, P the page
+def tma_descriptors(cache: QuantizedKVCache, layer: int) -> tuple:
+    """TMA descriptors of one layer's pools (k words, k scales, v words, v scales): words
+    ``[pages, H, P, W]`` int32 (box ``[1, 1, R, W]``, W = head_dim * bits / 32, P the page
     size, R = min(P, 64): :func:`_box_rows`), scales viewed ``[pages, H, 2P]`` fp32 (box
     ``[1, 1, 2R]``)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     st = cache.layers[layer]
-    pools = (st.k_words, st.k_scales, st.v_words, st.v_scales)
-    key = (layer, tuple(t.data_ptr() for t in pools))
-    memo = cache.__dict__.setdefault("_gluon_descriptors", {})
-    if key not in memo:
-        kern = _gluon()
-        fmt = cache.layer_format(layer)
-        k_layout, v_layout, scales_layout = kern.descriptor_layouts(
-            fmt.key.bits, fmt.value.bits, cache.head_dim
+    kern = _gluon()
+    fmt = cache.layer_format(layer)
+    k_layout, v_layout, scales_layout = kern.descriptor_layouts(
+        fmt.key.bits, fmt.value.bits, cache.head_dim
+    )
+    descs = []
+    for words, scales, layout in (
+        (st.k_words, st.k_scales, k_layout),
+        (st.v_words, st.v_scales, v_layout),
+    ):
+        sv = scales.view(scales.shape[0], scales.shape[1], -1)
+        rows = _box_rows(cache.page_size)
+        box = [1, 1, rows, words.shape[-1]]
+        descs.append(TensorDescriptor(words, list(words.shape), list(words.stride()), box, layout))
+        descs.append(
+            TensorDescriptor(sv, list(sv.shape), list(sv.stride()), [1, 1, 2 * rows], scales_layout)
         )
-        descs = []
-        for words, scales, layout in (
-            (st.k_words, st.k_scales, k_layout),
-            (st.v_words, st.v_scales, v_layout),
-        ):
-            sv = scales.view(scales.shape[0], scales.shape[1], -1)
-            rows = _box_rows(cache.page_size)
-            box = [1, 1, rows, words.shape[-1]]
-            descs.append(
-                TensorDescriptor(words, list(words.shape), list(words.stride()), box, layout)
-            )
-            descs.append(
-                TensorDescriptor(
-                    sv, list(sv.shape), list(sv.stride()), [1, 1, 2 * rows], scales_layout
-                )
-            )
-        memo[key] = tuple(descs)  # k words, k scales, v words, v scales
-    return memo[key]
+    return tuple(descs)
 
 
 def config_warnings(fmt, cfg: GluonDecodeConfig) -> list[str]:
@@ -293,6 +290,221 @@ def _constexprs(
     )
 
 
+class GluonDecodePlan:
+    """The Gluon kernel (+ the Triton window program) + the merge over one DecodeBatch (its
+    layer), for queries of ``num_q_heads`` heads at ``sm_scale``.
+
+    ``config`` and ``splits`` fix the launch config and the split count (default: chosen at
+    each :meth:`run` from the batch's lengths, :func:`default_config` and :func:`num_splits`);
+    ``reconstruct``: the per-value reconstruction ablation; ``operands``: "bf16" or "e4m3"
+    (:data:`OPERANDS`; the latter needs :func:`supports_e4m3` and one-page tiles, or two-page
+    ones with packed heads). A config with packed heads (GluonFlag.PACKED_HEADS) is refused,
+    before any launch, where it does not apply. The split workspace of the batch's current
+    lengths is allocated here; the TMA descriptors at the first launch.
+    """
+
+    def __init__(
+        self,
+        cache: QuantizedKVCache,
+        batch: DecodeBatch,
+        num_q_heads: int,
+        sm_scale: float,
+        *,
+        config: GluonDecodeConfig | None = None,
+        splits: int | None = None,
+        reconstruct: bool = False,
+        operands: str = "bf16",
+    ) -> None:
+        if operands not in OPERANDS:
+            raise ValueError(f"operands must be one of {OPERANDS}, got {operands!r}")
+        self.cache = cache
+        self.batch = batch
+        self.num_q_heads = num_q_heads
+        self.sm_scale = sm_scale
+        self.config = config
+        self.splits = splits
+        self.reconstruct = reconstruct
+        self.operands = operands
+        self.workspace = combine.SplitWorkspace(cache.device)
+        #: the runs' bound launches (Note [bound launches] in foscar.triton_runtime)
+        self.bound: dict = {}
+        self._descriptors: dict = {}  # the pools' addresses -> their TMA descriptors
+        if cache.device.type == "cuda":  # (off CUDA the split count waits for the config)
+            self.workspace.partials(self._partials_shape(*self._launch_shape()))
+
+    def _launch_shape(self) -> tuple[GluonDecodeConfig, int | None]:
+        """The config and split count of the batch's current lengths (splits: None off CUDA,
+        resolved after the config's checks)."""
+        cache, batch = self.cache, self.batch
+        heads_per_kv = self.num_q_heads // cache.num_kv_heads
+        cfg = self.config or default_config(
+            cache, batch, self.operands, heads_per_kv, self.reconstruct
+        )
+        splits = self.splits
+        if splits is None and cache.device.type == "cuda":
+            sms = combine.num_sms(cache.device.index or 0)
+            splits = num_splits(batch.batch_size, cache.num_kv_heads, batch.split_history, cfg, sms)
+        return cfg, splits
+
+    def _partials_shape(self, cfg, splits: int) -> tuple[int, int, int, int]:
+        fmt = self.cache.layer_format(self.batch.layer)
+        parts = splits + int(combine.has_window_program(fmt))
+        return (self.batch.batch_size, self.num_q_heads, parts, self.cache.head_dim)
+
+    def descriptors(self) -> tuple:
+        """The TMA descriptors of the layer's pools (:func:`tma_descriptors`), built once."""
+        st = self.cache.layers[self.batch.layer]
+        key = tuple(t.data_ptr() for t in (st.k_words, st.k_scales, st.v_words, st.v_scales))
+        if key not in self._descriptors:
+            self._descriptors[key] = tma_descriptors(self.cache, self.batch.layer)
+        return self._descriptors[key]
+
+    def run(
+        self,
+        q: torch.Tensor,
+        *,
+        out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+        return_lse: bool = False,
+    ):
+        """Attention of ``q: [B, Hq, D]`` bfloat16 (checked by the caller) over the batch;
+        returns ``out`` (and ``lse``).
+
+        The launches are bound once per config and split count (Note [bound launches] in
+        foscar.triton_runtime): a later call with the same config and split count, and a query
+        and outputs of the same shapes, strides and alignment, skips the validation, the
+        argument building and triton's JIT."""
+        cfg, splits = self._launch_shape()
+        for message in config_warnings(self.cache.layer_format(self.batch.layer), cfg):
+            warnings.warn(message, RuntimeWarning, stacklevel=2)  # at every call
+        out, lse = combine.outputs(q, out, lse, return_lse)
+        key = (cfg, splits, return_lse, *combine.bound_key(self.cache, self.batch))
+        with triton_runtime.on_device(q.device):  # a cache on cuda:1 while cuda:0 is current
+            triton_runtime.bound_call(
+                self.bound,
+                key,
+                {"q": q, "out": out, "lse": lse},
+                lambda: self._launch(q, out, lse, return_lse, cfg, splits),
+            )
+        return (out, lse) if return_lse else out
+
+    def _resolve(self, cfg: GluonDecodeConfig) -> GluonDecodeConfig:
+        """``cfg`` checked against the operands, the format and the query heads, with the flags
+        of the plan's operands and reconstruction set; raises ``ValueError`` before any launch."""
+        cache, reconstruct = self.cache, self.reconstruct
+        heads_per_kv = self.num_q_heads // cache.num_kv_heads
+        fmt = cache.layer_format(self.batch.layer)
+        d = cache.head_dim
+        if self.operands == "e4m3":
+            reason = supports_e4m3(cache)
+            if reason:
+                raise ValueError(reason)
+            packed = bool(cfg.flags & GluonFlag.PACKED_HEADS)
+            folds = not (reconstruct or cfg.flags & GluonFlag.RECONSTRUCT)
+            if not folds or cfg.tile_pages != (2 if packed else 1):
+                raise ValueError(
+                    "operands='e4m3' runs one-page tiles (two-page ones with packed heads, "
+                    "GluonFlag.PACKED_HEADS) and the folds (GluonFlag.RECONSTRUCT clear); got "
+                    f"tile_pages={cfg.tile_pages}, reconstruct={reconstruct}, flags={cfg.flags!r}"
+                )
+            cfg = dataclasses.replace(cfg, flags=cfg.flags | GluonFlag.E4M3)
+        if cfg.flags & GluonFlag.PACKED_HEADS:
+            if heads_per_kv > MAX_HEADS_PER_KV // 2:
+                raise ValueError(
+                    f"packed heads (GluonFlag.PACKED_HEADS) hold at most "
+                    f"{MAX_HEADS_PER_KV // 2} query heads per KV head; q has {heads_per_kv}"
+                )
+            if GroupAxis.CHANNEL in (fmt.key.axis, fmt.value.axis) or reconstruct or d != 128:
+                raise ValueError(
+                    f"packed heads (GluonFlag.PACKED_HEADS) cover token-wise K and V at "
+                    f"head_dim 128 with the folds; got {fmt.key.short()} / "
+                    f"{fmt.value.short()}, head_dim {d}, reconstruct={reconstruct}"
+                )
+            if cfg.tile_pages != 2 or not cfg.flags & GluonFlag.Q_IN_CONSUMERS:
+                raise ValueError(
+                    "packed heads take two-page tiles with Q staged by each consumer "
+                    f"(GluonFlag.Q_IN_CONSUMERS); got tile_pages={cfg.tile_pages}, "
+                    f"flags={cfg.flags!r}"
+                )
+        if reconstruct:  # the ablation: per-value s' y + z' instead of the folds
+            cfg = dataclasses.replace(cfg, flags=cfg.flags | GluonFlag.RECONSTRUCT)
+        return cfg
+
+    def _launch(self, q, out, lse, return_lse, cfg, splits) -> None:
+        """The checks and launches of ``cfg`` (the config, resolved), into ``out`` (and
+        ``lse``)."""
+        kern = _gluon()
+        cache, batch, sm_scale = self.cache, self.batch, self.sm_scale
+        bsz, num_q_heads, d = q.shape
+        heads_per_kv = num_q_heads // cache.num_kv_heads
+        fmt = cache.layer_format(batch.layer)
+        cfg = self._resolve(cfg)
+        if splits is None:
+            sms = combine.num_sms(q.device.index or 0)
+            splits = num_splits(bsz, cache.num_kv_heads, batch.split_history, cfg, sms)
+        has_windows = combine.has_window_program(fmt)
+        o_part, lse_part = self.workspace.partials(self._partials_shape(cfg, splits))
+        parts = o_part.shape[2]
+        lse_out = lse if return_lse else lse_part  # (parts == 1: the kernel writes out and lse)
+        kw, ks, vw, vs = self.descriptors()
+        consts = _constexprs(
+            cfg,
+            heads_per_kv,
+            fmt.key.bits,
+            fmt.value.bits,
+            fmt.value.axis is GroupAxis.CHANNEL,
+            fmt.key.axis is GroupAxis.CHANNEL,
+            d,
+            cache.page_size,
+        )
+        triton_runtime.launch(
+            kern.gluon_decode_split_kernel,
+            (bsz, cache.num_kv_heads, splits),
+            q_ptr=q,
+            kw_desc=kw,
+            ks_desc=ks,
+            vw_desc=vw,
+            vs_desc=vs,
+            kv_indptr_ptr=batch.kv_indptr,
+            kv_indices_ptr=batch.kv_indices,
+            num_quantized_ptr=batch.num_quantized,
+            o_part_ptr=o_part,
+            lse_part_ptr=lse_part,
+            qk_scale=sm_scale * 1.4426950408889634,
+            magic=kern.MAGIC,
+            num_splits=splits,
+            stride_q_b=q.stride(0),
+            stride_q_h=q.stride(1),
+            **combine.partial_strides(o_part, lse_part),
+            out_ptr=out,
+            lse_out_ptr=lse_out,
+            num_parts=parts,
+            write_lse=int(return_lse),
+            stride_o_b=out.stride(0),
+            stride_o_h=out.stride(1),
+            stride_lo_b=lse_out.stride(0),
+            stride_lo_h=lse_out.stride(1),
+            **consts,
+            num_warps=4,
+            **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
+        )
+        if parts > 1:
+            if has_windows:
+                window_partial(
+                    q, cache, batch, sm_scale, o_part[:, :, splits:], lse_part[:, :, splits:]
+                )
+            # GluonFlag.MERGE_PDL: the merge's launch overlaps the split kernel's tail (a
+            # programmatic dependent launch; the split CTAs signal after storing their
+            # partials). Not with BF16 windows: the window program runs in between
+            combine.merge_partials(
+                o_part,
+                lse_part,
+                out,
+                lse if return_lse else None,
+                pdl=bool(cfg.flags & GluonFlag.MERGE_PDL) and not has_windows,
+            )
+
+
 def decode(
     q: torch.Tensor,
     cache: QuantizedKVCache,
@@ -307,144 +519,13 @@ def decode(
     reconstruct: bool = False,
     operands: str = "bf16",
 ):
-    """Gluon history splits (+ the Triton window program) + the merge; returns ``out`` (and lse).
-    ``operands``: "bf16" or "e4m3" (:data:`OPERANDS`; the latter needs :func:`supports_e4m3`
-    and one-page tiles, or two-page ones with packed heads). A config with packed heads
-    (GluonFlag.PACKED_HEADS) is refused, before any launch, where it does not apply.
-
-    The launches are bound once per plan, layer and arguments (Note [bound launches] in
-    foscar.triton_runtime): a later call with the same config and split count, and a query
-    and outputs of the same shapes, strides and alignment, skips the validation, the argument
-    building and triton's JIT."""
-    if operands not in OPERANDS:
-        raise ValueError(f"operands must be one of {OPERANDS}, got {operands!r}")
-    bsz, num_q_heads = q.shape[:2]
-    cfg = config or default_config(
-        cache, batch, operands, num_q_heads // cache.num_kv_heads, reconstruct
+    """One call of a fresh :class:`GluonDecodePlan` (a plan made for it, used once): returns
+    ``out`` (and ``lse``)."""
+    plan = GluonDecodePlan(
+        cache, batch, q.shape[1], sm_scale, config=config, splits=splits,
+        reconstruct=reconstruct, operands=operands,
     )
-    if splits is None and q.is_cuda:
-        sms = combine.num_sms(q.device.index or 0)
-        splits = num_splits(bsz, cache.num_kv_heads, batch.split_history, cfg, sms)
-    for message in config_warnings(cache.layer_format(batch.layer), cfg):  # at every call
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
-    out, lse = combine.outputs(q, out, lse, return_lse)
-    key = ("gluon", sm_scale, cfg, splits, reconstruct, operands, return_lse,
-           *combine.bound_key(cache, batch))
-    triton_runtime.bound_call(
-        batch._launches,
-        key,
-        {"q": q, "out": out, "lse": lse},
-        lambda: _launch(q, cache, batch, sm_scale, out, lse, return_lse, cfg, splits,
-                        reconstruct, operands),
-    )
-    return (out, lse) if return_lse else out
-
-
-def _launch(q, cache, batch, sm_scale, out, lse, return_lse, cfg, splits, reconstruct,
-            operands) -> None:
-    """decode's checks and launches of ``cfg`` (the config, resolved), into ``out`` (and
-    ``lse``)."""
-    kern = _gluon()
-    bsz, num_q_heads, d = q.shape
-    heads_per_kv = num_q_heads // cache.num_kv_heads
-    fmt = cache.layer_format(batch.layer)
-    if operands == "e4m3":
-        reason = supports_e4m3(cache)
-        if reason:
-            raise ValueError(reason)
-        packed = bool(cfg.flags & GluonFlag.PACKED_HEADS)
-        folds = not (reconstruct or cfg.flags & GluonFlag.RECONSTRUCT)
-        if not folds or cfg.tile_pages != (2 if packed else 1):
-            raise ValueError(
-                "operands='e4m3' runs one-page tiles (two-page ones with packed heads, "
-                "GluonFlag.PACKED_HEADS) and the folds (GluonFlag.RECONSTRUCT clear); got "
-                f"tile_pages={cfg.tile_pages}, reconstruct={reconstruct}, flags={cfg.flags!r}"
-            )
-        cfg = dataclasses.replace(cfg, flags=cfg.flags | GluonFlag.E4M3)
-    if cfg.flags & GluonFlag.PACKED_HEADS:
-        if heads_per_kv > MAX_HEADS_PER_KV // 2:
-            raise ValueError(
-                f"packed heads (GluonFlag.PACKED_HEADS) hold at most "
-                f"{MAX_HEADS_PER_KV // 2} query heads per KV head; q has {heads_per_kv}"
-            )
-        if GroupAxis.CHANNEL in (fmt.key.axis, fmt.value.axis) or reconstruct or d != 128:
-            raise ValueError(
-                f"packed heads (GluonFlag.PACKED_HEADS) cover token-wise K and V at "
-                f"head_dim 128 with the folds; got {fmt.key.short()} / "
-                f"{fmt.value.short()}, head_dim {d}, reconstruct={reconstruct}"
-            )
-        if cfg.tile_pages != 2 or not cfg.flags & GluonFlag.Q_IN_CONSUMERS:
-            raise ValueError(
-                "packed heads take two-page tiles with Q staged by each consumer "
-                f"(GluonFlag.Q_IN_CONSUMERS); got tile_pages={cfg.tile_pages}, "
-                f"flags={cfg.flags!r}"
-            )
-    if reconstruct:  # the ablation: per-value s' y + z' instead of the folds
-        cfg = dataclasses.replace(cfg, flags=cfg.flags | GluonFlag.RECONSTRUCT)
-    if splits is None:
-        sms = combine.num_sms(q.device.index or 0)
-        splits = num_splits(bsz, cache.num_kv_heads, batch.split_history, cfg, sms)
-    has_windows = combine.has_window_program(fmt)
-    parts = splits + int(has_windows)
-    o_part, lse_part = combine.workspace(batch, (bsz, num_q_heads, parts, d), q.device)
-    lse_out = lse if return_lse else lse_part  # (parts == 1: the kernel writes out and lse)
-    kw, ks, vw, vs = _descriptors(cache, batch.layer)
-    consts = _constexprs(
-        cfg,
-        heads_per_kv,
-        fmt.key.bits,
-        fmt.value.bits,
-        fmt.value.axis is GroupAxis.CHANNEL,
-        fmt.key.axis is GroupAxis.CHANNEL,
-        d,
-        cache.page_size,
-    )
-    triton_runtime.launch(
-        kern.gluon_decode_split_kernel,
-        (bsz, cache.num_kv_heads, splits),
-        q_ptr=q,
-        kw_desc=kw,
-        ks_desc=ks,
-        vw_desc=vw,
-        vs_desc=vs,
-        kv_indptr_ptr=batch.kv_indptr,
-        kv_indices_ptr=batch.kv_indices,
-        num_quantized_ptr=batch.num_quantized,
-        o_part_ptr=o_part,
-        lse_part_ptr=lse_part,
-        qk_scale=sm_scale * 1.4426950408889634,
-        magic=kern.MAGIC,
-        num_splits=splits,
-        stride_q_b=q.stride(0),
-        stride_q_h=q.stride(1),
-        **combine.partial_strides(o_part, lse_part),
-        out_ptr=out,
-        lse_out_ptr=lse_out,
-        num_parts=parts,
-        write_lse=int(return_lse),
-        stride_o_b=out.stride(0),
-        stride_o_h=out.stride(1),
-        stride_lo_b=lse_out.stride(0),
-        stride_lo_h=lse_out.stride(1),
-        **consts,
-        num_warps=4,
-        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
-    )
-    if parts > 1:
-        if has_windows:
-            combine.window_partial(
-                q, cache, batch, sm_scale, o_part[:, :, splits:], lse_part[:, :, splits:]
-            )
-        # GluonFlag.MERGE_PDL: the merge's launch overlaps the split kernel's tail (a programmatic
-        # dependent launch; the split CTAs signal after storing their partials). Not with BF16
-        # windows: the window program runs in between
-        combine.merge_partials(
-            o_part,
-            lse_part,
-            out,
-            lse if return_lse else None,
-            pdl=bool(cfg.flags & GluonFlag.MERGE_PDL) and not has_windows,
-        )
+    return plan.run(q, out=out, lse=lse, return_lse=return_lse)
 
 
 def compile_sm90(

@@ -14,7 +14,7 @@ transformers' ``generate``-style loop (one ``forward`` per step, greedy argmax),
 Synthetic prompts: decode cost does not depend on the cached values, so the prompts' K/V are
 written straight into the caches instead of running a 100K-token prefill per user: random BF16
 K/V for transformers' caches; foscar's pages are taken as an append would take them and filled
-with random codes, scales and offsets (``FoscarCache._assume_prompt``). The results say so.
+with random codes, scales and offsets (``FoscarCache.assume_prompt``). The results say so.
 
 Methods: ``bf16`` (transformers' ``DynamicCache`` with SDPA, the baseline), ``foscar-int4`` and
 ``foscar-int2`` (token-wise K and V, groups of 128, OSCAR's BF16 windows of 64 sink + 256 recent
@@ -234,7 +234,7 @@ def make_cache(method: str, model, batch: int, context: int, extra: int, seed: i
             cache = oscar_cache(fmt, cfg, rot, clip_bits="cache", **kw)
         else:
             cache = FoscarCache(fmt, cfg, **kw)
-        cache._assume_prompt(batch, context, device)
+        cache.assume_prompt(batch, context, device)
         _fill_random(cache, seed)
         return cache
     g = torch.Generator(device=device).manual_seed(seed)

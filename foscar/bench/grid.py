@@ -23,7 +23,7 @@ import torch
 
 from .. import __version__
 from ..cache import QuantizedKVCache
-from ..decode import decode_attention
+from ..decode import DecodePlan
 from ..formats import KVFormat, QuantFormat
 from ..results import results_json
 from . import baselines
@@ -84,10 +84,10 @@ def random_cache(fmt: KVFormat, batch: int, kv_len: int, shape: Shape, device, s
         check_finite=False,
     )
     g = torch.Generator(device=device).manual_seed(seed)
-    cache._set_free_order(torch.randperm(pages, device=device, generator=g).tolist())
+    cache.set_free_order(torch.randperm(pages, device=device, generator=g).tolist())
     ids = [cache.add_sequence() for _ in range(batch)]
     for sid in ids:
-        cache._assume_appended(sid, kv_len)
+        cache.assume_appended(sid, kv_len)
     for st in cache.layers:
         for t in (st.k_words, st.v_words):
             t.random_(-(2**31), 2**31 - 1, generator=g)
@@ -128,9 +128,10 @@ def make_foscar(
     cache, plan = random_cache(fmt, batch, kv_len, shape, device)
     q = torch.randn(batch, shape.num_q_heads, shape.head_dim, device=device, dtype=torch.bfloat16)
     out = torch.empty_like(q)
+    decode = DecodePlan(cache, plan, num_q_heads=shape.num_q_heads, backend=backend)
 
     def step():
-        return decode_attention(q, cache, plan, backend=backend, out=out)
+        return decode.run(q, out=out)
 
     step()
     torch.cuda.synchronize()
@@ -142,8 +143,8 @@ def make_foscar(
     }
 
     def close():
-        nonlocal cache, plan, q, out
-        cache = plan = q = out = None
+        nonlocal cache, plan, decode, q, out
+        cache = plan = decode = q = out = None
 
     step.close = close
     return step, info

@@ -52,7 +52,8 @@ bits), :mod:`~foscar.cache.pages` (page allocator, sequences, :class:`DecodeBatc
 torch writers), :mod:`~foscar.cache.fused_write` (the fused decode-step write's launcher),
 :mod:`~foscar.cache.decode_step` (a decode step planned once for every layer into static device
 tensors: :meth:`QuantizedKVCache.plan_decode_step`, graph-capturable per-layer work),
-:mod:`~foscar.cache.kv_cache` (:class:`QuantizedKVCache`, composing them).
+:mod:`~foscar.cache.kv_cache` (:class:`QuantizedKVCache`, composing them),
+:mod:`~foscar.cache.read` (the stored tokens read back in torch, as the kernels read them).
 """
 
 from .decode_step import DecodeStep

@@ -13,7 +13,8 @@ that once:
   tensor); the step's descriptors and DecodeBatch tensors are views of it at offsets fixed by the
   row count, so every step of ``rows`` rows hands the kernels the same tensors;
 * **per layer** (:meth:`QuantizedKVCache.write_decode_step`, :func:`foscar.decode_attention`):
-  the fused write over the descriptors and the decode kernels over the DecodeBatch, launches
+  the fused write over the descriptors and the decode kernels over the layer's DecodeBatch
+  (``step.batches[layer]``: every layer's holds the same tensors), launches
   that read device buffers only. A CUDA graph captured over one step's layers replays any later
   step of as many rows once :func:`plan` has refreshed the buffer.
 
@@ -46,8 +47,8 @@ __all__ = ["DecodeStep", "StepBuffer", "plan"]
 class DecodeStep:
     """One decode step of ``seq_ids``, planned for every layer (module docstring).
 
-    ``batch``: the step's :class:`DecodeBatch` (lengths after the step; point ``batch.layer`` at
-    the layer to read), its tensors views of the cache's step buffer; ``desc``: ``[rows, 6]``
+    ``batches``: the step's :class:`DecodeBatch` of each layer (``batches[layer]``; lengths
+    after the step), the same tensors, views of the cache's step buffer; ``desc``: ``[rows, 6]``
     int32 descriptors of the fused write (None where the format demotes more than one token at
     a time: channel-wise groups, written by torch); ``rows``: sequences plus padding rows.
     Valid until the cache plans its next step, frees any sequence, or appends to one of the
@@ -56,9 +57,10 @@ class DecodeStep:
     """
 
     seq_ids: tuple
-    batch: DecodeBatch
+    batches: tuple[DecodeBatch, ...]
     desc: torch.Tensor | None
     rows: int
+    padding_rows: int
     serial: int  # the cache's count of planned steps when this one was made
     seqs: tuple[SequenceState, ...] = field(repr=False)
     new_lengths: tuple[int, ...] = field(repr=False)
@@ -74,7 +76,7 @@ class DecodeStep:
 
 class StepBuffer:
     """The device storage of planned steps: one int32 tensor for up to ``rows`` rows (module
-    docstring), and a DecodeBatch per row count whose tensors are views of it.
+    docstring), and per row count a DecodeBatch of each layer whose tensors are views of it.
 
     ``fixed``: the capacity was reserved (:meth:`QuantizedKVCache.reserve_decode_rows`) and the
     tensor never moves; otherwise a step of more rows replaces it with a larger one.
@@ -84,11 +86,12 @@ class StepBuffer:
         self.rows = rows
         self.fixed = fixed
         self.data = torch.zeros(12 * rows + 1 + num_pages + rows, dtype=torch.int32, device=device)
-        self._views: dict[int, tuple] = {}  # rows -> (DecodeBatch, desc view)
+        self._views: dict[int, tuple] = {}  # rows -> (a DecodeBatch per layer, desc view)
 
-    def views(self, rows: int, cache) -> tuple[DecodeBatch, torch.Tensor]:
-        """The DecodeBatch and descriptor views of a step of ``rows`` rows (made once per row
-        count, so the kernels' split workspaces kept on the batch are reused)."""
+    def views(self, rows: int, cache) -> tuple[tuple[DecodeBatch, ...], torch.Tensor]:
+        """The per-layer DecodeBatches and the descriptor view of a step of ``rows`` rows (made
+        once per row count: every step of as many rows hands the kernels the same objects and
+        tensors, so the decode plans made for them are reused)."""
         if rows not in self._views:
             buf, o = self.data, 6 * rows
             desc = buf[:o].view(rows, 6)
@@ -115,7 +118,8 @@ class StepBuffer:
                 tail_capacity=fmt.tail_capacity,
                 layer=0,
             )
-            self._views[rows] = (batch, desc)
+            batches = tuple(batch.for_layer(layer) for layer in range(cache.num_layers))
+            self._views[rows] = (batches, desc)
         return self._views[rows]
 
 
@@ -133,7 +137,7 @@ def plan(
     if buffer is None or rows > buffer.rows:
         grown = max(rows, cache.max_seqs) if buffer is None else max(rows, 2 * buffer.rows)
         buffer = cache._step_buffer = StepBuffer(grown, cache.num_pages, cache.device, False)
-    batch, desc = buffer.views(rows, cache)
+    batches, desc = buffer.views(rows, cache)
 
     lens = list(new_lengths)
     nq = [num_quantized(length, fmt) for length in lens]
@@ -175,22 +179,23 @@ def plan(
     else:
         target.copy_(values)
 
-    batch.seq_ids = seq_ids
-    batch.seq_lens_host = lens
-    batch.num_quantized_host = nq
-    batch.pages_host = pages
-    batch.slots_host = slots
-    batch.padding_rows = padding_rows
-    batch.fixed_split_history = split_history
-    batch._sequences = tuple(seqs)
-    batch._valid_at.clear()
-    for layer in range(cache.num_layers):
-        batch._valid_at[layer] = cache._stamps[layer]
+    sequences = tuple(seqs)
+    for layer, batch in enumerate(batches):
+        batch.seq_ids = seq_ids
+        batch.seq_lens_host = lens
+        batch.num_quantized_host = nq
+        batch.pages_host = pages
+        batch.slots_host = slots
+        batch.padding_rows = padding_rows
+        batch.fixed_split_history = split_history
+        batch._sequences = sequences
+        cache.mark_plan_valid(batch, layer)
     return DecodeStep(
-        seq_ids=batch.seq_ids,
-        batch=batch,
+        seq_ids=seq_ids,
+        batches=batches,
         desc=desc if demotes_one else None,
         rows=rows,
+        padding_rows=padding_rows,
         serial=cache._step_serial,
         seqs=tuple(seqs),
         new_lengths=tuple(new_lengths),

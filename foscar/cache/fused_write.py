@@ -14,6 +14,11 @@ import torch
 from .. import triton_runtime
 from ..formats import GroupAxis
 
+try:
+    from ..kernels import cache_write
+except Exception:  # no Triton, or an install without a backend: fused_write_reason says so
+    cache_write = None
+
 __all__ = ["fused_write_reason", "write_decode_tokens"]
 
 
@@ -28,7 +33,7 @@ def fused_write_reason(cache, layer: int = 0) -> str | None:
         return f"head_dim must be a power of two >= 16, got {d}"
     if cache.window_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"window dtype {cache.window_dtype} (the kernel loads 16- or 32-bit floats)"
-    if not triton_runtime.available(cache.device, "cache_write"):
+    if not triton_runtime.available(cache.device, cache_write):
         return f"Triton cannot run on {cache.device}"
     return None
 
@@ -42,7 +47,6 @@ def write_decode_tokens(cache, layer: int, name: str, src, desc) -> None:
     only where :func:`fused_write_reason` is None; the layer's clip ratio and (for K) GPTQ
     factors come from its transform.
     """
-    kern = triton_runtime.kernel_module("cache_write")
     st = cache.layers[layer]
     f = cache._history_format(layer, name)
     d = cache.head_dim
@@ -53,7 +57,7 @@ def write_decode_tokens(cache, layer: int, name: str, src, desc) -> None:
     scales, tail = getattr(st, f"{name}_scales"), getattr(st, f"{name}_tail")
     sink = getattr(st, f"{name}_sink")
     with triton_runtime.on_device(src.device):
-        kern.decode_write_kernel[(src.shape[0], cache.num_kv_heads)](
+        cache_write.decode_write_kernel[(src.shape[0], cache.num_kv_heads)](
             src_ptr=src,
             src_stride_b=src.stride(0),
             src_stride_h=src.stride(1),

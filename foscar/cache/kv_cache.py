@@ -7,11 +7,11 @@ from collections.abc import Sequence
 
 import torch
 
-from ..formats import KVFormat, QuantFormat, Role, _bit_offsets, channel_order
+from ..formats import KVFormat, QuantFormat, Role, bit_offsets, channel_order
 from . import decode_step, fused_write, write
 from .decode_step import DecodeStep
 from .layout import check_int, layer_formats, num_quantized
-from .pages import PageTable
+from .pages import DecodeBatch, PageTable
 from .transforms import LayerTransform, history_format, make_transform
 
 __all__ = ["QuantizedKVCache"]
@@ -181,9 +181,27 @@ class QuantizedKVCache(PageTable):
         tables = self.__dict__.setdefault("_packing_tables", {})
         if (name, bits) not in tables:
             order = self.channel_order(name, layer).to(torch.int32)
-            shifts = _bit_offsets(bits, self._windows.mapping, self.device).to(torch.int32)
+            shifts = bit_offsets(bits, self._windows.mapping, self.device).to(torch.int32)
             tables[(name, bits)] = (order, shifts)
         return tables[(name, bits)]
+
+    def check_query(self, q: torch.Tensor, batch: DecodeBatch) -> int:
+        """Raise unless ``q`` is ``[batch.batch_size, num_q_heads, head_dim]`` with
+        ``num_q_heads`` a multiple of the cache's KV heads; returns the query heads per KV
+        head."""
+        if not isinstance(q, torch.Tensor):
+            raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+        if q.dim() != 3 or q.shape[0] != batch.batch_size or q.shape[2] != self.head_dim:
+            raise ValueError(
+                f"q must have shape [batch={batch.batch_size}, num_q_heads, head_dim="
+                f"{self.head_dim}], got {list(q.shape)}"
+            )
+        if q.shape[1] % self.num_kv_heads:
+            raise ValueError(
+                f"num_q_heads ({q.shape[1]}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads})"
+            )
+        return q.shape[1] // self.num_kv_heads
 
     def fused_write_reason(self, layer: int = 0) -> str | None:
         """``None`` if a decode step of ``layer`` can take the fused write, else why not."""
@@ -224,7 +242,7 @@ class QuantizedKVCache(PageTable):
             orthogonal matrices, or None for none. Appended tokens are stored as ``k R_K`` and
             ``v R_V`` (rows; every segment), :func:`foscar.decode_attention` rotates queries by
             ``R_K`` and the output by ``R_V^T``, and
-            :func:`foscar.reference.dequantize_sequence` returns the model's coordinates.
+            :func:`foscar.cache.read.dequantize_sequence` returns the model's coordinates.
         key_clip, value_clip : per-token clip ratio in ``(0, 1]`` of this layer's quantized K / V
             (replacing the format's; 1 clips nothing), or None for the format's.
         key_gptq : ``[D, D]`` or ``[H, D, D]`` upper-triangular factor with a positive diagonal
@@ -387,8 +405,7 @@ class QuantizedKVCache(PageTable):
         one in every layer, the fused write's descriptors and the step's :class:`DecodeBatch`
         go to the device in one copy, into tensors that every step of as many rows reuses.
         Then, per layer, :meth:`write_decode_step` stores the layer's new K/V and
-        :func:`foscar.decode_attention` reads ``step.batch`` (set ``step.batch.layer``) after
-        that layer's write; every layer must be written before the next step is planned (the
+        :func:`foscar.decode_attention` reads ``step.batches[layer]`` after that layer's write; every layer must be written before the next step is planned (the
         lengths already count its token; checked while the step's sequences live).
 
         Parameters
@@ -414,8 +431,7 @@ class QuantizedKVCache(PageTable):
         >>> step = cache.plan_decode_step(seq_ids)
         >>> for layer in range(cache.num_layers):
         ...     cache.write_decode_step(layer, k[layer], v[layer], step)
-        ...     step.batch.layer = layer
-        ...     o = foscar.decode_attention(q[layer], cache, step.batch)
+        ...     o = foscar.decode_attention(q[layer], cache, step.batches[layer])
         """
         seq_ids = tuple(seq_ids)
         if not seq_ids:
@@ -481,7 +497,7 @@ class QuantizedKVCache(PageTable):
         """
         layer = self._check_layer(layer)
         self._check_latest_step(step)
-        self._check_plan_at(step.batch, layer)  # an append to a planned sequence since
+        self._check_plan_at(step.batches[layer], layer)  # an append to a planned sequence since
         self._check_kv(k, v, step.rows)
         n = len(step.seq_ids)  # (padding rows are stored nowhere)
         self._check_finite(k[:n], v[:n])
@@ -509,14 +525,14 @@ class QuantizedKVCache(PageTable):
             raise TypeError(
                 f"step must be a DecodeStep (from plan_decode_step), got {type(step).__name__}"
             )
-        if step.serial != self._step_serial or step.batch is not self._step_view(step.rows):
+        if step.serial != self._step_serial or step.batches is not self._step_view(step.rows):
             raise ValueError(
                 "step is not this cache's latest planned step (another step was planned, or a "
                 "sequence freed, since): plan_decode_step again"
             )
 
     def _step_view(self, rows: int):
-        """The DecodeBatch the step buffer holds for ``rows`` rows (None if none)."""
+        """The per-layer DecodeBatches the step buffer holds for ``rows`` rows (None if none)."""
         buffer = self._step_buffer
         views = None if buffer is None else buffer._views.get(rows)
         return None if views is None else views[0]

@@ -15,16 +15,18 @@ before any launch) compares them on the host, with no device sync: each sequence
 same live sequence (not freed, its id not reused) holding the planned number of tokens in the
 plan's layer. An append to another layer leaves the plan right: it writes only that layer's
 pool tensors, and a live sequence's page list only grows, so the planned pages stay its first
-pages. Every change bumps a per-layer stamp; a plan remembers the stamp it was last found right
-at, so a plan reused with nothing changed (a CUDA-graph replay, the layers of one step) is
-checked in constant time.
+pages. Every change bumps a per-layer stamp; the cache remembers, per plan (weakly, by
+identity), the stamp it last found the plan right at, so a plan reused with nothing changed (a
+CUDA-graph replay, a step's plans) is checked in constant time. The plan itself stays data.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import operator
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -50,7 +52,7 @@ def host_to(device: torch.device, values, dtype=torch.long) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: the cache remembers plans it checked
 class DecodeBatch:
     """Where each sequence of a decode batch lives in the cache, as the kernels read it.
 
@@ -76,7 +78,10 @@ class DecodeBatch:
 
     A plan stays valid until a sequence it covers is freed or appended to in ``layer``
     (Note [stale plans] in foscar.cache.pages); :func:`foscar.decode_attention` raises on a
-    stale one. It may be pointed at another layer (``batch.layer = l``) whose lengths agree.
+    stale one. :meth:`for_layer` gives the same tables for another layer whose lengths agree.
+
+    A plan is data only: the decode backends' workspaces and bound launches belong to their
+    plans (:class:`foscar.DecodePlan`), never to the batch.
     """
 
     seq_ids: tuple
@@ -98,13 +103,14 @@ class DecodeBatch:
     fixed_split_history: int | None = None
     #: the planned sequences' records (compared by identity: Note [stale plans])
     _sequences: tuple = field(default=(), repr=False, compare=False)
-    #: layer -> the stamp at which this plan was last found valid for it
-    _valid_at: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-    #: the backends' split partials, by shape and device (a CUDA-graph replay allocates nothing)
-    _workspaces: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-    #: the decode calls' launches bound to this plan (Note [bound launches] in
-    #: foscar.triton_runtime)
-    _launches: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def for_layer(self, layer: int) -> DecodeBatch:
+        """The same page tables and lengths (the same device tensors) as a plan of ``layer``,
+        for a layer that holds as many tokens of each sequence (every layer of a decode step;
+        :meth:`PageTable.check_plan` raises where they differ)."""
+        if layer == self.layer:
+            return self
+        return dataclasses.replace(self, layer=layer)
 
     @property
     def batch_size(self) -> int:
@@ -172,8 +178,21 @@ class PageTable:
         self._seqs: dict[object, SequenceState] = {}
         self._next_id = 0
         self._stamps = [next(_STAMPS) for _ in range(num_layers)]
+        #: plan -> {layer: the stamp at which it was last found valid there} (Note [stale plans])
+        self._valid_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         #: planned decode steps so far, and frees (a planned step is valid while this stands)
         self._step_serial = 0
+
+    # copies (deepcopy, pickle) forget which plans were found valid: plans are this process's
+    # objects, weakly held, and a copy checks any plan in full once
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        del state["_valid_plans"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._valid_plans = weakref.WeakKeyDictionary()
 
     # ------------------------------------------------------------------ sequences
     @property
@@ -244,9 +263,24 @@ class PageTable:
         self._free_set.discard(page)
         return page
 
-    def _set_free_order(self, order: list[int]) -> None:
-        """Benchmarks only: the order free pages are taken in (``order`` holds the free pages,
-        each once; the last is taken first), e.g. scattered over the pool."""
+    def free_slot_order(self) -> list[int]:
+        """The free window slots in the order new sequences take them, the next one last."""
+        return list(self._free_slots)
+
+    def sequence_state(self, seq_id) -> SequenceState:
+        """A copy of live sequence ``seq_id``'s record: its window slot, pages and tokens per
+        layer."""
+        seq = self._lookup(seq_id, "seq_id")
+        return SequenceState(slot=seq.slot, pages=list(seq.pages), lengths=list(seq.lengths))
+
+    def free_page_order(self) -> list[int]:
+        """The free pages in the order appends take them, the next one last (the order
+        :meth:`set_free_order` sets)."""
+        return list(self._free_pages)
+
+    def set_free_order(self, order: list[int]) -> None:
+        """Benchmarks: the order free pages are taken in (``order`` holds the free pages, each
+        once; the last is taken first), e.g. scattered over the pool."""
         if len(order) != len(self._free_set) or set(order) != self._free_set:
             raise ValueError("order must list every free page once")
         self._free_pages = list(order)
@@ -323,7 +357,7 @@ class PageTable:
             for _ in range(n):
                 s.pages.append(self._pop_free())
 
-    def _assume_appended(self, seq_id, length: int) -> None:
+    def assume_appended(self, seq_id, length: int) -> None:
         """Benchmarks only: mark ``length`` tokens of every layer present without writing them.
 
         Pages are taken as an append would take them, but the pool keeps whatever bits it
@@ -388,7 +422,7 @@ class PageTable:
             layer=layer,
             _sequences=tuple(seqs),
         )
-        batch._valid_at[layer] = self._stamps[layer]
+        self.mark_plan_valid(batch, layer)
         return batch
 
     def check_plan(self, batch: DecodeBatch) -> None:
@@ -404,7 +438,8 @@ class PageTable:
     def _check_plan_at(self, batch: DecodeBatch, layer: int) -> None:
         """:meth:`check_plan` of ``batch`` in ``layer`` (a valid layer index)."""
         stamp = self._stamps[layer]
-        if batch._valid_at.get(layer) == stamp:
+        valid_at = self._valid_plans.get(batch)
+        if valid_at is not None and valid_at.get(layer) == stamp:
             return
         seqs = batch._sequences
         if len(seqs) != len(batch.seq_ids):
@@ -416,7 +451,12 @@ class PageTable:
             lengths = lengths[: len(seqs)]
         if any(map(operator.is_not, live, seqs)) or lengths != [s.lengths[layer] for s in seqs]:
             self._raise_stale(batch, layer, live)
-        batch._valid_at[layer] = stamp
+        self._valid_plans.setdefault(batch, {})[layer] = stamp
+
+    def mark_plan_valid(self, batch: DecodeBatch, layer: int) -> None:
+        """Record ``batch`` as made now for ``layer`` (its only valid layer until checked again):
+        :meth:`plan` and a planned decode step call this for the batches they fill."""
+        self._valid_plans[batch] = {layer: self._stamps[layer]}
 
     def _raise_stale(self, batch: DecodeBatch, layer: int, live: list) -> None:
         """The error of :meth:`check_plan`, naming the first sequence that changed."""

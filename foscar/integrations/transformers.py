@@ -12,24 +12,25 @@ How a forward pass flows
 ------------------------
 A transformers attention layer calls ``cache.update(k, v, layer_idx)`` and then the attention
 function, which is never handed the cache. ``FoscarCache.update`` therefore only parks the new
-K/V (``[B, H_kv, T, D]``, post-RoPE) and returns them tagged with the cache; the ``"foscar"``
-attention function finds the cache on its ``key`` argument and the layer through
-``module.layer_idx``. The writes happen there, because only the attention function sees the
-attention mask, i.e. which tokens are padding. Per layer:
+K/V (``[B, H_kv, T, D]``, post-RoPE) and returns them tagged with the cache
+(:func:`foscar.attention.attach`); the ``"foscar"`` attention function finds the cache on its
+``key`` argument and the layer through ``module.layer_idx``. The writes happen there, because
+only the attention function sees the attention mask, i.e. which tokens are padding. Per layer,
+through the attention step the serving engine shares (:class:`foscar.attention.CacheAttention`):
 
-* **prefill** (the layer holds nothing yet): each row's real tokens are appended to the
+* **prefill** (the layer holds nothing yet): each row's real tokens are stored in the
   quantized cache (rounded to BF16, then quantized or kept in the BF16 windows by the format),
   and attention runs in SDPA over the K/V passed in, at the model's precision;
-* **decode** (query length 1): each row's new token is appended and
-  :func:`foscar.decode_attention` reads the quantized pages (the GPU kernels); where it would run
-  its torch reference (a CPU), the default ``decode="auto"`` attends instead over each history
-  token dequantized once (the same values to fp32 rounding, 8.6x faster per token at 4K tokens
-  on a 2-core CPU). The page tables are planned once per step (at the first
-  layer) and the same :class:`~foscar.DecodeBatch`, which also carries the kernel workspace, is
-  reused by every later layer whose lengths agree (all layers append the same tokens);
+* **decode** (query length 1): the step is planned once, at the first layer, for every layer
+  (:meth:`foscar.QuantizedKVCache.plan_decode_step`); each layer writes its token and a
+  :class:`foscar.DecodePlan` reads the quantized pages through the layer's batch
+  (``step.batches[layer]``; the GPU kernels); where it would run its torch reference (a CPU),
+  the default ``decode="auto"`` attends instead over each history token dequantized once (the
+  same values to fp32 rounding, 8.6x faster per token at 4K tokens on a 2-core CPU);
 * **extend** (query length > 1 on a non-empty cache: a continued conversation): the stored
-  tokens are dequantized (:func:`foscar.reference.dequantize_sequence`) and attended together
-  with the new ones in torch; then the new tokens are appended.
+  tokens are dequantized (:func:`foscar.cache.read.dequantize_sequence`) and attended together
+  with the new ones in torch (:meth:`foscar.attention.CacheAttention.extend`); then the new
+  tokens are stored.
 
 Padding: pads are not stored
 ----------------------------
@@ -62,6 +63,7 @@ transformers pitfalls handled here (checked on 5.17, 5.24 and 5.25)
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from collections.abc import Sequence
@@ -78,12 +80,12 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         "foscar.integrations.transformers needs transformers>=5: pip install 'foscar[hf]'"
     ) from e
 
-from ..backends.extend import extend_attention
-from ..cache import DecodeBatch, QuantizedKVCache, check_decode_write, layer_formats
-from ..decode import BACKENDS, decode_attention, default_backend
+from ..attention import CacheAttention, attach, attached
+from ..cache import DecodeBatch, DecodeStep, QuantizedKVCache, check_decode_write, layer_formats
+from ..cache.read import history_operands
+from ..decode import BACKENDS, default_backend
 from ..formats import GroupAxis, KVFormat
 from ..quantize import dequantize
-from ..reference import _history_operands
 
 __all__ = [
     "ATTENTION_NAME",
@@ -126,8 +128,8 @@ def foscar_attention(
     ``(out [B, T, H_q, D], None)``. Without a :class:`FoscarCache` in the forward pass (e.g.
     ``use_cache=False``) this is transformers' SDPA attention.
     """
-    cache = getattr(key, "_foscar_cache", None)
-    if cache is None:
+    cache = attached(key)
+    if not isinstance(cache, FoscarCache):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -392,6 +394,8 @@ class FoscarCache(Cache):
         self._max_cache_len = max_cache_len
         self._max_batch_size = max_batch_size
         self.page_size = page_size
+        #: the attention step over ``kv`` (foscar.attention), shared with the serving engine
+        self._attention: CacheAttention | None = None
         self.backend = backend
         self.check_finite = check_finite
         self.check_mask = check_mask
@@ -403,14 +407,25 @@ class FoscarCache(Cache):
         self._seen = [0] * num_layers  # positions seen per layer, pads included
         self._stored: list[list[int] | None] = [None] * num_layers  # tokens stored per row
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._plan: DecodeBatch | None = None
-        self._plan_lengths: list[int] | None = None
+        self._step: DecodeStep | None = None  # the decode step the layers are writing
         # decode="dequantized": per layer, each row's history dequantized so far (fp32)
         self._history: list[_DequantizedHistory | None] = [None] * num_layers
         # decode="auto" resolved per layer at its first decode step
         self._decode_paths: list[str | None] = [None] * num_layers
 
     # ------------------------------------------------------------------ configuration
+    @property
+    def backend(self) -> str:
+        """``decode_attention``'s backend for the decode steps (may be changed between
+        passes)."""
+        return self._backend
+
+    @backend.setter
+    def backend(self, name: str) -> None:
+        self._backend = name
+        if self._attention is not None:
+            self._attention.backend = name
+
     @property
     def decode_path(self) -> str | None:
         """``"kernel"`` or ``"dequantized"``: how the first layer's decode steps attend
@@ -479,12 +494,21 @@ class FoscarCache(Cache):
                 check_finite=self.check_finite,
                 decode_write=self.decode_write,
             )
+            self._attention = CacheAttention(self.kv, self.backend)
         self.seq_ids = [self.kv.add_sequence() for _ in range(batch_size)]
 
     def _append(self, layer: int, k: torch.Tensor, v: torch.Tensor, counts: list[int]) -> None:
         """Append ``k, v: [N, H_kv, D]`` (row 0's tokens first) with ``counts[b]`` per row."""
+        with self._pool_hint():
+            self._attention.store(layer, self.seq_ids, k, v, counts)
+        stored = self._stored[layer] or [0] * len(counts)
+        self._stored[layer] = [s + n for s, n in zip(stored, counts)]
+
+    @contextlib.contextmanager
+    def _pool_hint(self):
+        """Say how to grow the pool when it is exhausted."""
         try:
-            self.kv.append(self.seq_ids, k, v, num_new_tokens=counts, layer=layer)
+            yield
         except ValueError as e:
             if "exhausted" in str(e):
                 raise ValueError(
@@ -492,8 +516,6 @@ class FoscarCache(Cache):
                     "construct FoscarCache with a larger max_cache_len"
                 ) from None
             raise
-        stored = self._stored[layer] or [0] * len(counts)
-        self._stored[layer] = [s + n for s, n in zip(stored, counts)]
 
     # ------------------------------------------------------------------ transformers API
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
@@ -524,7 +546,7 @@ class FoscarCache(Cache):
             )
         self._pending[layer_idx] = (key_states, value_states)
         self._seen[layer_idx] += t
-        key_states._foscar_cache = self
+        attach(key_states, self)
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -539,7 +561,7 @@ class FoscarCache(Cache):
         self._seen = [0] * self.num_layers
         self._stored = [None] * self.num_layers
         self._pending.clear()
-        self._plan = self._plan_lengths = None
+        self._step = None
         self._history = [None] * self.num_layers
         self._decode_paths = [None] * self.num_layers
 
@@ -613,17 +635,17 @@ class FoscarCache(Cache):
             self._append(layer, k.transpose(1, 2)[vis], v.transpose(1, 2)[vis], counts)
             self._seen[layer] = t
 
-    def _assume_prompt(self, batch_size: int, length: int, device) -> None:
+    def assume_prompt(self, batch_size: int, length: int, device) -> None:
         """Benchmarks only: ``batch_size`` rows of ``length`` tokens in every layer, not written.
 
         Decode cost does not depend on the cached values, so the pool keeps whatever it holds
-        (see ``QuantizedKVCache._assume_appended``).
+        (see ``QuantizedKVCache.assume_appended``).
         """
         if self.seq_ids is not None:
-            raise ValueError("_assume_prompt needs an empty cache (call reset() first)")
+            raise ValueError("assume_prompt needs an empty cache (call reset() first)")
         self._allocate(batch_size, torch.device(device))
         for sid in self.seq_ids:
-            self.kv._assume_appended(sid, length)
+            self.kv.assume_appended(sid, length)
         self._seen = [length] * self.num_layers
         self._stored = [[length] * batch_size for _ in range(self.num_layers)]
 
@@ -651,16 +673,6 @@ class FoscarCache(Cache):
         if last.dtype != torch.bool:  # an additive float mask: 0 where attended
             last = last > torch.finfo(last.dtype).min / 2
         return last.expand(batch, t)
-
-    def _plan_for(self, layer: int) -> DecodeBatch:
-        """One plan per decode step, reused by every layer whose stored lengths agree."""
-        lengths = self._stored[layer]
-        if self._plan is None or self._plan_lengths != lengths:
-            self._plan = self.kv.plan(self.seq_ids, layer)
-            self._plan_lengths = list(lengths)
-        # A DecodeBatch names its layer; the page tables, lengths and workspace are shared.
-        self._plan.layer = layer
-        return self._plan
 
     def _attend(self, module, query, key, value, attention_mask, dropout, scaling, kwargs):
         layer = module.layer_idx
@@ -694,24 +706,30 @@ class FoscarCache(Cache):
         return self._extend(layer, query, k, v, attention_mask, scaling), None
 
     def _decode(self, layer, query, k, v, attention_mask, scaling) -> torch.Tensor:
-        self._append(layer, k[:, :, 0], v[:, :, 0], [1] * len(self.seq_ids))
-        if self.check_mask and layer == 0 and attention_mask is not None:
-            visible = self._visible_counts(attention_mask)
-            if visible != self._stored[layer]:
-                raise ValueError(
-                    f"the attention mask shows rows {visible} tokens but the cache stores "
-                    f"{self._stored[layer]}: FoscarCache honours left padding only, not masked "
-                    "tokens inside a sequence"
-                )
-        plan = self._plan_for(layer)
-        if self._decode_path(layer, query[:, :, 0]) == "dequantized":
+        step = self._step
+        if step is None or layer in step.written:  # the first layer of a decode step
+            if self.check_mask and attention_mask is not None:
+                visible = self._visible_counts(attention_mask)
+                stored = [n + 1 for n in self._stored[layer]]
+                if visible != stored:
+                    raise ValueError(
+                        f"the attention mask shows rows {visible} tokens but the cache stores "
+                        f"{stored}: FoscarCache honours left padding only, not masked tokens "
+                        "inside a sequence"
+                    )
+            with self._pool_hint():  # every layer's lengths count the step's token from here
+                step = self._step = self.kv.plan_decode_step(self.seq_ids)
+        q = query[:, :, 0]
+        if self._decode_path(layer, q) == "dequantized":
+            self.kv.write_decode_step(layer, k[:, :, 0], v[:, :, 0], step)
             if self._history[layer] is None:
                 self._history[layer] = _DequantizedHistory(self._max_cache_len)
-            out = self._history[layer].attend(query[:, :, 0], self.kv, plan, scaling)
-            return out.unsqueeze(1)
-        out = decode_attention(
-            query[:, :, 0].contiguous(), self.kv, plan, sm_scale=scaling, backend=self.backend
-        )
+            out = self._history[layer].attend(q, self.kv, step.batches[layer], scaling)
+        else:
+            out = self._attention.decode_step(
+                layer, q.contiguous(), k[:, :, 0], v[:, :, 0], step, scaling
+            )
+        self._stored[layer] = [n + 1 for n in self._stored[layer]]
         return out.unsqueeze(1)  # [B, 1, H_q, D]
 
     @staticmethod
@@ -722,17 +740,14 @@ class FoscarCache(Cache):
         return last.sum(dim=-1).tolist()
 
     def _extend(self, layer, query, k, v, attention_mask, scaling) -> torch.Tensor:
-        """Several new tokens on a non-empty cache: the extend kernel on a GPU, the dequantized past
-        and the new tokens in torch on the CPU (foscar.backends.extend)."""
+        """Several new tokens on a non-empty cache: dequantized past + new tokens, in torch."""
         bsz, _, t, _ = query.shape
         vis = self._new_token_mask(attention_mask, bsz, t, k.device)
-        plan = self.kv.plan(self.seq_ids, layer)
         outs = [
-            extend_attention(
-                query[b].transpose(0, 1), k[b].transpose(0, 1), v[b].transpose(0, 1), self.kv,
-                plan, b, scaling, new_mask=vis[b],
-            )
-            for b in range(bsz)
+            self._attention.extend(
+                layer, sid, query[b], k[b], v[b], scaling, vis[b]
+            ).transpose(0, 1)
+            for b, sid in enumerate(self.seq_ids)
         ]  # each [T, H_q, D]
         counts = self._real_counts(vis, require_left_padding=False)
         self._append(layer, k.transpose(1, 2)[vis], v.transpose(1, 2)[vis], counts)
@@ -746,7 +761,7 @@ class _DequantizedHistory:
     ``k, v: [rows, H, capacity, D]`` float32 in the stored (rotated) coordinates: position ``p``
     of row ``i`` holds the BF16 sink or tail value, or, once ``p`` is in the quantized history,
     ``s' * y + z'`` of the operands the decode path reads through the page table
-    (:func:`foscar.reference._history_operands`, dequantized in float64). History tokens never
+    (:func:`foscar.cache.read.history_operands`, dequantized in float64). History tokens never
     change once written (demotion appends whole quanta), so each is dequantized once, when it
     enters the history; a step copies only the new tail tokens and the newly demoted ones. The
     step then rotates ``q`` by ``R_K``, runs one fp32 softmax attention over every position
@@ -802,7 +817,7 @@ class _DequantizedHistory:
                 for name, buf in (("k", self.k), ("v", self.v)):
                     f = cache.role_format(plan.layer, name)
                     a = h0 // f.group_size * f.group_size if f.axis is GroupAxis.CHANNEL else h0
-                    y, s, z = _history_operands(cache, plan, i, name, a, lq)
+                    y, s, z = history_operands(cache, plan, i, name, a, lq)
                     x = dequantize(y, s, z, f, dtype=torch.float64)  # [H, lq - a, D]
                     buf[i, :, sink + h0 : sink + lq] = x[:, h0 - a :].to(torch.float32)
                 self.done[i] = lq

@@ -73,6 +73,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         "foscar.serving needs transformers>=5.17 with continuous batching: pip install 'foscar[hf]'"
     ) from e
 
+from ..attention import attach, attached
 from .core import PagedKV, StepRow, history_bytes_per_token, window_bytes_per_request
 from .flashinfer_kv import (
     FlashInferPagedKV,
@@ -123,8 +124,8 @@ def foscar_paged_attention(
     """
     cache = kwargs.get("cache")
     if not isinstance(cache, FoscarPagedCache):
-        cache = getattr(key, "_foscar_paged_cache", None)
-    if cache is None:
+        cache = attached(key)
+    if not isinstance(cache, FoscarPagedCache):
         kwargs.pop("cache", None)
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
@@ -345,7 +346,7 @@ class FoscarPagedCache(_TrackedCache, PagedAttentionCache):
     def update(self, key_states, value_states, *args, **kwargs):
         # transformers >= 5.24's model calls this before the attention function; the attention
         # function writes (it sees the queries too)
-        key_states._foscar_paged_cache = self
+        attach(key_states, self)
         return key_states, value_states
 
     def begin_step(self, num_tokens: int) -> None:

@@ -25,17 +25,16 @@ turns such a step into foscar operations, whatever the engine:
   :meth:`~foscar.QuantizedKVCache.write_decode_step` per layer: the fused Triton write on a GPU).
 * **attention of a step** (:meth:`PagedKV.attend`), per row:
 
-  - *decode* (one new token on a non-empty request): the token is written and
-    :func:`foscar.decode_attention` reads the pages through the step's
-    :class:`foscar.DecodeBatch`, one for every layer;
+  - *decode* (one new token on a non-empty request): the token is written and a
+    :class:`foscar.DecodePlan` reads the pages through the step's :class:`foscar.DecodeBatch` of
+    the layer (:meth:`foscar.attention.CacheAttention.decode_step`);
   - *prefill* (``past_length == 0``): causal attention over the new tokens at the model's
     precision (``prefill_attention``), as :class:`foscar.integrations.transformers.FoscarCache`
     does at a prefill;
   - *extend* (several new tokens on a non-empty request: a chunk of a chunked prefill): the
-    stored tokens and the new ones, causal over the new ones
-    (:func:`foscar.backends.extend.extend_attention`, ``FoscarCache``'s extend path too: the
-    extend kernel on a GPU, the stored tokens dequantized in fp32 on the CPU); then the chunk is
-    appended.
+    stored tokens dequantized in fp32 and the new ones, causal over the new ones
+    (:meth:`foscar.attention.CacheAttention.extend`, ``FoscarCache``'s extend path too); then the
+    chunk is appended.
 
 Host and device: every host decision about the decode rows is taken once per step, in
 :meth:`PagedKV.begin_step`, before the forward: their lengths advance in every layer, and the fused
@@ -68,8 +67,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import KVFormat, QuantizedKVCache, decode_attention
-from ..backends.extend import extend_attention
+from .. import KVFormat, QuantizedKVCache
+from ..attention import CacheAttention
 from ..cache import DecodeStep
 from ..cache.layout import num_quantized
 
@@ -263,7 +262,8 @@ class PagedKV:
             self.cache.reserve_decode_rows(max_step_tokens)
         self.cuda_graphs = cuda_graphs
         self.max_step_tokens = max_step_tokens
-        self.backend = backend
+        #: the attention step over the cache (foscar.attention), shared with FoscarCache
+        self.attention = CacheAttention(self.cache, backend)
         self.block_size = block_size
         self.max_requests = max_requests
         self._step: _Step | None = None
@@ -273,6 +273,11 @@ class PagedKV:
         #: ``(request_id, tokens it held)`` each time a request was started again (preempted and
         #: prefilled from scratch); the last ``RESTART_LOG`` only
         self.restarts: list[tuple[Hashable, int]] = []
+
+    @property
+    def backend(self) -> str:
+        """The decode backend (:func:`foscar.decode_attention`'s)."""
+        return self.attention.backend
 
     # ------------------------------------------------------------------ requests
     @property
@@ -460,14 +465,14 @@ class PagedKV:
         ``[T', H_q, D]`` in ``q``'s dtype (padding rows zero, or meaningless where the decode
         batch covers them: a capturable step).
 
-        The decode rows' work is one fused write and :func:`foscar.decode_attention` over the
+        The decode rows' work is one fused write and a :class:`foscar.DecodePlan` run over the
         step :meth:`begin_step` planned: no host bookkeeping, nothing copied to the device, so a
         capturable step's call can be captured in a CUDA graph.
         """
         step = self._step
         if step is None:
             raise RuntimeError("attend() before begin_step()")
-        need = step.packed_tokens if step.planned and step.planned.batch.padding_rows else (
+        need = step.packed_tokens if step.planned and step.planned.padding_rows else (
             step.num_tokens
         )
         if q.shape[0] < need or k.shape[0] < need or v.shape[0] < need:
@@ -489,25 +494,19 @@ class PagedKV:
         written = step.prefill + step.extend
         if written:
             idx = self._token_index(step, "written", written, k.device)
-            self.cache.append(
+            self.attention.store(
+                layer,
                 [rows[i].request_id for i in written],
                 _gather(k, idx),
                 _gather(v, idx),
                 [rows[i].query_length for i in written],
-                layer=layer,
             )
         planned = step.planned
         if planned is not None:
             idx = self._token_index(step, "decode", step.decode, k.device)
-            self.cache.write_decode_step(layer, _gather(k, idx), _gather(v, idx), planned)
-            # the step's batch is every layer's (the lengths agree); it names the layer it reads
-            planned.batch.layer = layer
-            o = decode_attention(
-                _gather(q, idx).contiguous(),
-                self.cache,
-                planned.batch,
-                sm_scale=scaling,
-                backend=self.backend,
+            o = self.attention.decode_step(
+                layer, _gather(q, idx).contiguous(), _gather(k, idx), _gather(v, idx), planned,
+                scaling,
             ).to(q.dtype)
             if not extended and not step.prefill and isinstance(idx, slice) and (
                 idx.stop == q.shape[0]
@@ -544,7 +543,7 @@ class PagedKV:
                 for t in range(step.offsets[i], step.offsets[i] + step.rows[i].query_length)
             ]
             if name == "decode":
-                tokens += range(step.num_tokens, step.num_tokens + step.planned.batch.padding_rows)
+                tokens += range(step.num_tokens, step.num_tokens + step.planned.padding_rows)
             if tokens == list(range(len(tokens))):
                 step.indices[name] = slice(0, len(tokens))
             else:
@@ -556,10 +555,12 @@ class PagedKV:
 
     def _attend_extend(self, layer, row: StepRow, q, k, v, scaling) -> torch.Tensor:
         """``q: [t, H_q, D]``, ``k, v: [t, H, D]`` of a chunk on ``row``'s stored tokens ->
-        ``[t, H_q, D]``: the extend kernel on a GPU, fp32 attention over the dequantized history and
-        the chunk on the CPU (:func:`foscar.backends.extend.extend_attention`)."""
-        plan = self.cache.plan([row.request_id], layer)
-        return extend_attention(q, k, v, self.cache, plan, 0, scaling)
+        ``[t, H_q, D]``: fp32 attention over the dequantized history and the chunk."""
+        o = self.attention.extend(
+            layer, row.request_id, q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+            scaling,
+        )  # [H_q, t, D]
+        return o.transpose(0, 1).to(q.dtype)
 
     # ------------------------------------------------------------------ accounting
     def stored_length(self, request_id: Hashable) -> int:
