@@ -7,14 +7,13 @@ below own the heuristics, each beside the measurements it follows. Every number 
 the H200 (docs/tuning.md gives each knob's command, the gain, and what was tried and did not
 pay).
 
-TUNING of the Triton kernel:
-    num_stages=3 beats 1 (cp.async prefetch of the next tiles; INT2 B=64 L=16K 818 -> 546 us at
-        128-token tiles); 8 warps lose.
+TUNING of the Triton kernel (the measurements: docs/tuning.md, "Triton kernel"):
+    num_stages=3 beats 1 (cp.async prefetch of the next tiles); 8 warps lose.
     64-token tiles capped at 128 registers (4 CTAs/SM, some spills) beat 128-token tiles at 255
         registers (2 CTAs/SM) at every point measured, B=1 included once the split count fills
-        the 4 slots (INT2 B=1 L=128K 78 -> 74 us, B=64 L=16K 544 -> 495 us).
+        the 4 slots.
     the split count that fills the resident slots exactly once wins; one CTA more than the
-        slots costs a second wave (INT2 B=8 L=128K: 8 splits 495 us, 9 splits 703 us).
+        slots costs a second wave.
     channel-wise K at 64 tokens capped at 168 registers (3 CTAs/SM, no spills) instead of 128
         (4 CTAs/SM, spills): chosen from the static SASS (register counts), not timed apart.
     block_n=64 uncapped when a product needs more than 16 columns, and for the reconstruct
@@ -32,7 +31,7 @@ from dataclasses import dataclass
 __all__ = [
     "TritonDecodeConfig",
     "triton_decode_config",
-    "num_splits",
+    "triton_num_splits",
     "column_widths",
     "GluonFlag",
     "GLUON_DEFAULT_FLAGS",
@@ -40,6 +39,7 @@ __all__ = [
     "gluon_decode_config",
     "gluon_packed_config",
     "gluon_e4m3_config",
+    "gluon_num_splits",
     "bf16_packs_heads",
     "GLUON_OVER_TRITON_US",
     "gluon_min_ctas",
@@ -116,14 +116,15 @@ def triton_decode_config(
     return TritonDecodeConfig(block_n=64, maxnreg=128, ctas_per_sm=4)
 
 
-def num_splits(
+def triton_num_splits(
     batch: int, num_kv_heads: int, max_tokens: int, cfg: TritonDecodeConfig, num_sms: int
 ) -> int:
-    """Splits per (sequence, KV head): as many as fill every resident CTA slot once.
+    """The Triton kernel's splits per (sequence, KV head): as many as fill every resident CTA
+    slot once.
 
     Rounded down: a split count whose CTAs exceed the slots by one runs a second wave as long
-    as the first (INT2 B=8 L=128K at 4 CTAs/SM: 8 splits 495 us, 9 splits 703 us, 16 splits
-    495 us). At least ``cfg.min_tiles_per_split`` tiles per split.
+    as the first (docs/tuning.md, Triton kernel, row "split count rounded down"). At least
+    ``cfg.min_tiles_per_split`` tiles per split.
     """
     tiles = math.ceil(max_tokens / cfg.block_n)
     if tiles == 0:
@@ -137,7 +138,8 @@ def num_splits(
 class GluonFlag(enum.IntFlag):
     """Compile-time switches of the Gluon kernel (foscar.kernels.gluon): a config's ``flags``,
     passed to the kernel as the int of its ``OPT`` constexpr (the values are the kernel's bit
-    numbers). Which configs set each, and what it gained on the H200 (docs/tuning.md):
+    numbers). Which configs set each; what each gained on the H200 is its row in
+    docs/tuning.md, "Gluon kernel":
 
     ``FAST_MAX``
         The tile's max over its 64 token rows by per-warp shuffles and one exchange of the four
@@ -149,26 +151,25 @@ class GluonFlag(enum.IntFlag):
     ``RECONSTRUCT``
         The reconstruct ablation (backend ``"gluon-reconstruct"``): ``s' y + z'`` on every K and
         V operand value in registers, P unscaled, no folds. Set by the launcher for that
-        backend only; it measures what folding gains (1.15x at B=1 L=8K up to 1.86x at B=64
-        L=128K, INT2).
+        backend only; it measures what folding gains (docs/tuning.md, "Where the shipped
+        kernels stand").
     ``SCALED_INT2``
         The scaled extraction of INT2 operands at head_dim 128: 2 shifts per 8 K pairs instead
         of 7, 1 per 4 V pairs instead of 3, a field landing at mantissa bit 2 (f % 3) so its
         operand is 128 + 4^(f % 3) q; Q, the offsets and the output fold the powers of 4 back,
-        exactly. INT2 KtVt at L=128K 7% faster at B=8 and B=64, 3% at B=1. Every shipped
-        config (INT4 and head_dim 64 ignore it).
+        exactly (row "scaled extraction"). Every shipped config (INT4 and head_dim 64 ignore it).
     ``E4M3``
         E4M3 operands for FP8 wgmma instead of bf16 mantissa injection (token-wise K and V at
         head_dim 128; Q and P' rounded to per-head scaled E4M3, about 20x bf16's error). Set by
         the launcher for ``operands="e4m3"`` (backend ``"gluon-e4m3"``).
     ``Q_IN_CONSUMERS``
         Each consumer stages Q into its own buffer after the partitions start, instead of the
-        prologue, so the producer's first copies do not wait for Q's load (B=1: 0.3-0.6 us of
-        15-47 us; neutral at B >= 8). Every shipped config; packed heads require it.
+        prologue, so the producer's first copies do not wait for Q's load (row "Q staged by
+        each consumer"). Every shipped config; packed heads require it.
     ``MERGE_PDL``
         The split merge as a programmatic dependent launch that the split CTAs signal after
-        storing their partials (1.3-1.8 us less at every multi-split point; INT2 geomean over
-        the grid 2.97x -> 3.05x, E4M3 3.30x -> 3.39x). Every shipped config; the launcher
+        storing their partials (row "merge as a programmatic dependent launch, signalled
+        after the partials"). Every shipped config; the launcher
         launches without PDL when BF16 windows put the window program in between.
     ``PACKED_HEADS``
         Two-page tiles with both pages' scores in one [64, 8] tile when a KV head serves at most
@@ -206,9 +207,9 @@ class GluonDecodeConfig:
     producer warp padded to a warpgroup).
 
     Default: 2 CTAs per SM (``maxnreg=80`` at launch, consumers raised to 112 registers, the
-    producer lowered to 24; no spills) with 4 ring stages per consumer. Measured on the H200:
-    2 CTAs/SM beat 1 (232 registers) at every point, INT2 B=64 L=128K 2686 -> 2233 us, B=1
-    L=128K 87 -> 49-55 us; 4 stages per consumer equal 2 except B=1 L=128K (48.5 vs 54.7 us).
+    producer lowered to 24; no spills) with 4 ring stages per consumer. Measured on the H200
+    (docs/tuning.md, Gluon kernel, rows "2 CTAs per SM" and "ring depth"): 2 CTAs/SM beat 1
+    (232 registers) at every point; 4 stages per consumer equal 2 except at B=1 L=128K.
     ``flags``: :class:`GluonFlag` (an int is taken as its bits; unknown bits are refused).
     """
 
@@ -240,8 +241,7 @@ def gluon_decode_config(
     tile, so channel-wise K folds Q once per group instead of once per page in each consumer;
     2 stages per consumer (8 pages in flight per CTA as with one-page tiles; INT4's 18 KiB
     stages still fit 2 CTAs per SM). Default (``None``): what the H200 measured faster: 2 for
-    channel-wise K (24-27% faster at B = 8, every format), 1 for token-wise K (two-page tiles
-    were within 2% at B >= 8 and 5-10% slower at B = 1).
+    channel-wise K, 1 for token-wise K (docs/tuning.md, Gluon kernel, rows "two-page tiles").
 
     Channel-wise K runs at 2 CTAs per SM since two-page tiles release their ring stage after
     the tile's last product (Note [late stage release] in foscar.kernels.gluon.tiles): every
@@ -261,10 +261,9 @@ def gluon_decode_config(
 #: E4M3 operands (backend "gluon-e4m3") need half the operand registers, so INT2 K and V fit 3
 #: CTAs per SM (56 registers at launch, consumers 72, the producer 24; the tile loops keep their
 #: instructions without local memory). Measured on the H200, 3 against 2 CTAs per SM: faster
-#: from 32K tiles per launch (KV heads x 64-token pages) on (B=8 L=32K 72.2 -> 70.6 us, B=8
-#: L=512K 947 -> 900 us, B=64 L=128K 1868 -> 1814 us, B=1 L=512K 133 -> 128 us), even at 16K
-#: (B=1 L=128K 42.1 / 42.2 us), slower below (B=1 L=8K 13.6 -> 14.8 us, B=8 L=8K 27.1 -> 28.3
-#: us). INT4 stays at 2: three rings of 3 stages starve it (73% against 89% of peak).
+#: from 32K tiles per launch (KV heads x 64-token pages) on, even at 16K, slower below. INT4
+#: stays at 2: three rings of 3 stages starve it (docs/tuning.md, Gluon kernel, row "E4M3 at 3
+#: CTAs per SM").
 E4M3_THREE_CTAS_MIN_TILES = 32768
 
 
@@ -279,20 +278,18 @@ def gluon_packed_config(k_bits: int, v_bits: int) -> GluonDecodeConfig:
 
 #: From how many tiles (64-token pages x KV heads per launch) the E4M3 path takes packed heads
 #: when a KV head serves at most 4 query heads, by the wider of the K and V bit widths. Measured
-#: on the H200 beside the one-page configs (8 KV heads): INT2 packed from B=1 L=128K (16K
-#: tiles) on, 38.6 against 40.5 us, up to B=64 L=128K 1620 against 1867 us (3
-#: CTAs) and 1882 (2); equal at B=8 L=8K (8K tiles, 25.1 / 25.0 us), slower below (B=1 L=32K
-#: 18.5 against 18.0, B=1 L=8K 13.6 against 12.0). INT4 faster from B=1 L=32K (4K tiles,
-#: 20.1 against 20.7 us) on, slower at B=1 L=8K (13.4 against 12.5). Mixed widths take the
-#: INT4 threshold (not measured apart).
+#: on the H200 beside the one-page configs (8 KV heads; docs/tuning.md, Gluon kernel, row
+#: "packed heads, E4M3"): INT2 packed faster from 16K tiles on, equal at 8K, slower below;
+#: INT4 faster from 4K tiles on, slower below. Mixed widths take the INT4 threshold (not
+#: measured apart).
 E4M3_PACKED_MIN_TILES = {2: 8192, 4: 4096}
 
 
 #: From how many tiles (64-token pages x KV heads per launch) the bf16 operand path takes packed
 #: heads, for INT2 K and V at head_dim 128 when a KV head serves at most 4 query heads (H200):
-#: faster from B=8 L=8K (8K tiles: 27.6 against 28.5 us) on, up to B=64 L=128K (1939 against
-#: 2082 us, 58% against 54% of peak), equal at B=1 L=32K (4K tiles), slower at B=1 L=8K (14.4
-#: against 13.5 us). INT4 was 1-3% slower packed at most points, so it keeps one page per tile.
+#: faster from 8K tiles on, equal at 4K, slower below; INT4 was slower packed at most points,
+#: so it keeps one page per tile (docs/tuning.md, Gluon kernel, row "packed heads, bf16
+#: operands").
 BF16_PACKED_MIN_TILES = 8192
 
 
@@ -328,6 +325,22 @@ def gluon_e4m3_config(
     return cfg
 
 
+#: tokens per tile page of the Gluon kernel (one TMA ring unit; foscar.backends.gluon.PAGE_SIZE)
+GLUON_TILE_PAGE_TOKENS = 64
+
+
+def gluon_num_splits(
+    batch: int, num_kv_heads: int, max_tokens: int, cfg: GluonDecodeConfig, num_sms: int
+) -> int:
+    """The Gluon kernel's splits per (sequence, KV head): the resident CTA slots
+    (``cfg.ctas_per_sm`` per SM) filled once, rounded down, at least a tile for each of the two
+    consumers per split. Rounded up, the extra CTAs run a second wave (docs/tuning.md, Gluon
+    kernel, row "split count rounded down")."""
+    tiles = math.ceil(max_tokens / (GLUON_TILE_PAGE_TOKENS * cfg.tile_pages))
+    wanted = (cfg.ctas_per_sm * num_sms) // (batch * num_kv_heads)
+    return max(1, min(wanted, max(1, tiles // 2)))
+
+
 #: Where ``backend="auto"`` takes the Gluon kernel over the Triton one, from the H200 grids
 #: (docs/tuning.md; H_Q=32, H_KV=8, microseconds as (Triton, Gluon), each with its default
 #: config). :func:`gluon_min_ctas` reads the rule off this table: token-wise K with
@@ -354,7 +367,7 @@ GLUON_OVER_TRITON_US = {
     (4, "token", "channel", 128, 8, 32768): (168.2, 100.0),
     (4, "token", "channel", 128, 8, 131072): (623.2, 332.4),
     # channel-wise K (1 CTA/SM, two-page tiles): Gluon won every B=8 point, Triton most B=1
-    # points (three B=1 Gluon points were 2-7x their neighbours). Measured before channel-wise
+    # points (three B=1 Gluon points were far above their neighbours). Measured before channel-wise
     # K ran at 2 CTAs per SM; at 2, on an H100 (benchmarks/results/decode_axes_h100.md), Gluon
     # won all 16 channel-wise K points, but the H200 has not measured it, so the rule stays
     (2, "channel", "token", 128, 1, 32768): (32.6, 34.0),
@@ -402,7 +415,7 @@ GLUON_GRID_KV_HEADS = 8  # H_KV of every row above: a row's CTAs are batch x 8
 #: default config. ``auto`` takes Gluon at such a page size only where every row of it (of the
 #: format's bit widths) was measured faster. Two points per page size, bf16 operands, and the
 #: packed-heads and split rules measured at page 64: a thin basis, enough to show Gluon ahead
-#: of Triton by 1.25-1.91x at both (pages of 128 and 256 were timed too, but gluon.supports
+#: of Triton at both (pages of 128 and 256 were timed too, but gluon.supports
 #: leaves them to Triton: only 128 at INT2 ran its GPU cases).
 GLUON_OVER_TRITON_PAGE_US: dict[tuple[int, int, int, int], tuple[float, float]] = {
     # the quick grid at each page size

@@ -28,11 +28,12 @@ BACKENDS = ("auto", *backends.names())
 def default_backend(cache: QuantizedKVCache, q: torch.Tensor, layer: int = 0) -> str:
     """The backend ``"auto"`` picks: on a Hopper GPU the Gluon kernel where it covers the format
     and was measured faster (``configs.gluon_min_ctas`` of the K/V axes, read off the measured
-    ``configs.GLUON_OVER_TRITON_US``: token-wise K always, channel-wise K from 64 sequences x
-    KV heads; pages other than 64 where ``configs.GLUON_OVER_TRITON_PAGE_US`` has Gluon
-    faster), else the Triton kernel on a GPU when it covers the format, else the reference.
-    ``layer``: whose format decides, where the cache holds one per layer (Gluon serves such a
-    cache only where it covers every layer's format)."""
+    table ``configs.GLUON_OVER_TRITON_US``, from docs/tuning.md's grids: token-wise K always,
+    channel-wise K from 64 sequences x KV heads; pages other than 64 where
+    ``configs.GLUON_OVER_TRITON_PAGE_US`` has Gluon faster), else the Triton kernel on a GPU
+    when it covers the format, else the reference. ``layer``: whose format decides, where the
+    cache holds one per layer (Gluon serves such a cache only where it covers every layer's
+    format)."""
     return auto_backend(cache, q.device, q.dtype, q.shape[0], q.shape[1], layer)
 
 

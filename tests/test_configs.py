@@ -3,7 +3,7 @@
 import pytest
 
 from foscar import KVFormat, QuantFormat
-from foscar.configs import TritonDecodeConfig, num_splits, triton_decode_config
+from foscar.configs import TritonDecodeConfig, triton_decode_config, triton_num_splits
 
 
 @pytest.mark.parametrize("batch,kv_heads", [(1, 8), (3, 8), (8, 8), (17, 2), (64, 8), (200, 8)])
@@ -11,7 +11,7 @@ from foscar.configs import TritonDecodeConfig, num_splits, triton_decode_config
 def test_splits_fill_the_resident_slots_once(batch, kv_heads, ctas_per_sm, sms):
     cfg = TritonDecodeConfig(block_n=64, ctas_per_sm=ctas_per_sm)
     slots = ctas_per_sm * sms
-    s = num_splits(batch, kv_heads, 1 << 20, cfg, sms)
+    s = triton_num_splits(batch, kv_heads, 1 << 20, cfg, sms)
     ctas = batch * kv_heads
     if ctas >= slots:
         assert s == 1
@@ -23,13 +23,13 @@ def test_split_counts_of_the_tuned_points():
     cfg = triton_decode_config(KVFormat(QuantFormat(2, "token", 128)), 128, 4, ctas=64)
     assert (cfg.block_n, cfg.maxnreg, cfg.ctas_per_sm) == (64, 128, 4)
     # tuning round 4 (benchmarks/results/h200/tune/tune_round4.log)
-    assert [num_splits(b, 8, 131072, cfg, 132) for b in (1, 8, 64)] == [66, 8, 1]
+    assert [triton_num_splits(b, 8, 131072, cfg, 132) for b in (1, 8, 64)] == [66, 8, 1]
 
 
 @pytest.mark.parametrize("tokens,expected", [(0, 1), (1, 1), (64, 1), (128, 1), (129, 1), (256, 2)])
 def test_splits_keep_whole_tiles(tokens, expected):
     cfg = TritonDecodeConfig(block_n=64, ctas_per_sm=4, min_tiles_per_split=2)
-    assert num_splits(1, 1, tokens, cfg, 132) == expected
+    assert triton_num_splits(1, 1, tokens, cfg, 132) == expected
 
 
 def test_token_wise_key_with_many_groups_uses_small_tiles():

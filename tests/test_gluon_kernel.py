@@ -547,7 +547,7 @@ def test_split_rule(batch, tokens, expected):
     """2 CTAs per SM on 132 SMs filled once (rounded down), at least a tile (one page) for each
     of the two consumers per split."""
     cfg = GluonDecodeConfig()
-    assert gluon_backend.num_splits(batch, 8, tokens, cfg, 132) == expected
+    assert configs.gluon_num_splits(batch, 8, tokens, cfg, 132) == expected
 
 
 @pytest.mark.parametrize(
@@ -588,7 +588,7 @@ def test_e4m3_launch_config_follows_the_measurements(k_bits, v_bits, lengths, he
         assert (cfg.tile_pages, cfg.ctas_per_sm) == (2, 2)
     elif expected == "3 CTAs":
         assert (cfg.maxnreg, cfg.consumer_regs, cfg.producer_regs) == (56, 72, 24)
-        assert gluon_backend.num_splits(8, 8, 32768, cfg, 132) == 6  # 396 slots / 64 rows
+        assert configs.gluon_num_splits(8, 8, 32768, cfg, 132) == 6  # 396 slots / 64 rows
     else:
         assert cfg == gluon_backend.gluon_decode_config("token")
     bf16 = gluon_backend.default_config(cache, batch, "bf16", heads)
@@ -648,7 +648,7 @@ def test_e4m3_three_ctas_per_sm_compile_to_fit():
 def test_split_rule_counts_two_page_tiles(tokens, expected):
     """With two-page tiles a split holds at least two 128-token tiles (one per consumer)."""
     cfg = gluon_decode_config("channel")  # 2 CTAs per SM, two-page tiles
-    assert gluon_backend.num_splits(1, 8, tokens, cfg, 132) == expected
+    assert configs.gluon_num_splits(1, 8, tokens, cfg, 132) == expected
 
 
 def test_default_tile_pages_follow_the_measurements():
@@ -668,7 +668,7 @@ def test_channel_wise_keys_launch_two_ctas_per_sm():
     made its outputs repeatable there), and a one-page config at 2 CTAs is warned about."""
     cfg = gluon_decode_config("channel")
     assert (cfg.ctas_per_sm, cfg.maxnreg, cfg.tile_pages) == (2, 80, 2)
-    assert gluon_backend.num_splits(8, 8, 131072, cfg, 132) == 4  # 264 // 64
+    assert configs.gluon_num_splits(8, 8, 131072, cfg, 132) == 4  # 264 // 64
 
 
 @pytest.mark.gpu(reason="launches the kernel")
@@ -941,7 +941,7 @@ def test_channel_wise_keys_repeat_bit_for_bit(v_axis):
     cache, batch = build_cache(fmt, (32768,), num_kv_heads=8, device="cuda", decode_steps=0)
     q = queries(batch, 32, 128, "cuda")
     cfg = gluon_decode_config("channel")
-    assert gluon_backend.num_splits(1, 8, 32768, cfg, 132) == 33
+    assert configs.gluon_num_splits(1, 8, 32768, cfg, 132) == 33
     first, _ = run_launcher(q, cache, batch, return_lse=False, splits=33)
     for _ in range(9):
         out, _ = run_launcher(q, cache, batch, return_lse=False, splits=33)

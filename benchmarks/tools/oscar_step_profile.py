@@ -10,7 +10,7 @@ cumulative time of foscar's functions, so two methods compare function by functi
 
 ``--reps N`` times instead of profiling: every method's cache is built first, then ``N``
 rounds each run ``--steps`` decode steps of every method in turn, so slow drifts of the host's
-speed (eager transformers is host-bound at 60-120 ms per step here) fall on every method alike;
+speed (eager transformers is host-bound here) fall on every method alike;
 prints each round's ms per step and the medians.
 
     python benchmarks/tools/oscar_step_profile.py --reps 7 --batches 1 16 \

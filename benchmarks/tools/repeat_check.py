@@ -32,7 +32,7 @@ import torch
 
 from foscar import KVFormat, QuantFormat, QuantizedKVCache
 from foscar.backends import combine, gluon
-from foscar.configs import gluon_decode_config
+from foscar.configs import gluon_decode_config, gluon_num_splits
 from foscar.reference import attend_dequantized
 from foscar.results import results_json
 
@@ -163,7 +163,7 @@ def main(argv=None) -> int:
                     ref, _ = attend_dequantized(q, cache, batch, None, torch.float64)
                     for name in args.configs:
                         cfg = table[name]
-                        auto = gluon.num_splits(b, hkv, batch.split_history, cfg, sms)
+                        auto = gluon_num_splits(b, hkv, batch.split_history, cfg, sms)
                         for splits in args.splits or [auto]:
                             row = {"format": f"{fmt.key.short()}/{fmt.value.short()}",
                                    "config": name, "batch": b, "length": n, "splits": splits,

@@ -19,7 +19,7 @@ import torch
 from foscar.backends import triton as tb
 from foscar.bench.grid import Shape, random_cache
 from foscar.bench.timing import L2Flusher, bench_stats
-from foscar.configs import TritonDecodeConfig, num_splits
+from foscar.configs import TritonDecodeConfig, triton_num_splits
 from foscar.formats import KVFormat, QuantFormat
 
 ROUNDS = {
@@ -89,7 +89,9 @@ def main() -> None:
                         choices = [s for s in a.splits if s <= tiles]
                     else:
                         scales = (1, 2) if a.round == 1 else (1,)
-                        choices = [num_splits(batch, 8, kv_len, cfg, 132 * k) for k in scales]
+                        choices = [
+                            triton_num_splits(batch, 8, kv_len, cfg, 132 * k) for k in scales
+                        ]
                     for splits in choices:
                         try:
                             run = tb.TritonDecodePlan(

@@ -35,9 +35,8 @@ from . import folded, gluon, triton
 
 __all__ = ["Backend", "DecodeRun", "REFERENCE_BLOCK_N", "get", "names", "register"]
 
-#: Tokens per tile of the CPU reference backend. Per-tile Python work dominates on a CPU: at
-#: 8K tokens (3 KV heads, D=64) one call takes 67 ms with 256-token tiles and 31 ms with 1024
-#: (2 cores); the result changes only by fp32 rounding.
+#: Tokens per tile of the CPU reference backend. Per-tile Python work dominates on a CPU, so
+#: fewer, larger tiles take less time per call; the result changes only by fp32 rounding.
 REFERENCE_BLOCK_N = 1024
 
 
@@ -81,8 +80,9 @@ class Backend(Protocol):
 
 
 #: each cache's coverage answers, by (backend, query heads): a cache's formats, head_dim, page
-#: size and KV heads never change, and the checks walk every layer's format (70-80 us a call at
-#: 36 layers on a CPU; decode_attention asks up to twice per layer and step)
+#: size and KV heads never change, and the checks walk every layer's format (decode_attention
+#: asks up to twice per layer and step; docs/tuning.md, Serving path, row "kernel backends'
+#: coverage checks")
 _COVERAGE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 

@@ -24,11 +24,13 @@ import torch
 from .. import triton_runtime
 from ..cache import DecodeBatch, QuantizedKVCache
 from ..configs import (
+    GLUON_TILE_PAGE_TOKENS,
     GluonDecodeConfig,
     GluonFlag,
     bf16_packs_heads,
     gluon_decode_config,
     gluon_e4m3_config,
+    gluon_num_splits,
     gluon_packed_config,
 )
 from ..formats import GroupAxis, OperandMapping
@@ -42,12 +44,11 @@ __all__ = [
     "supports_e4m3",
     "decode",
     "default_config",
-    "num_splits",
     "OPERANDS",
 ]
 
 HEAD_DIMS = (128, 64)  # 64: token-wise K and V only
-PAGE_SIZE = 64
+PAGE_SIZE = GLUON_TILE_PAGE_TOKENS
 #: cache page sizes the kernel covers: 64, and 16 or 32 (a tile of 64 tokens is 64 / page_size
 #: whole pages) for token-wise K and V at head_dim 128, the combinations whose GPU cases passed
 #: on the H200. The kernel also reads 64-row parts of larger pages (128, 256): those compile and
@@ -199,15 +200,6 @@ def default_config(
     return gluon_decode_config(k.axis.value)
 
 
-def num_splits(batch: int, num_kv_heads: int, max_tokens: int, cfg: GluonDecodeConfig, sms: int):
-    """Splits per (sequence, KV head): the resident CTA slots (``cfg.ctas_per_sm`` per SM) filled
-    once, rounded down, at least a tile for each of the two consumers per split. Rounded up, the
-    extra CTAs run a second wave (H200: B=8 L=128K 5 splits 360 us, 4 splits 304 us)."""
-    tiles = math.ceil(max_tokens / (PAGE_SIZE * cfg.tile_pages))
-    wanted = (cfg.ctas_per_sm * sms) // (batch * num_kv_heads)
-    return max(1, min(wanted, max(1, tiles // 2)))
-
-
 def _box_rows(page_size: int) -> int:
     """Rows of one TMA copy of words (twice as many fp32 of scales): a page, or a 64-token part
     of a larger one."""
@@ -295,7 +287,8 @@ class GluonDecodePlan:
     layer), for queries of ``num_q_heads`` heads at ``sm_scale``.
 
     ``config`` and ``splits`` fix the launch config and the split count (default: chosen at
-    each :meth:`run` from the batch's lengths, :func:`default_config` and :func:`num_splits`);
+    each :meth:`run` from the batch's lengths, :func:`default_config` and
+    :func:`foscar.configs.gluon_num_splits`);
     ``reconstruct``: the per-value reconstruction ablation; ``operands``: "bf16" or "e4m3"
     (:data:`OPERANDS`; the latter needs :func:`supports_e4m3` and one-page tiles, or two-page
     ones with packed heads). A config with packed heads (GluonFlag.PACKED_HEADS) is refused,
@@ -343,7 +336,9 @@ class GluonDecodePlan:
         splits = self.splits
         if splits is None and cache.device.type == "cuda":
             sms = combine.num_sms(cache.device.index or 0)
-            splits = num_splits(batch.batch_size, cache.num_kv_heads, batch.split_history, cfg, sms)
+            splits = gluon_num_splits(
+                batch.batch_size, cache.num_kv_heads, batch.split_history, cfg, sms
+            )
         return cfg, splits
 
     def _partials_shape(self, cfg, splits: int) -> tuple[int, int, int, int]:
@@ -441,7 +436,7 @@ class GluonDecodePlan:
         cfg = self._resolve(cfg)
         if splits is None:
             sms = combine.num_sms(q.device.index or 0)
-            splits = num_splits(bsz, cache.num_kv_heads, batch.split_history, cfg, sms)
+            splits = gluon_num_splits(bsz, cache.num_kv_heads, batch.split_history, cfg, sms)
         has_windows = combine.has_window_program(fmt)
         o_part, lse_part = self.workspace.partials(self._partials_shape(cfg, splits))
         parts = o_part.shape[2]

@@ -14,7 +14,7 @@ import torch
 
 from .. import triton_runtime
 from ..cache import DecodeBatch, QuantizedKVCache
-from ..configs import TritonDecodeConfig, column_widths, num_splits, triton_decode_config
+from ..configs import TritonDecodeConfig, column_widths, triton_decode_config, triton_num_splits
 from ..formats import OperandMapping
 from .combine import (
     MAGIC_BF16X2,
@@ -158,8 +158,8 @@ class TritonDecodePlan:
 
     ``config`` and ``splits`` fix the launch config and the split count (default: chosen at
     each :meth:`run` from the batch's lengths, ``configs.triton_decode_config`` and
-    ``configs.num_splits``); ``reconstruct``: the per-value reconstruction baseline. The split
-    workspace of the batch's current lengths is allocated here.
+    ``configs.triton_num_splits``); ``reconstruct``: the per-value reconstruction baseline. The
+    split workspace of the batch's current lengths is allocated here.
     """
 
     def __init__(
@@ -198,7 +198,7 @@ class TritonDecodePlan:
         if splits is None:
             device = cache.device
             sms = num_sms(device.index or 0) if device.type == "cuda" else INTERPRETER_SMS
-            splits = num_splits(bsz, cache.num_kv_heads, batch.split_history, cfg, sms)
+            splits = triton_num_splits(bsz, cache.num_kv_heads, batch.split_history, cfg, sms)
         return cfg, splits
 
     def _partials_shape(self, cfg, splits: int) -> tuple[int, int, int, int]:

@@ -56,8 +56,8 @@ def rotate_rows(x: torch.Tensor, r: torch.Tensor, *, inverse: bool = False) -> t
     ``r: [H, D, D]``; head ``j`` of ``x`` uses ``R_{j // (Hx / H)}`` (query heads share their
     KV head's rotation). Computed in float64 for float64 ``x``, else float32; returned in that
     dtype (the cache rounds to its window dtype afterwards). One matrix product (batched over
-    the heads when there are several rotations): ``einsum`` spent ~80 us of host time per call
-    planning the same product.
+    the heads when there are several rotations): ``einsum`` planned the same product again on
+    the host at every call.
     """
     dt = torch.float64 if x.dtype == torch.float64 else torch.float32
     rr = r.to(device=x.device, dtype=dt)  # no copy when it already is

@@ -179,8 +179,8 @@ def write_decode_step(cache, layer, seqs, new_lengths, k, v, fused: bool = False
     """:func:`write_tokens` for one new token per sequence (``k, v: [B, H, D]``), bit for bit.
 
     The same scatter, with index lists built in Python: per sequence that is a few integer
-    operations, where :func:`write_tokens` spends a dozen tensor operations (27 ms for 32
-    sequences on 2 CPU cores against 2 ms here). ``fused``: quantize, pack and scatter in one
+    operations, where :func:`write_tokens` spends a dozen tensor operations on every call.
+    ``fused``: quantize, pack and scatter in one
     Triton launch per role instead (foscar.cache.fused_write); where that launch fails and the
     cache's ``decode_write`` is "auto", warn once and write with torch from then on.
     """

@@ -26,7 +26,8 @@ through the attention step the serving engine shares (:class:`foscar.attention.C
   :class:`foscar.DecodePlan` reads the quantized pages through the layer's batch
   (``step.batches[layer]``; the GPU kernels); where it would run its torch reference (a CPU),
   the default ``decode="auto"`` attends instead over each history token dequantized once (the
-  same values to fp32 rounding, 8.6x faster per token at 4K tokens on a 2-core CPU);
+  same values to fp32 rounding, in less time per token: docs/tuning.md, Cache write and host
+  path, row ``FoscarCache(decode="dequantized")``);
 * **extend** (query length > 1 on a non-empty cache: a continued conversation): the stored
   tokens are dequantized (:func:`foscar.cache.read.dequantize_sequence`) and attended together
   with the new ones in torch (:meth:`foscar.attention.CacheAttention.extend`); then the new
@@ -285,8 +286,9 @@ class FoscarCache(Cache):
         enters the quantized history (read from the pages as the decode path reads them, kept
         in fp32 per layer and row), and each step attends in fp32 over the BF16 sink, that
         history and the BF16 tail; the same values as ``decode_attention``'s torch reference,
-        to fp32 rounding, without unpacking the whole history at every step (8.6x faster per
-        token at 4K tokens on a 2-core CPU), at the cost of an fp32 copy of the cache.
+        to fp32 rounding, without unpacking the whole history at every step (docs/tuning.md,
+        Cache write and host path, row ``FoscarCache(decode="dequantized")``), at the cost of
+        an fp32 copy of the cache.
         ``"auto"`` (default): ``"dequantized"`` where ``decode_attention`` would run its torch
         reference (a CPU cache, or ``backend="reference"``), ``"kernel"`` otherwise (the GPU
         kernels); :attr:`decode_path` tells which, once the first forward pass has placed the

@@ -341,11 +341,12 @@ def _tile_pair(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: g
     """Two pages (128 tokens) of consumer C: tile t, its i-th, pages a and b of one ring stage.
     Per 128 tokens one stage wait and release, one cross-warp max exchange and one P' barrier
     (a page per tile passes each once per 64 tokens), and a channel-wise group is one tile, so
-    K's fold runs once per group: 24-27% faster for channel-wise K, no faster for token-wise K
-    (whose consumers are bound by ALU work and wgmma latency, not by the barriers). The two QK
-    products go to two [64, HS] accumulators; the two PV products of the tile chain on the
-    tensor core (128 tokens, within Note [tensor-core accumulation]'s fresh-per-tile rule),
-    added to the running O in fp32. Page b's operands are built after page a's products
+    K's fold runs once per group: faster for channel-wise K, no faster for token-wise K
+    (docs/tuning.md, Gluon kernel, rows "two-page tiles"; token-wise K's consumers are bound
+    by ALU work and wgmma latency, not by the barriers). The two QK products go to two
+    [64, HS] accumulators; the two PV products of the tile chain on the tensor core (128
+    tokens, within Note [tensor-core accumulation]'s fresh-per-tile rule), added to the
+    running O in fp32. Page b's operands are built after page a's products
     complete (consumer 0 has 104 registers).
 
     Note [late stage release]: the tile releases its ring stage after its last wgmma wait, not
