@@ -2,7 +2,9 @@
 
 import json
 
-from foscar.results import results_json
+import torch
+
+from foscar.results import results_json, shortest_float32
 
 
 def test_results_json_reads_back_and_keeps_number_lists_on_one_line():
@@ -29,3 +31,15 @@ def test_results_json_reads_back_and_keeps_number_lists_on_one_line():
     assert ' "quoted \\" [6,7]": [8, 9]' in text
     assert ' "mixed": [' in lines  # a list not all numbers is left as it is
     assert len(results_json({"x": list(range(1000))}).splitlines()) == 3
+
+
+def test_results_json_writes_float32_values_in_their_shortest_digits():
+    nll = torch.tensor([0.7064415812492371, 0.1, 5.180774688720703, 1e-40]).tolist()  # float32
+    measured = [0.1, 1 / 3, 12.667680621637347]  # float64 values keep every digit
+    text = results_json({"nll": nll, "ms": measured})
+    back = json.loads(text)
+    assert torch.equal(torch.tensor(back["nll"]), torch.tensor(nll))  # the same float32 values
+    assert back["ms"] == measured
+    assert '"nll": [0.7064416, 0.1, 5.1807747, 1e-40]' in text
+    assert shortest_float32(float("nan")) != shortest_float32(float("nan"))
+    assert shortest_float32(float("inf")) == float("inf")
