@@ -35,7 +35,15 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["available", "bound_call", "interpreting", "launch", "on_device"]
+__all__ = [
+    "UNBINDABLE",
+    "available",
+    "bound_call",
+    "interpreting",
+    "launch",
+    "launch_hooks_installed",
+    "on_device",
+]
 
 
 def interpreting() -> bool:
@@ -89,7 +97,9 @@ def _patch_interpreter_for_numpy2() -> None:
 MAX_BOUND_CALLS = 256
 _recording = threading.local()  # .launches: the launches of the call being recorded, or None
 _UNSEEN = object()  # a key not called yet
-_NEVER = object()  # a key whose launches cannot be bound
+#: the memo value of a key whose launches cannot be bound (replayed): each call goes through
+#: the JIT
+UNBINDABLE = object()
 
 
 def launch(fn, grid: tuple, **kwargs):
@@ -192,7 +202,7 @@ def _shares_storage(a: torch.Tensor, tensors: dict) -> bool:
     )
 
 
-def _hooks_installed() -> bool:
+def launch_hooks_installed() -> bool:
     """A launch hook (a profiler) or triton's debug mode is on: the JIT must see every launch.
     A hook set as a plain function (or None) rather than triton's hook chain counts by
     whether it is None."""
@@ -215,11 +225,12 @@ def bound_call(memo: dict, key, tensors: dict, run) -> None:
     (``{name: tensor or None}``) of the recorded dtype, shape, strides, device and alignment
     replays them with these tensors swapped in (Note [bound launches]). ``run`` validates and
     raises before any launch; a call it refuses is not recorded."""
-    if interpreting() or _hooks_installed() or getattr(_recording, "launches", None) is not None:
+    recording = getattr(_recording, "launches", None) is not None
+    if interpreting() or launch_hooks_installed() or recording:
         run()
         return
     replay = memo.get(key, _UNSEEN)
-    if replay is _NEVER:  # its launches cannot be replayed (a view of a named tensor, ...)
+    if replay is UNBINDABLE:  # its launches cannot be replayed (a view of a named tensor, ...)
         run()
         return
     if replay is _UNSEEN:  # a key's first call only marks it: a plan made per call never records
@@ -238,11 +249,11 @@ def bound_call(memo: dict, key, tensors: dict, run) -> None:
     finally:
         _recording.launches = None
     if refused:  # a launch without a compiled kernel, or with pre-run hooks
-        memo[key] = _NEVER
+        memo[key] = UNBINDABLE
         return
     if not launches:
         return
     try:
         memo[key] = _Replay(launches, tensors)
     except _NotBindable:
-        memo[key] = _NEVER
+        memo[key] = UNBINDABLE

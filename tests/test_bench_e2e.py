@@ -100,7 +100,7 @@ def test_decode_points_on_a_small_model(small_model, tmp_path):
         "points": rows + [{"method": "bf16", "context": 400, "batch": 64, "oom": True}],
         "budget": e2e.budget_table(["bf16", "foscar-int2"], [400], small_model.config, 1.0, 3),
     }
-    e2e._write(result, tmp_path, "e2e")
+    e2e.write_results(result, tmp_path, "e2e")
     assert "| bf16 | 400 | 64 | OOM |" in (tmp_path / "e2e.md").read_text()
     assert (tmp_path / "e2e.png").stat().st_size > 10000
 

@@ -54,7 +54,7 @@ def split(q_ptr, o_ptr, pool, n, BLOCK=64):  # noqa: N803
 def compiled(monkeypatch):
     """Bound launches as on a GPU: no interpreter, no launch hooks, a stream to launch on."""
     monkeypatch.setattr(triton_runtime, "interpreting", lambda: False)
-    monkeypatch.setattr(triton_runtime, "_hooks_installed", lambda: False)
+    monkeypatch.setattr(triton_runtime, "launch_hooks_installed", lambda: False)
     monkeypatch.setattr(triton_runtime, "_current_stream", lambda device: 7)
     monkeypatch.setattr(triton_runtime, "_current_device", lambda: 0)
 
@@ -122,7 +122,7 @@ def test_named_storage_shared_at_recording_is_never_bound(compiled, alias):
             call(fn, memo, "k", q, torch.zeros(3, 8), q[:1])  # pool is a view of q
         else:
             call(fn, memo, "k", q, q, torch.zeros(4))
-    assert memo["k"] is triton_runtime._NEVER
+    assert memo["k"] is triton_runtime.UNBINDABLE
     assert [e[0] for e in fn.log] == ["jit"] * 4
 
 
@@ -137,11 +137,11 @@ def test_a_refused_call_records_nothing_and_raises_again(compiled):
 def test_launch_hooks_and_the_interpreter_bypass_the_binding(monkeypatch, compiled):
     fn, memo, pool = FakeJit(split), {}, torch.zeros(4)
     q = torch.zeros(3, 8)
-    monkeypatch.setattr(triton_runtime, "_hooks_installed", lambda: True)  # a profiler
+    monkeypatch.setattr(triton_runtime, "launch_hooks_installed", lambda: True)  # a profiler
     call(fn, memo, "k", q, torch.zeros(3, 8), pool)
     call(fn, memo, "k", q, torch.zeros(3, 8), pool)
     assert memo == {} and [e[0] for e in fn.log] == ["jit", "jit"]
-    monkeypatch.setattr(triton_runtime, "_hooks_installed", lambda: False)
+    monkeypatch.setattr(triton_runtime, "launch_hooks_installed", lambda: False)
     monkeypatch.setattr(triton_runtime, "interpreting", lambda: True)
     call(fn, memo, "k", q, torch.zeros(3, 8), pool)
     assert memo == {}
@@ -149,7 +149,7 @@ def test_launch_hooks_and_the_interpreter_bypass_the_binding(monkeypatch, compil
 
 def test_hooks_are_read_from_triton():
     """No launch hook is installed by default (triton 3.6's hook chains are empty)."""
-    assert triton_runtime._hooks_installed() is False
+    assert triton_runtime.launch_hooks_installed() is False
 
 
 def test_a_binding_keeps_no_named_tensor_alive(compiled):
@@ -193,11 +193,11 @@ def test_a_launch_hook_set_without_triton_s_hook_chain(monkeypatch, hook):
     from triton import knobs
 
     monkeypatch.setattr(knobs.runtime, "launch_enter_hook", hook)
-    assert triton_runtime._hooks_installed() is (hook is not None)
+    assert triton_runtime.launch_hooks_installed() is (hook is not None)
 
 
 def test_triton_debug_mode_bypasses_the_binding(monkeypatch):
     from triton import knobs
 
     monkeypatch.setattr(knobs.runtime, "debug", True)
-    assert triton_runtime._hooks_installed() is True
+    assert triton_runtime.launch_hooks_installed() is True

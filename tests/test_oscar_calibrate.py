@@ -407,14 +407,14 @@ def test_choose_rotations_checks_its_candidates(tiny):
 
 def test_windowed_attention_reads_exact_keys_inside_the_windows():
     """The clip fit's attention with BF16 windows, against a per-query loop."""
-    from foscar.oscar.calibrate import _causal_attention, _window_mask
+    from foscar.oscar.calibrate import causal_attention, window_mask
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(4, 5, 8, dtype=f64, generator=g)
     k, v, kq, vq = (torch.randn(2, 20, 8, dtype=f64, generator=g) for _ in range(4))
     positions = torch.tensor([6, 10, 13, 17, 19])
-    window = _window_mask(positions, 20, (2, 3))
-    out = _causal_attention(q, k, v, positions, 0.5, kq=kq, vq=vq, window=window)
+    window = window_mask(positions, 20, (2, 3))
+    out = causal_attention(q, k, v, positions, 0.5, kq=kq, vq=vq, window=window)
     for i, t in enumerate(positions.tolist()):
         exact = [j < 2 or j > t - 3 for j in range(t + 1)]
         ks = torch.stack([k[:, j] if e else kq[:, j] for j, e in enumerate(exact)], 1)
@@ -422,8 +422,8 @@ def test_windowed_attention_reads_exact_keys_inside_the_windows():
         for h in range(4):
             p = torch.softmax(q[h, i] @ ks[h // 2].T * 0.5, -1)
             torch.testing.assert_close(out[h, i], p @ vs[h // 2], atol=1e-12, rtol=0)
-    assert _window_mask(positions, 20, (0, 0)) is None
-    assert _window_mask(positions, 20, (3, 0))[:, :3].all()
+    assert window_mask(positions, 20, (0, 0)) is None
+    assert window_mask(positions, 20, (3, 0))[:, :3].all()
 
 
 @torch.no_grad()

@@ -527,11 +527,11 @@ def test_decode_phase_times_full_batch_steps_against_the_byte_limit(tmp_path, on
 
 
 def test_kv_read_bytes_counts_windows_at_bf16():
-    from foscar.serving.decode_bench import _kv_read_bytes
+    from foscar.serving.decode_bench import kv_read_bytes
 
     stats = {"bytes_per_token": 10}
-    assert _kv_read_bytes([(99, 1), (4, 1)], stats, 100, 0) == 100 * 10 + 5 * 10
-    assert _kv_read_bytes([(99, 1), (4, 1)], stats, 100, 20) == (20 * 100 + 80 * 10) + 5 * 100
+    assert kv_read_bytes([(99, 1), (4, 1)], stats, 100, 0) == 100 * 10 + 5 * 10
+    assert kv_read_bytes([(99, 1), (4, 1)], stats, 100, 20) == (20 * 100 + 80 * 10) + 5 * 100
 
 
 def test_warm_up_trace_ends_requests_one_step_apart():

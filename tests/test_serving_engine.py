@@ -133,9 +133,14 @@ def test_core_restart_after_preemption_starts_empty():
     empty request, and the restart is logged with what the request held."""
     kv = _paged()
     _run(kv, _decode_steps("a", 20, lambda n: (1, 2)[: -(-n // 16)], 3))
-    kv.begin_step([StepRow("a", 0, 23, (4, 2))])
+    rows = [StepRow("a", 0, 23, (4, 2))]
+    kv.begin_step(rows)
     assert kv.restarts == [("a", 23)]
-    assert kv.live_requests == ("a",) and kv._lengths["a"] == 23
+    assert kv.live_requests == ("a",) and kv.stored_length("a") == 0  # empty: starts again
+    q, k, v = _random_step(torch.Generator().manual_seed(1), rows)
+    for layer in range(2):
+        kv.attend(layer, q, k, v, scaling=0.125)
+    assert kv.stored_length("a") == 23
 
 
 def test_core_rejects_inconsistent_steps():
@@ -169,7 +174,7 @@ def test_core_plans_decode_rows_once_per_step():
     kv.begin_step([StepRow("a", 30, 1, (0, 1)), StepRow("b", 0, 5, (2,))])
     assert [kv.cache.seq_len("a", layer) for layer in range(2)] == [31, 31]
     assert [kv.cache.seq_len("b", layer) for layer in range(2)] == [0, 0]  # appended per layer
-    planned = kv._step.planned
+    planned = kv.planned_step
     assert planned.seq_ids == ("a",) and not kv.step_capturable
 
 
@@ -215,7 +220,7 @@ def test_core_capturable_steps_pad_the_decode_batch():
         decode_only = n > 0
         assert graph.step_capturable == decode_only and not eager.step_capturable
         if decode_only:
-            assert graph._step.planned.rows == packed and eager._step.planned.rows == 2
+            assert graph.planned_step.rows == packed and eager.planned_step.rows == 2
         q, k, v = (torch.randn(packed, h, 64, generator=gen) for h in (8, 4, 4))
         for layer in range(2):
             got = graph.attend(layer, q, k, v, scaling=0.125)

@@ -117,7 +117,7 @@ def _smollm2_or_skip() -> None:
     pytest.importorskip("gguf", reason="loading a GGUF model needs the gguf package")
 
 
-class _Server:
+class ServeProcess:
     """``foscar serve`` in a subprocess (``launcher``: the command before ``foscar serve``'s
     arguments, e.g. torchrun's); its log lines are collected as they come."""
 
@@ -242,7 +242,9 @@ def _direct_answers(prompts: list[str]) -> list[str]:
         torch.set_num_threads(threads)
 
 
-def _wait_for(check, timeout: float, what: str):
+def wait_for(check, timeout: float, what: str):
+    """``check()``'s first truthy value, asked until ``timeout`` seconds pass; then fail
+    naming ``what`` was waited for."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = check()
@@ -252,7 +254,7 @@ def _wait_for(check, timeout: float, what: str):
     pytest.fail(f"timed out waiting for {what}")
 
 
-def _open_stream(server: _Server, body: dict) -> socket.socket:
+def _open_stream(server: ServeProcess, body: dict) -> socket.socket:
     """A chat request sent on a raw socket (so the test can drop it midway)."""
     sock = socket.create_connection((server.host, server.port), timeout=60)
     data = json.dumps(body).encode()
@@ -264,17 +266,17 @@ def _open_stream(server: _Server, body: dict) -> socket.socket:
     return sock
 
 
-def _check_pages_freed(server: _Server, cancelled_before: int) -> None:
+def _check_pages_freed(server: ServeProcess, cancelled_before: int) -> None:
     def idle():
         s = server.stats()
         return (s["server"]["in_flight"] == 0 and s["engine_requests"] == 0
                 and s["kv_free_share"] == 1.0 and s)
 
-    stats = _wait_for(idle, 60, "the cancelled request's pages to be freed")
+    stats = wait_for(idle, 60, "the cancelled request's pages to be freed")
     assert stats["server"]["cancelled"] == cancelled_before + 1
 
 
-def _disconnect_midway(server: _Server) -> None:
+def _disconnect_midway(server: ServeProcess) -> None:
     """A streamed request dropped after two tokens, and a JSON one dropped while it generates:
     each is cancelled and its pages return to the pool; the server keeps serving."""
     before = server.stats()["server"]["cancelled"]
@@ -292,13 +294,13 @@ def _disconnect_midway(server: _Server) -> None:
 
     before += 1
     sock = _open_stream(server, _chat("Tell me a long story about a dragon.", max_tokens=200))
-    _wait_for(lambda: server.stats()["engine_requests"] == 1, 60, "the request to start")
+    wait_for(lambda: server.stats()["engine_requests"] == 1, 60, "the request to start")
     sock.close()
     _check_pages_freed(server, before)
     assert server.log().count("cancelled: ") == 2
 
 
-def _bad_requests(server: _Server) -> None:
+def _bad_requests(server: ServeProcess) -> None:
     cases = [
         (b"{not json", 400, "not valid JSON"),
         (json.dumps({"model": "x"}).encode(), 400, "messages: is missing"),
@@ -316,7 +318,7 @@ def _bad_requests(server: _Server) -> None:
     assert status == 404 and "no route" in body["error"]["message"]
 
 
-def _sampled_chats(server: _Server, direct: list[str]) -> None:
+def _sampled_chats(server: ServeProcess, direct: list[str]) -> None:
     """Sampling per request, sent at once: temperature 0 is the greedy answer; a seed gives
     the same answer twice, another seed another one; a value out of range is a 400."""
     bodies = [_chat(PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0),
@@ -345,7 +347,7 @@ def _sampled_chats(server: _Server, direct: list[str]) -> None:
     assert status == 400 and body["error"]["param"] == "temperature"
 
 
-def _stop_strings(server: _Server, direct: list[str]) -> None:
+def _stop_strings(server: ServeProcess, direct: list[str]) -> None:
     """An answer ends before the first stop string, as JSON and as a stream; the engine frees
     the request at once."""
     expected = direct[0][: direct[0].index("Paris")]
@@ -361,7 +363,7 @@ def _stop_strings(server: _Server, direct: list[str]) -> None:
     assert "".join(pieces) == expected
     assert events[-2]["choices"][0]["finish_reason"] == "stop"
     assert server.stats()["server"]["stopped"] == stopped + 2  # both cancelled in the engine
-    _wait_for(lambda: server.stats()["engine_requests"] == 0, 60, "the stopped requests to end")
+    wait_for(lambda: server.stats()["engine_requests"] == 0, 60, "the stopped requests to end")
 
 
 def test_an_answer_ends_before_its_first_stop_string():
@@ -376,7 +378,7 @@ def test_an_answer_ends_before_its_first_stop_string():
     assert stops.shown("a\n", final=False) == "a" and stops.shown("a\n\nb", final=False) == "a"
 
 
-def _concurrent_chats(server: _Server, direct: list[str]) -> None:
+def _concurrent_chats(server: ServeProcess, direct: list[str]) -> None:
     """Every prompt twice at once, as JSON and as a stream: the answers are the direct run's."""
     results: dict = {}
 
@@ -417,7 +419,7 @@ def _concurrent_chats(server: _Server, direct: list[str]) -> None:
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == usage
 
 
-def _openai_client(server: _Server, direct: list[str]) -> None:
+def _openai_client(server: ServeProcess, direct: list[str]) -> None:
     """The official client, sync and async, gets the direct run's answers, as a chat and as a
     text completion of the chat's tokens."""
     import asyncio
@@ -448,7 +450,7 @@ def _openai_client(server: _Server, direct: list[str]) -> None:
 
 def test_foscar_serve_end_to_end():
     _smollm2_or_skip()
-    server = _Server(SERVE_ARGS)
+    server = ServeProcess(SERVE_ARGS)
     try:
         direct = _direct_answers(PROMPTS)  # loads SmolLM2 here while the server loads it too
         assert all(direct), direct

@@ -199,7 +199,7 @@ def test_foscar_serve_under_torchrun_answers_as_one_process(tmp_path):
     if not Path("/proc/self/task").exists():
         pytest.skip("finding torchrun's workers reads /proc")
     from conftest import tiny_llama
-    from test_serving_server import _Server, _wait_for
+    from test_serving_server import ServeProcess, wait_for
 
     model = tiny_llama(layers=LAYERS, q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
                        initializer_range=0.1)
@@ -212,8 +212,8 @@ def test_foscar_serve_under_torchrun_answers_as_one_process(tmp_path):
     # every prompt fits one step, so each is prefilled whole whenever it arrives: a chunk's
     # logits would depend on the (quantized) history before it, and so on arrival times
     env = {"OMP_NUM_THREADS": "1"}
-    one = _Server(args, env=env)
-    two = _Server(args, env=env, launcher=[
+    one = ServeProcess(args, env=env)
+    two = ServeProcess(args, env=env, launcher=[
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
         "-m", "foscar", "serve"])
     try:
@@ -228,7 +228,7 @@ def test_foscar_serve_under_torchrun_answers_as_one_process(tmp_path):
         assert log.count("serving model on http://") == 1  # process 0 only
         assert "[rank 1]: process 1 of 2: KV heads 2-3 of 4" in log
         # a stream's request is counted once its handler returns, after the client read it all
-        _wait_for(lambda: two.stats()["server"]["finished"] == 2 * len(CHATS), 30,
+        wait_for(lambda: two.stats()["server"]["finished"] == 2 * len(CHATS), 30,
                   "every request to be counted")
 
         # SIGTERM to process 0: it stops the engine of every process, and all exit cleanly

@@ -361,7 +361,7 @@ def test_dequantized_decode_matches_reference(tiny, name):
     histories grow through pages, channel-wise groups and window demotions while generating."""
     enc = ragged_batch([23, 57], seed=1)
     _, logits, cache = assert_matches_reference(tiny, enc, FORMATS[name], 40, decode="dequantized")
-    assert cache.decode == "dequantized" and cache._history[0] is not None
+    assert cache.decode == "dequantized" and cache.dequantized_history(0) is not None
     # the same tokens and logits as the kernel path (INT2 codes can flip on a 1-ulp K/V
     # difference between the two runs: the tolerance of assert_matches_reference)
     _, ref, _ = foscar_generate(tiny, enc, FORMATS[name], 40)
@@ -377,7 +377,7 @@ def test_default_decode_is_the_dequantized_path_where_the_reference_would_run(ti
     fmt = FORMATS["INT2 KIVI + windows"]
     seqs, logits, cache = foscar_generate(tiny, enc, fmt, 12, decode="auto", backend=backend)
     assert FoscarCache(fmt, tiny.config).decode == "auto"  # the default
-    assert cache.decode_path == "dequantized" and cache._history[0] is not None
+    assert cache.decode_path == "dequantized" and cache.dequantized_history(0) is not None
     want_seqs, want, _ = foscar_generate(tiny, enc, fmt, 12, decode="dequantized", backend=backend)
     assert torch.equal(seqs, want_seqs) and torch.equal(logits, want)
 
@@ -386,13 +386,13 @@ def test_dequantized_history_grows_with_the_tokens_stored():
     """The dequantized path's fp32 copy grows by doubling up to the cache's max length, not
     allocated at the max length at once (a model's max_position_embeddings can be 128K)."""
     from foscar import QuantizedKVCache
-    from foscar.integrations.transformers import _DequantizedHistory
+    from foscar.integrations.transformers import DequantizedHistory
 
     fmt = KVFormat(QuantFormat(4, "token", 32), QuantFormat(4, "token", 32), "bf16", 4, 8)
     kv = QuantizedKVCache(fmt, num_kv_heads=2, head_dim=32, num_pages=16, max_seqs=1, page_size=16)
     sid = kv.add_sequence()
     kv.append([sid], torch.randn(20, 2, 32), torch.randn(20, 2, 32), num_new_tokens=[20])
-    memo = _DequantizedHistory(capacity=100_000)
+    memo = DequantizedHistory(capacity=100_000)
     caps = []
     for _ in range(30):
         kv.append([sid], torch.randn(1, 2, 32), torch.randn(1, 2, 32), num_new_tokens=[1])
@@ -405,7 +405,7 @@ def test_dequantized_decode_of_a_rotated_cache():
     """With OSCAR rotations on a layer, decode="dequantized" returns decode_attention's output
     (q rotated by R_K, the output by R_V^T) at every step of a growing cache."""
     from foscar.decode import decode_attention
-    from foscar.integrations.transformers import _DequantizedHistory
+    from foscar.integrations.transformers import DequantizedHistory
 
     torch.manual_seed(5)
     h, d = 2, 32
@@ -423,7 +423,7 @@ def test_dequantized_decode_of_a_rotated_cache():
     kv.set_transform(0, key_rotation=rk, value_rotation=rv)
     ids = [kv.add_sequence(), kv.add_sequence()]
     kv.append(ids, torch.randn(30, h, d), torch.randn(30, h, d), num_new_tokens=[10, 20])
-    memo = _DequantizedHistory()
+    memo = DequantizedHistory()
     for _ in range(25):
         kv.append(ids, torch.randn(2, h, d), torch.randn(2, h, d), num_new_tokens=[1, 1])
         plan = kv.plan(ids, 0)
@@ -562,12 +562,13 @@ def test_deepcopy_and_pickle_keep_the_layer_views_on_their_own_cache(tiny):
     twin = copy.deepcopy(cache)
     loaded = pickle.loads(pickle.dumps(cache))
     for c in (twin, loaded):
-        assert all(layer._parent is c for layer in c.layers)
         assert torch.equal(c.kv.layers[0].k_words, cache.kv.layers[0].k_words)
     del cache
-    twin._seen[0] += 1  # the copy's state, not the (gone) original's
-    assert twin.layers[0].get_seq_length() == seen + 1
-    assert twin.layers[0].get_mask_sizes(1) == (seen + 2, 0)
+    twin.reset()  # the copy's views answer for the copy, the loaded one's for the loaded one
+    assert [layer.get_seq_length() for layer in twin.layers] == [0] * len(twin.layers)
+    assert twin.layers[0].get_mask_sizes(1) == (1, 0)
+    assert [layer.get_seq_length() for layer in loaded.layers] == [seen] * len(loaded.layers)
+    assert loaded.layers[0].get_mask_sizes(1) == (seen + 1, 0)
 
 
 def test_decode_write_reaches_the_pool(tiny):

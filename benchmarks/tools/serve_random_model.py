@@ -160,7 +160,7 @@ def set_markdown(results: dict) -> str:
         "| device peak (GiB) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    f = bench._fmt
+    f = bench.cell
     for run in results["runs"]:
         graphs = {True: "on", False: "off", None: "auto"}[run["cuda_graphs"]]
         for m in run["methods"]:
@@ -491,7 +491,7 @@ def main(argv=None) -> None:
         return
     results = {
         "model": model_name,
-        "env": bench._environment(model),
+        "env": bench.run_environment(model),
         "note": "The oscar method's calibration file is random (orthogonal per-KV-head "
         "rotations, GPTQ factors of random metrics, fixed clips; INT4 keys in half the layers, "
         "INT4 values in a third, as the 15:10 row of eval_smollm2): its speed is a calibrated "

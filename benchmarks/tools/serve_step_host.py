@@ -49,7 +49,7 @@ def begin_step_ms(num_blocks: int, requests: int, context: int, steps: int) -> f
         start = time.perf_counter()
         kv.begin_step(rows)
         times.append(time.perf_counter() - start)
-        kv.cache.record_replayed_step(kv._step.planned)  # the step's layers, as written
+        kv.cache.record_replayed_step(kv.planned_step)  # the step's layers, as written
         length += 1
     return 1e3 * sorted(times)[len(times) // 2]
 

@@ -40,6 +40,7 @@ from .triton import window_partial
 __all__ = [
     "GluonDecodePlan",
     "available",
+    "kernel_module",
     "supports",
     "supports_e4m3",
     "decode",
@@ -64,7 +65,9 @@ GLUON_TRITON_VERSIONS = ("3.6.",)
 
 
 @functools.cache
-def _gluon():
+def kernel_module():
+    """foscar.kernels.gluon, or None where this triton has no Gluon of a release in
+    :data:`GLUON_TRITON_VERSIONS`."""
     try:
         import triton
 
@@ -78,7 +81,7 @@ def _gluon():
 
 def available(device: torch.device) -> bool:
     """Gluon is importable and ``device`` is a Hopper GPU (sm_90: wgmma, TMA, setmaxnreg)."""
-    if device.type != "cuda" or _gluon() is None:
+    if device.type != "cuda" or kernel_module() is None:
         return False
     if not triton_runtime.available(device, combine.triton_decode):  # the windows and merge
         return False
@@ -214,7 +217,7 @@ def tma_descriptors(cache: QuantizedKVCache, layer: int) -> tuple:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     st = cache.layers[layer]
-    kern = _gluon()
+    kern = kernel_module()
     fmt = cache.layer_format(layer)
     k_layout, v_layout, scales_layout = kern.descriptor_layouts(
         fmt.key.bits, fmt.value.bits, cache.head_dim
@@ -428,7 +431,7 @@ class GluonDecodePlan:
     def _launch(self, q, out, lse, return_lse, cfg, splits) -> None:
         """The checks and launches of ``cfg`` (the config, resolved), into ``out`` (and
         ``lse``)."""
-        kern = _gluon()
+        kern = kernel_module()
         cache, batch, sm_scale = self.cache, self.batch, self.sm_scale
         bsz, num_q_heads, d = q.shape
         heads_per_kv = num_q_heads // cache.num_kv_heads
@@ -541,7 +544,7 @@ def compile_sm90(
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    kern = _gluon()
+    kern = kernel_module()
     cfg = cfg or gluon_decode_config("channel" if k_channel else "token")
     k_layout, v_layout, scales_layout = kern.descriptor_layouts(k_bits, v_bits, head_dim)
 

@@ -404,7 +404,9 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def _write(result: dict, out: Path, name: str) -> None:
+def write_results(result: dict, out: Path, name: str) -> None:
+    """Write ``<name>.json``, ``<name>.md`` (the notes and the table) and, where matplotlib is
+    there, ``<name>.png`` under ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(results_json(result))
     notes = "\n".join(f"- {n}" for n in result["notes"])
@@ -508,7 +510,7 @@ def run_e2e(
             for batch in sorted(batches):
                 if max_seconds and time.perf_counter() - t_start > max_seconds:
                     result["notes"].append(f"stopped after {max_seconds:g} s")
-                    _write(result, out_path, name)
+                    write_results(result, out_path, name)
                     print(markdown(result), file=out)
                     return result
                 try:
@@ -518,10 +520,10 @@ def run_e2e(
                     row = {"method": method, "context": context, "batch": batch, "oom": True}
                 result["points"].append(row)
                 print(json.dumps(row), file=out, flush=True)
-                _write(result, out_path, name)
+                write_results(result, out_path, name)
                 if row.get("oom"):
                     break
     result["seconds"] = time.perf_counter() - t_start
-    _write(result, out_path, name)
+    write_results(result, out_path, name)
     print(markdown(result), file=out)
     return result

@@ -43,11 +43,16 @@ class LayerTransform:
         (float32 ``x`` and narrower with the rotation's float32 copy, made once)."""
         r = getattr(self, f"{role}_rotation")
         if x.dtype != torch.float64:
-            key = ("float32", role)
-            if key not in self._derived:
-                self._derived[key] = r.to(torch.float32)
-            r = self._derived[key]
+            r = self.float32_rotation(role)
         return rotate_rows(x, r, inverse=inverse)
+
+    def float32_rotation(self, role: str) -> torch.Tensor:
+        """The ``role`` ("key" or "value") rotation ``[H, D, D]`` in float32, converted at the
+        first call and the same tensor from then on."""
+        key = ("float32", role)
+        if key not in self._derived:
+            self._derived[key] = getattr(self, f"{role}_rotation").to(torch.float32)
+        return self._derived[key]
 
 
 def rotate_rows(x: torch.Tensor, r: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:

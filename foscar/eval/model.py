@@ -85,7 +85,7 @@ def load_model(path: str | os.PathLike | None = None, *, dtype: torch.dtype = to
     return model, tok
 
 
-def _padded_channels(head_dim: int, new_dim: int) -> torch.Tensor:
+def padded_channels(head_dim: int, new_dim: int) -> torch.Tensor:
     """Where each of a head's ``head_dim`` channels goes in a head of ``new_dim`` channels so
     that rotate-half RoPE over ``new_dim`` rotates it as RoPE over ``head_dim`` did: channel
     ``i`` (and its partner ``i + head_dim/2``) at ``i * r`` (and ``i * r + new_dim/2``), with
@@ -101,7 +101,7 @@ def pad_head_dim(model, new_dim: int):
     """Give ``model`` (of :data:`PADDABLE_MODEL_TYPES`: rotate-half RoPE of the default type over
     whole heads, no q/k norms) heads of ``new_dim`` channels that compute what its heads did:
     its queries, keys and values gain zero channels (placed so RoPE rotates the real ones as
-    before, see :func:`_padded_channels`), ``o_proj`` reads the real ones, and the attention
+    before, see :func:`padded_channels`), ``o_proj`` reads the real ones, and the attention
     keeps its softmax scale. In exact arithmetic the model is unchanged; a KV cache then stores
     heads of ``new_dim``, e.g. SmolLM2's 64 padded to the 128 that the Gluon kernel's E4M3
     operands need (each token-wise group of 128 channels holds the 64 real values and 64 zeros).
@@ -140,7 +140,7 @@ def pad_head_dim(model, new_dim: int):
             "heads are padded in models with q/k/v/o projections, one rotary embedding and no "
             "q/k norms"
         )
-    where = _padded_channels(head_dim, new_dim)
+    where = padded_channels(head_dim, new_dim)
 
     def rows(weight, n_heads):  # [n_heads * head_dim, ...] -> [n_heads * new_dim, ...]
         out = weight.new_zeros(n_heads, new_dim, *weight.shape[1:])

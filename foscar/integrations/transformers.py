@@ -411,7 +411,7 @@ class FoscarCache(Cache):
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._step: DecodeStep | None = None  # the decode step the layers are writing
         # decode="dequantized": per layer, each row's history dequantized so far (fp32)
-        self._history: list[_DequantizedHistory | None] = [None] * num_layers
+        self._history: list[DequantizedHistory | None] = [None] * num_layers
         # decode="auto" resolved per layer at its first decode step
         self._decode_paths: list[str | None] = [None] * num_layers
 
@@ -433,6 +433,11 @@ class FoscarCache(Cache):
         """``"kernel"`` or ``"dequantized"``: how the first layer's decode steps attend
         (``decode`` resolved; None while ``decode="auto"`` has not decoded yet)."""
         return self.decode if self.decode != "auto" else self._decode_paths[0]
+
+    def dequantized_history(self, layer: int) -> DequantizedHistory | None:
+        """``layer``'s fp32 copy of the dequantized history that ``decode="dequantized"`` attends
+        over (None until that path's first decode step of the layer, or after :meth:`reset`)."""
+        return self._history[layer]
 
     def _decode_path(self, layer: int, q: torch.Tensor) -> str:
         """``decode`` resolved for ``layer`` and queries ``q: [B, H_q, D]``: "auto" takes the
@@ -725,7 +730,7 @@ class FoscarCache(Cache):
         if self._decode_path(layer, q) == "dequantized":
             self.kv.write_decode_step(layer, k[:, :, 0], v[:, :, 0], step)
             if self._history[layer] is None:
-                self._history[layer] = _DequantizedHistory(self._max_cache_len)
+                self._history[layer] = DequantizedHistory(self._max_cache_len)
             out = self._history[layer].attend(q, self.kv, step.batches[layer], scaling)
         else:
             out = self._attention.decode_step(
@@ -757,7 +762,7 @@ class FoscarCache(Cache):
 
 
 # ---------------------------------------------------------------------------- dequantized decode
-class _DequantizedHistory:
+class DequantizedHistory:
     """One layer's cache as fp32 values by position, kept up to date (``decode="dequantized"``).
 
     ``k, v: [rows, H, capacity, D]`` float32 in the stored (rotated) coordinates: position ``p``

@@ -297,7 +297,7 @@ def attention_key_metrics(
             return
         j = torch.arange(t, device=q.device)
         visible = j <= positions[:, None]
-        window = _window_mask(positions, t, windows)
+        window = window_mask(positions, t, windows)
         quantized = visible if window is None else visible & ~window
         for qs, ks in views(q, k):
             m, w = attention_key_moment(
@@ -315,7 +315,7 @@ def attention_key_metrics(
     return moment / weight[..., None, None]
 
 
-def _causal_attention(q, k, v, positions, scaling, *, kq=None, vq=None, window=None):
+def causal_attention(q, k, v, positions, scaling, *, kq=None, vq=None, window=None):
     """Queries ``q: [H_q, n, d]`` at ``positions`` over ``k, v: [H_kv, T, d]`` (causal).
 
     ``kq``, ``vq``: quantized K / V read instead of ``k``, ``v`` outside ``window``
@@ -341,7 +341,7 @@ def _causal_attention(q, k, v, positions, scaling, *, kq=None, vq=None, window=N
     )
 
 
-def _window_mask(positions: torch.Tensor, length: int, windows: tuple[int, int]):
+def window_mask(positions: torch.Tensor, length: int, windows: tuple[int, int]):
     """``[n, T]`` bool: keys in the BF16 sink or in the recent window of each query (None if
     there are no windows). A decode at position ``t`` reads keys ``t+1-recent .. t`` from the
     recent window (the cache demotes one token at a time for token-wise groups)."""
@@ -432,12 +432,12 @@ def fit_clips(
         vr = _rotate(v, rv)
         # the cache rounds every token to BF16: so does the exact reference here
         vb = vr.to(torch.bfloat16).float()
-        window = _window_mask(positions, t, tuple(windows))
+        window = window_mask(positions, t, tuple(windows))
         for view, (qv, kv) in enumerate(views(q, k)):
             qs = _rotate(qv[:, positions], rk)
             kr = _rotate(kv, rk)
             kb = kr.to(torch.bfloat16).float()
-            exact = _causal_attention(qs, kb, vb, positions, scaling)
+            exact = causal_attention(qs, kb, vb, positions, scaling)
             exact_norm = float(exact.double().square().sum())
             for i, b in enumerate(bits):
                 norm[i, 0, layer] += exact_norm
@@ -446,11 +446,11 @@ def fit_clips(
                 for j, p in enumerate(cands):
                     f = QuantFormat(b, "token", g, None if p == 1.0 else p)
                     kq = _fake_quantize(kr, f, key_gptq)
-                    ek = _causal_attention(qs, kb, vb, positions, scaling, kq=kq, window=window)
+                    ek = causal_attention(qs, kb, vb, positions, scaling, kq=kq, window=window)
                     err[i, 0, layer, j] += float((ek - exact).double().square().sum())
                     if view == 0:
                         vq = _fake_quantize(vr, f)
-                        ev = _causal_attention(qs, kb, vb, positions, scaling, vq=vq, window=window)
+                        ev = causal_attention(qs, kb, vb, positions, scaling, vq=vq, window=window)
                         err[i, 1, layer, j] += float((ev - exact).double().square().sum())
 
     t0 = time.perf_counter()

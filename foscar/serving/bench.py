@@ -69,9 +69,11 @@ __all__ = [
     "TraceRequest",
     "TraceSpec",
     "answer_agreement",
+    "cell",
     "make_trace",
     "not_measured",
     "replay",
+    "run_environment",
     "run_benchmark",
     "summarize",
 ]
@@ -523,7 +525,7 @@ def run_benchmark(model, kvs: Sequence, spec: TraceSpec, *, out: str | Path | No
         out.mkdir(parents=True, exist_ok=True)
     results = {
         "model": model_name,
-        "env": _environment(model),
+        "env": run_environment(model),
         "trace": {**asdict(spec), "answer_tokens": sum(r.output_tokens for r in trace),
                   "prompt_tokens_total": sum(len(r.prompt) for r in trace)},
         "memory_bytes": memory_bytes,
@@ -575,7 +577,9 @@ def run_benchmark(model, kvs: Sequence, spec: TraceSpec, *, out: str | Path | No
     return results
 
 
-def _environment(model) -> dict:
+def run_environment(model) -> dict:
+    """Where a serving measurement ran: the device's name (or the CPU and its threads) and the
+    versions of torch, transformers, foscar and Python."""
     import transformers
 
     from .. import __version__
@@ -593,7 +597,9 @@ def _environment(model) -> dict:
 
 
 # ---------------------------------------------------------------------------- reports
-def _fmt(value, scale: float = 1.0, digits: int = 1) -> str:
+def cell(value, scale: float = 1.0, digits: int = 1) -> str:
+    """``value * scale`` with ``digits`` decimals for a report's table, ``"-"`` for None (not
+    measured)."""
     return "-" if value is None else f"{value * scale:.{digits}f}"
 
 
@@ -601,9 +607,9 @@ def _summary_line(m: dict) -> str:
     if not_measured(m):
         return not_measured(m)
     return (
-        f"{m['completed']}/{m['requests']} requests, {_fmt(m['output_tokens_per_s'])} answer "
-        f"tokens/s, TTFT {_fmt(m['ttft_median_s'], 1e3, 0)} / {_fmt(m['ttft_p99_s'], 1e3, 0)} "
-        f"ms, TPOT {_fmt(m['tpot_median_s'], 1e3, 1)} / {_fmt(m['tpot_p99_s'], 1e3, 1)} ms "
+        f"{m['completed']}/{m['requests']} requests, {cell(m['output_tokens_per_s'])} answer "
+        f"tokens/s, TTFT {cell(m['ttft_median_s'], 1e3, 0)} / {cell(m['ttft_p99_s'], 1e3, 0)} "
+        f"ms, TPOT {cell(m['tpot_median_s'], 1e3, 1)} / {cell(m['tpot_p99_s'], 1e3, 1)} ms "
         f"(median / p99), peak {m['peak_concurrent_requests']} requests at once"
     )
 
@@ -684,10 +690,10 @@ def markdown(results: dict) -> str:
             continue
         pool = m["pool"]
         lines.append(
-            f"| {m['kv']} | {m['completed']}/{m['requests']} | {_fmt(m['output_tokens_per_s'])} "
-            f"| {_fmt(m['total_tokens_per_s'])} | {_fmt(m['ttft_median_s'], 1e3, 0)} "
-            f"| {_fmt(m['ttft_p99_s'], 1e3, 0)} | {_fmt(m['tpot_median_s'], 1e3, 1)} "
-            f"| {_fmt(m['tpot_p99_s'], 1e3, 1)} | {m['peak_concurrent_requests']} "
+            f"| {m['kv']} | {m['completed']}/{m['requests']} | {cell(m['output_tokens_per_s'])} "
+            f"| {cell(m['total_tokens_per_s'])} | {cell(m['ttft_median_s'], 1e3, 0)} "
+            f"| {cell(m['ttft_p99_s'], 1e3, 0)} | {cell(m['tpot_median_s'], 1e3, 1)} "
+            f"| {cell(m['tpot_p99_s'], 1e3, 1)} | {m['peak_concurrent_requests']} "
             f"| {pool['max_tokens']} | {pool['bytes_per_token']:.0f} |"
             + (f" {agreement[id(m)] or '-'} |" if compared else "")
         )

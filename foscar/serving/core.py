@@ -441,6 +441,12 @@ class PagedKV:
         step = self._step
         return self.cuda_graphs and step is not None and step.decode_only
 
+    @property
+    def planned_step(self) -> DecodeStep | None:
+        """The begun step's decode rows as one :class:`foscar.cache.DecodeStep` planned for
+        every layer (None before a step, or where the step has no decode rows)."""
+        return None if self._step is None else self._step.planned
+
     def attend(
         self,
         layer: int,

@@ -164,7 +164,7 @@ class _StepRecorder:
         return ([b[0] - a[0] for a, b in zip(timed, timed[1:])], [rows for _, rows in timed[:-1]])
 
 
-def _kv_read_bytes(rows: Sequence[tuple[int, int]], stats: dict, bf16_per_token: int,
+def kv_read_bytes(rows: Sequence[tuple[int, int]], stats: dict, bf16_per_token: int,
                    window_tokens: int) -> int:
     """KV bytes a step of ``rows`` reads: each row's stored tokens after the step's write
     (foscar: the first ``window_tokens`` of a request at BF16's bytes, the rest quantized)."""
@@ -257,7 +257,7 @@ def run_decode_phase(model, kv, *, batch: int, context: int, memory_bytes: int |
     intervals, rows = recorder.timed_intervals()
     stats = manager.kv_stats()
     text_bf16 = 2 * text.num_hidden_layers * _kv_heads(text) * _head_dim(text) * 2
-    kv_bytes = [_kv_read_bytes(r, stats, text_bf16, _window_tokens(manager)) for r in rows]
+    kv_bytes = [kv_read_bytes(r, stats, text_bf16, _window_tokens(manager)) for r in rows]
     weights = weight_bytes(model)
     bandwidth = bandwidth or copy_bandwidth(model.device)
     median = _percentile(intervals, 50)
