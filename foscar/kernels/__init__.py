@@ -1,4 +1,4 @@
-"""Kernel bodies (``@triton.jit`` and ``@gluon.jit``); the launchers live in
+"""Kernel bodies only (``@triton.jit`` and ``@gluon.jit``); the launchers live in
 :mod:`foscar.backends`, the launch configs in :mod:`foscar.configs`.
 
 - :mod:`.triton_decode`: the Triton split kernel (quantized history and BF16 windows) and the LSE
@@ -6,6 +6,4 @@
   and paged loads
 - :mod:`.cache_write`: the fused cache write of a decode step
 - :mod:`.gluon`: the warp-specialized Hopper kernel (layouts, operands, tiles, kernel)
-- :mod:`.e4m3_emulation`: the Gluon kernel's E4M3 operand arithmetic in torch (documentation and
-  the CPU tests' model of it; no kernel)
 """

@@ -703,8 +703,7 @@ def _tile_pair_packed_bf16(
 @gluon.jit
 def step(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: gl.constexpr):
     """Tile t, consumer C's i-th, of one page or two (CFG's TP), packed heads or not; ops = (ring,
-    qt_smem, p_bufs, qsums, kfold, qk_scale, magic, qb_smem, q_lo), q_lo the buffers of Q^'s low
-    E4M3 terms (page a's, page b's; 0 for bf16 operands)."""
+    qt_smem, p_bufs, qsums, kfold, qk_scale, magic, qb_smem)."""
     if packed_heads(CFG.OPT) and e4m3_operands(CFG.OPT):
         st = _tile_pair_packed(i, t, n_q, st, ops, C, CFG, MASKED)
     elif packed_heads(CFG.OPT):
