@@ -274,7 +274,7 @@ def e4m3_emulated_attention(q, cache, batch, sm_scale, **options):
     v_bits = cache.role_format(batch.layer, "v").bits
     outs = []
     for i in range(batch.batch_size):
-        k_all, v_all = (x.cpu() for x in dequantize_sequence(cache, batch, i, torch.float64))
+        k_all, v_all = dequantize_sequence(cache, batch, i, torch.float64)
         kw, vw = _windows_of(cache, batch, i, k_all, v_all)
         lq = batch.num_quantized_host[i]
         hist = (token_history(cache, batch, i, "k"), token_history(cache, batch, i, "v"))
@@ -290,8 +290,8 @@ def e4m3_emulated_attention(q, cache, batch, sm_scale, **options):
                     emulate_head(qh, k_hist, v_hist, v_bits=v_bits, sm_scale=sm_scale, **options)
                 )
             if kw.shape[1]:
-                s = qh.double() @ kw[j].T * sm_scale
-                parts.append((torch.softmax(s, -1) @ vw[j], torch.logsumexp(s, -1)))
+                s = qh.double() @ kw[j].cpu().T * sm_scale
+                parts.append((torch.softmax(s, -1) @ vw[j].cpu(), torch.logsumexp(s, -1)))
             lse = torch.stack([p[1] for p in parts])  # [parts, ratio]
             w = torch.softmax(lse, dim=0)
             heads.append(sum(w[p][:, None] * parts[p][0] for p in range(len(parts))))
