@@ -12,8 +12,7 @@
 #   axes           the four K/V axis pairs at B in {1, 8}, L in {32K, 128K} -> decode_axes.*
 #   grid-d64       the 13-point grid at head_dim 64              -> decode_grid_d64.*
 #                  (the three grids on an H100: decode_grid_h100.*, decode_axes_h100.*, ...)
-#   e4m3-accuracy  the Gluon kernel's E4M3 operands against bf16, and on the tests' adversarial
-#                  inputs against fp64, the torch emulation and the bound -> e4m3_accuracy.md
+#   e4m3-accuracy  the Gluon kernel's E4M3 operands against bf16 -> e4m3_accuracy.md
 #   e2e            foscar bench --e2e: Qwen3-8B shapes, 32K and 100K prompts -> e2e_qwen3_8b.*
 #   serve          foscar bench --serve on a random Llama (head_dim 128): the engine's BF16 paged
 #                  cache beside foscar INT4 and INT2 in the same memory -> serve_bench.*
