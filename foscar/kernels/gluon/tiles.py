@@ -205,7 +205,7 @@ def _tile(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: gl.con
         "E4M3 operands: token-wise K and V at head_dim 128",
     )
     acc_l: gl.constexpr = acc_layout(HS)
-    ring, qt_smem, p_bufs, qsums, kfold, qk_scale, magic, _, q_lo = ops
+    ring, qt_smem, p_bufs, qsums, kfold, qk_scale, magic, _ = ops
     kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty = ring
     m_i, l_i, z_i, acc, zp_i = st
     p_smem = p_bufs.index(C)
@@ -243,10 +243,7 @@ def _tile(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: gl.con
         use_acc=False,
         is_async=True,
     )
-    if E4M3:
-        # Q^'s low terms into the same accumulator (kernel._stage_q), then V's fields as the QK
-        # wait's deps: built while the QK products run
-        s_tok = warpgroup_mma(k_op, q_lo[0].permute((1, 0)), s_tok, use_acc=True, is_async=True)
+    if E4M3:  # V's fields as the QK wait's deps: built while the QK product runs
         vx = vt_fields_e4m3(vw, V_BITS, HD, SCALED_V)
     else:
         vt_op = page_vt_operand(vw, vs, vz, magic, HS, CFG)  # meant to overlap the QK wgmma
@@ -368,7 +365,7 @@ def _tile_pair(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MASKED: g
     SCALED_V: gl.constexpr = scaled_extraction(OPT, V_BITS, HD)
     gl.static_assert(not e4m3_operands(OPT), "E4M3 operands: one-page tiles")
     acc_l: gl.constexpr = acc_layout(HS)
-    ring, qt_smem, p_bufs, qsums, kfold, qk_scale, magic, _, _ = ops
+    ring, qt_smem, p_bufs, qsums, kfold, qk_scale, magic, _ = ops
     kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty = ring
     m_i, l_i, z_i, acc, zp_i = st
     pa_smem = p_bufs.index(2 * C)
@@ -558,7 +555,7 @@ def _tile_pair_packed(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MA
     SCALED_V: gl.constexpr = scaled_extraction(OPT, V_BITS, HD)
     acc_l: gl.constexpr = acc_layout(HS)
     mma_l: gl.constexpr = acc_layout(HS, 32)
-    ring, qt_smem, p_bufs, qsums, kfold, qk_scale, magic, qb_smem, q_lo = ops
+    ring, qt_smem, p_bufs, qsums, kfold, qk_scale, magic, qb_smem = ops
     kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty = ring
     m_i, l_i, z_i, acc, zp_i = st
     pa_smem = p_bufs.index(2 * C)
@@ -566,18 +563,24 @@ def _tile_pair_packed(i, t, n_q, st, ops, C: gl.constexpr, CFG: gl.constexpr, MA
     s = C * SPC + i % SPC
     mbarrier.wait(ready.index(s), (i // SPC) & 1)
     kx_a = k_fields_e4m3(load_k_words(kw_bufs.index(2 * s), K_BITS, HD), K_BITS, HD, SCALED_K)
-    k_a = k_operand_from_fields(kx_a, HS, K_BITS, HD)
-    zero_s = gl.zeros([64, HS], gl.float32, mma_l)
-    s_tok = warpgroup_mma(k_a, qt_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    # Q^'s low terms (kernel._stage_q) into the same accumulator
-    s_tok = warpgroup_mma(k_a, q_lo[0].permute((1, 0)), s_tok, use_acc=True, is_async=True)
+    s_tok = warpgroup_mma(
+        k_operand_from_fields(kx_a, HS, K_BITS, HD),
+        qt_smem.permute((1, 0)),
+        gl.zeros([64, HS], gl.float32, mma_l),
+        use_acc=False,
+        is_async=True,
+    )
     SERIAL: gl.constexpr = V_BITS == 4  # INT4's registers: one K operand, V words read late
     if SERIAL:  # page a's K operand released before page b's is built
         s_tok, kx_a = warpgroup_mma_wait(0, deps=[s_tok, kx_a])
     kx_b = k_fields_e4m3(load_k_words(kw_bufs.index(2 * s + 1), K_BITS, HD), K_BITS, HD, SCALED_K)
-    k_b = k_operand_from_fields(kx_b, HS, K_BITS, HD)
-    s_tok = warpgroup_mma(k_b, qb_smem.permute((1, 0)), s_tok, use_acc=True, is_async=True)
-    s_tok = warpgroup_mma(k_b, q_lo[1].permute((1, 0)), s_tok, use_acc=True, is_async=True)
+    s_tok = warpgroup_mma(
+        k_operand_from_fields(kx_b, HS, K_BITS, HD),
+        qb_smem.permute((1, 0)),
+        s_tok,
+        use_acc=True,
+        is_async=True,
+    )
     # INT2 V words (8 registers for both pages) are read before the release; INT4's (16) after
     # the softmax, the stage held that much longer (at 112 registers INT4 spilled 22 bytes)
     EARLY_V: gl.constexpr = not SERIAL
@@ -649,12 +652,10 @@ def _tile_pair_packed_bf16(
     FAST_MAX: gl.constexpr = fast_max(OPT)
     FAST_RCP: gl.constexpr = fast_rcp(OPT)
     gl.static_assert(not e4m3_operands(OPT) and HS == 8 and CFG.H <= HS // 2)
-    gl.static_assert(
-        not (CFG.V_CHANNEL or CFG.K_CHANNEL or reconstructs(OPT)), "packed heads: token-wise, folds"
-    )
+    gl.static_assert(not (CFG.V_CHANNEL or CFG.K_CHANNEL or reconstructs(OPT)), "packed heads: token-wise, folds")
     SCALED_V: gl.constexpr = scaled_extraction(OPT, V_BITS, HD)
     acc_l: gl.constexpr = acc_layout(HS)
-    ring, qt_smem, p_bufs, qsums, kfold, qk_scale, magic, qb_smem, _ = ops
+    ring, qt_smem, p_bufs, qsums, kfold, qk_scale, magic, qb_smem = ops
     kw_bufs, ks_bufs, vw_bufs, vs_bufs, ready, empty = ring
     m_i, l_i, z_i, acc, zp_i = st
     pa_smem = p_bufs.index(2 * C)
