@@ -293,7 +293,8 @@ class PageTable:
         """A copy of live sequence ``seq_id``'s record: its window slot, pages and tokens per
         layer."""
         seq = self._lookup(seq_id, "seq_id")
-        return SequenceState(slot=seq.slot, pages=list(seq.pages), lengths=list(seq.lengths))
+        return SequenceState(slot=seq.slot, pages=list(seq.pages), lengths=list(seq.lengths),
+                             history_floor=seq.history_floor)
 
     def free_page_order(self) -> list[int]:
         """The free pages in the order appends take them, the next one last (the order
@@ -328,6 +329,11 @@ class PageTable:
                 owner = next((s for s, q in self._seqs.items() if p in q.pages), None)
                 raise ValueError(f"pages[{i}] = {p} overlaps the pages of sequence {owner!r}")
         return pages
+
+    def quantized_tokens(self, seq_id, length: int) -> int:
+        """Tokens live sequence ``seq_id`` keeps quantized at ``length`` tokens (the format's
+        rule, and at least the pages it adopted: Note [shared prefixes])."""
+        return self._lookup(seq_id, "seq_id").quantized(length, self._windows)
 
     def page_holders(self, page: int) -> int:
         """How many live sequences hold pool page ``page`` (0: free)."""
