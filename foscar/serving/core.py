@@ -273,6 +273,8 @@ class PagedKV:
         self._lengths: dict[Hashable, int] = {}  # live request -> tokens it holds
         self._released: OrderedDict[Hashable, int] = OrderedDict()  # recently released ones
         self.peak_requests = 0
+        #: the most pool pages held at once (a page several requests share counts once)
+        self.peak_pages = 0
         #: ``(request_id, tokens it held)`` each time a request was started again (preempted and
         #: prefilled from scratch); the last ``RESTART_LOG`` only
         self.restarts: list[tuple[Hashable, int]] = []
@@ -323,6 +325,10 @@ class PagedKV:
             return 0
         if not self.num_free_slots:
             raise ValueError(f"all {self.max_requests} window slots are held (max_requests)")
+        held = self._released.pop(request_id, None)
+        if held:  # started again after a preemption, as in begin_step
+            self.restarts.append((request_id, held))
+            del self.restarts[: -self.RESTART_LOG]
         self.cache.add_sequence(request_id)
         length = self.cache.adopt_prefix(request_id, donor_id, pages)
         self._lengths[request_id] = length
@@ -437,6 +443,7 @@ class PagedKV:
             self._hand_pages(r.request_id, new_pages[r.request_id])
             self._lengths[r.request_id] = r.past_length + r.query_length
         self.peak_requests = max(self.peak_requests, len(self._lengths))
+        self.peak_pages = max(self.peak_pages, self.cache.num_pages - self.cache.num_free_pages)
         offsets, total = [], 0
         for r in rows:
             offsets.append(total)
