@@ -656,7 +656,9 @@ class FoscarBatchingManager(ContinuousBatchingManager):
         the engine's cache);
         ``memory_bytes``: the pool (and windows); ``bf16_equivalent_tokens``: tokens a BF16
         cache holds in ``memory_bytes``; ``max_requests``: window slots (foscar);
-        ``peak_concurrent_requests``: most requests holding blocks at once so far.
+        ``peak_concurrent_requests``: most requests holding blocks at once so far; foscar:
+        ``peak_pages``, the most pool pages held at once (a shared page counts once), and
+        ``shared_tokens``, the prompt tokens requests started on from another's pages.
         """
         plan = self._plan
         cache = self.cache
@@ -677,6 +679,8 @@ class FoscarBatchingManager(ContinuousBatchingManager):
             stats["memory_bytes"] = cache.paged.pool_bytes()
             stats["bf16_equivalent_tokens"] = stats["memory_bytes"] // plan.bf16_bytes_per_token
             stats["restarts"] = len(cache.paged.restarts)
+            stats["peak_pages"] = cache.paged.peak_pages
+            stats["shared_tokens"] = cache.shared_tokens
         return stats
 
 
