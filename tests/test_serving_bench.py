@@ -595,3 +595,25 @@ def test_shared_system_prompt_trace_with_and_without_sharing(tmp_path, one_threa
     text = (tmp_path / "serve_bench.md").read_text()
     assert "same 400-token system prompt" in text and "--serve-prefix-sharing both" in text
     assert "--serve-shared-prefix-tokens 400" in text
+
+
+def test_shared_prefix_preset_runs_each_foscar_method_off_and_on(tmp_path, one_thread):
+    """run_device.sh serve-prefix's script at a tiny shape on the CPU: one trace whose prompts
+    share a system prompt, int4 without and with prefix sharing, in serve_prefix_qwen3_8b.*."""
+    tool = _serve_random_model()
+    tool.main(["--preset", "qwen3-8b", "--device", "cpu", "--layers", "2", "--hidden", "128",
+               "--intermediate", "256", "--heads", "4", "--kv-heads", "2", "--head-dim", "64",
+               "--vocab", "96", "--positions", "1024", "--shared-prefix-tokens", "400",
+               "--prompt-tokens", "4", "12", "--requests", "4", "--output-tokens", "3", "5",
+               "--methods", "int4", "--cuda-graphs", "auto", "--warm-up", "short",
+               "--block-size", "16", "--max-batch-tokens", "128",
+               "--out", str(tmp_path)])  # fmt: skip
+    results = json.loads((tmp_path / "serve_prefix_qwen3_8b.json").read_text())
+    assert results["trace"]["shared_prefix_tokens"] == 400
+    alone, shared = results["methods"]
+    assert (alone["kv"], shared["kv"]) == ("int4", "int4 shared")
+    assert alone["completed"] == shared["completed"] == 4
+    assert shared["pool"]["shared_tokens"] > 0 == alone["pool"]["shared_tokens"]
+    with pytest.raises(SystemExit):
+        tool.parse_args(["--out", "x", "--shared-prefix-tokens", "64", "--long-answers",
+                         "--preset", "qwen3-8b"])
