@@ -145,3 +145,12 @@ def test_cancelled_donor_leaves_the_sharers_unchanged(llama):
     assert [done[i] for i in ids] == alone[1:]
     paged = manager.cache.paged
     assert paged.live_requests == () and paged.cache.num_free_pages == paged.cache.num_pages
+
+
+def test_engine_without_the_block_ledger_is_refused(llama, monkeypatch):
+    from foscar.serving import continuous
+
+    monkeypatch.delattr(continuous.PagedAttentionCache, "count_new_complete_blocks")
+    with pytest.raises(ValueError, match="prefix_sharing=True needs the block ledger"):
+        build_manager(llama, INT4, prefix_sharing=True, **{**ENGINE, "num_blocks": 64})
+    build_manager(llama, "bf16", prefix_sharing=True, num_blocks=64)  # the engine's own setting

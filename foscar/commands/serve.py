@@ -155,6 +155,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="capture the engine's decode steps in CUDA graphs (a GPU and a bf16 model; foscar "
         "caches: token-wise formats, whose decode steps are planned once before the graph)",
     )
+    engine.add_argument(
+        "--prefix-sharing",
+        action="store_true",
+        help="foscar caches: a request whose prompt starts like a live request's starts on that "
+        "request's full quantized pages, stored once (a shared system prompt)",
+    )
     sampling = parser.add_argument_group("sampling (a request's own fields override these)")
     sampling.add_argument(
         "--temperature",
@@ -448,6 +454,7 @@ def run_serve(args) -> int:
             max_batch_tokens=args.max_batch_tokens,
             max_new_tokens=args.max_new_tokens,
             cuda_graphs=True if args.cuda_graphs else None,
+            prefix_sharing=args.prefix_sharing,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
         )

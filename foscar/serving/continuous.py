@@ -781,6 +781,14 @@ def build_manager(
     _check_sizes(memory_bytes=memory_bytes, num_blocks=num_blocks,
                  max_batch_tokens=max_batch_tokens, max_requests=max_requests,
                  request_tokens=request_tokens)
+    if prefix_sharing and not resolved.is_bf16:
+        if resolved.flashinfer is not None:
+            raise ValueError(f"prefix_sharing=True: kv={resolved.label!r} is not a foscar cache")
+        if not hasattr(PagedAttentionCache, "count_new_complete_blocks"):
+            raise ValueError(
+                "prefix_sharing=True needs the block ledger of transformers' engine (5.25 has it; "
+                f"this is {_transformers_version()})"
+            )
     requests_per_batch = generation_kwargs.pop("max_requests_per_batch", None)
     plan = _size_pool(
         model, resolved, memory_bytes=memory_bytes, num_blocks=num_blocks,
@@ -796,6 +804,12 @@ def build_manager(
         cuda_graphs=bool(cuda_graphs) and not resolved.is_bf16,
         prefix_sharing=bool(prefix_sharing) and not resolved.is_bf16,
     )
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return f"transformers {transformers.__version__}"
 
 
 def _check_foscar_model(text, resolved: ResolvedKV, generation_kwargs: dict) -> None:
