@@ -120,6 +120,23 @@ def test_adopted_prefix_decodes_as_written(name, planned):
     assert shared.num_free_pages == shared.num_pages
 
 
+def test_adopted_prefix_fused_decode_write():
+    """The fused decode write (Triton; the interpreter on a CPU) of an adopted sequence's planned
+    steps gives the bits the torch write gives the same sequence written alone."""
+    fmt = FORMATS["int4-windows"]
+    gen = torch.Generator().manual_seed(6)
+    k, v = _tokens(60, gen), _tokens(60, gen)
+    shared, alone = _cache(fmt, decode_write="fused"), _cache(fmt)
+    shared.add_sequence("a")
+    _write(shared, "a", k, v)
+    shared.add_sequence("b")
+    start = shared.adopt_prefix("b", "a", shared.shareable_pages("a", 60, 60))
+    _write(shared, "b", k, v, start)
+    alone.add_sequence("b")
+    _write(alone, "b", k, v)
+    _decode_equal([(shared, "b"), (alone, "b")], 3, gen, planned=True)
+
+
 def test_adopter_freed_first_leaves_the_donor_unchanged():
     """Preempting or cancelling a sharer: the donor (and a third sharer) decode as before."""
     fmt = FORMATS["int4-windows"]
