@@ -27,6 +27,9 @@
 #                                                         serve_flashinfer_check.log
 #   serve-trace    the long-answer trace at 32K (Poisson arrivals, answers of 512-1024 tokens),
 #                  FlashInfer BF16 / FP8, INT2 in the same memory -> serve_trace_qwen3_8b.*
+#   serve-prefix   32 requests at Qwen3-8B's shapes whose prompts share a 4096-token system
+#                  prompt, all at once: INT4 and INT2 without and with prefix sharing, pages held
+#                  at the peak and throughput                    -> serve_prefix_qwen3_8b.*
 #   serve-profile  torch profiles of decode steps, graphs off and on: 8K (SDPA BF16, FlashInfer
 #                  BF16, INT2), then 32K (INT4, INT2) -> serve_profile_qwen3_8b*.*, profile_*.md
 #   serve-smollm2  foscar bench --serve on SmolLM2-135M (real weights, prompts from a real text):
@@ -78,14 +81,14 @@ mode=$1
 shift
 case "$mode" in
   smoke | tests | sanitize | grid | axes | grid-d64 | e4m3-accuracy | e2e | serve | serve-qwen3 | \
-    serve-decode | serve-trace | serve-profile | serve-smollm2 | serve-http | eval | eval-e4m3 | \
-    tune | repeat | extend-tests | extend | sass | host-time) ;;
+    serve-decode | serve-trace | serve-prefix | serve-profile | serve-smollm2 | serve-http | eval | \
+    eval-e4m3 | tune | repeat | extend-tests | extend | sass | host-time) ;;
   -h | --help) usage ;;
   *)
     echo "run_device.sh: unknown mode '$mode' (expected smoke, tests, sanitize, grid, axes," \
       "grid-d64, e4m3-accuracy, e2e, serve, serve-qwen3, serve-decode, serve-trace," \
-      "serve-profile, serve-smollm2, serve-http, eval, eval-e4m3, tune, repeat, extend-tests," \
-      "extend, sass or host-time)" >&2
+      "serve-prefix, serve-profile, serve-smollm2, serve-http, eval, eval-e4m3, tune, repeat," \
+      "extend-tests, extend, sass or host-time)" >&2
     exit 2
     ;;
 esac
@@ -365,6 +368,13 @@ EOF
   serve-trace)
     logged serve_trace_qwen3_8b.log python3 benchmarks/tools/serve_random_model.py \
       --preset qwen3-8b --long-answers --contexts 32768 --out "$OUT" "$@"
+    status=$?
+    ;;
+  serve-prefix)
+    # the model build (12 s on an H100), then per method and setting a trace warm-up and at most
+    # 120 s; ARGS --methods int4 (one method) halves it
+    logged serve_prefix_qwen3_8b.log python3 benchmarks/tools/serve_random_model.py \
+      --preset qwen3-8b --shared-prefix-tokens 4096 --out "$OUT" "$@"
     status=$?
     ;;
   serve-profile)

@@ -8,6 +8,7 @@ are written. The command line runs once on SmolLM2 at a tiny size.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import re
@@ -566,3 +567,53 @@ def test_the_floor_runs_the_reference_in_reverse_order(one_thread):
     assert floor["kv"] == "sdpa-bf16" and floor["compared"] == 3
     assert results["warm_up"].startswith("the trace replayed once untimed")
     assert all(m["warm_up"] == results["warm_up"] for m in results["methods"])
+
+
+def test_shared_system_prompt_trace_with_and_without_sharing(tmp_path, one_thread):
+    """A trace whose prompts share a system prompt, int4 without and with prefix sharing: the
+    same draws after the system prompt as the trace without one, every request done both ways,
+    the shared run started requests on adopted pages, and the results name the pages held."""
+    plain = bench.TraceSpec(num_requests=5, rate=0.0, prompt_tokens=(4, 12),
+                            output_tokens=(3, 5), seed=2)
+    # int4's windows are 64 + 256 tokens: 400 system tokens leave 5 pages of 16 to share
+    spec = dataclasses.replace(plain, shared_prefix_tokens=400)
+    with_system = bench.make_trace(spec, 96)
+    assert len({r.prompt[:400] for r in with_system}) == 1
+    assert [r.prompt[400:] for r in with_system] == [r.prompt for r in bench.make_trace(plain, 96)]
+    assert spec.max_request_tokens == 400 + 12 + 5
+    model = tiny_llama(layers=2, q_heads=4, kv_heads=2, head_dim=64, max_position_embeddings=512)
+    results = bench.run_benchmark(model, ["int4"], spec, out=tmp_path, model_name="tiny-llama",
+                                  block_size=16, memory_bytes=8 * 2**20, warm_up="short",
+                                  max_batch_tokens=128, prefix_sharing=(False, True),
+                                  log=lambda line: None)
+    alone, shared = results["methods"]
+    assert (alone["kv"], shared["kv"]) == ("int4", "int4 shared")
+    assert alone["completed"] == shared["completed"] == 5
+    assert alone["pool"]["shared_tokens"] == 0 < shared["pool"]["shared_tokens"]
+    # pages held are reported (how many depends on how many requests the schedule overlaps)
+    assert shared["pool"]["peak_pages"] > 0 and alone["pool"]["peak_pages"] > 0
+    text = (tmp_path / "serve_bench.md").read_text()
+    assert "same 400-token system prompt" in text and "--serve-prefix-sharing both" in text
+    assert "--serve-shared-prefix-tokens 400" in text
+
+
+def test_shared_prefix_preset_runs_each_foscar_method_off_and_on(tmp_path, one_thread):
+    """run_device.sh serve-prefix's script at a tiny shape on the CPU: one trace whose prompts
+    share a system prompt, int4 without and with prefix sharing, in serve_prefix_qwen3_8b.*."""
+    tool = _serve_random_model()
+    tool.main(["--preset", "qwen3-8b", "--device", "cpu", "--layers", "2", "--hidden", "128",
+               "--intermediate", "256", "--heads", "4", "--kv-heads", "2", "--head-dim", "64",
+               "--vocab", "96", "--positions", "1024", "--shared-prefix-tokens", "400",
+               "--prompt-tokens", "4", "12", "--requests", "4", "--output-tokens", "3", "5",
+               "--methods", "int4", "--cuda-graphs", "auto", "--warm-up", "short",
+               "--block-size", "16", "--max-batch-tokens", "128",
+               "--out", str(tmp_path)])  # fmt: skip
+    results = json.loads((tmp_path / "serve_prefix_qwen3_8b.json").read_text())
+    assert results["trace"]["shared_prefix_tokens"] == 400
+    alone, shared = results["methods"]
+    assert (alone["kv"], shared["kv"]) == ("int4", "int4 shared")
+    assert alone["completed"] == shared["completed"] == 4
+    assert shared["pool"]["shared_tokens"] > 0 == alone["pool"]["shared_tokens"]
+    with pytest.raises(SystemExit):
+        tool.parse_args(["--out", "x", "--shared-prefix-tokens", "64", "--long-answers",
+                         "--preset", "qwen3-8b"])

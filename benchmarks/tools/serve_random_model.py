@@ -10,6 +10,8 @@ network): the engine's BF16 paged cache beside foscar's caches in the same KV me
         --contexts 32768                                               # run_device.sh serve-trace
     python benchmarks/tools/serve_random_model.py --preset qwen3-8b --decode-phase --profile \\
         --out DIR                                                     # run_device.sh serve-profile
+    python benchmarks/tools/serve_random_model.py --preset qwen3-8b --shared-prefix-tokens 4096 \\
+        --out DIR                                                      # run_device.sh serve-prefix
 
 Presets:
 
@@ -46,6 +48,14 @@ Presets:
   (``--batch`` requests each). ``--profile``: a torch profile of the timed steps per row,
   summarized in ``profile_*.md`` (top kernels, host time). Writes
   ``serve_decode_qwen3_8b.{json,md,png}`` (with ``--profile``: ``serve_profile_qwen3_8b.*``).
+
+``--shared-prefix-tokens N``: one trace of ``--requests`` (32) prompts that all start with the
+same N-token system prompt, then ``--prompt-tokens`` (128-512) of their own, all arriving at
+once, answers of ``--output-tokens``; each foscar method (``int4 int2``) runs once per
+``--prefix-sharing`` setting (``off on``: ``build_manager``'s ``prefix_sharing``), in the default
+KV memory (a quarter of the trace's tokens in BF16), graphs on. The results name the pages each
+run held at its peak and the prompt tokens its requests adopted. Writes
+``serve_prefix_qwen3_8b.{json,md,png}`` (``serve_prefix.*`` for llama-d128).
 
 The tokens are meaningless; memory and timing are not. ``--device cpu`` with a tiny shape
 (``--layers 2 --hidden 128 ...``) runs the same path on a CPU (the tests do).
@@ -307,8 +317,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="qwen3-8b: KV memory in requests of the context a BF16 cache "
                    "holds, one value or one per context (4 at 8K, 2 at 32K; --decode-phase: 8 "
                    "at 8K, 2 at 32K)")
-    p.add_argument("--prompt-tokens", type=int, nargs=2, default=[1024, 3072],
-                   help="llama-d128: prompt lengths, uniform in [MIN, MAX] (1024 3072)")
+    p.add_argument("--prompt-tokens", type=int, nargs=2, default=None,
+                   help="llama-d128 and --shared-prefix-tokens: prompt lengths, uniform in [MIN, "
+                   "MAX] (1024 3072; after the system prompt: 128 512)")
+    p.add_argument("--shared-prefix-tokens", type=int, default=0, metavar="N",
+                   help="one trace whose prompts all start with the same N-token system prompt, "
+                   "all arriving at once, each foscar method once per --prefix-sharing setting")
+    p.add_argument("--prefix-sharing", nargs="+", choices=("off", "on"), default=None,
+                   help="--shared-prefix-tokens: build_manager's prefix_sharing per run of each "
+                   "foscar method (off on)")
     p.add_argument("--output-tokens", type=int, nargs=2, default=None,
                    help="answer lengths, uniform in [MIN, MAX] (llama-d128: 32 64; qwen3-8b: "
                    "64 128; --long-answers: 512 1024)")
@@ -318,7 +335,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "off on)")
     p.add_argument("--max-seconds", type=float, nargs="+", default=None,
                    help="per method and setting, one value or one per context (llama-d128: 60; "
-                   "qwen3-8b: 75 at 8K, 120 at 32K; --long-answers, --decode-phase: 240)")
+                   "qwen3-8b: 75 at 8K, 120 at 32K; --long-answers, --decode-phase: 240; "
+                   "--shared-prefix-tokens: 120)")
     p.add_argument("--warm-up", choices=sorted(bench.WARM_UPS), default=None,
                    help="before each method's timed replay (llama-d128: short; qwen3-8b: trace)")
     p.add_argument("--max-batch-tokens", type=int, default=None,
@@ -365,8 +383,18 @@ def _defaults(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error("--long-answers and --decode-phase belong to --preset qwen3-8b")
     if a.long_answers and a.decode_phase:
         p.error("give --long-answers or --decode-phase, not both")
-    mode = ("profile" if a.profile else "decode" if a.decode_phase else
-            "trace" if a.long_answers else "qwen" if qwen else "llama")
+    if a.shared_prefix_tokens < 0:
+        p.error(f"--shared-prefix-tokens must be >= 0, got {a.shared_prefix_tokens}")
+    if a.shared_prefix_tokens and (a.long_answers or a.decode_phase or a.contexts or a.merge):
+        p.error("--shared-prefix-tokens is a trace of its own: no --long-answers, "
+                "--decode-phase, --contexts or --merge")
+    if a.prefix_sharing and not a.shared_prefix_tokens:
+        p.error("--prefix-sharing belongs to --shared-prefix-tokens")
+    mode = ("prefix" if a.shared_prefix_tokens else "profile" if a.profile else
+            "decode" if a.decode_phase else "trace" if a.long_answers else
+            "qwen" if qwen else "llama")
+    a.prefix_sharing = a.prefix_sharing or ["off", "on"]
+    a.prompt_tokens = a.prompt_tokens or ([128, 512] if mode == "prefix" else [1024, 3072])
     a.shape = {**PRESETS[a.preset],
                **{k: getattr(a, k) for k in PRESETS[a.preset] if getattr(a, k, None) is not None}}
     a.methods = a.methods or {
@@ -375,19 +403,24 @@ def _defaults(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         "trace": ["flashinfer-bf16", "flashinfer-fp8", "int2"],
         "decode": ["flashinfer-bf16", "flashinfer-fp8", "int4", "int2"],
         "profile": ["sdpa-bf16", "flashinfer-bf16", "int2"],
+        "prefix": ["int4", "int2"],
     }[mode]
     a.output_tokens = a.output_tokens or ([512, 1024] if mode == "trace" else
                                           [64, 128] if qwen else [32, 64])
     a.cuda_graphs = a.cuda_graphs or {"llama": ["auto"], "qwen": ["off", "on"], "trace": ["on"],
-                                      "decode": ["on"], "profile": ["off", "on"]}[mode]
+                                      "decode": ["on"], "profile": ["off", "on"],
+                                      "prefix": ["on"] if qwen else ["auto"]}[mode]
     a.warm_up = a.warm_up or ("trace" if qwen else "short")
     a.comparisons = a.comparisons or (["same-batch"] if mode == "profile"
                                       else list(decode_bench.COMPARISONS))
     a.mode = mode
     a.name = a.name or {"llama": "serve_bench", "qwen": "serve_qwen3_8b",
                         "trace": "serve_trace_qwen3_8b", "decode": "serve_decode_qwen3_8b",
-                        "profile": "serve_profile_qwen3_8b"}[mode]
-    if not qwen:
+                        "profile": "serve_profile_qwen3_8b",
+                        "prefix": "serve_prefix_qwen3_8b" if qwen else "serve_prefix"}[mode]
+    if mode == "prefix":
+        a.contexts = None
+    elif not qwen:
         for flag in ("contexts", "bf16_requests", "merge"):
             if getattr(a, flag):
                 p.error(f"--{flag.replace('_', '-')} belongs to --preset qwen3-8b")
@@ -409,12 +442,14 @@ def _defaults(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         return c is None or c <= 8192
 
     # 32K: the engine's BF16 cache takes about 25 s per pair of requests on an H100
-    a.requests = per_context("requests", a.requests, lambda c: 24 if c is None else (
+    a.requests = per_context("requests", a.requests, lambda c: (
+        32 if mode == "prefix" else 24) if c is None else (
         6 if mode == "trace" else 32 if small(c) else 6))
     a.bf16_requests = per_context("bf16-requests", a.bf16_requests, lambda c: (
         8 if small(c) else 2) if mode in ("decode", "profile") else (4 if small(c) else 2))
     a.batch = per_context("batch", a.batch, lambda c: 16 if small(c) else 4)
-    a.max_seconds = per_context("max-seconds", a.max_seconds, lambda c: 60.0 if c is None else (
+    a.max_seconds = per_context("max-seconds", a.max_seconds, lambda c: (
+        120.0 if mode == "prefix" else 60.0) if c is None else (
         240.0 if mode in ("trace", "decode", "profile") else 75.0 if small(c) else 120.0))
     for name in ("requests", "bf16_requests", "batch"):
         if any(v < 1 for v in getattr(a, name)):
@@ -461,7 +496,7 @@ def main(argv=None) -> None:
     for path in a.merge:
         for run in json.loads(Path(path).read_text()).get("runs", []):
             merged = fold_earlier(merged, run)
-    if a.preset == "qwen3-8b" and not a.contexts:
+    if a.preset == "qwen3-8b" and not a.contexts and a.mode != "prefix":
         if not merged:
             sys.exit("serve_random_model.py: no --contexts and nothing to --merge")
         earlier = json.loads(Path(a.merge[0]).read_text())
@@ -482,12 +517,16 @@ def main(argv=None) -> None:
     if a.contexts is None:  # the single-trace layout of serve_bench.*
         spec = bench.TraceSpec(num_requests=a.requests[0], rate=0.0,
                                prompt_tokens=tuple(a.prompt_tokens),
-                               output_tokens=tuple(a.output_tokens), seed=0)
+                               output_tokens=tuple(a.output_tokens), seed=0,
+                               shared_prefix_tokens=a.shared_prefix_tokens)
+        sharing = tuple(dict.fromkeys(v == "on" for v in a.prefix_sharing))
         for graphs in a.cuda_graphs:
             bench.run_benchmark(model, kvs, spec, out=out, model_name=model_name,
                                 max_seconds=a.max_seconds[0], cuda_graphs=GRAPHS[graphs],
                                 block_size=a.block_size, name=a.name, warm_up=a.warm_up,
-                                max_batch_tokens=a.max_batch_tokens, log=log)
+                                max_batch_tokens=a.max_batch_tokens,
+                                prefix_sharing=sharing if a.shared_prefix_tokens else (False,),
+                                log=log)
         return
     results = {
         "model": model_name,

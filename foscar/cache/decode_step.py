@@ -140,7 +140,7 @@ def plan(
     batches, desc = buffer.views(rows, cache)
 
     lens = list(new_lengths)
-    nq = [num_quantized(length, fmt) for length in lens]
+    nq = [s.quantized(length, fmt) for s, length in zip(seqs, lens)]
     pages = [s.pages[: -(-q // ps)] for s, q in zip(seqs, nq)]
     slots = [s.slot for s in seqs]
     if padding_rows:

@@ -377,6 +377,65 @@ class QuantizedKVCache(PageTable):
                     raise ValueError(f"{name} contains NaN or Inf (the cache stores finite values)")
 
     # ------------------------------------------------------------------ planned decode steps
+    def shareable_pages(self, donor_id, common_tokens: int, prompt_length: int) -> int:
+        """History pages of live sequence ``donor_id`` a new sequence may adopt
+        (:meth:`adopt_prefix`) when its first ``common_tokens`` tokens equal the donor's and its
+        prompt is ``prompt_length`` tokens: the full pages inside the common tokens that the
+        donor has quantized in every layer, that end before the new sequence's own recent window
+        at its prompt's end, and that end on a demotion quantum (Note [shared prefixes] in
+        foscar.cache.pages). 0 where none qualify."""
+        donor = self._lookup(donor_id, "donor_id")
+        check_int(common_tokens, "common_tokens", low=0)
+        check_int(prompt_length, "prompt_length", low=0)
+        fmt, ps = self._windows, self.page_size
+        history = min(
+            common_tokens - fmt.sink_tokens,
+            num_quantized(prompt_length, fmt),
+            min(donor.quantized(n, fmt) for n in donor.lengths),
+        )
+        pages = max(0, history // ps)
+        quantum = fmt.demotion_quantum
+        while pages and pages * ps % quantum:
+            pages -= 1
+        return min(pages, len(donor.pages))
+
+    def adopt_prefix(self, seq_id, donor_id, num_pages: int) -> int:
+        """Start empty sequence ``seq_id`` on the first ``sink_tokens + num_pages * page_size``
+        tokens of live sequence ``donor_id``, equal tokens by the caller's word: the donor's
+        first ``num_pages`` history pages are shared, counted, not copied (a page is freed with
+        its last holder), and its BF16 sink rows are copied into ``seq_id``'s slot in every
+        layer. ``num_pages`` must be at most :meth:`shareable_pages`'s count for the donor
+        (pages it has quantized in every layer, ending on a demotion quantum). Returns the new
+        length of ``seq_id`` in every layer; its next tokens are appended after it.
+
+        Plans and steps of ``seq_id`` made before go stale."""
+        seq = self._lookup(seq_id, "seq_id")
+        donor = self._lookup(donor_id, "donor_id")
+        check_int(num_pages, "num_pages", low=1)
+        fmt, ps = self._windows, self.page_size
+        if num_pages * ps % fmt.demotion_quantum:
+            raise ValueError(
+                f"num_pages * page_size must be a multiple of the demotion quantum "
+                f"({fmt.demotion_quantum}), got {num_pages} * {ps}"
+            )
+        quantized = min(donor.quantized(n, fmt) for n in donor.lengths)
+        if num_pages * ps > quantized:
+            raise ValueError(
+                f"num_pages must be <= {quantized // ps} (the full pages donor {donor_id!r} has "
+                f"quantized in every layer), got {num_pages}"
+            )
+        self.share_pages(seq_id, donor_id, num_pages)  # checks seq_id is empty
+        sink = fmt.sink_tokens
+        if sink:
+            for st in self.layers:
+                st.k_sink[seq.slot] = st.k_sink[donor.slot]
+                st.v_sink[seq.slot] = st.v_sink[donor.slot]
+        length = sink + num_pages * ps
+        seq.lengths = [length] * self.num_layers
+        self._touch(range(self.num_layers))
+        self._step_serial += 1
+        return length
+
     def reserve_decode_rows(self, rows: int) -> None:
         """Allocate the storage of planned decode steps (:meth:`plan_decode_step`) for up to
         ``rows`` rows (sequences plus padding) now, at an address that never changes: a CUDA
@@ -564,13 +623,13 @@ class QuantizedKVCache(PageTable):
         used = quant_tokens = window_tokens = tokens = 0
         for s in self._seqs.values():
             for layer, n in enumerate(s.lengths):
-                q = num_quantized(n, self._windows)
+                q = s.quantized(n, self._windows)
                 used += q * bytes_per_quant_token[layer] + (n - q) * window_bytes_per_token
                 quant_tokens += q
                 window_tokens += n - q
                 tokens += n
         page_bytes = (
-            sum(len(s.pages) for s in self._seqs.values())
+            (self.num_pages - len(self._free_pages))  # a shared page counts once
             * self.page_size
             * sum(bytes_per_quant_token)
         )
@@ -584,4 +643,5 @@ class QuantizedKVCache(PageTable):
             "effective_bits": (used * 8 / (tokens * 2 * h * d)) if tokens else float("nan"),
             "pool_bytes": self.pool_bytes(),
             "free_pages": len(self._free_pages),
+            "shared_pages": self.num_shared_pages,
         }

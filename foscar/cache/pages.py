@@ -18,6 +18,16 @@ pool tensors, and a live sequence's page list only grows, so the planned pages s
 pages. Every change bumps a per-layer stamp; the cache remembers, per plan (weakly, by
 identity), the stamp it last found the plan right at, so a plan reused with nothing changed (a
 CUDA-graph replay, a step's plans) is checked in constant time. The plan itself stays data.
+
+Note [shared prefixes]: sequences whose first tokens are equal can hold the same full history
+pages (:meth:`PageTable.share_pages`): a page counts its holders and goes back to the free list
+when the last one is freed. Only full pages that every holder has already quantized are shared,
+and nothing writes into a full page again, so a shared page is read-only. A sequence that adopts
+``n`` pages starts at ``sink_tokens + n * page_size`` tokens with ``history_floor = n *
+page_size``: its quantized history is ``max(num_quantized(L), history_floor)`` tokens
+(:meth:`SequenceState.quantized`), so the adopted tokens are never counted in its BF16 tail. Once
+its length passes the pages it adopted plus the recent window, the floor no longer binds and its
+layout is the one it would have had writing every token itself.
 """
 
 from __future__ import annotations
@@ -139,11 +149,21 @@ class DecodeBatch:
 
 @dataclass
 class SequenceState:
-    """One live sequence: its row in the window buffers, its pages, its tokens per layer."""
+    """One live sequence: its row in the window buffers, its pages, its tokens per layer.
+
+    ``history_floor``: history tokens quantized whatever the length says, the pages a sequence
+    adopted from another (Note [shared prefixes]); 0 for a sequence that wrote all its tokens.
+    """
 
     slot: int
     pages: list[int]
     lengths: list[int]
+    history_floor: int = 0
+
+    def quantized(self, length: int, fmt: KVFormat) -> int:
+        """Tokens of the quantized history at ``length`` tokens: the format's rule
+        (:func:`~foscar.cache.layout.num_quantized`), never below the adopted pages."""
+        return max(num_quantized(length, fmt), self.history_floor)
 
 
 class PageTable:
@@ -175,6 +195,8 @@ class PageTable:
         self._free_pages: list[int] = list(range(num_pages - 1, -1, -1))
         self._free_set: set[int] = set(self._free_pages)
         self._free_slots: list[int] = list(range(max_seqs - 1, -1, -1))
+        #: holders beyond the first of each shared page (Note [shared prefixes])
+        self._extra_holders: dict[int, int] = {}
         self._seqs: dict[object, SequenceState] = {}
         self._next_id = 0
         self._stamps = [next(_STAMPS) for _ in range(num_layers)]
@@ -271,7 +293,8 @@ class PageTable:
         """A copy of live sequence ``seq_id``'s record: its window slot, pages and tokens per
         layer."""
         seq = self._lookup(seq_id, "seq_id")
-        return SequenceState(slot=seq.slot, pages=list(seq.pages), lengths=list(seq.lengths))
+        return SequenceState(slot=seq.slot, pages=list(seq.pages), lengths=list(seq.lengths),
+                             history_floor=seq.history_floor)
 
     def free_page_order(self) -> list[int]:
         """The free pages in the order appends take them, the next one last (the order
@@ -307,13 +330,61 @@ class PageTable:
                 raise ValueError(f"pages[{i}] = {p} overlaps the pages of sequence {owner!r}")
         return pages
 
+    def quantized_tokens(self, seq_id, length: int) -> int:
+        """Tokens live sequence ``seq_id`` keeps quantized at ``length`` tokens (the format's
+        rule, and at least the pages it adopted: Note [shared prefixes])."""
+        return self._lookup(seq_id, "seq_id").quantized(length, self._windows)
+
+    def page_holders(self, page: int) -> int:
+        """How many live sequences hold pool page ``page`` (0: free)."""
+        if page in self._free_set:
+            return 0
+        return 1 + self._extra_holders.get(page, 0)
+
+    @property
+    def num_shared_pages(self) -> int:
+        """Pool pages more than one live sequence holds (Note [shared prefixes])."""
+        return len(self._extra_holders)
+
+    def share_pages(self, seq_id, donor_id, num_pages: int) -> None:
+        """Have empty sequence ``seq_id`` hold the first ``num_pages`` pages of ``donor_id``
+        too, quantized by the donor and read-only from now on, its history floor set to them
+        (Note [shared prefixes]). Lengths and windows are the caller's
+        (:meth:`foscar.QuantizedKVCache.adopt_prefix`)."""
+        seq = self._lookup(seq_id, "seq_id")
+        donor = self._lookup(donor_id, "donor_id")
+        check_int(num_pages, "num_pages", low=1)
+        if seq is donor:
+            raise ValueError(f"donor_id {donor_id!r} is seq_id itself")
+        if seq.pages or any(seq.lengths):
+            raise ValueError(f"seq_id {seq_id!r} must be empty (no pages, no tokens) to share")
+        if num_pages > len(donor.pages):
+            raise ValueError(
+                f"num_pages must be <= {len(donor.pages)} (the pages donor {donor_id!r} holds), "
+                f"got {num_pages}"
+            )
+        shared = donor.pages[:num_pages]
+        for page in shared:
+            self._extra_holders[page] = self._extra_holders.get(page, 0) + 1
+        seq.pages = list(shared)
+        seq.history_floor = num_pages * self.page_size
+
     def free(self, seq_id) -> None:
         """End a sequence: its pages and window slot return to the pool for reuse (and the plans
-        that cover it go stale)."""
+        that cover it go stale). A page another live sequence holds too stays held by it."""
         seq = self._lookup(seq_id, "seq_id")
         del self._seqs[seq_id]
-        self._free_pages.extend(reversed(seq.pages))
-        self._free_set.update(seq.pages)
+        released = []
+        for page in seq.pages:
+            others = self._extra_holders.get(page, 0)
+            if others == 0:
+                released.append(page)
+            elif others == 1:
+                del self._extra_holders[page]
+            else:
+                self._extra_holders[page] = others - 1
+        self._free_pages.extend(reversed(released))
+        self._free_set.update(released)
         self._free_slots.append(seq.slot)
         self._touch(range(self.num_layers))
         self._step_serial += 1
@@ -342,7 +413,7 @@ class PageTable:
         """Pages each sequence must take to hold ``new_lengths`` tokens; raises (before any
         change) if the pool has too few free."""
         need = [
-            max(0, math.ceil(num_quantized(n, self._windows) / self.page_size) - len(s.pages))
+            max(0, math.ceil(s.quantized(n, self._windows) / self.page_size) - len(s.pages))
             for s, n in zip(seqs, new_lengths)
         ]
         if sum(need) > len(self._free_pages):
@@ -364,7 +435,7 @@ class PageTable:
         holds (decode cost does not depend on the values). Tests and serving never call this.
         """
         seq = self._lookup(seq_id, "seq_id")
-        need = math.ceil(num_quantized(length, self._windows) / self.page_size) - len(seq.pages)
+        need = math.ceil(seq.quantized(length, self._windows) / self.page_size) - len(seq.pages)
         if need > len(self._free_pages):
             raise ValueError(
                 f"page pool exhausted: {need} more pages needed, {len(self._free_pages)} free"
@@ -391,7 +462,7 @@ class PageTable:
             n = s.lengths[layer]
             if n == 0:
                 raise ValueError(f"seq_ids[{i}] = {seq_ids[i]!r} has no tokens in layer {layer}")
-            q = num_quantized(n, self._windows)
+            q = s.quantized(n, self._windows)
             lens.append(n)
             nq.append(q)
             pages.append(s.pages[: math.ceil(q / self.page_size)])

@@ -31,7 +31,6 @@ import torch
 from ..formats import GroupAxis, KVFormat, fold_scale_offset, pack_codes, words_per_row
 from ..quantize import quantize, quantize_gptq
 from . import fused_write
-from .layout import num_quantized
 from .pages import host_to
 
 __all__ = [
@@ -115,7 +114,7 @@ def write_tokens(cache, layer, seqs, new_lengths, counts, k, v) -> None:
     offset = n_demoted = 0
     for seq, l1, n in zip(seqs, new_lengths, counts):
         l0 = l1 - n
-        lq0, lq1 = num_quantized(l0, fmt), num_quantized(l1, fmt)
+        lq0, lq1 = seq.quantized(l0, fmt), seq.quantized(l1, fmt)
         pages = torch.tensor(seq.pages, dtype=torch.long)
         if l0 < sink:
             p = ar(l0, min(l1, sink))
@@ -261,7 +260,7 @@ def decode_scatter(cache, seqs, new_lengths) -> DecodeScatter:
             hist_page.append(page)
             hist_row.append(row)
         if demoted:
-            lq0 = num_quantized(l1 - 1, cache._windows)
+            lq0 = seq.quantized(l1 - 1, cache._windows)
             segments.append((seq.pages, lq0, len(demoted)))
         if at_tail is not None:
             tail_src.append(i)
@@ -312,7 +311,7 @@ def _decode_step_places(cache, seq, l1: int) -> tuple:
     fmt = cache._windows
     sink, cap, ps = fmt.sink_tokens, fmt.tail_capacity, cache.page_size
     l0 = l1 - 1
-    lq0, lq1 = num_quantized(l0, fmt), num_quantized(l1, fmt)
+    lq0, lq1 = seq.quantized(l0, fmt), seq.quantized(l1, fmt)
     demoted = [
         (None if t == l0 - sink else t % cap, seq.pages[t // ps], t % ps) for t in range(lq0, lq1)
     ]

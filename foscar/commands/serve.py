@@ -155,6 +155,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="capture the engine's decode steps in CUDA graphs (a GPU and a bf16 model; foscar "
         "caches: token-wise formats, whose decode steps are planned once before the graph)",
     )
+    engine.add_argument(
+        "--prefix-sharing",
+        action="store_true",
+        help="foscar caches: a request whose prompt starts like a live request's starts on that "
+        "request's full quantized pages, stored once (a shared system prompt)",
+    )
     sampling = parser.add_argument_group("sampling (a request's own fields override these)")
     sampling.add_argument(
         "--temperature",
@@ -448,6 +454,7 @@ def run_serve(args) -> int:
             max_batch_tokens=args.max_batch_tokens,
             max_new_tokens=args.max_new_tokens,
             cuda_graphs=True if args.cuda_graphs else None,
+            prefix_sharing=args.prefix_sharing,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
         )
@@ -710,6 +717,13 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--serve-output-tokens", type=int, nargs=2, default=[lo, hi],
                    metavar=("MIN", "MAX"),
                    help=f"answer lengths, uniform in [MIN, MAX] (default {lo} {hi})")
+    g.add_argument("--serve-shared-prefix-tokens", type=int, default=0, metavar="N",
+                   help="every prompt starts with the same N-token system prompt (random ids, "
+                   "or the text's first N tokens) before its own --serve-prompt-tokens (default 0)")
+    g.add_argument("--serve-prefix-sharing", choices=("off", "on", "both"), default="off",
+                   help="foscar caches: requests start on the full quantized pages of a live "
+                   "request whose prompt they share (build_manager's prefix_sharing); both: each "
+                   "foscar cache runs off, then on (default off)")
     g.add_argument("--serve-prompts", choices=("auto", "text", "random"), default="auto",
                    help="text: each prompt a window of foscar's evaluation text (CPython's "
                    f"language reference from its token {EVAL_OFFSET} on, in the model's "
@@ -752,6 +766,7 @@ def run_bench_serve(args) -> int:
             prompt_tokens=tuple(args.serve_prompt_tokens),
             output_tokens=tuple(args.serve_output_tokens),
             seed=args.serve_seed,
+            shared_prefix_tokens=args.serve_shared_prefix_tokens,
         )
         if args.serve_memory_gb is not None and not args.serve_memory_gb > 0:
             raise _UsageError(f"--serve-memory-gb must be > 0, got {args.serve_memory_gb}")
@@ -793,7 +808,7 @@ def run_bench_serve(args) -> int:
             return _fail(prog, "--serve-prompts text: the model has no tokenizer; use "
                          "--serve-prompts random")
         text_ids, text_name = _evaluation_text_ids(tokenizer)
-        if len(text_ids) < trace.prompt_tokens[1]:
+        if len(text_ids) < max(trace.prompt_tokens[1], trace.shared_prefix_tokens):
             return _fail(prog, f"--serve-prompts text: {text_name} is {len(text_ids)} tokens, "
                          f"shorter than the longest prompt (--serve-prompt-tokens MAX "
                          f"{trace.prompt_tokens[1]}); use --serve-prompts random")
@@ -811,6 +826,8 @@ def run_bench_serve(args) -> int:
             prompt_text_ids=text_ids,
             prompt_text_name=text_name,
             warm_up=args.serve_warm_up,
+            prefix_sharing={"off": (False,), "on": (True,), "both": (False, True)}[
+                args.serve_prefix_sharing],
             # real answers: how far the reference agrees with itself in another batch order
             agreement_floor=text_ids is not None,
             log=lambda line: print(f"{prog}: {line}", file=sys.stderr, flush=True),

@@ -90,6 +90,8 @@ class TraceSpec:
     prompt_tokens: tuple[int, int] = (512, 4096)
     output_tokens: tuple[int, int] = (64, 512)
     seed: int = 0
+    #: tokens of a system prompt every prompt starts with (before its own ``prompt_tokens``)
+    shared_prefix_tokens: int = 0
 
     def __post_init__(self) -> None:
         n = self.num_requests
@@ -105,10 +107,13 @@ class TraceSpec:
                 or not 1 <= lo_hi[0] <= lo_hi[1]
             ):
                 raise ValueError(f"{name} must be (min, max) with 1 <= min <= max, got {lo_hi!r}")
+        shared = self.shared_prefix_tokens
+        if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+            raise ValueError(f"shared_prefix_tokens must be an int >= 0, got {shared!r}")
 
     @property
     def max_request_tokens(self) -> int:
-        return self.prompt_tokens[1] + self.output_tokens[1]
+        return self.shared_prefix_tokens + self.prompt_tokens[1] + self.output_tokens[1]
 
 
 #: the trace ``foscar bench --serve`` replays by default (sized for a GPU)
@@ -158,6 +163,14 @@ def make_trace(
             )
         if min(text) < 0 or max(text) >= vocab_size:
             raise ValueError(f"text_ids holds ids outside [0, {vocab_size})")
+    # the system prompt: its own random stream, so that the requests' draws stay those of the
+    # same trace without one; from a text, the text's first tokens
+    shared = spec.shared_prefix_tokens
+    if text_ids is None:
+        system_rng = random.Random(f"system prompt {spec.seed}")
+        system = tuple(system_rng.choice(pool) for _ in range(shared))
+    else:
+        system = text[:shared]
     clock = 0.0
     trace = []
     for i in range(spec.num_requests):
@@ -171,7 +184,7 @@ def make_trace(
         else:
             start = rng.randint(0, len(text) - length)
             prompt = text[start : start + length]
-        trace.append(TraceRequest(i, clock, prompt, rng.randint(*spec.output_tokens)))
+        trace.append(TraceRequest(i, clock, system + prompt, rng.randint(*spec.output_tokens)))
     return trace
 
 
@@ -423,10 +436,12 @@ def _warm_up(manager, vocab_size: int, max_seconds: float = 300.0) -> None:
 def run_method(model, kv, trace: Sequence[TraceRequest], *, memory_bytes: int,
                block_size: int | None = None, max_seconds: float = 600.0,
                cuda_graphs: bool | None = None, request_tokens: int | None = None,
-               warm_up: str = "short", max_batch_tokens: int | None = None) -> dict:
+               warm_up: str = "short", max_batch_tokens: int | None = None,
+               prefix_sharing: bool = False) -> dict:
     """One KV cache through the trace: the engine's pool, the records and their summary.
 
-    ``cuda_graphs``, ``request_tokens`` and ``max_batch_tokens`` go to ``build_manager``;
+    ``cuda_graphs``, ``request_tokens``, ``max_batch_tokens`` and ``prefix_sharing`` go to
+    ``build_manager``;
     ``warm_up``: one of :data:`WARM_UPS` (module docstring). A cache the manager refuses
     (``ValueError``, e.g. CUDA graphs with a channel-wise format) comes back as
     ``{"refused": reason}`` and an engine that stops during the run as ``{"failed": reason}``,
@@ -438,7 +453,8 @@ def run_method(model, kv, trace: Sequence[TraceRequest], *, memory_bytes: int,
     try:
         manager = build_manager(model, kv, memory_bytes=memory_bytes, block_size=block_size,
                                 max_new_tokens=longest, cuda_graphs=cuda_graphs,
-                                request_tokens=request_tokens, max_batch_tokens=max_batch_tokens)
+                                request_tokens=request_tokens, max_batch_tokens=max_batch_tokens,
+                                prefix_sharing=prefix_sharing)
     except ValueError as e:
         return {"refused": " ".join(str(e).split())}
     cuda = model.device.type == "cuda"
@@ -452,6 +468,10 @@ def run_method(model, kv, trace: Sequence[TraceRequest], *, memory_bytes: int,
         _warm_up(manager, vocab, min(300.0, max_seconds))
         if warm_up == "trace":
             _warm_up_requests(manager, trace, max_seconds)
+        paged = getattr(manager.cache, "paged", None)
+        if hasattr(paged, "peak_pages"):  # the timed replay's pages, not the warm-up's
+            paged.peak_pages = 0
+            manager.cache.shared_tokens = 0
         # what attends the cache while the engine runs (the engine's BF16 cache: its paged
         # SDPA, or a FlashAttention where one is installed)
         attention = (manager.attention_description() if hasattr(manager, "attention_description")
@@ -496,6 +516,7 @@ def run_benchmark(model, kvs: Sequence, spec: TraceSpec, *, out: str | Path | No
                   prompt_text_ids: Sequence[int] | None = None,
                   prompt_text_name: str | None = None, warm_up: str = "short",
                   agreement_floor: bool = False, max_batch_tokens: int | None = None,
+                  prefix_sharing: Sequence[bool] = (False,),
                   name: str = "serve_bench", log: Callable[[str], None] = print) -> dict:
     """Replay the trace of ``spec`` for each KV cache of ``kvs`` (``build_manager``'s ``kv``
     values) on ``model``; writes ``<name>.{json,md,png}`` under ``out`` (None: no files) after
@@ -507,7 +528,10 @@ def run_benchmark(model, kvs: Sequence, spec: TraceSpec, *, out: str | Path | No
 
     ``prompt_text_ids``: the token ids of a real text whose windows are the prompts
     (:func:`make_trace`), named ``prompt_text_name`` in ``trace["prompts"]``; None: random ids,
-    and the trace records no ``prompts`` (:data:`RANDOM_PROMPTS`)."""
+    and the trace records no ``prompts`` (:data:`RANDOM_PROMPTS`).
+
+    ``prefix_sharing``: each foscar cache runs once per value (``build_manager``'s
+    ``prefix_sharing``; labelled ``<kv> shared`` when on), BF16 caches once."""
     from .kv_spec import resolve_kv
 
     if not kvs:
@@ -540,10 +564,17 @@ def run_benchmark(model, kvs: Sequence, spec: TraceSpec, *, out: str | Path | No
         results["trace"]["prompts"] = (
             prompt_text_name or f"a text of {len(prompt_text_ids)} tokens"
         )
+    if not prefix_sharing or any(not isinstance(v, bool) for v in prefix_sharing):
+        raise ValueError(f"prefix_sharing must list True and/or False, got {prefix_sharing!r}")
+    runs = []
     for kv in kvs:
-        label = resolve_kv(kv, num_layers=text.num_hidden_layers,
-                           head_dim=getattr(text, "head_dim", None)
-                           or text.hidden_size // text.num_attention_heads).label
+        resolved = resolve_kv(kv, num_layers=text.num_hidden_layers,
+                              head_dim=getattr(text, "head_dim", None)
+                              or text.hidden_size // text.num_attention_heads)
+        for sharing in dict.fromkeys(prefix_sharing if not resolved.is_bf16 else (False,)):
+            runs.append((kv, resolved.label, sharing))
+    for kv, base_label, sharing in runs:
+        label = base_label + (" shared" if sharing else "")
         log(f"{label}: {spec.num_requests} requests, {memory_bytes / 1e9:.3f} GB of KV memory"
             + ("" if cuda_graphs is None else f", CUDA graphs {'on' if cuda_graphs else 'off'}"))
         start = time.perf_counter()
@@ -551,9 +582,10 @@ def run_benchmark(model, kvs: Sequence, spec: TraceSpec, *, out: str | Path | No
                         max_seconds=max_seconds, cuda_graphs=cuda_graphs,
                         request_tokens=request_tokens, warm_up=warm_up,
                         max_batch_tokens=max_batch_tokens)
-        result = run_method(model, kv, trace, **settings)
+        result = run_method(model, kv, trace, prefix_sharing=sharing, **settings)
         result["kv"] = label
-        if isinstance(kv, (str, os.PathLike)) and os.fspath(kv) != label:
+        result["prefix_sharing"] = sharing
+        if isinstance(kv, (str, os.PathLike)) and os.fspath(kv) != base_label:
             result["kv_arg"] = os.fspath(kv)  # an OSCAR file: the path it was given as
         result["seconds"] = time.perf_counter() - start
         results["methods"].append(result)
@@ -612,6 +644,22 @@ def _summary_line(m: dict) -> str:
         f"ms, TPOT {cell(m['tpot_median_s'], 1e3, 1)} / {cell(m['tpot_p99_s'], 1e3, 1)} ms "
         f"(median / p99), peak {m['peak_concurrent_requests']} requests at once"
     )
+
+
+def _pages_line(methods: Sequence[dict], shared_prefix_tokens: int) -> str:
+    """The foscar methods' peak pool pages held and the prompt tokens their requests started on
+    from another request's pages (prefix sharing)."""
+    parts = []
+    for m in methods:
+        pool = m.get("pool") or {}
+        if not_measured(m) or pool.get("peak_pages") is None:
+            continue
+        parts.append(f"{m['kv']} {pool['peak_pages']} pages of {pool['block_size']} tokens at "
+                     f"the peak, {pool.get('shared_tokens', 0)} prompt tokens adopted")
+    system = (f"Every prompt starts with the same {shared_prefix_tokens}-token system prompt. "
+              if shared_prefix_tokens else "")
+    return (system + "Pages held (a page several requests share counts once): "
+            + ("; ".join(parts) if parts else "none measured") + ".")
 
 
 def _graphs_text(cuda_graphs: bool | None) -> str:
@@ -703,6 +751,8 @@ def markdown(results: dict) -> str:
             if "device_peak_bytes" in m) + "."]
     if attention_line(methods):
         lines += ["", attention_line(methods)]
+    if trace.get("shared_prefix_tokens") or any(m.get("prefix_sharing") for m in methods):
+        lines += ["", _pages_line(methods, trace.get("shared_prefix_tokens", 0))]
     floor = results.get("agreement_floor")
     if floor and floor.get("compared") is not None:
         lines += ["", f"Floor of the agreement: {floor['kv']} run again with the requests in "
@@ -724,7 +774,12 @@ def markdown(results: dict) -> str:
         f"--serve-requests {trace['num_requests']} --serve-rate {trace['rate']} "
         f"--serve-prompt-tokens {trace['prompt_tokens'][0]} {trace['prompt_tokens'][1]} "
         f"--serve-output-tokens {trace['output_tokens'][0]} {trace['output_tokens'][1]} "
-        f"--serve-prompts {'text' if prompts else 'random'} "
+        + (f"--serve-shared-prefix-tokens {trace['shared_prefix_tokens']} "
+           if trace.get("shared_prefix_tokens") else "")
+        + ("--serve-prefix-sharing "
+           + ("both " if len({bool(m.get("prefix_sharing")) for m in methods}) > 1 else "on ")
+           if any(m.get("prefix_sharing") for m in methods) else "")
+        + f"--serve-prompts {'text' if prompts else 'random'} "
         f"--serve-seed {trace['seed']} --serve-memory-gb {results['memory_bytes'] / 1e9:.6g}`.",
     ]
     return "\n".join(lines) + "\n"

@@ -43,9 +43,17 @@ is told so), its per-row work depends on the rows. Only token-wise history forma
 ``int4``/``int2`` and OSCAR files) on a CUDA device with a bfloat16 model qualify; others are
 refused by :func:`build_manager`, naming why.
 
-Switched off for foscar caches: prefix sharing and forking (a block holds one request's quantized
-history), the flash decode fast path (it writes the engine's K/V tensors), CPU offloading (it
-copies them) and asynchronous batching (a step's layout must be known before its forward).
+Prefix sharing (``build_manager(..., prefix_sharing=True)``): foscar answers the scheduler's
+prefix search itself. A new request adopts the full quantized pages of the live request whose
+prompt shares its longest prefix (:meth:`PagedKV.adopt_prefix`), and the engine prefills the rest;
+the engine's own block hashing stays off (its blocks line up with tokens, foscar's pages with
+history after the sink). Only live requests donate: a request that ended leaves nothing to
+reuse. Checked on transformers 5.25 (its block ledger counts the shared blocks' holders).
+
+Switched off for foscar caches: forking (a block holds one request's quantized history), the
+engine's own block sharing, the flash decode fast path (it writes the engine's K/V tensors), CPU
+offloading (it copies them) and asynchronous batching (a step's layout must be known before its
+forward).
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ import contextlib
 import copy
 import dataclasses
 import math
+import os
 import threading
 from functools import partial
 
@@ -191,6 +200,7 @@ class _FoscarSettings:
     backend: str
     window_dtype: torch.dtype
     cuda_graphs: bool = False
+    prefix_sharing: bool = False
 
 
 class _OneChannelConfig:
@@ -268,6 +278,22 @@ class FoscarPagedCache(_TrackedCache, PagedAttentionCache):
         ) if kv.flashinfer is None else _flashinfer_storage(settings, config, local_heads, self,
                                                              block_size)
         self._slots: set = set()  # requests admitted: each holds a window slot
+        #: prefix sharing: the prompt of each request admitted since, to find a donor by
+        self._prompts: dict = {}
+        #: tokens requests started on by adopting another's pages (prefix sharing)
+        self.shared_tokens = 0
+        if settings.prefix_sharing:
+            ledger = getattr(self._allocator, "ledger", None)
+            if kv.flashinfer is not None or not hasattr(ledger, "acquire") or not isinstance(
+                getattr(self._allocator, "block_table", None), dict
+            ):
+                raise ValueError(
+                    "prefix_sharing=True needs a foscar kv and transformers' block ledger "
+                    "(the engine of transformers 5.25 has it)"
+                )
+            # the scheduler asks search_prefix_match for new requests; the engine's own block
+            # hashing stays off (allow_block_sharing=False): foscar picks what is shared
+            self.use_prefix_sharing = True
         self._rows: list[StepRow] | None = None  # the next forward's layout, in batch order
         #: steps run through a CUDA graph (captured, or replayed)
         self.graph_steps = 0
@@ -309,6 +335,7 @@ class FoscarPagedCache(_TrackedCache, PagedAttentionCache):
 
     def free_blocks(self, request_id, *args, **kwargs):
         self._slots.discard(request_id)
+        self._prompts.pop(request_id, None)
         self.paged.release(request_id)
         return super().free_blocks(request_id, *args, **kwargs)
 
@@ -316,12 +343,41 @@ class FoscarPagedCache(_TrackedCache, PagedAttentionCache):
         result = super().free_all_requests(*args, **kwargs)
         self._rows = None
         self._slots.clear()
+        self._prompts.clear()
         self.live_request_ids.clear()
         self.paged.release_all()
         return result
 
     def search_prefix_match(self, request_id, prompt_ids) -> int:
-        return 0
+        """Prefix sharing: start a new request on the full quantized pages of the live request
+        whose prompt shares the longest prefix with ``prompt_ids``
+        (:meth:`PagedKV.adopt_prefix`); returns the tokens it holds then (0: none). The shared
+        blocks head the request's block table and count one more holder in the engine's
+        ledger, as foscar's pages do."""
+        if not self._settings.prefix_sharing or not self._has_slot(request_id):
+            return 0
+        prompt = list(prompt_ids)
+        self._prompts[request_id] = prompt
+        donor, common = None, 0
+        for rid in self.paged.live_requests:
+            other = self._prompts.get(rid)
+            if other is not None and rid != request_id:
+                n = len(os.path.commonprefix([prompt, other]))
+                if n > common:
+                    donor, common = rid, n
+        if donor is None:
+            return 0
+        # the engine needs one prompt token left to prefill
+        length = self.paged.adopt_prefix(request_id, donor, min(common, len(prompt) - 1),
+                                         len(prompt))
+        if length:
+            pages = self.paged.cache.pages_of(request_id)
+            self._allocator.block_table[request_id] = list(pages)
+            for block in pages:
+                self._allocator.ledger.acquire(block)
+            self._slots.add(request_id)
+            self.shared_tokens += length
+        return length
 
     def prepare_fork_request(self, *args, **kwargs):
         raise NotImplementedError("a foscar cache cannot fork requests (num_return_sequences > 1)")
@@ -478,7 +534,7 @@ class FoscarBatchingManager(ContinuousBatchingManager):
 
     def __init__(self, model, generation_config, continuous_batching_config, *, plan: _Plan,
                  backend: str = "auto", window_dtype: torch.dtype = torch.bfloat16,
-                 cuda_graphs: bool = False) -> None:
+                 cuda_graphs: bool = False, prefix_sharing: bool = False) -> None:
         self._plan = plan
         self._last_cache = None
         self._foscar_backend = backend
@@ -490,7 +546,8 @@ class FoscarBatchingManager(ContinuousBatchingManager):
             text = model.config.get_text_config()
             self._cache_class = FoscarPagedCache.bind(
                 _FoscarSettings(
-                    kv, plan.max_requests, _num_kv_heads(text), backend, window_dtype, cuda_graphs
+                    kv, plan.max_requests, _num_kv_heads(text), backend, window_dtype, cuda_graphs,
+                    prefix_sharing,
                 )
             )
 
@@ -599,7 +656,9 @@ class FoscarBatchingManager(ContinuousBatchingManager):
         the engine's cache);
         ``memory_bytes``: the pool (and windows); ``bf16_equivalent_tokens``: tokens a BF16
         cache holds in ``memory_bytes``; ``max_requests``: window slots (foscar);
-        ``peak_concurrent_requests``: most requests holding blocks at once so far.
+        ``peak_concurrent_requests``: most requests holding blocks at once so far; foscar:
+        ``peak_pages``, the most pool pages held at once (a shared page counts once), and
+        ``shared_tokens``, the prompt tokens requests started on from another's pages.
         """
         plan = self._plan
         cache = self.cache
@@ -620,6 +679,8 @@ class FoscarBatchingManager(ContinuousBatchingManager):
             stats["memory_bytes"] = cache.paged.pool_bytes()
             stats["bf16_equivalent_tokens"] = stats["memory_bytes"] // plan.bf16_bytes_per_token
             stats["restarts"] = len(cache.paged.restarts)
+            stats["peak_pages"] = cache.paged.peak_pages
+            stats["shared_tokens"] = cache.shared_tokens
         return stats
 
 
@@ -647,6 +708,7 @@ def build_manager(
     backend: str = "auto",
     scheduler: str = "fifo",
     window_dtype: torch.dtype = torch.bfloat16,
+    prefix_sharing: bool = False,
     **generation_kwargs,
 ) -> FoscarBatchingManager:
     """A continuous-batching manager serving ``model`` with the KV cache ``kv``.
@@ -686,6 +748,10 @@ def build_manager(
     scheduler : the engine's scheduler (``"fifo"`` or ``"prefill_first"``).
     window_dtype : storage of foscar's sink and recent windows (BF16; float32 keeps an fp32
         model's window tokens exact).
+    prefix_sharing : foscar: a new request whose prompt starts like a live request's starts on
+        that request's full quantized pages before its own recent window, stored once and
+        counted (:meth:`FoscarPagedCache.search_prefix_match`); BF16 caches keep the engine's
+        own setting.
     generation_kwargs : GenerationConfig fields (default greedy: ``do_sample=False``), and
         ``max_requests_per_batch`` for the engine.
 
@@ -715,6 +781,14 @@ def build_manager(
     _check_sizes(memory_bytes=memory_bytes, num_blocks=num_blocks,
                  max_batch_tokens=max_batch_tokens, max_requests=max_requests,
                  request_tokens=request_tokens)
+    if prefix_sharing and not resolved.is_bf16:
+        if resolved.flashinfer is not None:
+            raise ValueError(f"prefix_sharing=True: kv={resolved.label!r} is not a foscar cache")
+        if not hasattr(PagedAttentionCache, "count_new_complete_blocks"):
+            raise ValueError(
+                "prefix_sharing=True needs the block ledger of transformers' engine (5.25 has it; "
+                f"this is {_transformers_version()})"
+            )
     requests_per_batch = generation_kwargs.pop("max_requests_per_batch", None)
     plan = _size_pool(
         model, resolved, memory_bytes=memory_bytes, num_blocks=num_blocks,
@@ -728,7 +802,14 @@ def build_manager(
                        requests_per_batch=requests_per_batch, cuda_graphs=cuda_graphs),
         plan=plan, backend=backend, window_dtype=window_dtype,
         cuda_graphs=bool(cuda_graphs) and not resolved.is_bf16,
+        prefix_sharing=bool(prefix_sharing) and not resolved.is_bf16,
     )
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return f"transformers {transformers.__version__}"
 
 
 def _check_foscar_model(text, resolved: ResolvedKV, generation_kwargs: dict) -> None:

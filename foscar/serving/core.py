@@ -51,9 +51,13 @@ later step of as many packed tokens after ``begin_step``. Steps with prefill or 
 per-row host work and stay eager; channel-wise history formats (written by torch operations) cannot
 be captured and are refused.
 
-Prefix sharing (one block in two requests) has no meaning here: a block holds quantized history
-of one request only, and history starts after that request's own sink. Engines must not share
-blocks of a :class:`PagedKV` (the transformers adapter switches block sharing off).
+Prefix sharing: a request whose first tokens equal a live request's starts on that request's
+full quantized pages (:meth:`PagedKV.adopt_prefix`, Note [shared prefixes] in
+foscar.cache.pages): the pages are counted, not copied, the sink rows are copied into the new
+request's slot, and the engine goes on from the returned length, listing the shared blocks first in
+the request's block table. A block of a :class:`PagedKV` is shared only that way: history page
+``i`` starts after the request's own sink, so an engine's own block sharing (by token blocks)
+does not line up with it, and the transformers adapter keeps the engine's block sharing off.
 
 Shapes: ``T`` packed tokens, ``H_q`` query heads, ``H`` KV heads, ``D`` head_dim.
 """
@@ -70,7 +74,6 @@ import torch
 from .. import KVFormat, QuantizedKVCache
 from ..attention import CacheAttention
 from ..cache import DecodeStep
-from ..cache.layout import num_quantized
 
 __all__ = ["PagedKV", "StepRow", "window_bytes_per_request", "history_bytes_per_token"]
 
@@ -270,6 +273,8 @@ class PagedKV:
         self._lengths: dict[Hashable, int] = {}  # live request -> tokens it holds
         self._released: OrderedDict[Hashable, int] = OrderedDict()  # recently released ones
         self.peak_requests = 0
+        #: the most pool pages held at once (a page several requests share counts once)
+        self.peak_pages = 0
         #: ``(request_id, tokens it held)`` each time a request was started again (preempted and
         #: prefilled from scratch); the last ``RESTART_LOG`` only
         self.restarts: list[tuple[Hashable, int]] = []
@@ -300,6 +305,35 @@ class PagedKV:
     def release_all(self) -> None:
         for request_id in list(self._lengths):
             self.release(request_id)
+
+    def adopt_prefix(self, request_id: Hashable, donor_id: Hashable, common_tokens: int,
+                     prompt_length: int) -> int:
+        """Start request ``request_id`` (of ``prompt_length`` prompt tokens, whose first
+        ``common_tokens`` equal those of live request ``donor_id``) on the donor's full quantized
+        pages that lie before its own recent window, shared by reference count
+        (:meth:`foscar.QuantizedKVCache.adopt_prefix`). Returns the tokens the request now holds
+        (0: nothing to share, the request starts empty at its first step as usual); its next
+        step's row has that ``past_length`` and lists ``pages_of`` the shared pages first in its
+        blocks. A request that was live is released first."""
+        if donor_id not in self._lengths:
+            raise ValueError(f"donor_id {donor_id!r} is not a live request")
+        if request_id == donor_id:
+            raise ValueError(f"donor_id {donor_id!r} is request_id itself")
+        self.release(request_id)
+        pages = self.cache.shareable_pages(donor_id, common_tokens, prompt_length)
+        if not pages:
+            return 0
+        if not self.num_free_slots:
+            raise ValueError(f"all {self.max_requests} window slots are held (max_requests)")
+        held = self._released.pop(request_id, None)
+        if held:  # started again after a preemption, as in begin_step
+            self.restarts.append((request_id, held))
+            del self.restarts[: -self.RESTART_LOG]
+        self.cache.add_sequence(request_id)
+        length = self.cache.adopt_prefix(request_id, donor_id, pages)
+        self._lengths[request_id] = length
+        self.peak_requests = max(self.peak_requests, len(self._lengths))
+        return length
 
     def _new_blocks(self, row: StepRow, held: list[int]) -> list[int]:
         """The blocks of ``row`` its sequence does not hold yet (``held`` must be a prefix)."""
@@ -386,9 +420,10 @@ class PagedKV:
         decode = tuple(i for i, r in enumerate(rows) if r.past_length and r.query_length == 1)
         # pages the decode rows take beyond their blocks (a pool without engine blocks), checked
         # before anything changes: their step is planned below
-        fmt, ps = self.cache.formats[0], self.block_size
+        ps = self.block_size
         short = sum(
-            max(0, -(-num_quantized(rows[i].past_length + 1, fmt) // ps)
+            max(0, -(-self.cache.quantized_tokens(rows[i].request_id, rows[i].past_length + 1)
+                     // ps)
                 - len(self.cache.pages_of(rows[i].request_id)) - len(new_pages[rows[i].request_id]))
             for i in decode
         )
@@ -408,6 +443,7 @@ class PagedKV:
             self._hand_pages(r.request_id, new_pages[r.request_id])
             self._lengths[r.request_id] = r.past_length + r.query_length
         self.peak_requests = max(self.peak_requests, len(self._lengths))
+        self.peak_pages = max(self.peak_pages, self.cache.num_pages - self.cache.num_free_pages)
         offsets, total = [], 0
         for r in rows:
             offsets.append(total)
