@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from .cache import DecodeBatch, DecodeStep, QuantizedKVCache
 from .backends.extend import extend_attention
+from .cache import DecodeBatch, DecodeStep, QuantizedKVCache
 from .decode import DecodePlan
 
 __all__ = ["CacheAttention", "attach", "attached"]

@@ -36,7 +36,6 @@ from foscar.oscar import (
 )
 from foscar.reference import attend_dequantized
 
-
 # lengths 1 and primes, non-multiples of the page (16) and of the groups
 LENGTHS = (1, 17, 113, 263)
 

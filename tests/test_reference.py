@@ -258,8 +258,8 @@ def test_attend_chunk_bf16_fused_equals_fp32_blocks(t):
     """A bf16 chunk with every token real goes through one fused SDPA call (bottom-right causal
     over history + chunk): the fp32 row blocks' values to bf16 rounding, a chunk of one token
     (all history visible) and a prime one on a history that is not a multiple of the group."""
-    from foscar.backends import extend as core
     from foscar import reference
+    from foscar.backends import extend as core
 
     fmt = KVFormat(QuantFormat(2, "token", 32), QuantFormat(4, "token", 32),
                    sink_tokens=4, recent_tokens=16)

@@ -39,10 +39,9 @@ from pathlib import Path
 import torch
 
 from foscar import KVFormat, QuantFormat, QuantizedKVCache
-from foscar.backends.extend import ExtendConfig, extend_attention, extend_config
+from foscar.backends.extend import ExtendConfig, attend_chunk, extend_attention, extend_config
 from foscar.bench.grid import Shape, random_cache
 from foscar.bench.timing import bench_stats
-from foscar.backends.extend import attend_chunk
 from foscar.serving.kv_spec import default_format
 
 SHAPE = Shape(num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=64)

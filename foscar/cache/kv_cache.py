@@ -464,8 +464,9 @@ class QuantizedKVCache(PageTable):
         one in every layer, the fused write's descriptors and the step's :class:`DecodeBatch`
         go to the device in one copy, into tensors that every step of as many rows reuses.
         Then, per layer, :meth:`write_decode_step` stores the layer's new K/V and
-        :func:`foscar.decode_attention` reads ``step.batches[layer]`` after that layer's write; every layer must be written before the next step is planned (the
-        lengths already count its token; checked while the step's sequences live).
+        :func:`foscar.decode_attention` reads ``step.batches[layer]`` after that layer's write;
+        every layer must be written before the next step is planned (the lengths already count
+        its token; checked while the step's sequences live).
 
         Parameters
         ----------
