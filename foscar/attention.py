@@ -18,8 +18,8 @@ registered; both reach their cache the one way of :func:`attach` / :func:`attach
   so its workspace and bound launches serve every step;
 * **extend** (several new tokens on a non-empty sequence: a later chunk of a prefill, a continued
   conversation): :meth:`CacheAttention.extend` attends over the stored tokens and the chunk,
-  causal over the chunk (:func:`foscar.backends.extend.extend_attention`: the extend kernel on a
-  GPU, the history dequantized in torch on the CPU), before the chunk is stored.
+  causal over the chunk (:func:`foscar.backends.extend.extend_attention`: the history dequantized in
+  torch; the extend kernel on request), before the chunk is stored.
 
 Shapes: ``H_q`` query heads, ``H`` KV heads, ``D`` head_dim, ``t`` a chunk's tokens.
 """

@@ -15,7 +15,7 @@ import torch
 from conftest import KERNEL_DEVICE
 from kernel_cases import rel_l2
 
-from foscar import KVFormat, QuantFormat, QuantizedKVCache
+from foscar import KVFormat, QuantFormat, QuantizedKVCache, triton_runtime
 from foscar.backends.extend import ExtendConfig, extend_attention, extend_splits
 from foscar.reference import dequantize_sequence
 
@@ -278,6 +278,14 @@ def kernel_everywhere(monkeypatch):
     )
 
 
+#: the call-site tests hand the kernel CPU tensors, as the engine and FoscarCache do on a CPU:
+#: they need the interpreter (a CUDA machine runs the kernel cases above on the GPU instead)
+needs_interpreter = pytest.mark.skipif(
+    not triton_runtime.interpreting(), reason="routes CPU tensors to the kernel: the interpreter"
+)
+
+
+@needs_interpreter
 def test_serving_core_chunk_on_the_kernel_matches_torch_path(monkeypatch):
     """PagedKV: a chunk row (13 tokens on 40 stored, beside a decode row) attends through the
     kernel as through the torch path."""
@@ -310,6 +318,7 @@ def test_serving_core_chunk_on_the_kernel_matches_torch_path(monkeypatch):
         assert rel_l2(a, b) < 1e-2
 
 
+@needs_interpreter
 def test_foscar_cache_chunked_prefill_on_the_kernel_matches_torch_path(monkeypatch):
     """FoscarCache's extend path (a tiny Llama, two rows, the second left-padded, the prompt
     in chunks of 19 and 11) gives the logits of the torch path through the kernel."""

@@ -2,9 +2,11 @@
 attending to the request's stored tokens and, causally, to itself.
 
 :func:`extend_attention` is the one entry both callers use (``FoscarCache``'s extend path and the
-serving core): on a GPU it launches the Triton extend kernel (foscar.kernels.triton_extend) over
-the quantized pages, the BF16 windows and the chunk's own BF16 keys and values; on the CPU it
-keeps the torch path (:func:`attend_chunk`: the history dequantized, then SDPA).
+serving core). ``path="triton"`` launches the Triton extend kernel (foscar.kernels.triton_extend)
+over the quantized pages, the BF16 windows and the chunk's own BF16 keys and values; the default
+takes the torch path (:func:`attend_chunk`: the history dequantized, then SDPA) on every device,
+because the kernel's GPU correctness and its compile times (some specializations spend minutes
+in LLVM) are not yet measured (docs/tuning.md, Extend kernel).
 On both paths a layer's OSCAR rotations are applied to the query, the chunk's keys and values and
 the output (``q R_K``, ``k R_K``, ``v R_V``, ``o R_V^T``; per chunk token, not per token of the
 history), and the pages are read as stored.
@@ -205,8 +207,8 @@ def extend_attention(
     new_mask : bool [T], the chunk's real tokens (None: all); the others are neither keys nor
         computed (their output rows are zero on the kernel path).
     out : [T, H_q, D] output buffer (q's dtype); allocated when None.
-    path : ``"auto"`` (the kernel on a GPU, torch on the CPU), ``"triton"`` (the kernel; on the
-        CPU through the Triton interpreter) or ``"torch"``.
+    path : ``"auto"`` (the torch path, for now on every device: module docstring), ``"triton"``
+        (the kernel; on the CPU through the Triton interpreter) or ``"torch"``.
     config, num_splits : kernel launch knobs (:func:`extend_config`, :func:`extend_splits`).
 
     Returns
@@ -222,7 +224,7 @@ def extend_attention(
         raise ValueError(f"path must be one of {EXTEND_PATHS}, got {path!r}")
     _check(q_chunk, k_chunk, v_chunk, cache, batch, row, out, new_mask)
     sm_scale = 1.0 / math.sqrt(cache.head_dim) if sm_scale is None else sm_scale
-    use_kernel = path == "triton" or (path == "auto" and q_chunk.is_cuda)
+    use_kernel = path == "triton"  # "auto": the torch path (module docstring)
     if use_kernel:
         reason = kernel_reason(q_chunk, cache)
         if reason is not None and path == "triton":
@@ -286,7 +288,9 @@ def _kernel(q, k, v, cache, batch, row, sm_scale, out, config, num_splits) -> to
         v = tr.rotate(v, "value")
     interp = triton_runtime.interpreting()
     operand = torch.float32 if interp else cache.window_dtype
-    q = q.to(torch.float32 if interp else torch.bfloat16)
+    q = q.to(torch.bfloat16)  # the GPU's operand; the interpreter computes on its fp32 values
+    if interp:
+        q = q.float()
     if q.stride(-1) != 1:
         q = q.contiguous()
     # the chunk's keys and values as the windows would store them (rounded to the window dtype)
