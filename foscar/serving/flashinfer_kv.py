@@ -170,6 +170,8 @@ class FlashInferPagedKV:
         self.max_requests = num_blocks
         #: never filled: a restarted request simply starts empty (kv_stats counts these)
         self.restarts: list = []
+        #: the most pages live requests held at once (each request its own: no sharing)
+        self.peak_pages = 0
         self._lengths: dict[Hashable, int] = {}
         self._step: _Step | None = None
         self._wrappers: dict = {}  # ("decode", rows) / "prefill" / "decode" -> wrapper
@@ -243,6 +245,8 @@ class FlashInferPagedKV:
             slots += [self.scratch_page * bs] * pad
         for r in rows:
             self._lengths[r.request_id] = r.past_length + r.query_length
+        held_pages = sum(-(-n // bs) for n in self._lengths.values())
+        self.peak_pages = max(self.peak_pages, held_pages)
         slot_tensor = _to_device(torch.tensor(slots, dtype=torch.int64), self.device)
         if graphed:
             self._slot_buffer[: len(slots)].copy_(slot_tensor, non_blocking=True)
