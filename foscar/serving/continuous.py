@@ -510,7 +510,7 @@ def _hook_model_runner(runner, cache: FoscarPagedCache) -> None:
 
 # ---------------------------------------------------------------------------- manager
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class PoolSizes:
     """The sizes :func:`build_manager` chose (all per process)."""
 
     kv: ResolvedKV
@@ -532,7 +532,7 @@ class FoscarBatchingManager(ContinuousBatchingManager):
     :meth:`kv_stats`, and :meth:`add_request` refuses a request the pool can never hold.
     """
 
-    def __init__(self, model, generation_config, continuous_batching_config, *, plan: _Plan,
+    def __init__(self, model, generation_config, continuous_batching_config, *, plan: PoolSizes,
                  backend: str = "auto", window_dtype: torch.dtype = torch.bfloat16,
                  cuda_graphs: bool = False, prefix_sharing: bool = False) -> None:
         self._plan = plan
@@ -617,6 +617,11 @@ class FoscarBatchingManager(ContinuousBatchingManager):
         return super().add_request(input_ids, request_id, max_new_tokens, *args, **kwargs)
 
     # ------------------------------------------------------------------ accounting
+    @property
+    def pool_sizes(self) -> PoolSizes:
+        """The sizes :func:`build_manager` chose for the pool (read-only)."""
+        return self._plan
+
     def attention_description(self) -> str:
         """What attends the cache: the engine's own path (its attention implementation), foscar's
         decode kernels, or FlashInfer's wrappers (:mod:`foscar.serving.flashinfer_kv`)."""
@@ -856,7 +861,7 @@ def _size_pool(
     model, resolved: ResolvedKV, *, memory_bytes: int | None, num_blocks: int | None,
     block_size: int, max_requests: int | None, request_tokens: int | None,
     requests_per_batch: int | None, window_dtype: torch.dtype,
-) -> _Plan:
+) -> PoolSizes:
     """The engine's blocks (and foscar's window slots) for ``memory_bytes`` or ``num_blocks``
     (:func:`build_manager` documents the defaults); raises ``ValueError`` if no block fits."""
     text = model.config.get_text_config()
@@ -904,7 +909,7 @@ def _size_pool(
             f"memory_bytes={memory_bytes} holds no block of {block_size} tokens"
             + ("" if not window else f" beside {slots} window slots of {window} bytes")
         )
-    return _Plan(
+    return PoolSizes(
         kv=resolved,
         num_blocks=num_blocks,
         block_size=block_size,
@@ -931,7 +936,7 @@ def _generation_config(model, max_new_tokens: int, generation_kwargs: dict) -> G
 
 
 def _engine_config(
-    plan: _Plan, *, max_batch_tokens: int | None, scheduler: str,
+    plan: PoolSizes, *, max_batch_tokens: int | None, scheduler: str,
     requests_per_batch: int | None, cuda_graphs: bool | None,
 ) -> ContinuousBatchingConfig:
     """The engine's config for ``plan`` (the fields this transformers version has); a foscar

@@ -177,7 +177,7 @@ def kv_read_bytes(rows: Sequence[tuple[int, int]], stats: dict, bf16_per_token: 
 
 
 def _window_tokens(manager) -> int:
-    formats = manager._plan.kv.formats
+    formats = manager.pool_sizes.kv.formats
     return 0 if formats is None else formats[0].sink_tokens + formats[0].recent_tokens
 
 
@@ -393,7 +393,7 @@ def _sizes(model, kv, comparison: str, *, context: int, memory_bytes: int, batch
         if fits < 1:
             return {"refused": f"{memory_bytes / 1e9:.2f} GB hold no request of {context} tokens"}
         return {"batch": fits, "memory_bytes": memory_bytes}
-    blocks_per_request = math.ceil(context / probe._plan.block_size)
+    blocks_per_request = math.ceil(context / probe.pool_sizes.block_size)
     return {"batch": batch, "num_blocks": batch * blocks_per_request + batch}
 
 
