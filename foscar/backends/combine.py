@@ -28,12 +28,14 @@ except Exception:  # no Triton, or an install without a backend: the backends ar
 __all__ = [
     "SplitWorkspace",
     "bound_key",
+    "format_constexprs",
     "has_window_program",
     "layout_reason",
     "merge_partials",
     "num_sms",
     "outputs",
     "partial_strides",
+    "pool_arguments",
 ]
 
 MAGIC_BF16X2 = 0x43004300  # two bf16 128.0: the mantissa-injection base of both halves
@@ -44,6 +46,54 @@ def has_window_program(fmt) -> bool:
     incomplete group of a channel-wise axis), read by the split kernel's window program as one
     more partial. Token-wise K and V without windows keep every token in the history."""
     return fmt.sink_tokens > 0 or fmt.tail_capacity > 1
+
+
+def pool_arguments(cache: QuantizedKVCache, batch: DecodeBatch) -> dict:
+    """The keyword arguments naming ``batch``'s layer pools and page tables, and the pools'
+    page and head strides, as the Triton decode and extend kernels take them."""
+    st = cache.layers[batch.layer]
+    return dict(
+        k_words_ptr=st.k_words,
+        k_scales_ptr=st.k_scales,
+        v_words_ptr=st.v_words,
+        v_scales_ptr=st.v_scales,
+        k_sink_ptr=st.k_sink,
+        v_sink_ptr=st.v_sink,
+        k_tail_ptr=st.k_tail,
+        v_tail_ptr=st.v_tail,
+        kv_indptr_ptr=batch.kv_indptr,
+        kv_indices_ptr=batch.kv_indices,
+        num_quantized_ptr=batch.num_quantized,
+        seq_lens_ptr=batch.seq_lens,
+        slots_ptr=batch.slots,
+        stride_kw_page=st.k_words.stride(0),
+        stride_kw_head=st.k_words.stride(1),
+        stride_ks_page=st.k_scales.stride(0),
+        stride_ks_head=st.k_scales.stride(1),
+        stride_vw_page=st.v_words.stride(0),
+        stride_vw_head=st.v_words.stride(1),
+        stride_vs_page=st.v_scales.stride(0),
+        stride_vs_head=st.v_scales.stride(1),
+        stride_sink_slot=st.k_sink.stride(0),
+        stride_sink_head=st.k_sink.stride(1),
+        stride_tail_slot=st.k_tail.stride(0),
+        stride_tail_head=st.k_tail.stride(1),
+    )
+
+
+def format_constexprs(fmt) -> dict:
+    """A layer format's compile-time arguments of the Triton decode and extend kernels."""
+    return dict(
+        K_BITS=fmt.key.bits,
+        V_BITS=fmt.value.bits,
+        K_CHANNEL=fmt.key.axis.value == "channel",
+        V_CHANNEL=fmt.value.axis.value == "channel",
+        K_GROUP=fmt.key.group_size,
+        V_GROUP=fmt.value.group_size,
+        SINK=fmt.sink_tokens,
+        TAIL=fmt.tail_capacity,
+        HAS_WINDOWS=has_window_program(fmt),
+    )
 
 
 def layout_reason(cache: QuantizedKVCache) -> str | None:

@@ -28,7 +28,13 @@ from ..cache import DecodeBatch, QuantizedKVCache
 from ..cache.read import dequantize_sequence
 from ..configs import column_widths
 from . import triton as triton_backend
-from .combine import MAGIC_BF16X2, has_window_program, merge_partials, num_sms
+from .combine import (
+    MAGIC_BF16X2,
+    format_constexprs,
+    merge_partials,
+    num_sms,
+    pool_arguments,
+)
 
 try:
     from ..kernels import triton_extend
@@ -336,7 +342,6 @@ def launch_extend(
         lse_part = torch.empty(t, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
         part_strides = (o_part.stride(2), o_part.stride(0), o_part.stride(1), lse_part.stride(2),
                         lse_part.stride(0), lse_part.stride(1))  # fmt: skip
-    st = cache.layers[batch.layer]
     with triton_runtime.on_device(q.device):
         triton_runtime.launch(
             kern.extend_kernel,
@@ -344,19 +349,7 @@ def launch_extend(
             q_ptr=q,
             k_chunk_ptr=k,
             v_chunk_ptr=v,
-            k_words_ptr=st.k_words,
-            k_scales_ptr=st.k_scales,
-            v_words_ptr=st.v_words,
-            v_scales_ptr=st.v_scales,
-            k_sink_ptr=st.k_sink,
-            v_sink_ptr=st.v_sink,
-            k_tail_ptr=st.k_tail,
-            v_tail_ptr=st.v_tail,
-            kv_indptr_ptr=batch.kv_indptr,
-            kv_indices_ptr=batch.kv_indices,
-            num_quantized_ptr=batch.num_quantized,
-            seq_lens_ptr=batch.seq_lens,
-            slots_ptr=batch.slots,
+            **pool_arguments(cache, batch),
             o_ptr=out,
             o_part_ptr=o_part,
             lse_part_ptr=lse_part,
@@ -370,18 +363,6 @@ def launch_extend(
             stride_q_h=q.stride(1),
             stride_kc_t=k.stride(0),
             stride_kc_h=k.stride(1),
-            stride_kw_page=st.k_words.stride(0),
-            stride_kw_head=st.k_words.stride(1),
-            stride_ks_page=st.k_scales.stride(0),
-            stride_ks_head=st.k_scales.stride(1),
-            stride_vw_page=st.v_words.stride(0),
-            stride_vw_head=st.v_words.stride(1),
-            stride_vs_page=st.v_scales.stride(0),
-            stride_vs_head=st.v_scales.stride(1),
-            stride_sink_slot=st.k_sink.stride(0),
-            stride_sink_head=st.k_sink.stride(1),
-            stride_tail_slot=st.k_tail.stride(0),
-            stride_tail_head=st.k_tail.stride(1),
             stride_o_t=out.stride(0),
             stride_o_h=out.stride(1),
             stride_op_split=part_strides[0],
@@ -396,15 +377,7 @@ def launch_extend(
             D=d,
             PAGE=cache.page_size,
             BLOCK_N=cfg.block_n,
-            K_BITS=fmt.key.bits,
-            V_BITS=fmt.value.bits,
-            K_CHANNEL=fmt.key.axis.value == "channel",
-            V_CHANNEL=fmt.value.axis.value == "channel",
-            K_GROUP=fmt.key.group_size,
-            V_GROUP=fmt.value.group_size,
-            SINK=fmt.sink_tokens,
-            TAIL=fmt.tail_capacity,
-            HAS_WINDOWS=has_window_program(fmt),
+            **format_constexprs(fmt),
             BLOCK_W=cfg.block_window,
             HPK=hpk,
             HPV=hpv,
