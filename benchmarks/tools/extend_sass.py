@@ -1,17 +1,24 @@
 """Compile the extend kernel (foscar.kernels.triton_extend) for sm_90a on any machine (no GPU
-needed) and print each config's registers, stack (spills) and shared memory:
+needed) and print each config's registers, stack (spills), shared memory and compile time:
 
     python benchmarks/tools/extend_sass.py [--formats int2 int4 kivi2] [--ratio 4] [--default-only]
+    python benchmarks/tools/extend_sass.py --every-format [--head-dim 128] [--jobs 2]
 
 Uses triton's bundled ptxas (as benchmarks/tools/sass_count.py). The configs are
-extend_bench.py's sweep plus the default of each format.
+extend_bench.py's sweep plus the default of each format; ``--every-format`` compiles the default
+config (``extend_config``) of every K/V axis pair, K group of 32, 64 and 128 tokens or channels
+and V group of 32 and 128, at INT2 K and INT4 V, so that no format a user can serve compiles for
+minutes on its first chunk (every one of them: 3-8 s of one core).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -23,6 +30,7 @@ from sass_count import resources  # noqa: E402
 from foscar.backends.combine import has_window_program  # noqa: E402
 from foscar.backends.extend import ExtendConfig, extend_config, query_columns  # noqa: E402
 from foscar.configs import column_widths  # noqa: E402
+from foscar.formats import KVFormat, QuantFormat  # noqa: E402
 from foscar.kernels import triton_extend as kern  # noqa: E402
 
 POINTERS = {
@@ -74,12 +82,51 @@ def compile_extend(fmt, cfg: ExtendConfig, *, head_dim=128, ratio=4, page=64, di
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
+def every_format(head_dim: int) -> dict[str, KVFormat]:
+    """Name -> format: every K/V axis pair with K groups 32/64/128 and V groups 32/128."""
+    found = {}
+    for k_axis, v_axis, k_group, v_group in itertools.product(
+        ("token", "channel"), ("token", "channel"), (32, 64, 128), (32, 128)
+    ):
+        k_group, v_group = min(k_group, head_dim), min(v_group, head_dim)
+        fmt = KVFormat(QuantFormat(2, k_axis, k_group), QuantFormat(4, v_axis, v_group),
+                       sink_tokens=4, recent_tokens=32)  # fmt: skip
+        found[f"K{k_axis[0]}{k_group}-V{v_axis[0]}{v_group}"] = fmt
+    return found
+
+
+def compile_default(job) -> str:
+    """One line for ``(name, fmt, head_dim, ratio)``: the default config's resources and its
+    compile time."""
+    name, fmt, head_dim, ratio = job
+    cfg = extend_config(fmt, head_dim, ratio)
+    start = time.perf_counter()
+    try:
+        found = resources(compile_extend(fmt, cfg, head_dim=head_dim, ratio=ratio))
+    except Exception as exc:
+        return f"{name} d{head_dim} G{ratio}: FAILED {type(exc).__name__}: {str(exc)[:2000]}"
+    took = time.perf_counter() - start
+    return f"{name} d{head_dim} G{ratio} block_n={cfg.block_n}: {found} compile={took:.1f}s"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--formats", nargs="+", default=["int2", "int4", "kivi2"])
     p.add_argument("--ratio", type=int, default=4, help="query heads per KV head (4)")
     p.add_argument("--default-only", action="store_true", help="extend_config's config only")
+    p.add_argument("--every-format", action="store_true",
+                   help="the default config of every axis pair and group size")  # fmt: skip
+    p.add_argument("--head-dim", type=int, default=128, choices=(64, 128))
+    p.add_argument("--jobs", type=int, default=1, help="compile processes (--every-format)")
     args = p.parse_args(argv)
+    if args.every_format:
+        jobs = [(n, f, args.head_dim, args.ratio) for n, f in every_format(args.head_dim).items()]
+        failed = 0
+        with ProcessPoolExecutor(args.jobs) as pool:
+            for line in pool.map(compile_default, jobs):
+                print(line, flush=True)
+                failed += "FAILED" in line
+        return 1 if failed else 0
     failed = 0
     for name in args.formats:
         fmt = formats()[name]

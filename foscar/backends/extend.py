@@ -68,12 +68,21 @@ class ExtendConfig:
 
 def extend_config(fmt, head_dim: int, heads_per_kv: int) -> ExtendConfig:
     """The config for a layer format and a GQA ratio: about 32 query columns per program, and
-    32-token history tiles for token-wise K of 4+ channel groups, as decode (their larger tiles
-    faulted on the H200; foscar.configs.triton_decode_config)."""
+    64-token history tiles, except:
+
+    - token-wise K of 4+ channel groups: 32-token tiles, as decode (their larger tiles faulted
+      on the H200; foscar.configs.triton_decode_config);
+    - channel-wise K of groups shorter than 64 tokens: tiles of one token group, so that K
+      folds into one column block per tile (a 64-token tile folds into two; with token-wise V
+      that specialization spent 34 s (V g = 128) and over 90 s (V g = 32) in LLVM for sm_90a
+      against 4-5 s for every other; ``python benchmarks/tools/extend_sass.py --every-format``).
+    """
     block_t = max(1, 32 // heads_per_kv)
     block_n = 64
     if fmt.key.axis.value == "token" and head_dim // fmt.key.group_size >= 4:
         block_n = 32
+    if fmt.key.axis.value == "channel" and fmt.key.group_size < block_n:
+        block_n = fmt.key.group_size
     return ExtendConfig(block_t=block_t, block_n=block_n)
 
 
