@@ -20,9 +20,10 @@ Qwen3-8B's attention shape (32 query / 8 KV heads, head_dim 128), one process, o
    path) beside the model's BF16 DynamicCache with SDPA attention.
 
 Formats: ``int2`` and ``int4`` (the serving engine's: token-wise groups of 128, BF16 sink 64 and
-recent 256 windows, foscar.serving.kv_spec.default_format) and ``kivi2`` (channel-wise INT2 K,
-token-wise INT2 V, groups of 128, the same windows). Writes ``extend_bench.json`` and
-``extend_bench.md`` into ``--out``.
+recent 256 windows, foscar.serving.kv_spec.default_format) and ``kivi2``/``kivi4`` (channel-wise
+K, token-wise V, groups of 128, the same windows); a format the kernel refuses on this GPU
+(``kernel_reason``: token-wise K for now) is skipped with its reason (``refused`` in the JSON).
+Writes ``extend_bench.json`` and ``extend_bench.md`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -39,7 +40,13 @@ from pathlib import Path
 import torch
 
 from foscar import KVFormat, QuantFormat, QuantizedKVCache
-from foscar.backends.extend import ExtendConfig, attend_chunk, extend_attention, extend_config
+from foscar.backends.extend import (
+    ExtendConfig,
+    attend_chunk,
+    extend_attention,
+    extend_config,
+    kernel_reason,
+)
 from foscar.bench.grid import Shape, random_cache
 from foscar.bench.timing import bench_stats
 from foscar.serving.kv_spec import default_format
@@ -63,9 +70,22 @@ SWEEP = [
 
 def formats() -> dict[str, KVFormat]:
     int2, int4 = default_format(2, SHAPE.head_dim), default_format(4, SHAPE.head_dim)
-    kivi = KVFormat(QuantFormat(2, "channel", 128), QuantFormat(2, "token", 128),
-                    sink_tokens=int2.sink_tokens, recent_tokens=int2.recent_tokens)  # fmt: skip
-    return {"int2": int2, "int4": int4, "kivi2": kivi}
+    windows = dict(sink_tokens=int2.sink_tokens, recent_tokens=int2.recent_tokens)
+    kivi2 = KVFormat(QuantFormat(2, "channel", 128), QuantFormat(2, "token", 128), **windows)
+    kivi4 = KVFormat(QuantFormat(4, "channel", 128), QuantFormat(4, "token", 128), **windows)
+    return {"int2": int2, "int4": int4, "kivi2": kivi2, "kivi4": kivi4}
+
+
+def kernel_refusals(fmts: dict) -> dict[str, str]:
+    """Format name -> why the extend kernel refuses it on this GPU (kernel_reason)."""
+    refused = {}
+    for name, fmt in fmts.items():
+        cache, _ = random_cache(fmt, 1, 64, SHAPE, "cuda", seed=0)
+        q, _, _ = chunk_tensors(1)
+        why = kernel_reason(q, cache, 0)
+        if why is not None:
+            refused[name] = why
+    return refused
 
 
 def chunk_tensors(t: int, seed: int = 0):
@@ -386,7 +406,7 @@ def main(argv=None) -> int:
     p.add_argument("--histories", type=int, nargs="+", default=[8192, 16384, 32768])
     p.add_argument("--torch-path", type=int, nargs="*", default=[8192],
                    help="histories at which the torch path is timed too (8192)")
-    p.add_argument("--formats", nargs="+", default=["int2", "int4", "kivi2"],
+    p.add_argument("--formats", nargs="+", default=["int2", "int4", "kivi2", "kivi4"],
                    choices=sorted(formats()))
     p.add_argument("--prompt", type=int, default=32768, help="prompt tokens (32768)")
     p.add_argument("--no-sweep", action="store_true", help="use extend_config's defaults")
@@ -416,12 +436,20 @@ def main(argv=None) -> int:
     import triton
 
     fmts = {name: formats()[name] for name in args.formats}
+    refused = kernel_refusals(fmts)
+    for name, why in refused.items():
+        print(f"extend_bench: skips {name}: {why}", flush=True)
+        del fmts[name]
+    if not fmts:
+        print("extend_bench: the kernel takes none of --formats here", file=sys.stderr)
+        return 2
     result = {
         "command": "python benchmarks/tools/extend_bench.py " + " ".join(argv or sys.argv[1:]),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "formats": list(fmts),
+        "refused": refused,
         "chunk": args.chunk,
         "prompt": args.prompt,
     }
