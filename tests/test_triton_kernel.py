@@ -74,6 +74,18 @@ def test_gqa_ratios(ratio):
     check_against_reference(*run(q, cache, batch), q, cache, batch)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_token_wise_key_groups_at_16_query_heads(head_dim):
+    """Token-wise K in several channel groups per row folded over 16 query columns, the most
+    the kernel takes (the extend kernel's tiles hold 16 or 32; the other tests reach 8 columns
+    with several groups)."""
+    ratio = 16
+    fmt = KVFormat(QuantFormat(2, "token", 32), QuantFormat(4, "token", 32), recent_tokens=5)
+    cache, batch = build_cache(fmt, (1, 113, 263), head_dim=head_dim, device=KERNEL_DEVICE)
+    q = queries(batch, 2 * ratio, head_dim, KERNEL_DEVICE)
+    check_against_reference(*run(q, cache, batch), q, cache, batch)
+
+
 @pytest.mark.parametrize("ka,va", AXES)
 def test_head_dim_64(ka, va):
     fmt = KVFormat(QuantFormat(2, ka, 64), QuantFormat(4, va, 32))
