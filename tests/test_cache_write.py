@@ -267,7 +267,7 @@ def test_auto_falls_back_to_torch_when_the_kernel_fails(monkeypatch):
     torch_cache, auto = _pair(fmt, 64)
     auto.decode_write = "auto"
     # "auto" takes the fused write on CUDA only; take it here too, until a failure is recorded
-    monkeypatch.setattr(auto, "_fused_write", lambda layer: auto._fused_failure is None)
+    monkeypatch.setattr(auto, "_fused_write", lambda layer: auto.fused_write_state.failure is None)
 
     def broken(*args):
         raise RuntimeError("no compiler")

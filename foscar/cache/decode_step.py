@@ -100,7 +100,7 @@ class StepBuffer:
                 parts.append(buf[o : o + n])
                 o += n
             indptr, last, lens, nq, slots = parts
-            fmt = cache._windows
+            fmt = cache.windows
             batch = DecodeBatch(
                 seq_ids=(),
                 kv_indptr=indptr,
@@ -122,6 +122,10 @@ class StepBuffer:
             self._views[rows] = (batches, desc)
         return self._views[rows]
 
+    def made_views(self, rows: int) -> tuple | None:
+        """:meth:`views` of ``rows`` rows if a step of that many rows was planned, else None."""
+        return self._views.get(rows)
+
 
 def plan(
     cache, seq_ids: tuple, seqs, new_lengths, padding_rows: int, split_history: int | None
@@ -129,14 +133,11 @@ def plan(
     """Fill the step buffer with the step of ``seq_ids`` (records ``seqs``) growing to
     ``new_lengths`` (their pages taken and their lengths advanced in every layer by the caller,
     who checked that the buffer holds the rows or may grow) and return the step."""
-    fmt = cache._windows
+    fmt = cache.windows
     ps = cache.page_size
     n = len(seqs)
     rows = n + padding_rows
-    buffer = cache._step_buffer
-    if buffer is None or rows > buffer.rows:
-        grown = max(rows, cache.max_seqs) if buffer is None else max(rows, 2 * buffer.rows)
-        buffer = cache._step_buffer = StepBuffer(grown, cache.num_pages, cache.device, False)
+    buffer = cache.step_buffer(rows)
     batches, desc = buffer.views(rows, cache)
 
     lens = list(new_lengths)
@@ -188,7 +189,7 @@ def plan(
         batch.slots_host = slots
         batch.padding_rows = padding_rows
         batch.fixed_split_history = split_history
-        batch._sequences = sequences
+        batch.sequence_records = sequences
         cache.mark_plan_valid(batch, layer)
     return DecodeStep(
         seq_ids=seq_ids,
@@ -196,8 +197,7 @@ def plan(
         desc=desc if demotes_one else None,
         rows=rows,
         padding_rows=padding_rows,
-        serial=cache._step_serial,
+        serial=cache.step_serial,
         seqs=tuple(seqs),
         new_lengths=tuple(new_lengths),
     )
-

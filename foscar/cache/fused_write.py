@@ -25,7 +25,7 @@ __all__ = ["fused_write_reason", "write_decode_tokens"]
 def fused_write_reason(cache, layer: int = 0) -> str | None:
     """``None`` if a decode step of ``layer`` can take the fused write, else why not."""
     for name in ("k", "v"):
-        f = cache._history_format(layer, name)
+        f = cache.stored_format(layer, name)
         if f.axis is not GroupAxis.TOKEN:
             return f"{name} history groups run along tokens (channel-wise)"
     d = cache.head_dim
@@ -48,7 +48,7 @@ def write_decode_tokens(cache, layer: int, name: str, src, desc) -> None:
     factors come from its transform.
     """
     st = cache.layers[layer]
-    f = cache._history_format(layer, name)
+    f = cache.stored_format(layer, name)
     d = cache.head_dim
     clip_index = -1 if f.clip is None else min(int(f.clip * d), d - 1)  # as clip_per_token
     gptq = cache.transforms[layer].key_gptq if name == "k" else None

@@ -78,23 +78,15 @@ class QuantizedKVCache(PageTable):
         check_finite: bool = True,
         decode_write: str = "auto",
     ) -> None:
-        check_int(num_kv_heads, "num_kv_heads", low=1)
-        check_int(head_dim, "head_dim", low=1)
         check_int(num_pages, "num_pages", low=1)
         check_int(max_seqs, "max_seqs", low=1)
-        check_int(num_layers, "num_layers", low=1)
-        check_int(page_size, "page_size", low=1)
-        if page_size < 16 or page_size > 256 or page_size & (page_size - 1):
-            raise ValueError(f"page_size must be a power of two from 16 to 256, got {page_size}")
-        formats = layer_formats(fmt, num_layers)
-        if isinstance(fmt, KVFormat):
-            fmt.check_head_dim(head_dim)
-        else:
-            for i, f in enumerate(formats):
-                try:
-                    f.check_head_dim(head_dim)
-                except ValueError as e:
-                    raise ValueError(f"fmt[{i}]: {e}") from None
+        formats = self.check_layout(
+            fmt,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            num_layers=num_layers,
+            page_size=page_size,
+        )
         if window_dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
             raise TypeError(f"window_dtype must be a floating dtype, got {window_dtype}")
         write.check_decode_write(decode_write)
@@ -118,8 +110,8 @@ class QuantizedKVCache(PageTable):
         self.window_dtype = window_dtype
         self.check_finite = check_finite
         self.decode_write = decode_write
-        self._desc_memo: tuple | None = None  # (descriptor rows, their device tensor)
-        self._fused_failure: str | None = None  # why "auto" stopped taking the fused write
+        #: the fused decode write's memo and, once it failed under "auto", why
+        self.fused_write_state = write.FusedWriteState()
         self._fused_reasons: list = [None] * num_layers  # per layer: (reason or None,) once known
         self._step_buffer: decode_step.StepBuffer | None = None  # planned steps' device storage
         self._latest_step: decode_step.DecodeStep | None = None
@@ -127,6 +119,36 @@ class QuantizedKVCache(PageTable):
         self.transforms = [LayerTransform() for _ in range(num_layers)]
         if decode_write == "fused":
             self._fused_write(0)  # raises if the fused write cannot serve this cache
+
+    @staticmethod
+    def check_layout(
+        fmt: KVFormat | Sequence[KVFormat],
+        *,
+        num_kv_heads: int,
+        head_dim: int,
+        num_layers: int = 1,
+        page_size: int = 64,
+    ) -> tuple[KVFormat, ...]:
+        """Raise as the constructor does unless a cache of ``fmt`` (one format, or one per
+        layer) can hold ``num_layers`` layers of ``num_kv_heads`` heads of ``head_dim`` in pages
+        of ``page_size`` tokens; returns the format of each layer. Allocates nothing: callers
+        that build the cache later (``FoscarCache``) check their arguments with it up front."""
+        check_int(num_kv_heads, "num_kv_heads", low=1)
+        check_int(head_dim, "head_dim", low=1)
+        check_int(num_layers, "num_layers", low=1)
+        check_int(page_size, "page_size", low=1)
+        if page_size < 16 or page_size > 256 or page_size & (page_size - 1):
+            raise ValueError(f"page_size must be a power of two from 16 to 256, got {page_size}")
+        formats = layer_formats(fmt, num_layers)
+        if isinstance(fmt, KVFormat):
+            fmt.check_head_dim(head_dim)
+        else:
+            for i, f in enumerate(formats):
+                try:
+                    f.check_head_dim(head_dim)
+                except ValueError as e:
+                    raise ValueError(f"fmt[{i}]: {e}") from None
+        return formats
 
     # ------------------------------------------------------------------ formats
     @property
@@ -138,12 +160,12 @@ class QuantizedKVCache(PageTable):
                 "this cache's layers have different formats (cache.formats); ask "
                 "cache.layer_format(layer)"
             )
-        return self._windows
+        return self.windows
 
     @property
     def mixed_formats(self) -> bool:
         """Whether the layers' formats differ."""
-        return any(f != self._windows for f in self.formats)
+        return any(f != self.windows for f in self.formats)
 
     def layer_format(self, layer: int) -> KVFormat:
         """The KVFormat of ``layer`` (the cache's format unless it was given one per layer)."""
@@ -156,7 +178,7 @@ class QuantizedKVCache(PageTable):
         f = self.formats[self._check_layer(layer)]
         return f.key if name == "k" else f.value
 
-    def _history_format(self, layer: int, name: str) -> QuantFormat:
+    def stored_format(self, layer: int, name: str) -> QuantFormat:
         """:meth:`role_format` with the layer's clip ratio, if its transform sets one."""
         return history_format(self.transforms[layer], self.role_format(layer, name), name)
 
@@ -171,7 +193,7 @@ class QuantizedKVCache(PageTable):
         orders = self.__dict__.setdefault("_channel_orders", {})
         if (name, bits) not in orders:  # kept on the cache's device: packing then copies nothing
             role = Role.KEY if name == "k" else Role.VALUE
-            order = channel_order(role, bits, self.head_dim, self._windows.mapping)
+            order = channel_order(role, bits, self.head_dim, self.windows.mapping)
             orders[(name, bits)] = order.to(self.device)
         return orders[(name, bits)]
 
@@ -181,7 +203,7 @@ class QuantizedKVCache(PageTable):
         tables = self.__dict__.setdefault("_packing_tables", {})
         if (name, bits) not in tables:
             order = self.channel_order(name, layer).to(torch.int32)
-            shifts = bit_offsets(bits, self._windows.mapping, self.device).to(torch.int32)
+            shifts = bit_offsets(bits, self.windows.mapping, self.device).to(torch.int32)
             tables[(name, bits)] = (order, shifts)
         return tables[(name, bits)]
 
@@ -210,8 +232,9 @@ class QuantizedKVCache(PageTable):
     def _fused_write(self, layer: int) -> bool:
         """Whether a decode step of ``layer`` takes the fused write; raises (before any write)
         where ``decode_write="fused"`` cannot."""
+        failed = self.fused_write_state.failure is not None
         if self.decode_write == "torch" or (
-            self.decode_write == "auto" and (self.device.type != "cuda" or self._fused_failure)
+            self.decode_write == "auto" and (self.device.type != "cuda" or failed)
         ):
             return False
         known = self._fused_reasons[layer]
@@ -387,7 +410,7 @@ class QuantizedKVCache(PageTable):
         donor = self._lookup(donor_id, "donor_id")
         check_int(common_tokens, "common_tokens", low=0)
         check_int(prompt_length, "prompt_length", low=0)
-        fmt, ps = self._windows, self.page_size
+        fmt, ps = self.windows, self.page_size
         history = min(
             common_tokens - fmt.sink_tokens,
             num_quantized(prompt_length, fmt),
@@ -412,7 +435,7 @@ class QuantizedKVCache(PageTable):
         seq = self._lookup(seq_id, "seq_id")
         donor = self._lookup(donor_id, "donor_id")
         check_int(num_pages, "num_pages", low=1)
-        fmt, ps = self._windows, self.page_size
+        fmt, ps = self.windows, self.page_size
         if num_pages * ps % fmt.demotion_quantum:
             raise ValueError(
                 f"num_pages * page_size must be a multiple of the demotion quantum "
@@ -593,9 +616,20 @@ class QuantizedKVCache(PageTable):
 
     def _step_view(self, rows: int):
         """The per-layer DecodeBatches the step buffer holds for ``rows`` rows (None if none)."""
-        buffer = self._step_buffer
-        views = None if buffer is None else buffer._views.get(rows)
+        views = None if self._step_buffer is None else self._step_buffer.made_views(rows)
         return None if views is None else views[0]
+
+    def step_buffer(self, rows: int) -> decode_step.StepBuffer:
+        """The storage of a planned decode step of ``rows`` rows: the reserved one
+        (:meth:`reserve_decode_rows`), else one allocated at the first step and replaced by one
+        twice as large when a step needs more rows."""
+        buffer = self._step_buffer
+        if buffer is None or rows > buffer.rows:
+            grown = max(rows, self.max_seqs) if buffer is None else max(rows, 2 * buffer.rows)
+            buffer = self._step_buffer = decode_step.StepBuffer(
+                grown, self.num_pages, self.device, False
+            )
+        return buffer
 
     # ------------------------------------------------------------------ accounting
     def pool_bytes(self) -> int:
@@ -624,7 +658,7 @@ class QuantizedKVCache(PageTable):
         used = quant_tokens = window_tokens = tokens = 0
         for s in self._seqs.values():
             for layer, n in enumerate(s.lengths):
-                q = s.quantized(n, self._windows)
+                q = s.quantized(n, self.windows)
                 used += q * bytes_per_quant_token[layer] + (n - q) * window_bytes_per_token
                 quant_tokens += q
                 window_tokens += n - q

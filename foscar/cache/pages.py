@@ -112,7 +112,7 @@ class DecodeBatch:
     padding_rows: int = 0
     fixed_split_history: int | None = None
     #: the planned sequences' records (compared by identity: Note [stale plans])
-    _sequences: tuple = field(default=(), repr=False, compare=False)
+    sequence_records: tuple = field(default=(), repr=False, compare=False)
 
     def for_layer(self, layer: int) -> DecodeBatch:
         """The same page tables and lengths (the same device tensors) as a plan of ``layer``,
@@ -189,7 +189,8 @@ class PageTable:
         self.num_layers = num_layers
         self.page_size = page_size
         self.device = device
-        self._windows = windows
+        #: the KVFormat whose BF16 windows (sink, tail) and operand mapping every layer shares
+        self.windows = windows
         # the free pages: a stack (pop() gives 0 first) and the same pages as a set, so that a
         # serving step's checks cost its own pages, not the pool's
         self._free_pages: list[int] = list(range(num_pages - 1, -1, -1))
@@ -204,6 +205,11 @@ class PageTable:
         self._valid_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         #: planned decode steps so far, and frees (a planned step is valid while this stands)
         self._step_serial = 0
+
+    @property
+    def step_serial(self) -> int:
+        """Planned decode steps and frees so far: a planned step is valid while this stands."""
+        return self._step_serial
 
     # copies (deepcopy, pickle) forget which plans were found valid: plans are this process's
     # objects, weakly held, and a copy checks any plan in full once
@@ -293,8 +299,12 @@ class PageTable:
         """A copy of live sequence ``seq_id``'s record: its window slot, pages and tokens per
         layer."""
         seq = self._lookup(seq_id, "seq_id")
-        return SequenceState(slot=seq.slot, pages=list(seq.pages), lengths=list(seq.lengths),
-                             history_floor=seq.history_floor)
+        return SequenceState(
+            slot=seq.slot,
+            pages=list(seq.pages),
+            lengths=list(seq.lengths),
+            history_floor=seq.history_floor,
+        )
 
     def free_page_order(self) -> list[int]:
         """The free pages in the order appends take them, the next one last (the order
@@ -333,7 +343,7 @@ class PageTable:
     def quantized_tokens(self, seq_id, length: int) -> int:
         """Tokens live sequence ``seq_id`` keeps quantized at ``length`` tokens (the format's
         rule, and at least the pages it adopted: Note [shared prefixes])."""
-        return self._lookup(seq_id, "seq_id").quantized(length, self._windows)
+        return self._lookup(seq_id, "seq_id").quantized(length, self.windows)
 
     def page_holders(self, page: int) -> int:
         """How many live sequences hold pool page ``page`` (0: free)."""
@@ -413,7 +423,7 @@ class PageTable:
         """Pages each sequence must take to hold ``new_lengths`` tokens; raises (before any
         change) if the pool has too few free."""
         need = [
-            max(0, math.ceil(s.quantized(n, self._windows) / self.page_size) - len(s.pages))
+            max(0, math.ceil(s.quantized(n, self.windows) / self.page_size) - len(s.pages))
             for s, n in zip(seqs, new_lengths)
         ]
         if sum(need) > len(self._free_pages):
@@ -435,7 +445,7 @@ class PageTable:
         holds (decode cost does not depend on the values). Tests and serving never call this.
         """
         seq = self._lookup(seq_id, "seq_id")
-        need = math.ceil(seq.quantized(length, self._windows) / self.page_size) - len(seq.pages)
+        need = math.ceil(seq.quantized(length, self.windows) / self.page_size) - len(seq.pages)
         if need > len(self._free_pages):
             raise ValueError(
                 f"page pool exhausted: {need} more pages needed, {len(self._free_pages)} free"
@@ -462,7 +472,7 @@ class PageTable:
             n = s.lengths[layer]
             if n == 0:
                 raise ValueError(f"seq_ids[{i}] = {seq_ids[i]!r} has no tokens in layer {layer}")
-            q = s.quantized(n, self._windows)
+            q = s.quantized(n, self.windows)
             lens.append(n)
             nq.append(q)
             pages.append(s.pages[: math.ceil(q / self.page_size)])
@@ -488,10 +498,10 @@ class PageTable:
             pages_host=pages,
             slots_host=[s.slot for s in seqs],
             page_size=self.page_size,
-            sink_tokens=self._windows.sink_tokens,
-            tail_capacity=self._windows.tail_capacity,
+            sink_tokens=self.windows.sink_tokens,
+            tail_capacity=self.windows.tail_capacity,
             layer=layer,
-            _sequences=tuple(seqs),
+            sequence_records=tuple(seqs),
         )
         self.mark_plan_valid(batch, layer)
         return batch
@@ -512,7 +522,7 @@ class PageTable:
         valid_at = self._valid_plans.get(batch)
         if valid_at is not None and valid_at.get(layer) == stamp:
             return
-        seqs = batch._sequences
+        seqs = batch.sequence_records
         if len(seqs) != len(batch.seq_ids):
             raise ValueError("batch was not made by cache.plan(); plan the sequences with it")
         # C-level loops: this runs once per layer and decode step (Note [stale plans])
@@ -532,7 +542,7 @@ class PageTable:
     def _raise_stale(self, batch: DecodeBatch, layer: int, live: list) -> None:
         """The error of :meth:`check_plan`, naming the first sequence that changed."""
         for i, (sid, seq, now, n) in enumerate(
-            zip(batch.seq_ids, batch._sequences, live, batch.seq_lens_host)
+            zip(batch.seq_ids, batch.sequence_records, live, batch.seq_lens_host)
         ):
             if now is not seq:
                 raise ValueError(

@@ -54,6 +54,17 @@ def check_decode_write(decode_write: str) -> None:
 
 
 @dataclass
+class FusedWriteState:
+    """What a cache's fused decode write keeps between calls (``cache.fused_write_state``)."""
+
+    #: (a step's descriptor rows, the same as a device tensor): every layer of a step writes
+    #: with the same descriptor, copied to the device once per step
+    descriptors: tuple | None = None
+    #: why the fused write stopped being taken under ``decode_write="auto"`` (None: it was not)
+    failure: str | None = None
+
+
+@dataclass
 class LayerStorage:
     """The pool tensors of one layer (shapes in the foscar.cache docstring)."""
 
@@ -101,7 +112,7 @@ def write_tokens(cache, layer, seqs, new_lengths, counts, k, v) -> None:
     """Scatter ``counts[i]`` new tokens of each sequence (``k, v: [sum(counts), H, D]``, the
     sequences' tokens one after another) to the sink, the history (quantized) and the tail ring;
     ``new_lengths``: the sequences' lengths after the call."""
-    fmt = cache._windows
+    fmt = cache.windows
     st = cache.layers[layer]
     sink, cap, ps = fmt.sink_tokens, fmt.tail_capacity, cache.page_size
     ar = torch.arange
@@ -186,9 +197,10 @@ def write_decode_step(cache, layer, seqs, new_lengths, k, v, fused: bool = False
     if fused:
         rows = tuple(decode_descriptors(cache, seqs, new_lengths))
         # every layer of a step has the same descriptor: one host-to-device copy per step
-        if cache._desc_memo is None or cache._desc_memo[0] != rows:
-            cache._desc_memo = (rows, host_to(cache.device, list(rows), torch.int32))
-        if _write_fused_or_fail(cache, layer, k, v, cache._desc_memo[1]):
+        state = cache.fused_write_state
+        if state.descriptors is None or state.descriptors[0] != rows:
+            state.descriptors = (rows, host_to(cache.device, list(rows), torch.int32))
+        if _write_fused_or_fail(cache, layer, k, v, state.descriptors[1]):
             return
     write_decode_scatter(cache, layer, k, v, decode_scatter(cache, seqs, new_lengths))
 
@@ -215,9 +227,9 @@ def _write_fused_or_fail(cache, layer, k, v, desc) -> bool:
             raise
         # "auto": the torch path writes the same destinations with the same bits (a K written
         # before a failed V launch is overwritten identically)
-        cache._fused_failure = f"{type(e).__name__}: {e}"
+        why = cache.fused_write_state.failure = f"{type(e).__name__}: {e}"
         warnings.warn(
-            f"foscar: the fused decode write failed ({cache._fused_failure}); this cache "
+            f"foscar: the fused decode write failed ({why}); this cache "
             "writes decode steps with torch operations from now on",
             RuntimeWarning,
             stacklevel=4,
@@ -260,7 +272,7 @@ def decode_scatter(cache, seqs, new_lengths) -> DecodeScatter:
             hist_page.append(page)
             hist_row.append(row)
         if demoted:
-            lq0 = seq.quantized(l1 - 1, cache._windows)
+            lq0 = seq.quantized(l1 - 1, cache.windows)
             segments.append((seq.pages, lq0, len(demoted)))
         if at_tail is not None:
             tail_src.append(i)
@@ -308,7 +320,7 @@ def _decode_step_places(cache, seq, l1: int) -> tuple:
     ``(sink position or None, tail ring position or None, demoted)`` with ``demoted`` the
     history tokens this step quantizes, each ``(ring position or None for the new token
     itself, page, row)`` (one per step for token-wise K and V; a group for channel-wise)."""
-    fmt = cache._windows
+    fmt = cache.windows
     sink, cap, ps = fmt.sink_tokens, fmt.tail_capacity, cache.page_size
     l0 = l1 - 1
     lq0, lq1 = seq.quantized(l0, fmt), seq.quantized(l1, fmt)
@@ -380,8 +392,8 @@ def _write_demoted(cache, layer, k, v, old, new, segments, hist_page, hist_row) 
 def _write_history(cache, layer: int, name, demoted, segments, hist_page, hist_row) -> None:
     """Quantize the demoted tokens ``[n, H, D]`` of K or V; store codes, s' and z'."""
     st = cache.layers[layer]
-    f = cache._history_format(layer, name)
-    mapping = cache._windows.mapping
+    f = cache.stored_format(layer, name)
+    mapping = cache.windows.mapping
     x = demoted.transpose(0, 1)  # [H, n, D]: channel-wise groups run along tokens
     gptq = cache.transforms[layer].key_gptq if name == "k" else None
     codes, scale, offset = quantize(x, f) if gptq is None else quantize_gptq(x, f, gptq)

@@ -372,12 +372,10 @@ class FoscarCache(Cache):
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         # Every format/shape check of the core, now rather than at the first forward pass.
         try:
-            QuantizedKVCache(
+            QuantizedKVCache.check_layout(
                 fmt,
                 num_kv_heads=num_kv_heads,
                 head_dim=head_dim,
-                num_pages=1,
-                max_seqs=1,
                 num_layers=num_layers,
                 page_size=page_size,
             )
