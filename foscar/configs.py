@@ -96,6 +96,13 @@ def triton_decode_config(
         # and the kernel faults on the H200 ("out-of-range shared or local address" in the PV
         # product); 32-token tiles (mma.sync) run correctly
         return TritonDecodeConfig(block_n=32)
+    hs = column_widths(fmt, head_dim, heads_per_kv, 64, reconstruct=False)[0]
+    token_k_groups = head_dim // fmt.key.group_size if fmt.key.axis.value == "token" else 0
+    if not reconstruct and token_k_groups >= 2 and hs > 8:
+        # 2 channel groups per K row at 16 query columns (GQA 9-16): 64-token tiles spilled
+        # 2.7 KB per thread, 32-token ones 0.4 KB (sm_90a, head_dim 64, K g = 32;
+        # benchmarks/tools/sass_count.py --config --group 32 --head-dim 64 --ratio 16)
+        return TritonDecodeConfig(block_n=32)
     if not reconstruct and fmt.key.axis.value == "channel":
         # channel-wise K: the Q fold needs ~168 registers at 64 tokens (g >= 64);
         # under the 128 cap it spilled 96-128 B per thread. 168 is the most that keeps 3 CTAs

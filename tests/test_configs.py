@@ -63,6 +63,37 @@ def test_channel_wise_key_configs():
     assert (cfg.maxnreg, cfg.ctas_per_sm) == (None, 2)
 
 
+def _sass_count(*args) -> str:
+    """benchmarks/tools/sass_count.py's output for ``args`` (in a subprocess: the tests run with
+    TRITON_INTERPRET=1); skips where sm_90a does not compile here."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    r = subprocess.run(
+        [sys.executable, os.path.join(root, "benchmarks/tools/sass_count.py"), *args],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, TRITON_INTERPRET="0"),
+        cwd=root,
+    )
+    if r.returncode != 0 or "regs=" not in r.stdout:
+        pytest.skip(f"cannot compile for sm_90a here: {r.stderr.strip()[-300:]}")
+    return r.stdout
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_token_wise_key_fold_has_no_fp32_dot_at_16_query_heads(head_dim):
+    """The offset term of token-wise K in several channel groups stays fp32 FMAs: at 16 query
+    columns Triton rewrote its broadcast product into a TF32 dot of K = 2 or 4 (Note [no fp32
+    dot] in foscar/kernels/triton_decode.py); the config takes 32-token tiles there."""
+    pytest.importorskip("triton")
+    out = _sass_count("--config", "--group", "32", "--head-dim", str(head_dim), "--ratio", "16")
+    assert "fp32_dots=0" in out, out
+    assert "block_n=32" in out, out
+
+
 def _registers_and_smem(ka, va, sink, recent, reconstruct=False):
     """Compile the Triton kernel for sm_90a with foscar's config (benchmarks/tools/sass_count.py, in
     a subprocess: the tests run with TRITON_INTERPRET=1) -> (registers, dynamic smem bytes)."""

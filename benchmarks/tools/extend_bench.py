@@ -21,9 +21,8 @@ Qwen3-8B's attention shape (32 query / 8 KV heads, head_dim 128), one process, o
 
 Formats: ``int2`` and ``int4`` (the serving engine's: token-wise groups of 128, BF16 sink 64 and
 recent 256 windows, foscar.serving.kv_spec.default_format) and ``kivi2``/``kivi4`` (channel-wise
-K, token-wise V, groups of 128, the same windows); a format the kernel refuses on this GPU
-(``kernel_reason``: token-wise K for now) is skipped with its reason (``refused`` in the JSON).
-Writes ``extend_bench.json`` and ``extend_bench.md`` into ``--out``.
+K, token-wise V, groups of 128, the same windows). Writes ``extend_bench.json`` and
+``extend_bench.md`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -40,13 +39,7 @@ from pathlib import Path
 import torch
 
 from foscar import KVFormat, QuantFormat, QuantizedKVCache
-from foscar.backends.extend import (
-    ExtendConfig,
-    attend_chunk,
-    extend_attention,
-    extend_config,
-    kernel_reason,
-)
+from foscar.backends.extend import ExtendConfig, attend_chunk, extend_attention, extend_config
 from foscar.bench.grid import Shape, random_cache
 from foscar.bench.timing import bench_stats
 from foscar.serving.kv_spec import default_format
@@ -74,18 +67,6 @@ def formats() -> dict[str, KVFormat]:
     kivi2 = KVFormat(QuantFormat(2, "channel", 128), QuantFormat(2, "token", 128), **windows)
     kivi4 = KVFormat(QuantFormat(4, "channel", 128), QuantFormat(4, "token", 128), **windows)
     return {"int2": int2, "int4": int4, "kivi2": kivi2, "kivi4": kivi4}
-
-
-def kernel_refusals(fmts: dict) -> dict[str, str]:
-    """Format name -> why the extend kernel refuses it on this GPU (kernel_reason)."""
-    refused = {}
-    for name, fmt in fmts.items():
-        cache, _ = random_cache(fmt, 1, 64, SHAPE, "cuda", seed=0)
-        q, _, _ = chunk_tensors(1)
-        why = kernel_reason(q, cache, 0)
-        if why is not None:
-            refused[name] = why
-    return refused
 
 
 def chunk_tensors(t: int, seed: int = 0):
@@ -436,20 +417,12 @@ def main(argv=None) -> int:
     import triton
 
     fmts = {name: formats()[name] for name in args.formats}
-    refused = kernel_refusals(fmts)
-    for name, why in refused.items():
-        print(f"extend_bench: skips {name}: {why}", flush=True)
-        del fmts[name]
-    if not fmts:
-        print("extend_bench: the kernel takes none of --formats here", file=sys.stderr)
-        return 2
     result = {
         "command": "python benchmarks/tools/extend_bench.py " + " ".join(argv or sys.argv[1:]),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "formats": list(fmts),
-        "refused": refused,
         "chunk": args.chunk,
         "prompt": args.prompt,
     }

@@ -2,7 +2,7 @@
 needed) and print each config's registers, stack (spills), shared memory and compile time:
 
     python benchmarks/tools/extend_sass.py [--formats int2 int4 kivi2] [--ratio 4] [--default-only]
-    python benchmarks/tools/extend_sass.py --every-format [--head-dim 128] [--jobs 2]
+    python benchmarks/tools/extend_sass.py --every-format [--head-dim 128] [--jobs 2] [-k Kt32]
 
 Uses triton's bundled ptxas (as benchmarks/tools/sass_count.py). The configs are
 extend_bench.py's sweep plus the default of each format; ``--every-format`` compiles the default
@@ -118,9 +118,15 @@ def main(argv=None) -> int:
                    help="the default config of every axis pair and group size")  # fmt: skip
     p.add_argument("--head-dim", type=int, default=128, choices=(64, 128))
     p.add_argument("--jobs", type=int, default=1, help="compile processes (--every-format)")
+    p.add_argument("-k", dest="only", default=None,
+                   help="--every-format: the formats whose name holds this text (Kt32-Vt32)")  # fmt: skip
     args = p.parse_args(argv)
     if args.every_format:
-        jobs = [(n, f, args.head_dim, args.ratio) for n, f in every_format(args.head_dim).items()]
+        jobs = [
+            (n, f, args.head_dim, args.ratio)
+            for n, f in every_format(args.head_dim).items()
+            if args.only is None or args.only in n
+        ]
         failed = 0
         with ProcessPoolExecutor(args.jobs) as pool:
             for line in pool.map(compile_default, jobs):

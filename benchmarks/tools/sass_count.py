@@ -1,7 +1,8 @@
 """Compile the Triton decode kernel for sm_90a on any machine (no GPU needed) and count SASS.
 
     python benchmarks/tools/sass_count.py [--bits 2] [--k-axis channel] [--v-axis token]
-        [--block-n 64] [--config] [--reconstruct] [--dump out.sass]
+        [--group 128] [--head-dim 128] [--ratio 4] [--block-n 64] [--config] [--reconstruct]
+        [--dump out.sass]
 
 Counts the instructions of the main loop (the largest backward branch's body) by class and
 prints lane-instructions per stored value = loop instructions * 32 * num_warps / (2 * tokens * D),
@@ -122,16 +123,23 @@ def sass_of(compiled) -> str:
     return cuobjdump(compiled, "--dump-sass")
 
 
+def fp32_dots(compiled) -> int:
+    """Dots of fp32 operands in the kernel's TTGIR. The kernels' products take bf16 (or E4M3)
+    operands; an fp32 one is a sum of broadcast products that Triton rewrote into a TF32 dot
+    (Note [no fp32 dot] in foscar/kernels/triton_decode.py)."""
+    return len(re.findall(r"tt\.dot .*: tensor<[0-9x]+xf32, #ttg\.dot_op", compiled.asm["ttgir"]))
+
+
 def resources(compiled) -> str:
-    """``REG:.. STACK:.. SHARED:..`` of the kernel, as ptxas reports them."""
+    """``REG:.. STACK:.. SHARED:..`` of the kernel, as ptxas reports them, and its fp32 dots."""
     text = cuobjdump(compiled, "--dump-resource-usage")
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", text)
     if not m:
-        return text.strip()
+        return text.strip() + f" fp32_dots={fp32_dots(compiled)}"
     # "smem" is the static part; the pipeliner's buffers are the dynamic shared memory
     return (
         f"regs={m.group(1)} stack={m.group(2)} smem={m.group(3)} "
-        f"dyn_smem={compiled.metadata.shared}"
+        f"dyn_smem={compiled.metadata.shared} fp32_dots={fp32_dots(compiled)}"
     )
 
 
@@ -166,6 +174,8 @@ def main() -> None:
     ap.add_argument("--k-axis", default="token")
     ap.add_argument("--v-axis", default="token")
     ap.add_argument("--group", type=int, default=128)
+    ap.add_argument("--head-dim", type=int, default=128, choices=(64, 128))
+    ap.add_argument("--ratio", type=int, default=4, help="query heads per KV head (4)")
     ap.add_argument("--block-n", type=int, default=128)
     ap.add_argument("--reconstruct", action="store_true")
     ap.add_argument("--num-stages", type=int, default=1)
@@ -186,11 +196,13 @@ def main() -> None:
         recent_tokens=a.recent,
     )
     if a.config:
-        cfg = triton_decode_config(fmt, 128, 4, a.reconstruct, ctas=64)
+        cfg = triton_decode_config(fmt, a.head_dim, a.ratio, a.reconstruct, ctas=64)
         a.block_n, a.num_stages, a.maxnreg = cfg.block_n, cfg.num_stages, cfg.maxnreg
         print(f"config: {cfg}")
     c = compile_kernel(
         fmt,
+        head_dim=a.head_dim,
+        ratio=a.ratio,
         block_n=a.block_n,
         num_stages=a.num_stages,
         reconstruct=a.reconstruct,
@@ -205,7 +217,7 @@ def main() -> None:
     tokens = a.block_n
     if a.k_axis == "channel" and not a.reconstruct and a.group > a.block_n:
         tokens = a.group
-    per_value = len(body) * 32 * 4 / (2 * tokens * 128)
+    per_value = len(body) * 32 * 4 / (2 * tokens * a.head_dim)
     print(
         f"{fmt.short()} block_n={a.block_n} stages={a.num_stages} maxnreg={a.maxnreg} "
         f"reconstruct={a.reconstruct}: "

@@ -4,9 +4,9 @@ attending to the request's stored tokens and, causally, to itself.
 :func:`extend_attention` is the one entry both callers use (``FoscarCache``'s extend path and the
 serving core). ``path="triton"`` launches the Triton extend kernel (foscar.kernels.triton_extend)
 over the quantized pages, the BF16 windows and the chunk's own BF16 keys and values; the default
-takes the torch path (:func:`attend_chunk`: the history dequantized, then SDPA) on every device:
-on an H100 the kernel faulted with token-wise K, which it refuses there, and its channel-wise K
-path has passed only a few of its tests (docs/tuning.md, Extend kernel).
+takes the torch path (:func:`attend_chunk`: the history dequantized, then SDPA) on every device
+until the kernel has passed its tests on a GPU and been timed there (docs/tuning.md, Extend
+kernel).
 On both paths a layer's OSCAR rotations are applied to the query, the chunk's keys and values and
 the output (``q R_K``, ``k R_K``, ``v R_V``, ``o R_V^T``; per chunk token, not per token of the
 history), and the pages are read as stored.
@@ -70,8 +70,10 @@ def extend_config(fmt, head_dim: int, heads_per_kv: int) -> ExtendConfig:
     """The config for a layer format and a GQA ratio: about 32 query columns per program, and
     64-token history tiles, except:
 
-    - token-wise K of 4+ channel groups: 32-token tiles, as decode (their larger tiles faulted
-      on the H200; foscar.configs.triton_decode_config);
+    - token-wise K of 2+ channel groups: 32-token tiles (4+ groups: as decode, whose larger
+      tiles faulted on the H200, foscar.configs.triton_decode_config; 2 groups at head_dim 64:
+      a 64-token tile spilled 6 KB per thread and compiled for minutes, a 32-token one 0.25 KB
+      in 4 s; ``python benchmarks/tools/extend_sass.py --every-format``);
     - channel-wise K of groups shorter than 64 tokens: tiles of one token group, so that K
       folds into one column block per tile (a 64-token tile folds into two; with token-wise V
       that specialization spent 34 s (V g = 128) and over 90 s (V g = 32) in LLVM for sm_90a
@@ -79,7 +81,7 @@ def extend_config(fmt, head_dim: int, heads_per_kv: int) -> ExtendConfig:
     """
     block_t = max(1, 32 // heads_per_kv)
     block_n = 64
-    if fmt.key.axis.value == "token" and head_dim // fmt.key.group_size >= 4:
+    if fmt.key.axis.value == "token" and head_dim // fmt.key.group_size >= 2:
         block_n = 32
     if fmt.key.axis.value == "channel" and fmt.key.group_size < block_n:
         block_n = fmt.key.group_size
@@ -241,7 +243,7 @@ def extend_attention(
     sm_scale = 1.0 / math.sqrt(cache.head_dim) if sm_scale is None else sm_scale
     use_kernel = path == "triton"  # "auto": the torch path (module docstring)
     if use_kernel:
-        reason = kernel_reason(q_chunk, cache, batch.layer)
+        reason = kernel_reason(q_chunk, cache)
         if reason is not None and path == "triton":
             raise ValueError(f"path='triton': {reason}")
         use_kernel = reason is None
@@ -281,22 +283,12 @@ def _torch_path(q, k, v, cache, batch, row, sm_scale, new_mask) -> torch.Tensor:
     return o.to(dtype)
 
 
-def kernel_reason(q_chunk: torch.Tensor, cache: QuantizedKVCache, layer: int) -> str | None:
-    """None if the extend kernel can run ``q_chunk`` on layer ``layer`` of ``cache`` here, else
-    why not."""
+def kernel_reason(q_chunk: torch.Tensor, cache: QuantizedKVCache) -> str | None:
+    """None if the extend kernel can run ``q_chunk`` on ``cache`` here, else why not."""
     if not triton_runtime.available(q_chunk.device, triton_extend):
         return (
             "the extend kernel needs Triton on CUDA (or the interpreter), q is on "
             f"{q_chunk.device}"
-        )
-    fmt = cache.layer_format(layer)
-    if q_chunk.is_cuda and fmt.key.axis.value == "token":
-        # the interpreter computes token-wise K right; compiled, on an H100, it faulted (INT2
-        # K in groups of 32 channels at head_dim 64; benchmarks/results/extend_tests.log)
-        return (
-            f"the extend kernel's token-wise K path faults on the GPU (layer {layer} stores "
-            f"K {fmt.key.bits}-bit in groups of {fmt.key.group_size} channels); channel-wise K "
-            "only there (docs/tuning.md, Extend kernel)"
         )
     return triton_backend.supports(cache, q_chunk.shape[1])
 

@@ -296,7 +296,14 @@ def quantized_tile(
             s = pick_block(part, offs_n * 0, 1, HS) * ks + kz * qsum_g
         else:
             s = tl.sum(part.reshape(BLOCK_N, NGK, HS) * ks[:, :, None], axis=1)
-            s += tl.sum(kz[:, :, None] * qsum_g[None, :, :], axis=1)
+            # Note [no fp32 dot]: the offset term sum_g z'[n, g] * qsum[g, h] is a broadcast
+            # product summed over g, which Triton rewrites into a TF32 dot of K = NGK from 16
+            # query columns up (GQA 16 decode, the extend kernel): its 10-bit mantissa loses the
+            # cancellation of the operands' +128 offsets, and the extend kernel faulted on an
+            # H100 in that path (benchmarks/results/extend_tests.log). The opaque zero (``zero``,
+            # a kernel argument) makes the summed operand no product: fp32 FMAs, as below 16
+            # columns (benchmarks/tools/sass_count.py prints a kernel's fp32 dots)
+            s += tl.sum(kz[:, :, None] * qsum_g[None, :, :] + zero, axis=1)
     if MASKED:
         s = tl.where(valid[:, None], s, -float("inf"))
 
