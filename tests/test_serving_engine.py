@@ -535,3 +535,27 @@ def test_pool_sized_from_bytes_per_token(smollm2):
     # the pool allocated what the sizing counted, and pages for the engine's two spare blocks
     spare = 2 * stats["int2"]["block_size"] * stats["int2"]["bytes_per_token"]
     assert manager.kv_stats()["memory_bytes"] - stats["int2"]["memory_bytes"] == spare
+
+
+def test_graph_check_asks_the_kernels_about_a_layout_without_a_cache():
+    """The CUDA-graph check reads a CacheLayout (nothing allocated): every layer must take the
+    fused write, the backend must run here and cover the layout's formats and head count."""
+    from conftest import KERNEL_DEVICE
+
+    from foscar.cache import CacheLayout
+    from foscar.serving.continuous import layout_graph_refusal
+
+    tok = KVFormat(QuantFormat(2, "token", 128), QuantFormat(2, "token", 128))
+    chan = KVFormat(QuantFormat(2, "token", 128), QuantFormat(2, "channel", 128))
+
+    def layout(*formats):
+        device = torch.device(KERNEL_DEVICE)
+        return CacheLayout(formats=formats, num_kv_heads=2, head_dim=128, page_size=64,
+                           window_dtype=torch.bfloat16, device=device)  # fmt: skip
+
+    assert "layer 1 cannot write" in layout_graph_refusal(layout(tok, chan), "triton", 8)
+    assert layout_graph_refusal(layout(tok, tok), "triton", 8) is None
+    refusal = layout_graph_refusal(layout(tok, tok), "triton", 64)
+    assert "does not cover" in refusal and "at most 16 query heads" in refusal
+    if KERNEL_DEVICE == "cpu":
+        assert "backend 'gluon' needs" in layout_graph_refusal(layout(tok, tok), "gluon", 8)

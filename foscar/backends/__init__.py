@@ -70,7 +70,8 @@ class Backend(Protocol):
         """Whether it can run on ``device`` here (software and hardware)."""
 
     def supports(self, cache: QuantizedKVCache, num_q_heads: int) -> str | None:
-        """None if it covers ``cache`` (every layer's format) and ``num_q_heads``, else why not."""
+        """None if it covers ``cache`` (every layer's format) and ``num_q_heads``, else why not;
+        ``cache`` may be a :class:`foscar.cache.CacheLayout` (its sizes, nothing allocated)."""
 
     def plan(
         self, cache: QuantizedKVCache, batch: DecodeBatch, num_q_heads: int, sm_scale: float
@@ -79,10 +80,10 @@ class Backend(Protocol):
         ``num_q_heads`` heads at ``sm_scale``."""
 
 
-#: each cache's coverage answers, by (backend, query heads): a cache's formats, head_dim, page
-#: size and KV heads never change, and the checks walk every layer's format (decode_attention
-#: asks up to twice per layer and step; docs/tuning.md, Serving path, row "kernel backends'
-#: coverage checks")
+#: each cache's (or CacheLayout's) coverage answers, by (backend, query heads): a cache's
+#: formats, head_dim, page size and KV heads never change, and the checks walk every layer's
+#: format (decode_attention asks up to twice per layer and step; docs/tuning.md, Serving path,
+#: row "kernel backends' coverage checks")
 _COVERAGE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 

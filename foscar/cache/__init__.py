@@ -57,13 +57,15 @@ tensors: :meth:`QuantizedKVCache.plan_decode_step`, graph-capturable per-layer w
 """
 
 from .decode_step import DecodeStep
+from .fused_write import fused_write_reason
 from .kv_cache import QuantizedKVCache
-from .layout import effective_bits, layer_formats
+from .layout import CacheLayout, effective_bits, layer_formats
 from .pages import DecodeBatch
 from .transforms import LayerTransform, rotate_rows
 from .write import DECODE_WRITE_PATHS, LayerStorage, check_decode_write
 
 __all__ = [
+    "CacheLayout",
     "DECODE_WRITE_PATHS",
     "DecodeBatch",
     "DecodeStep",
@@ -72,6 +74,7 @@ __all__ = [
     "QuantizedKVCache",
     "check_decode_write",
     "effective_bits",
+    "fused_write_reason",
     "layer_formats",
     "rotate_rows",
 ]

@@ -23,7 +23,8 @@ __all__ = ["fused_write_reason", "write_decode_tokens"]
 
 
 def fused_write_reason(cache, layer: int = 0) -> str | None:
-    """``None`` if a decode step of ``layer`` can take the fused write, else why not."""
+    """``None`` if a decode step of ``layer`` can take the fused write, else why not; ``cache``
+    is a :class:`QuantizedKVCache` or a :class:`~foscar.cache.layout.CacheLayout`."""
     for name in ("k", "v"):
         f = cache.stored_format(layer, name)
         if f.axis is not GroupAxis.TOKEN:

@@ -9,10 +9,35 @@ BF16 ]`` with ``Lq = max(0, floor((L - S - W) / quantum)) * quantum`` (``W`` the
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from ..formats import KVFormat
+import torch
 
-__all__ = ["effective_bits", "layer_formats", "num_quantized", "check_int"]
+from ..formats import KVFormat, QuantFormat
+
+__all__ = ["CacheLayout", "effective_bits", "layer_formats", "num_quantized", "check_int"]
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """What a cache of these formats and sizes stores, without storing it: the attributes that
+    the kernel backends' coverage checks (``foscar.backends.get(name).supports``) and
+    :func:`foscar.cache.fused_write_reason` read of a cache, so that a caller can ask them
+    before it allocates one (the serving engine's CUDA-graph check).
+    :meth:`QuantizedKVCache.check_layout` checks the formats against the sizes."""
+
+    formats: tuple[KVFormat, ...]  # one per layer
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    window_dtype: torch.dtype
+    device: torch.device
+
+    def stored_format(self, layer: int, name: str) -> QuantFormat:
+        """The QuantFormat of ``"k"`` or ``"v"`` in ``layer`` (a layout has no OSCAR transform,
+        so no clip of its own)."""
+        fmt = self.formats[layer]
+        return fmt.key if name == "k" else fmt.value
 
 
 def check_int(value, name: str, *, low: int | None = None) -> int:

@@ -983,8 +983,7 @@ def _graph_refusal(
     a captured step's per-layer work must be kernel launches over device buffers, i.e. the fused
     decode write (token-wise history formats) and a decode kernel (a GPU, bfloat16 queries, a
     format the kernels cover)."""
-    from .. import backends
-    from ..cache import QuantizedKVCache
+    from ..cache import CacheLayout
 
     if model.device.type != "cuda":
         return f"the model is on {model.device}; CUDA graphs need it on a CUDA device"
@@ -993,33 +992,36 @@ def _graph_refusal(
     if model.dtype != torch.bfloat16:
         return f"the decode kernels take bfloat16 queries; the model computes in {model.dtype}"
     text = model.config.get_text_config()
-    # a one-page cache of the served formats on the model's device, to ask the kernels
-    probe = QuantizedKVCache(
-        resolved.formats,
+    layout = CacheLayout(
+        formats=tuple(resolved.formats),
         num_kv_heads=_num_kv_heads(text) // tp_size_of(model),
         head_dim=_head_dim(text),
-        num_pages=1,
-        max_seqs=1,
-        num_layers=len(resolved.formats),
         page_size=block_size,
-        device=model.device,
         window_dtype=window_dtype,
-        decode_write="torch",
+        device=model.device,
     )
-    for layer in range(probe.num_layers):
-        reason = probe.fused_write_reason(layer)
+    return layout_graph_refusal(layout, backend, text.num_attention_heads // tp_size_of(model))
+
+
+def layout_graph_refusal(layout, backend: str, num_q_heads: int) -> str | None:
+    """Why decode steps over a cache of ``layout`` (a :class:`foscar.cache.CacheLayout`) with
+    ``num_q_heads`` query heads cannot be captured in CUDA graphs with ``backend``, or None:
+    every layer must take the fused decode write, and the decode kernel must cover the layout."""
+    from .. import backends
+    from ..cache import fused_write_reason
+
+    for layer in range(len(layout.formats)):
+        reason = fused_write_reason(layout, layer)
         if reason is not None:
             return (
                 f"layer {layer} cannot write a decode step in one captured launch ({reason}); "
                 "token-wise K and V can"
             )
-    q_heads = text.num_attention_heads // tp_size_of(model)
     name = "triton" if backend == "auto" else backend  # ("auto" takes Triton where Gluon won't)
     kernel = backends.get(name)
-    if not kernel.available(model.device):
+    if not kernel.available(layout.device):
         return f"backend {name!r} needs {kernel.requirement}"
-    reason = kernel.supports(probe, q_heads)
+    reason = kernel.supports(layout, num_q_heads)
     if reason is not None:
         return f"the {name} decode kernel does not cover this cache ({reason})"
     return None
-
