@@ -498,7 +498,8 @@ def test_decode_phase_times_full_batch_steps_against_the_byte_limit(tmp_path, on
         model, ["bf16", "flashinfer-bf16", "int2"], context=192,
         comparisons=["same-memory", "same-batch"], memory_bytes=2 * 192 * 2 * 2 * 2 * 64 * 4,
         batch=3, max_batch=4, steps=3, warmup_steps=1, block_size=16, log=lambda line: None,
-        profile_dir=tmp_path)
+        profile_dir=tmp_path, on_row=(seen := []).append)
+    assert seen == found["rows"]  # each row handed over as it was measured
     rows = {(r["comparison"], r["kv"]): r for r in found["rows"]}
     assert found["copy_bandwidth"] > 0 and len(rows) == 6
     assert "CUDA device" in rows["same-batch", "flashinfer-bf16"]["refused"]

@@ -575,7 +575,7 @@ def trace_set(model, kvs, a, results: dict, out: Path, log, start: float) -> Non
 
 def decode_set(model, kvs, a, results: dict, out: Path, log, start: float) -> None:
     """The decode-phase benchmark per context, every row in ``results["rows"]``, written after
-    each context."""
+    each row (a call cut at its time limit keeps the rows it measured)."""
     s = a.shape
     bf16_per_token = 2 * s["layers"] * s["kv_heads"] * s["head_dim"] * model.dtype.itemsize
     results.update(rows=[], decode={"steps": a.steps, "warmup_steps": a.warmup_steps,
@@ -585,17 +585,24 @@ def decode_set(model, kvs, a, results: dict, out: Path, log, start: float) -> No
         memory = a.bf16_requests[i] * context * bf16_per_token
         log(f"context {context}: same-memory {memory / 1e9:.2f} GB ({a.bf16_requests[i]} BF16 "
             f"requests), same-batch {a.batch[i]} ({time.perf_counter() - start:.0f} s so far)")
+
+        def write_row(row, memory=memory, i=i):
+            row.update(memory_bytes=memory if row["comparison"] == "same-memory" else None,
+                       bf16_requests=a.bf16_requests[i])
+            results["rows"].append(row)
+            if "copy_bandwidth" in row:  # a measured row (a refused one has neither)
+                results.update(copy_bandwidth=row["copy_bandwidth"],
+                               weight_bytes=row["weight_bytes"])
+            if "copy_bandwidth" in results:
+                write_decode_set(results, out, a.name)
+
         found = decode_bench.run_decode_benchmark(
             model, kvs, context=context, comparisons=a.comparisons, memory_bytes=memory,
             batch=a.batch[i], max_batch=a.max_batch, steps=a.steps, warmup_steps=a.warmup_steps,
             block_size=a.block_size, cuda_graphs=[GRAPHS[g] for g in a.cuda_graphs],
             max_batch_tokens=a.max_batch_tokens, max_seconds=a.max_seconds[i],
-            profile_dir=out if a.profile else None, log=log)
+            profile_dir=out if a.profile else None, log=log, on_row=write_row)
         results.update(copy_bandwidth=found["copy_bandwidth"], weight_bytes=found["weight_bytes"])
-        for row in found["rows"]:
-            row.update(memory_bytes=memory if row["comparison"] == "same-memory" else None,
-                       bf16_requests=a.bf16_requests[i])
-        results["rows"] += found["rows"]
         write_decode_set(results, out, a.name)
 
 

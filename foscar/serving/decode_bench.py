@@ -337,12 +337,14 @@ def run_decode_benchmark(model, kvs: Sequence, *, context: int, comparisons: Seq
                          cuda_graphs: Sequence[bool | None] = (None,),
                          max_batch_tokens: int | None = None, max_seconds: float = 600.0,
                          profile_dir: Path | None = None,
-                         log: Callable[[str], None] = print) -> dict:
+                         log: Callable[[str], None] = print,
+                         on_row: Callable[[dict], None] | None = None) -> dict:
     """Every cache of ``kvs`` through :func:`run_decode_phase` at ``context`` for each of
     ``comparisons`` and ``cuda_graphs`` setting: ``same-memory`` with ``memory_bytes`` of KV and
     as many requests as it holds (at most ``max_batch``), ``same-batch`` with ``batch`` requests
     and the pages they need. Returns ``{"bandwidth": ..., "rows": [...]}`` (one per cache,
-    comparison and setting; each names them)."""
+    comparison and setting; each names them); ``on_row(row)`` sees each row as it is measured
+    (a caller writes its results after each, so a run cut short keeps what it measured)."""
     from .kv_spec import resolve_kv
 
     bad = [c for c in comparisons if c not in COMPARISONS]
@@ -373,6 +375,8 @@ def run_decode_benchmark(model, kvs: Sequence, *, context: int, comparisons: Seq
                 row.update(kv=label, comparison=comparison, cuda_graphs=graphs, context=context)
                 rows.append(row)
                 log(f"{comparison}, graphs {graphs}, {label}: {row_line(row)}")
+                if on_row is not None:
+                    on_row(row)
     return {"copy_bandwidth": bandwidth, "weight_bytes": weight_bytes(model), "rows": rows}
 
 
