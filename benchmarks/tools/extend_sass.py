@@ -20,12 +20,9 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-import triton
-from triton.backends.compiler import GPUTarget
-
 sys.path.insert(0, os.path.dirname(__file__))
 from extend_bench import SWEEP, formats  # noqa: E402
-from sass_count import resources  # noqa: E402
+from sass_count import compile_sm90, resources  # noqa: E402
 
 from foscar.backends.combine import has_window_program  # noqa: E402
 from foscar.backends.extend import ExtendConfig, extend_config, query_columns  # noqa: E402
@@ -62,24 +59,8 @@ def compile_extend(fmt, cfg: ExtendConfig, *, head_dim=128, ratio=4, page=64, di
         HAS_WINDOWS=has_window_program(fmt), BLOCK_W=cfg.block_window, HPK=hpk, HPV=hpv,
         DIRECT=direct, ROUND_OUT=True, INTERP=False, TILE_ACC=cfg.tile_acc,
     )  # fmt: skip
-    sig, attrs = {}, {}
-    for i, name in enumerate(kern.extend_kernel.arg_names):
-        if name in consts:
-            sig[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            sig[name] = POINTERS.get(name, "*i32")
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in ("qk_scale", "zero"):
-            sig[name] = "fp32"
-        else:
-            sig[name] = "i32"
-            if name.startswith("stride_") and not name.startswith("stride_lp"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    src = triton.compiler.ASTSource(
-        fn=kern.extend_kernel, signature=sig, constexprs=consts, attrs=attrs
-    )
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    return compile_sm90(kern.extend_kernel, consts, POINTERS, options)
 
 
 def every_format(head_dim: int) -> dict[str, KVFormat]:
@@ -118,8 +99,9 @@ def main(argv=None) -> int:
                    help="the default config of every axis pair and group size")  # fmt: skip
     p.add_argument("--head-dim", type=int, default=128, choices=(64, 128))
     p.add_argument("--jobs", type=int, default=1, help="compile processes (--every-format)")
-    p.add_argument("-k", dest="only", default=None,
-                   help="--every-format: the formats whose name holds this text (Kt32-Vt32)")  # fmt: skip
+    p.add_argument(
+        "-k", dest="only", default=None, help="--every-format: formats whose name holds this text"
+    )
     args = p.parse_args(argv)
     if args.every_format:
         jobs = [

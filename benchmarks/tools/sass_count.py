@@ -42,7 +42,6 @@ def compile_kernel(
     block_window=None,
 ):
     hs, hpk, hpv = column_widths(fmt, head_dim, ratio, block_n, reconstruct)
-    sig = {}
     consts = dict(
         H=ratio,
         HS=hs,
@@ -65,45 +64,51 @@ def compile_kernel(
         INTERP=False,
         TILE_ACC=True,
     )
-    attrs = {}
-    for i, name in enumerate(kern.decode_split_kernel.arg_names):
+    options = {
+        "num_warps": num_warps,
+        "num_stages": num_stages,
+        **({"maxnreg": maxnreg} if maxnreg else {}),
+    }
+    return compile_sm90(kern.decode_split_kernel, consts, DECODE_POINTERS, options)
+
+
+#: the decode split kernel's pointer arguments by element type (the rest are int32)
+DECODE_POINTERS = {
+    "q_ptr": "*bf16",
+    "k_sink_ptr": "*bf16",
+    "v_sink_ptr": "*bf16",
+    "k_tail_ptr": "*bf16",
+    "v_tail_ptr": "*bf16",
+    "k_words_ptr": "*i32",
+    "v_words_ptr": "*i32",
+    "k_scales_ptr": "*fp32",
+    "v_scales_ptr": "*fp32",
+    "o_part_ptr": "*fp32",
+    "lse_part_ptr": "*fp32",
+}
+
+
+def compile_sm90(fn, consts: dict, pointers: dict, options: dict):
+    """``fn`` compiled for sm_90a as a real launch of foscar's Triton kernels specializes it:
+    ``consts`` its constexprs; pointer arguments typed by ``pointers`` (others ``*i32``), all
+    16-byte aligned; ``qk_scale`` and ``zero`` fp32, every other argument int32, the strides but
+    the LSE partials' divisible by 16 (a real launch specializes every integer divisible by 16;
+    at the benchmark shapes all strides but the LSE partials' are)."""
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
         if name in consts:
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
-            sig[name] = {
-                "q_ptr": "*bf16",
-                "k_sink_ptr": "*bf16",
-                "v_sink_ptr": "*bf16",
-                "k_tail_ptr": "*bf16",
-                "v_tail_ptr": "*bf16",
-                "k_words_ptr": "*i32",
-                "v_words_ptr": "*i32",
-                "k_scales_ptr": "*fp32",
-                "v_scales_ptr": "*fp32",
-                "o_part_ptr": "*fp32",
-                "lse_part_ptr": "*fp32",
-            }.get(name, "*i32")
+            sig[name] = pointers.get(name, "*i32")
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name in ("qk_scale", "zero"):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
-            # a real launch specializes every integer divisible by 16; at the benchmark shapes
-            # all strides but the LSE partials' are
             if name.startswith("stride_") and not name.startswith("stride_lp"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    src = triton.compiler.ASTSource(
-        fn=kern.decode_split_kernel, signature=sig, constexprs=consts, attrs=attrs
-    )
-    return triton.compile(
-        src,
-        target=GPUTarget("cuda", 90, 32),
-        options={
-            "num_warps": num_warps,
-            "num_stages": num_stages,
-            **({"maxnreg": maxnreg} if maxnreg else {}),
-        },
-    )
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def cuobjdump(compiled, flag: str) -> str:
