@@ -275,7 +275,7 @@ def replay(manager, trace: Sequence[TraceRequest], *, max_seconds: float = 600.0
     return [records[f"trace-{r.index}"] for r in trace]
 
 
-def _percentile(values: Sequence[float], q: float) -> float | None:
+def percentile(values: Sequence[float], q: float) -> float | None:
     """The ``q``-th percentile (linear between ranks, as numpy's default); None if empty."""
     if not values:
         return None
@@ -313,10 +313,10 @@ def summarize(records: Sequence[dict]) -> dict:
         "answer_tokens": answer,
         "output_tokens_per_s": answer / wall if wall else None,
         "total_tokens_per_s": (answer + prompt) / wall if wall else None,
-        "ttft_median_s": _percentile(ttft, 50),
-        "ttft_p99_s": _percentile(ttft, 99),
-        "tpot_median_s": _percentile(tpot, 50),
-        "tpot_p99_s": _percentile(tpot, 99),
+        "ttft_median_s": percentile(ttft, 50),
+        "ttft_p99_s": percentile(ttft, 99),
+        "tpot_median_s": percentile(tpot, 50),
+        "tpot_p99_s": percentile(tpot, 99),
     }
 
 
@@ -356,9 +356,9 @@ def answer_agreement(method: dict, reference: dict) -> dict | None:
     return {
         "identical": sum(a == b for a, b in pairs),
         "compared": len(pairs),
-        "prefix_median": _percentile(prefixes, 50),
+        "prefix_median": percentile(prefixes, 50),
         "prefix_min": min(prefixes, default=None),
-        "prefix_share_median": _percentile(shares, 50),
+        "prefix_share_median": percentile(shares, 50),
     }
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from .bench import not_measured
+from .bench import not_measured, percentile
 
 __all__ = [
     "COMPARISONS",
@@ -85,16 +85,6 @@ def weight_bytes(model) -> int:
         seen.add(p.data_ptr())
         total += p.numel() * p.element_size()
     return total
-
-
-def _percentile(values: Sequence[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    lo = math.floor(rank)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
 
 
 class _StepRecorder:
@@ -260,13 +250,13 @@ def run_decode_phase(model, kv, *, batch: int, context: int, memory_bytes: int |
     kv_bytes = [kv_read_bytes(r, stats, text_bf16, _window_tokens(manager)) for r in rows]
     weights = weight_bytes(model)
     bandwidth = bandwidth or copy_bandwidth(model.device)
-    median = _percentile(intervals, 50)
-    kv_median = _percentile(kv_bytes, 50)
+    median = percentile(intervals, 50)
+    kv_median = percentile(kv_bytes, 50)
     limit = (weights + kv_median) / bandwidth
     result = {
         "batch": batch, "context": context, "prompt_tokens": prompt, "steps": len(intervals),
         "warmup_steps": warmup_steps, "step_median_s": median,
-        "step_p99_s": _percentile(intervals, 99), "tokens_per_s": batch / median,
+        "step_p99_s": percentile(intervals, 99), "tokens_per_s": batch / median,
         "weight_bytes": weights, "kv_read_bytes": kv_median, "copy_bandwidth": bandwidth,
         "byte_limit_s": limit, "limit_ratio": median / limit,
         "mean_stored_tokens": sum(p + q for r in rows for p, q in r) / max(1, len(rows) * batch),
