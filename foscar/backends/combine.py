@@ -39,6 +39,7 @@ __all__ = [
 ]
 
 MAGIC_BF16X2 = 0x43004300  # two bf16 128.0: the mantissa-injection base of both halves
+LOG2E = 1.4426950408889634  # the launchers pass qk_scale = sm_scale * log2(e) (log2 softmax)
 
 
 def has_window_program(fmt) -> bool:

@@ -29,6 +29,7 @@ from ..cache.read import dequantize_sequence
 from ..configs import column_widths
 from . import triton as triton_backend
 from .combine import (
+    LOG2E,
     MAGIC_BF16X2,
     format_constexprs,
     merge_partials,
@@ -366,7 +367,7 @@ def launch_extend(
             lse_part_ptr=lse_part,
             row=row,
             num_tokens=t,
-            qk_scale=sm_scale * 1.4426950408889634,
+            qk_scale=sm_scale * LOG2E,
             magic=MAGIC_BF16X2,
             zero=0.0,
             num_splits=num_splits,

@@ -468,7 +468,7 @@ class GluonDecodePlan:
             num_quantized_ptr=batch.num_quantized,
             o_part_ptr=o_part,
             lse_part_ptr=lse_part,
-            qk_scale=sm_scale * 1.4426950408889634,
+            qk_scale=sm_scale * combine.LOG2E,
             magic=kern.MAGIC,
             num_splits=splits,
             stride_q_b=q.stride(0),

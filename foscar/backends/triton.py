@@ -17,6 +17,7 @@ from ..cache import DecodeBatch, QuantizedKVCache
 from ..configs import TritonDecodeConfig, column_widths, triton_decode_config, triton_num_splits
 from ..formats import OperandMapping
 from .combine import (
+    LOG2E,
     MAGIC_BF16X2,
     SplitWorkspace,
     bound_key,
@@ -88,7 +89,7 @@ def launch_split(
         **pool_arguments(cache, batch),
         o_part_ptr=o_part,
         lse_part_ptr=lse_part,
-        qk_scale=sm_scale * triton_decode.LOG2E,
+        qk_scale=sm_scale * LOG2E,
         magic=MAGIC_BF16X2,
         zero=0.0,
         num_splits=splits,

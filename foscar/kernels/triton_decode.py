@@ -71,7 +71,6 @@ except ImportError:  # pragma: no cover - the merge is then never launched with 
         pass
 
 
-LOG2E = 1.4426950408889634  # for launchers (sm_scale * log2 e)
 _LN2 = tl.constexpr(0.6931471805599453)
 
 
