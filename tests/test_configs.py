@@ -95,27 +95,13 @@ def test_token_wise_key_fold_has_no_fp32_dot_at_16_query_heads(head_dim):
 
 
 def _registers_and_smem(ka, va, sink, recent, reconstruct=False):
-    """Compile the Triton kernel for sm_90a with foscar's config (benchmarks/tools/sass_count.py, in
-    a subprocess: the tests run with TRITON_INTERPRET=1) -> (registers, dynamic smem bytes)."""
-    import os
+    """Compile the Triton kernel for sm_90a with foscar's config (:func:`_sass_count`) ->
+    (registers, dynamic smem bytes)."""
     import re
-    import subprocess
-    import sys
 
-    root = os.path.join(os.path.dirname(__file__), "..")
-    env = dict(os.environ, TRITON_INTERPRET="0")
     args = ["--k-axis", ka, "--v-axis", va, "--sink", str(sink), "--recent", str(recent)]
     args += ["--reconstruct"] if reconstruct else []
-    r = subprocess.run(
-        [sys.executable, os.path.join(root, "benchmarks/tools/sass_count.py"), "--config", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=root,
-    )
-    m = re.search(r"regs=(\d+) .*dyn_smem=(\d+)", r.stdout)
-    if r.returncode != 0 or not m:
-        pytest.skip(f"cannot compile for sm_90a here: {r.stderr.strip()[-300:]}")
+    m = re.search(r"regs=(\d+) .*dyn_smem=(\d+)", _sass_count("--config", *args))
     return int(m.group(1)), int(m.group(2))
 
 

@@ -244,44 +244,36 @@ def test_long_chunk_on_long_history_gpu(t, history):
     check(o, cache, batch, 0, q, k, v, 0.125)
 
 
-@pytest.mark.parametrize("fmt_name", ["int2", "kivi2"])
-def test_kernel_compiles_for_sm90(fmt_name):
-    """The compiled path (not the interpreter's) builds for sm_90a with the default config:
-    benchmarks/tools/extend_sass.py in a subprocess (the tests run with TRITON_INTERPRET=1)."""
+def _extend_sass(*args) -> str:
+    """benchmarks/tools/extend_sass.py's output for ``args``, which must succeed (in a
+    subprocess: the tests run with TRITON_INTERPRET=1); skips without ptxas."""
     import os
     import subprocess
     import sys
 
     root = os.path.join(os.path.dirname(__file__), "..")
     r = subprocess.run(
-        [sys.executable, "benchmarks/tools/extend_sass.py", "--default-only", "--formats",
-         fmt_name],
+        [sys.executable, "benchmarks/tools/extend_sass.py", *args],
         capture_output=True, text=True, cwd=root, env=dict(os.environ, TRITON_INTERPRET="0"),
     )  # fmt: skip
     if "ptxas" in r.stderr and "not found" in r.stderr:
         pytest.skip(f"no ptxas here: {r.stderr[-300:]}")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "regs=" in r.stdout
+    return r.stdout
+
+
+@pytest.mark.parametrize("fmt_name", ["int2", "kivi2"])
+def test_kernel_compiles_for_sm90(fmt_name):
+    """The compiled path (not the interpreter's) builds for sm_90a with the default config."""
+    assert "regs=" in _extend_sass("--default-only", "--formats", fmt_name)
 
 
 def test_token_wise_key_fold_compiles_without_fp32_dot():
     """Token-wise K in two channel groups at head_dim 64, 32 query columns: the offset term
     compiles to fp32 FMAs, not the TF32 dot of K = 2 in which the kernel faulted on an H100
     (Note [no fp32 dot] in foscar/kernels/triton_decode.py), in seconds and 32-token tiles."""
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.join(os.path.dirname(__file__), "..")
-    r = subprocess.run(
-        [sys.executable, "benchmarks/tools/extend_sass.py", "--every-format", "-k", "Kt32-Vt32",
-         "--head-dim", "64", "--ratio", "1"],
-        capture_output=True, text=True, cwd=root, env=dict(os.environ, TRITON_INTERPRET="0"),
-    )  # fmt: skip
-    if "ptxas" in r.stderr and "not found" in r.stderr:
-        pytest.skip(f"no ptxas here: {r.stderr[-300:]}")
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "fp32_dots=0" in r.stdout and "block_n=32" in r.stdout, r.stdout
+    out = _extend_sass("--every-format", "-k", "Kt32-Vt32", "--head-dim", "64", "--ratio", "1")
+    assert "fp32_dots=0" in out and "block_n=32" in out, out
 
 
 # ---------------------------------------------------------------------------- the call sites
