@@ -90,13 +90,12 @@ def triton_decode_config(
 ) -> TritonDecodeConfig:
     """The launch config for a format; ``ctas`` (sequences x KV heads) is kept for callers and
     future tuning: one config measured best from 8 to 512 of them."""
-    _, hpk, hpv = column_widths(fmt, head_dim, heads_per_kv, 128, reconstruct=False)
+    hs, hpk, hpv = column_widths(fmt, head_dim, heads_per_kv, 128, reconstruct=False)
     if not reconstruct and fmt.key.axis.value == "token" and head_dim // fmt.key.group_size >= 4:
         # 4+ channel groups per K row: at 64 tokens and up the fold spills ~4.5 KB per thread
         # and the kernel faults on the H200 ("out-of-range shared or local address" in the PV
         # product); 32-token tiles (mma.sync) run correctly
         return TritonDecodeConfig(block_n=32)
-    hs = column_widths(fmt, head_dim, heads_per_kv, 64, reconstruct=False)[0]
     token_k_groups = head_dim // fmt.key.group_size if fmt.key.axis.value == "token" else 0
     if not reconstruct and token_k_groups >= 2 and hs > 8:
         # 2 channel groups per K row at 16 query columns (GQA 9-16): 64-token tiles spilled
