@@ -230,3 +230,86 @@ def test_wide_quantum_shares_whole_groups_only():
     assert cache.shareable_pages("a", 60, 70) == 2  # 58 history tokens: 3 pages, 1 group
     with pytest.raises(ValueError, match="multiple of the demotion quantum"):
         cache.adopt_prefix("b", "a", 3)
+
+
+# ---------------------------------------------------------------------------- forks
+def _fork_into(cache, child, parent):
+    """Fork ``parent`` into a new sequence ``child`` holding as many fresh pages as the parent
+    holds (a serving engine's fork: fresh blocks, one per block of the parent)."""
+    pages = [p for p in cache.free_page_order()[::-1]][: len(cache.pages_of(parent))]
+    cache.add_sequence(child, pages=pages)
+    cache.fork(child, parent)
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+@pytest.mark.parametrize("length", [1, 5, 37, 64, 90])
+def test_fork_continues_as_the_parent_and_then_apart(name, length):
+    """A fork decodes bit for bit as its parent; after that each takes its own tokens, and each
+    decodes as a sequence that wrote its tokens alone (the other's writes never reach it)."""
+    fmt = FORMATS[name]
+    gen = torch.Generator().manual_seed(length)
+    k, v = _tokens(length, gen), _tokens(length, gen)
+    forked, parent_alone, child_alone = _cache(fmt), _cache(fmt), _cache(fmt)
+    for cache in (forked, parent_alone, child_alone):
+        cache.add_sequence("a")
+        _write(cache, "a", k, v)
+    _fork_into(forked, "b", "a")
+    assert forked.sequence_state("b").lengths == forked.sequence_state("a").lengths
+    assert not set(forked.pages_of("a")) & set(forked.pages_of("b"))
+    _decode_equal([(forked, "a"), (forked, "b"), (parent_alone, "a"), (child_alone, "a")], 3, gen)
+    # apart: a and b take different tokens, past the recent window and a demotion quantum
+    for cache, sid in ((forked, "a"), (parent_alone, "a"), (forked, "b"), (child_alone, "a")):
+        seed = 100 if cache is forked and sid == "a" or cache is parent_alone else 200
+        own = torch.Generator().manual_seed(seed)
+        more_k, more_v = _tokens(40, own), _tokens(40, own)
+        _write(cache, sid, more_k, more_v)
+    _decode_equal([(forked, "a"), (parent_alone, "a")], 2, torch.Generator().manual_seed(7))
+    _decode_equal([(forked, "b"), (child_alone, "a")], 2, torch.Generator().manual_seed(7))
+
+
+def test_fork_of_a_sequence_that_adopted_pages():
+    """A fork of a sequence that adopted another's pages takes its history floor: it decodes as
+    its parent, and freeing the parent leaves the fork and the donor as they were."""
+    fmt = FORMATS["int4-windows"]
+    gen = torch.Generator().manual_seed(3)
+    k, v = _tokens(90, gen), _tokens(90, gen)
+    cache, alone = _cache(fmt), _cache(fmt)
+    alone.add_sequence("a")
+    _write(alone, "a", k, v)
+    cache.add_sequence("d")
+    _write(cache, "d", k, v)
+    cache.add_sequence("a")
+    start = cache.adopt_prefix("a", "d", cache.shareable_pages("d", 80, 90))
+    _write(cache, "a", k, v, start)
+    _fork_into(cache, "b", "a")
+    assert cache.sequence_state("b").history_floor == cache.sequence_state("a").history_floor > 0
+    cache.free("a")
+    _decode_equal([(cache, "b"), (cache, "d"), (alone, "a")], 4, gen)
+
+
+def test_fork_refusals_change_nothing():
+    fmt = FORMATS["int4-windows"]
+    gen = torch.Generator().manual_seed(4)
+    k, v = _tokens(90, gen), _tokens(90, gen)
+    cache = _cache(fmt)
+    cache.add_sequence("a")
+    _write(cache, "a", k, v)
+    need = cache.history_pages("a")
+    assert need == 5  # 90 - 4 sink - 8 recent = 78 quantized tokens: 4 full pages and a part
+    cache.add_sequence("few", pages=cache.free_page_order()[::-1][: need - 1])
+    cache.add_sequence("full")
+    _write(cache, "full", k[:3], v[:3])
+    before = {sid: cache.sequence_state(sid) for sid in cache.sequences}
+    pools = [t.clone() for st in cache.layers for t in st.tensors().values()]
+    for seq_id, parent_id, message in [
+        ("few", "a", "holds 4 pages; the fork copies 5"),
+        ("full", "a", "must be empty"),
+        ("a", "a", "is seq_id itself"),
+        ("few", "nobody", "parent_id 'nobody' is not a live sequence"),
+        ("nobody", "a", "seq_id 'nobody' is not a live sequence"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            cache.fork(seq_id, parent_id)
+    assert {sid: cache.sequence_state(sid) for sid in cache.sequences} == before
+    after = [t for st in cache.layers for t in st.tensors().values()]
+    assert all(torch.equal(a, b) for a, b in zip(pools, after))

@@ -459,6 +459,47 @@ class QuantizedKVCache(PageTable):
         self._step_serial += 1
         return length
 
+    def history_pages(self, seq_id) -> int:
+        """Pages live sequence ``seq_id``'s quantized history fills, in its longest layer (the
+        last one may be partly filled)."""
+        seq = self._lookup(seq_id, "seq_id")
+        return max(-(-seq.quantized(n, self.windows) // self.page_size) for n in seq.lengths)
+
+    def fork(self, seq_id, parent_id) -> None:
+        """Have empty live sequence ``seq_id`` continue from where live sequence ``parent_id``
+        stands, a copy that from now on goes its own way (parallel samples of one prompt,
+        prefilled once): the parent's :meth:`history_pages` are copied into ``seq_id``'s first
+        pages, which it must hold already (:meth:`add_sequence`'s ``pages``: a serving engine
+        hands a fork fresh blocks), its BF16 sink and tail rows into ``seq_id``'s slot, and its
+        lengths and history floor are taken over, in every layer. Afterwards both decode as the
+        parent would have; neither reads the other's pages. Checked before anything changes;
+        plans of ``seq_id`` made before go stale."""
+        seq = self._lookup(seq_id, "seq_id")
+        parent = self._lookup(parent_id, "parent_id")
+        if seq is parent:
+            raise ValueError(f"parent_id {parent_id!r} is seq_id itself")
+        if any(seq.lengths):
+            raise ValueError(f"seq_id {seq_id!r} must be empty (no tokens) to fork into")
+        used = self.history_pages(parent_id)
+        if len(seq.pages) < used:
+            raise ValueError(
+                f"seq_id {seq_id!r} holds {len(seq.pages)} pages; the fork copies {used} "
+                f"(parent {parent_id!r}'s quantized history): hand it at least that many"
+            )
+        if used:
+            src = torch.tensor(parent.pages[:used], device=self.device)
+            dst = torch.tensor(seq.pages[:used], device=self.device)
+        for st in self.layers:
+            if used:
+                for pool in (st.k_words, st.k_scales, st.v_words, st.v_scales):
+                    pool[dst] = pool[src]
+            for window in (st.k_sink, st.v_sink, st.k_tail, st.v_tail):
+                window[seq.slot] = window[parent.slot]
+        seq.lengths = list(parent.lengths)
+        seq.history_floor = parent.history_floor
+        self._touch(range(self.num_layers))
+        self._step_serial += 1
+
     def reserve_decode_rows(self, rows: int) -> None:
         """Allocate the storage of planned decode steps (:meth:`plan_decode_step`) for up to
         ``rows`` rows (sequences plus padding) now, at an address that never changes: a CUDA

@@ -50,8 +50,13 @@ the engine's own block hashing stays off (its blocks line up with tokens, foscar
 history after the sink). Only live requests donate: a request that ended leaves nothing to
 reuse. Checked on transformers 5.25 (its block ledger counts the shared blocks' holders).
 
-Switched off for foscar caches: forking (a block holds one request's quantized history), the
-engine's own block sharing, the flash decode fast path (it writes the engine's K/V tensors), CPU
+Parallel samples (``add_request(..., num_children=k)``, or the manager-wide
+``num_return_sequences``): the engine prefills the prompt once, then forks the request into ``k``
+children named ``<request_id>__child#<i>``; a foscar cache copies the parent's pages and windows
+into each child's fresh blocks (:meth:`FoscarPagedCache.prepare_fork_request`), and each child
+draws with ``seed + i + 1`` (:mod:`foscar.serving.sampling`).
+
+Switched off for foscar caches: the engine's own block sharing, the flash decode fast path (it writes the engine's K/V tensors), CPU
 offloading (it copies them) and asynchronous batching (a step's layout must be known before its
 forward).
 """
@@ -63,6 +68,7 @@ import copy
 import dataclasses
 import math
 import os
+import queue
 import threading
 from functools import partial
 
@@ -91,6 +97,7 @@ from .flashinfer_kv import (
     flashinfer_unavailable,
 )
 from .kv_spec import ResolvedKV, resolve_kv
+from .sampling import child_request_id
 from .tp import rank_rotations, tp_size_of
 
 __all__ = [
@@ -379,11 +386,45 @@ class FoscarPagedCache(_TrackedCache, PagedAttentionCache):
             self.shared_tokens += length
         return length
 
-    def prepare_fork_request(self, *args, **kwargs):
-        raise NotImplementedError("a foscar cache cannot fork requests (num_return_sequences > 1)")
+    # ------------------------------------------------------------------ forks
+    # The engine forks a request with children once its prompt but the last token is prefilled
+    # (parallel samples of one prompt): its block accounting gives each child fresh blocks, as
+    # many as the parent holds (foscar turns the engine's block sharing off), and foscar copies
+    # the parent's storage into them. The engine's own copy is skipped: its K/V tensors are one
+    # channel wide and never read.
+    def _free_slots(self) -> int:
+        return max(0, self.paged.max_requests - len(self._slots))
 
-    def fork_request(self, *args, **kwargs):
-        raise NotImplementedError("a foscar cache cannot fork requests (num_return_sequences > 1)")
+    def prepare_fork_request(self, src_state, dst_req_ids, copy_src_and_dst):
+        """transformers 5.25: fork ``src_state`` into as many of ``dst_req_ids`` as the blocks
+        and window slots hold; returns those ids (the engine prefills the others)."""
+        unused = {name: ([], []) for name in copy_src_and_dst}
+        forked = super().prepare_fork_request(
+            src_state, list(dst_req_ids)[: self._free_slots()], unused)
+        self._fork_storage(src_state.request_id, forked)
+        return forked
+
+    def compute_max_num_forks(self, source_request_id) -> int:
+        """transformers 5.17: the children the blocks and the window slots hold."""
+        return min(super().compute_max_num_forks(source_request_id), self._free_slots())
+
+    def fork_request(self, source_request_id, destination_request_ids):
+        """transformers 5.17: fork the request's blocks, then its storage; no engine copy."""
+        super().fork_request(source_request_id, destination_request_ids)
+        self._fork_storage(source_request_id, destination_request_ids)
+        return [], []
+
+    def _fork_storage(self, parent_id, children) -> None:
+        source = list(self._block_ids(parent_id))
+        for child in children:
+            blocks = list(self._block_ids(child))
+            if isinstance(self.paged, FlashInferPagedKV):
+                self.paged.fork(parent_id, child, source, blocks)
+            else:
+                self.paged.fork(parent_id, child, blocks)
+            self._slots.add(child)
+            if parent_id in self._prompts:
+                self._prompts[child] = self._prompts[parent_id]
 
     # ------------------------------------------------------------------ a step
     def extend_read_and_write_indices(self, request_id, past_length, query_length, read_index,
@@ -509,6 +550,23 @@ def _hook_model_runner(runner, cache: FoscarPagedCache) -> None:
 
 
 # ---------------------------------------------------------------------------- manager
+class _ChildrenQueue(queue.Queue):
+    """The engine's queue of new requests; a request put in it takes the children that
+    :meth:`FoscarBatchingManager.add_request` was asked for (the engine's ``add_request`` sets
+    the manager-wide ``num_return_sequences - 1``)."""
+
+    def __init__(self, maxsize: int) -> None:
+        super().__init__(maxsize)
+        #: request id -> its children, while its add_request runs
+        self.children: dict[str, int] = {}
+
+    def put(self, item, *args, **kwargs) -> None:
+        children = self.children.get(getattr(item, "request_id", None))
+        if children is not None:
+            item.num_children = children
+        super().put(item, *args, **kwargs)
+
+
 @dataclasses.dataclass(frozen=True)
 class PoolSizes:
     """The sizes :func:`build_manager` chose (all per process)."""
@@ -539,6 +597,7 @@ class FoscarBatchingManager(ContinuousBatchingManager):
         self._last_cache = None
         self._foscar_backend = backend
         super().__init__(model, generation_config, continuous_batching_config)
+        self.input_queue = _ChildrenQueue(self.input_queue.maxsize)
         kv = plan.kv
         if kv.is_bf16:
             self._cache_class = TrackedPagedCache
@@ -606,15 +665,37 @@ class FoscarBatchingManager(ContinuousBatchingManager):
                 f"but the model takes at most {plan.max_position} positions"
             )
 
-    def add_request(self, input_ids, request_id=None, max_new_tokens=None, *args, **kwargs):
+    def add_request(self, input_ids, request_id=None, max_new_tokens=None, *args,
+                    num_children: int | None = None, **kwargs):
         """The engine's ``add_request``; raises ``ValueError`` first for a request the pool can
         never hold (prompt plus ``max_new_tokens`` over the cache's tokens or the model's
-        positions)."""
+        positions). ``num_children``: this request's forks in place of the manager-wide
+        ``num_return_sequences - 1`` (parallel samples of its prompt, prefilled once; child
+        ``i``'s outputs come as :func:`foscar.serving.sampling.child_request_id`)."""
         if isinstance(input_ids, torch.Tensor):
             input_ids = input_ids.reshape(-1).tolist()
         new = self.generation_config.max_new_tokens if max_new_tokens is None else max_new_tokens
         self.check_request(len(input_ids), new)
-        return super().add_request(input_ids, request_id, max_new_tokens, *args, **kwargs)
+        if num_children is None:
+            return super().add_request(input_ids, request_id, max_new_tokens, *args, **kwargs)
+        if isinstance(num_children, bool) or not isinstance(num_children, int) or \
+                num_children < 0:
+            raise ValueError(f"num_children must be an int >= 0, got {num_children!r}")
+        if request_id is None:
+            raise ValueError("num_children needs a request_id (its children are named after it)")
+        if num_children and len(input_ids) < 2:
+            # the engine forks once all of the prompt but its last token is prefilled, which a
+            # one-token prompt does not have: its children are requests of their own, named and
+            # seeded as forks are
+            for child in range(num_children):
+                super().add_request(input_ids, child_request_id(request_id, child),
+                                    max_new_tokens, *args, **kwargs)
+            num_children = 0
+        self.input_queue.children[request_id] = num_children
+        try:
+            return super().add_request(input_ids, request_id, max_new_tokens, *args, **kwargs)
+        finally:
+            self.input_queue.children.pop(request_id, None)
 
     # ------------------------------------------------------------------ accounting
     @property
@@ -663,7 +744,8 @@ class FoscarBatchingManager(ContinuousBatchingManager):
         cache holds in ``memory_bytes``; ``max_requests``: window slots (foscar);
         ``peak_concurrent_requests``: most requests holding blocks at once so far; foscar:
         ``peak_pages``, the most pool pages held at once (a shared page counts once), and
-        ``shared_tokens``, the prompt tokens requests started on from another's pages.
+        ``shared_tokens``, the prompt tokens requests started on from another's pages, and
+        ``forks``, the requests started as a copy of another (parallel samples).
         """
         plan = self._plan
         cache = self.cache
@@ -686,6 +768,7 @@ class FoscarBatchingManager(ContinuousBatchingManager):
             stats["restarts"] = len(cache.paged.restarts)
             stats["peak_pages"] = cache.paged.peak_pages
             stats["shared_tokens"] = cache.shared_tokens
+            stats["forks"] = cache.paged.forks
         return stats
 
 
@@ -772,7 +855,7 @@ def build_manager(
         num_kv_heads=_num_kv_heads(text),
     )
     if not resolved.is_bf16:
-        _check_foscar_model(text, resolved, generation_kwargs)
+        _check_foscar_model(text, resolved)
     block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
     _check_block_size(block_size, resolved)
     if resolved.flashinfer is not None:
@@ -817,20 +900,15 @@ def _transformers_version() -> str:
     return f"transformers {transformers.__version__}"
 
 
-def _check_foscar_model(text, resolved: ResolvedKV, generation_kwargs: dict) -> None:
-    """Raise ``ValueError`` unless a foscar cache can serve the model of text config ``text``
-    with ``generation_kwargs``: full attention in every layer, one sequence per request."""
+def _check_foscar_model(text, resolved: ResolvedKV) -> None:
+    """Raise ``ValueError`` unless a foscar cache can serve the model of text config ``text``:
+    full attention in every layer."""
     layer_types = set(getattr(text, "layer_types", None) or ["full_attention"])
     if layer_types != {"full_attention"} or getattr(text, "sliding_window", None):
         raise ValueError(
             f"kv={resolved.label!r}: foscar caches serve full-attention models only; this "
             f"model has {sorted(layer_types)} layers"
             + (f" and a sliding window of {text.sliding_window}" if text.sliding_window else "")
-        )
-    if (generation_kwargs.get("num_return_sequences") or 1) > 1:
-        raise ValueError(
-            "num_return_sequences > 1: a foscar cache cannot fork a request (its blocks hold "
-            "one request's quantized history)"
         )
 
 

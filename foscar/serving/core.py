@@ -275,6 +275,8 @@ class PagedKV:
         self.peak_requests = 0
         #: the most pool pages held at once (a page several requests share counts once)
         self.peak_pages = 0
+        #: requests started as a copy of another (:meth:`fork`)
+        self.forks = 0
         #: ``(request_id, tokens it held)`` each time a request was started again (preempted and
         #: prefilled from scratch); the last ``RESTART_LOG`` only
         self.restarts: list[tuple[Hashable, int]] = []
@@ -334,6 +336,29 @@ class PagedKV:
         self._lengths[request_id] = length
         self.peak_requests = max(self.peak_requests, len(self._lengths))
         return length
+
+    def fork(self, parent_id: Hashable, request_id: Hashable, block_ids: Sequence[int]) -> None:
+        """Start request ``request_id`` as a copy of live request ``parent_id`` on the fresh
+        engine blocks ``block_ids`` (as many as the parent holds): parallel samples of one
+        prompt, prefilled once (:meth:`foscar.QuantizedKVCache.fork`). Its next step's row has
+        the parent's ``past_length`` and lists ``block_ids`` first in its blocks."""
+        if parent_id not in self._lengths:
+            raise ValueError(f"parent_id {parent_id!r} is not a live request")
+        if request_id in self._lengths:
+            raise ValueError(f"request_id {request_id!r} is already a live request")
+        if not self.num_free_slots:
+            raise ValueError(f"all {self.max_requests} window slots are held (max_requests)")
+        self.cache.add_sequence(request_id, pages=block_ids)
+        try:
+            self.cache.fork(request_id, parent_id)
+        except ValueError:
+            self.cache.free(request_id)
+            raise
+        self._released.pop(request_id, None)
+        self._lengths[request_id] = self._lengths[parent_id]
+        self.forks += 1
+        self.peak_requests = max(self.peak_requests, len(self._lengths))
+        self.peak_pages = max(self.peak_pages, self.cache.num_pages - self.cache.num_free_pages)
 
     def _new_blocks(self, row: StepRow, held: list[int]) -> list[int]:
         """The blocks of ``row`` its sequence does not hold yet (``held`` must be a prefix)."""

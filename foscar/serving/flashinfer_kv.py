@@ -172,6 +172,8 @@ class FlashInferPagedKV:
         self.restarts: list = []
         #: the most pages live requests held at once (each request its own: no sharing)
         self.peak_pages = 0
+        #: requests started as a copy of another (:meth:`fork`)
+        self.forks = 0
         self._lengths: dict[Hashable, int] = {}
         self._step: _Step | None = None
         self._wrappers: dict = {}  # ("decode", rows) / "prefill" / "decode" -> wrapper
@@ -189,6 +191,27 @@ class FlashInferPagedKV:
 
     def release_all(self) -> None:
         self._lengths.clear()
+
+    def fork(self, parent_id: Hashable, request_id: Hashable, source_blocks: Sequence[int],
+             block_ids: Sequence[int]) -> None:
+        """Start request ``request_id`` as a copy of live request ``parent_id``: the parent's
+        pages ``source_blocks`` are copied into ``block_ids`` (the fork's fresh engine blocks, in
+        the same order) in every layer, and it holds the parent's tokens."""
+        if parent_id not in self._lengths:
+            raise ValueError(f"parent_id {parent_id!r} is not a live request")
+        if len(source_blocks) != len(block_ids):
+            raise ValueError(f"source_blocks and block_ids must be as long, got "
+                             f"{len(source_blocks)} and {len(block_ids)}")
+        blocks = [*source_blocks, *block_ids]
+        if blocks and not 0 <= min(blocks) <= max(blocks) < self.scratch_page:
+            raise ValueError(f"block ids outside the pool's {self.scratch_page}")
+        if blocks:
+            src = torch.tensor(list(source_blocks), device=self.device)
+            dst = torch.tensor(list(block_ids), device=self.device)
+            for pages in self.k_pages + self.v_pages:
+                pages[dst] = pages[src]
+        self._lengths[request_id] = self._lengths[parent_id]
+        self.forks += 1
 
     def pool_bytes(self) -> int:
         """Bytes of the K and V pages (the scratch page included)."""

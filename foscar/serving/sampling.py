@@ -40,6 +40,7 @@ leading one's, after top-k and top-p) rides on a line like ``top_p``.
 
 from __future__ import annotations
 
+import re
 import threading
 from typing import NamedTuple
 
@@ -65,6 +66,8 @@ __all__ = [
     "host_fields_usable",
     "apply_penalties",
     "sampling_key",
+    "child_request_id",
+    "request_seed",
     "SAMPLING_KWARGS",
     "HOST_KWARGS",
     "MAX_TOP_LOGPROBS",
@@ -102,6 +105,25 @@ def _hash32_tensor(x: torch.Tensor) -> torch.Tensor:
         x = x ^ (x >> 16)
         x = (x * m) & _MASK32
     return x ^ (x >> 16)
+
+
+#: how the engine names child ``i`` (0-based) of a forked request: ``<request_id>__child#<i>``
+_CHILD_SUFFIX = re.compile(r"__child#(\d+)$")
+
+
+def child_request_id(request_id: str, child: int) -> str:
+    """The id transformers' engine gives child ``child`` (0-based) of a forked request (its
+    ``num_children``: parallel samples of one prompt, prefilled once)."""
+    return f"{request_id}__child#{child}"
+
+
+def request_seed(seed: int, request_id) -> int:
+    """The seed request ``request_id`` draws with: ``seed``, or ``seed + i + 1`` for child ``i``
+    of a forked request (which the engine hands its parent's arguments), so that the samples of
+    one prompt differ and each stays reproducible: sample ``j`` of a prompt draws with
+    ``seed + j``, the parent being sample 0."""
+    match = _CHILD_SUFFIX.search(request_id) if isinstance(request_id, str) else None
+    return seed if match is None else seed + int(match.group(1)) + 1
 
 
 def sampling_key(seed: int, position: int) -> int:
@@ -329,7 +351,7 @@ class RequestSampler(ContinuousBatchingLogitsProcessor):
         keys = []
         for r in requests_with_new_token:
             state = r.state
-            seed = state.logit_processor_kwargs.get("seed", 0)
+            seed = request_seed(state.logit_processor_kwargs.get("seed", 0), state.request_id)
             # prompt + answer so far: unchanged when a preempted request folds its answer into
             # its prompt, so it draws the same tokens again
             position = len(state.initial_tokens) + len(state.generated_tokens)

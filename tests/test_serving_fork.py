@@ -1,0 +1,146 @@
+"""Parallel samples of one prompt in the engine (``add_request(..., num_children=k)``): the
+prompt is prefilled once and the request forked; a foscar cache copies the parent's pages and
+windows into each child's blocks. Child ``i`` draws with ``seed + i + 1``, so each sample is the
+answer a request of that seed gets alone, and greedy children answer as their parent does.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from foscar import KVFormat, QuantFormat  # noqa: E402
+from foscar.serving.sampling import child_request_id, request_seed  # noqa: E402
+
+PROMPT = [(7 * i + 3) % 89 + 5 for i in range(75)]
+# small windows, so that the parent holds quantized pages, one of them partly filled, when it
+# forks (74 tokens: 4 sink, 8 recent, 62 quantized: 3 full pages of 16 and 14 tokens)
+KVS = {
+    "bf16": "bf16",
+    "int4": KVFormat(QuantFormat(4, "token", 64), QuantFormat(4, "token", 64), sink_tokens=4,
+                     recent_tokens=8),
+    "int2": KVFormat(QuantFormat(2, "token", 32), QuantFormat(2, "token", 32), sink_tokens=4,
+                     recent_tokens=8),
+    # FlashInfer's pages through the torch reference attention (what runs off a GPU)
+    "flashinfer-fp8": "flashinfer-fp8",
+}
+
+
+@pytest.fixture(scope="module")
+def llama():
+    from conftest import tiny_llama
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield tiny_llama(layers=2, q_heads=8, kv_heads=4, head_dim=64, initializer_range=0.1)
+    torch.set_num_threads(threads)
+
+
+def _run(model, kv: str, requests: list[tuple[str, int | None, dict]], **manager_args):
+    """``requests``: ``(request_id, num_children, sampling)``; returns every answer by request id
+    (children included) and the manager's kv_stats."""
+    from foscar.serving import build_manager
+    from foscar.serving.sampling import enable_sampling
+
+    args = dict(num_blocks=64, block_size=16, max_new_tokens=10,
+                backend="reference" if kv == "flashinfer-fp8" else "auto")
+    manager = build_manager(model, kv, **{**args, **manager_args})
+    enable_sampling(manager)
+    manager.start()
+    expected = sum(1 + (children or 0) for _, children, _ in requests)
+    try:
+        for request_id, children, sampling in requests:
+            manager.add_request(PROMPT, request_id=request_id, num_children=children,
+                                **sampling)
+        done = {}
+        while len(done) < expected:
+            out = manager.get_result(timeout=60)
+            assert out is not None and out.error is None, out
+            if out.is_finished():
+                done[out.request_id] = out.generated_tokens
+        stats = manager.kv_stats()
+    finally:
+        manager.stop(block=True)
+    return done, stats
+
+
+def test_child_ids_and_seeds():
+    assert child_request_id("r", 0) == "r__child#0"
+    assert request_seed(5, "r") == 5
+    assert request_seed(5, child_request_id("r", 0)) == 6
+    assert request_seed(5, child_request_id("r__child#9x", 2)) == 8
+
+
+@pytest.mark.parametrize("name", list(KVS))
+def test_each_sample_is_the_answer_of_its_seed_alone(llama, name):
+    kv, hot = KVS[name], {"temperature": 1.0}
+    forked, stats = _run(llama, kv, [("p", 2, {**hot, "seed": 5}), ("g", 1, {})])
+    # each alone, its prompt cut as the engine cuts a prompt it forks: all tokens but the last,
+    # then the last as a decode row (over the quantized history, where a one-piece prefill
+    # attends over the prompt's exact K/V)
+    alone = {}
+    for request_id, sampling in [("s5", {**hot, "seed": 5}), ("s6", {**hot, "seed": 6}),
+                                 ("s7", {**hot, "seed": 7}), ("g", {})]:
+        answer, _ = _run(llama, kv, [(request_id, None, sampling)],
+                         max_batch_tokens=len(PROMPT) - 1)
+        alone.update(answer)
+    assert forked["p"] == alone["s5"]
+    assert forked[child_request_id("p", 0)] == alone["s6"]
+    assert forked[child_request_id("p", 1)] == alone["s7"]
+    assert len({tuple(forked[i]) for i in ("p", "p__child#0", "p__child#1")}) == 3
+    assert forked["g"] == forked["g__child#0"] == alone["g"]
+    if name != "bf16":
+        assert stats["forks"] == 3 and stats["restarts"] == 0
+
+
+def test_children_beyond_the_window_slots_are_prefilled_on_their_own(llama):
+    """Three window slots: the parent and two children fork, the third child is prefilled as a
+    request of its own (the engine's way when a fork does not fit); all answer alike."""
+    done, stats = _run(llama, KVS["int4"], [("g", 3, {})], max_requests=3)
+    assert stats["forks"] == 2
+    forked, _ = _run(llama, KVS["int4"], [("g", None, {})], max_batch_tokens=len(PROMPT) - 1)
+    whole, _ = _run(llama, KVS["int4"], [("g", None, {})])  # prefilled in one piece
+    assert done["g"] == done["g__child#0"] == done["g__child#1"] == forked["g"]
+    assert done["g__child#2"] == whole["g"] and len(whole["g"]) == 10
+
+
+def test_num_children_is_checked(llama):
+    from foscar.serving import build_manager
+
+    manager = build_manager(llama, "int4", num_blocks=16, block_size=16)
+    for children, message in [(-1, "num_children must be an int >= 0"),
+                              (True, "num_children must be an int >= 0")]:
+        with pytest.raises(ValueError, match=message):
+            manager.add_request(PROMPT[:8], request_id="r", num_children=children)
+    with pytest.raises(ValueError, match="needs a request_id"):
+        manager.add_request(PROMPT[:8], num_children=1)
+
+
+def test_a_one_token_prompt_gets_its_children_as_requests_of_their_own(llama):
+    """The engine forks after prefilling all of a prompt but its last token; a one-token prompt's
+    children are requests of their own, named and seeded as forks are."""
+    from foscar.serving import build_manager
+    from foscar.serving.sampling import enable_sampling
+
+    answers = {}
+    for children in (2, None):
+        manager = build_manager(llama, KVS["int4"], num_blocks=16, block_size=16,
+                                max_new_tokens=6)
+        enable_sampling(manager)
+        manager.start()
+        try:
+            manager.add_request([9], request_id="r", temperature=1.0, seed=5,
+                                num_children=children)
+            if not children:
+                for request_id, seed in (("a6", 6), ("a7", 7)):
+                    manager.add_request([9], request_id=request_id, temperature=1.0, seed=seed)
+            while len(answers) < 3 * (1 + (children is None)):
+                out = manager.get_result(timeout=60)
+                assert out is not None and out.error is None, out
+                if out.is_finished():
+                    answers[(children, out.request_id)] = out.generated_tokens
+        finally:
+            manager.stop(block=True)
+    assert answers[(2, "r")] == answers[(None, "r")]
+    assert answers[(2, "r__child#0")] == answers[(None, "a6")]
+    assert answers[(2, "r__child#1")] == answers[(None, "a7")]
