@@ -159,9 +159,12 @@ def test_stop_token_ids_and_stop_strings_end_the_answer(client, served):
     assert served.router.stats()["server"]["stopped"] == before + 2  # cancelled in the engine
 
 
-def test_n_choices_with_seeds(client):
+def test_n_choices_with_seeds(client, served):
     hot = {"temperature": 1.0, "max_tokens": 8, "seed": 11}
+    forks = served.router.stats()["kv"]["forks"]
     three = client.chat.completions.create(model=MODEL, messages=HI, n=3, **hot)
+    # the prompt was prefilled once and forked into the other two choices
+    assert served.router.stats()["kv"]["forks"] == forks + 2
     assert [c.index for c in three.choices] == [0, 1, 2]
     texts = [c.message.content for c in three.choices]
     assert len(set(texts)) == 3, texts  # choice i draws with seed + i

@@ -128,6 +128,8 @@ CHATS = [
     {"content": "Name three colors.", "stream": True},
     {"content": "What is 2 + 2?", "temperature": 1.0, "seed": 11},
     {"content": "What is 2 + 2?", "temperature": 0.7, "top_p": 0.9, "top_k": 20, "seed": 12},
+    # two samples of one prompt: prefilled once, forked in every process
+    {"content": "Name a fruit.", "temperature": 1.0, "seed": 5, "n": 2},
 ]
 
 
@@ -171,7 +173,7 @@ def _answers(server) -> list[str]:
         else:
             status, answer = server.request("POST", "/v1/chat/completions", body)
             assert status == 200, answer
-            answers[i] = answer["choices"][0]["message"]["content"]
+            answers[i] = " | ".join(c["message"]["content"] for c in answer["choices"])
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(CHATS))]
     for t in threads:
@@ -228,8 +230,11 @@ def test_foscar_serve_under_torchrun_answers_as_one_process(tmp_path):
         assert log.count("serving model on http://") == 1  # process 0 only
         assert "[rank 1]: process 1 of 2: KV heads 2-3 of 4" in log
         # a stream's request is counted once its handler returns, after the client read it all
-        wait_for(lambda: two.stats()["server"]["finished"] == 2 * len(CHATS), 30,
+        # (a choice is an engine request)
+        engine_requests = sum(chat.get("n", 1) for chat in CHATS)
+        wait_for(lambda: two.stats()["server"]["finished"] == 2 * engine_requests, 30,
                   "every request to be counted")
+        assert two.stats()["kv"]["forks"] == 2
 
         # SIGTERM to process 0: it stops the engine of every process, and all exit cleanly
         workers = _worker_pids(two.proc.pid)

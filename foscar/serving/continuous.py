@@ -56,9 +56,9 @@ children named ``<request_id>__child#<i>``; a foscar cache copies the parent's p
 into each child's fresh blocks (:meth:`FoscarPagedCache.prepare_fork_request`), and each child
 draws with ``seed + i + 1`` (:mod:`foscar.serving.sampling`).
 
-Switched off for foscar caches: the engine's own block sharing, the flash decode fast path (it writes the engine's K/V tensors), CPU
-offloading (it copies them) and asynchronous batching (a step's layout must be known before its
-forward).
+Switched off for foscar caches: the engine's own block sharing, the flash decode fast path (it
+writes the engine's K/V tensors), CPU offloading (it copies them) and asynchronous batching (a
+step's layout must be known before its forward).
 """
 
 from __future__ import annotations

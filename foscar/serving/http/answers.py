@@ -1,10 +1,10 @@
 """One request's answers: its choices' text, stops, finish reasons, log-probabilities, and the
 OpenAI objects (whole or as stream chunks) of a chat or a completion.
 
-A request of ``n`` choices (over ``P`` prompts for a completion) is ``P * n`` engine requests,
-each prefilled on its own: transformers' engine forks requests only for a manager-wide
-``num_return_sequences``, and foscar's caches do not fork pages. Their outputs arrive, in any
-order, on one queue of the request (:class:`Job`).
+A request of ``n`` choices (over ``P`` prompts for a completion) is ``P * n`` engine requests:
+one per prompt, prefilled once and forked into its other ``n - 1`` choices
+(``num_children``, :mod:`foscar.serving.continuous`). Their outputs arrive, in any order, on one
+queue of the request (:class:`Job`).
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..sampling import child_request_id
 from .answers import Choice, GenerationFailed, Job
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .models import (
@@ -152,16 +153,16 @@ class _BodyTooLarge(Exception):
 
 
 # ---------------------------------------------------------------------------- requests
-def _sampling(state: ServingState, request: SamplingFields, logprobs: int | None,
-              choice: int) -> dict:
-    """The engine's sampling arguments of one choice (none: greedy and unadjusted)."""
+def _sampling(state: ServingState, request: SamplingFields, logprobs: int | None) -> dict:
+    """The engine's sampling arguments of a prompt's first choice (none: greedy and
+    unadjusted); its other choices, forks of it, draw with ``seed + i``."""
     args: dict = {}
     temperature = state.temperature if request.temperature is None else request.temperature
     if temperature > 0:
         seed = request.seed
         # drawn here, on the process that takes requests: every process of a tensor-parallel
         # engine gets it with the request
-        seed = secrets.randbits(63) if seed is None else seed + choice
+        seed = secrets.randbits(63) if seed is None else seed
         args.update(temperature=float(temperature), seed=seed,
                     top_p=float(state.top_p if request.top_p is None else request.top_p),
                     top_k=max(request.top_k or 0, 0), min_p=float(request.min_p or 0.0))
@@ -248,17 +249,20 @@ def _start_job(state: ServingState, kind: str, request, prompts: list[list[int]]
     stop_ids = frozenset(request.stop_token_ids or ())
     try:
         for p, (prompt, max_new) in enumerate(zip(prompts, lengths)):
-            for i in range(request.n):
-                index = p * request.n + i
-                choice = Choice(index, f"{job.request_id}-{index}", len(prompt), max_new,
+            # one engine request a prompt, forked into its other n - 1 choices once its prompt
+            # is prefilled (choice i draws with seed + i: foscar.serving.sampling)
+            first = f"{job.request_id}-{p * request.n}"
+            ids = [first] + [child_request_id(first, i) for i in range(request.n - 1)]
+            for i, request_id in enumerate(ids):
+                choice = Choice(p * request.n + i, request_id, len(prompt), max_new,
                                 TextStream(state.tokenizer), StopText(stops), stop_ids,
                                 router.eos_token_ids)
                 job.add(choice, new_prompt=i == 0)
                 if logprobs is not None:
-                    state.sink.watch(choice.request_id)
-                router.submit(prompt, max_new_tokens=max_new, stream=True,
-                              request_id=choice.request_id, outputs=outputs,
-                              sampling=_sampling(state, request, logprobs, i))
+                    state.sink.watch(request_id)
+            router.submit(prompt, max_new_tokens=max_new, stream=True, request_id=first,
+                          outputs=outputs, sampling=_sampling(state, request, logprobs),
+                          num_children=request.n - 1)
     except BaseException:
         _end_job(state, job, cancelled=True)
         raise

@@ -19,6 +19,8 @@ import logging
 import threading
 import time
 
+from ..sampling import child_request_id
+
 __all__ = ["RequestRouter", "RequestError", "Busy", "EngineStopped", "STOPPED", "engine_error",
            "free_share"]
 
@@ -181,32 +183,38 @@ class RequestRouter:
 
     def submit(self, prompt: list[int], *, max_new_tokens: int, stream: bool,
                request_id: str, sampling: dict | None = None,
-               outputs: asyncio.Queue | None = None) -> asyncio.Queue:
+               outputs: asyncio.Queue | None = None, num_children: int = 0) -> asyncio.Queue:
         """Queue a request (called on the event loop); returns the queue its outputs arrive in
         (the manager's outputs, or :data:`STOPPED`; ``outputs``: a queue to share with other
         requests, told apart by ``request_id``). ``sampling``: the request's arguments of
-        :func:`foscar.serving.sampling.enable_sampling` (none: greedy). Raises RequestError (400)
-        for a request the engine refuses, EngineStopped when it cannot take it."""
+        :func:`foscar.serving.sampling.enable_sampling` (none: greedy). ``num_children``: more
+        samples of the prompt, prefilled once (foscar's managers fork the request; their ids are
+        :func:`foscar.serving.sampling.child_request_id`'s, each one more engine request).
+        Raises RequestError (400) for a request the engine refuses, EngineStopped when it cannot
+        take it."""
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
         if outputs is None:
             outputs = asyncio.Queue()
+        ids = [request_id] + [child_request_id(request_id, i) for i in range(num_children)]
+        children = {"num_children": num_children} if num_children else {}
         with self._lock:
-            self._queues[request_id] = outputs  # before add_request: an answer can come at once
+            for i in ids:  # before add_request: an answer can come at once
+                self._queues[i] = outputs
             self.peak_in_flight = max(self.peak_in_flight, len(self._queues))
         try:
             accepted = self.manager.add_request(
                 prompt, request_id=request_id, max_new_tokens=max_new_tokens, streaming=stream,
-                **(sampling or {}),
+                **children, **(sampling or {}),
             )
         except ValueError as e:  # the pool can never hold it (foscar's managers say so)
-            self._forget(request_id)
+            self._forget(*ids)
             raise RequestError(str(e)) from None
         except Exception:
-            self._forget(request_id)
+            self._forget(*ids)
             raise
         if accepted is None:  # the engine is stopping and dropped it
-            self._forget(request_id)
+            self._forget(*ids)
             raise EngineStopped(self.engine_error() or "the engine is not taking requests")
         return outputs
 
@@ -231,9 +239,9 @@ class RequestRouter:
         with self._lock:
             return len(self._queues)
 
-    def _forget(self, request_id: str) -> bool:
+    def _forget(self, *request_ids: str) -> bool:
         with self._lock:
-            return self._queues.pop(request_id, None) is not None
+            return any([self._queues.pop(i, None) is not None for i in request_ids])
 
     # ------------------------------------------------------------------ the router thread
     def _route(self) -> None:
