@@ -74,6 +74,16 @@ def serve_requests(manager, requests, *, staggered=False, timeout=600.0):
     return [done[i] for i in ids]
 
 
+@pytest.fixture(scope="module")
+def sampling_llama():
+    """A small random Llama whose near-flat logits make sampled answers differ from greedy ones,
+    run on one thread (the engine tests compare answers bit for bit)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield tiny_llama(layers=2, q_heads=8, kv_heads=4, head_dim=64, initializer_range=0.1)
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """SmolLM2-135M-Instruct and its tokenizer (foscar.eval.model.load_model), loaded once: the

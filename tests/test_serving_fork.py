@@ -5,7 +5,6 @@ answer a request of that seed gets alone, and greedy children answer as their pa
 """
 
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 
@@ -27,13 +26,8 @@ KVS = {
 
 
 @pytest.fixture(scope="module")
-def llama():
-    from conftest import tiny_llama
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield tiny_llama(layers=2, q_heads=8, kv_heads=4, head_dim=64, initializer_range=0.1)
-    torch.set_num_threads(threads)
+def llama(sampling_llama):
+    return sampling_llama
 
 
 def _run(model, kv: str, requests: list[tuple[str, int | None, dict]], **manager_args):

@@ -183,13 +183,8 @@ PROMPT = [5, 6, 7, 8, 9, 10, 11]
 
 
 @pytest.fixture(scope="module")
-def llama():
-    from conftest import tiny_llama
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield tiny_llama(layers=2, q_heads=8, kv_heads=4, head_dim=64, initializer_range=0.1)
-    torch.set_num_threads(threads)
+def llama(sampling_llama):
+    return sampling_llama
 
 
 def _answers(model, kv: str, requests: list[dict]) -> list[list[int]]:
