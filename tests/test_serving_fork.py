@@ -106,8 +106,63 @@ def test_num_children_is_checked(llama):
                               (True, "num_children must be an int >= 0")]:
         with pytest.raises(ValueError, match=message):
             manager.add_request(PROMPT[:8], request_id="r", num_children=children)
-    with pytest.raises(ValueError, match="needs a request_id"):
-        manager.add_request(PROMPT[:8], num_children=1)
+    with pytest.raises(ValueError, match="ends as the engine names a forked request's children"):
+        manager.add_request(PROMPT[:8], request_id=child_request_id("r", 3))
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, PROMPT[:1]])
+def test_manager_wide_samples_fork_each_request(llama, prompt):
+    """``num_return_sequences=3`` forks every request into two children (a one-token prompt's
+    are requests of their own); an id is drawn for a request added without one."""
+    from foscar.serving import build_manager
+
+    manager = build_manager(llama, KVS["int4"], num_blocks=64, block_size=16, max_new_tokens=5,
+                            num_return_sequences=3)
+    manager.start()
+    try:
+        first = manager.add_request(prompt)
+        done = {}
+        while len(done) < 3:
+            out = manager.get_result(timeout=60)
+            assert out is not None and out.error is None, out
+            if out.is_finished():
+                done[out.request_id] = out.generated_tokens
+        stats = manager.kv_stats()
+    finally:
+        manager.stop(block=True)
+    assert sorted(done) == [first, child_request_id(first, 0), child_request_id(first, 1)]
+    assert len({tuple(a) for a in done.values()}) == 1  # greedy
+    assert stats["forks"] == (2 if len(prompt) > 1 else 0)
+
+
+def test_a_request_that_adopts_a_prefix_still_forks(llama):
+    """Prefix sharing leaves a request that adopts a live donor's pages two prompt tokens to
+    prefill, so that the engine can fork it (all but the last, then the last); without a recent
+    window the adopted pages would reach its last token but one."""
+    from foscar.serving import build_manager
+
+    kv = KVFormat(QuantFormat(4, "token", 64), QuantFormat(4, "token", 64), sink_tokens=4)
+    try:
+        manager = build_manager(llama, kv, num_blocks=128, block_size=16, max_new_tokens=6,
+                                prefix_sharing=True)
+    except ValueError as e:  # transformers 5.17: no block ledger
+        pytest.skip(str(e))
+    manager.start()
+    try:
+        manager.add_request(PROMPT, request_id="donor", max_new_tokens=150, streaming=True)
+        manager.get_result(timeout=60)  # the donor's first token: it is decoding
+        manager.add_request(PROMPT[:69], request_id="x", num_children=2)
+        done = {}
+        while len(done) < 3:
+            out = manager.get_result(timeout=60)
+            assert out is not None and out.error is None, out
+            if out.is_finished() and out.request_id != "donor":
+                done[out.request_id] = out.generated_tokens
+        stats = manager.kv_stats()
+    finally:
+        manager.stop(block=True)
+    assert stats["shared_tokens"] > 0 and stats["forks"] == 2
+    assert done["x"] == done["x__child#0"] == done["x__child#1"] and len(done["x"]) == 6
 
 
 def test_a_one_token_prompt_gets_its_children_as_requests_of_their_own(llama):

@@ -170,7 +170,9 @@ def test_n_choices_with_seeds(client, served):
     assert len(set(texts)) == 3, texts  # choice i draws with seed + i
     again = client.chat.completions.create(model=MODEL, messages=HI, n=3, **hot)
     assert [c.message.content for c in again.choices] == texts
-    one = client.chat.completions.create(model=MODEL, messages=HI, **{**hot, "seed": 12})
+    # choice 1 draws with seed 12: as the first choice of a request of that seed (both decode the
+    # prompt's last token after the fork; a request of one choice prefills it with the rest)
+    one = client.chat.completions.create(model=MODEL, messages=HI, n=2, **{**hot, "seed": 12})
     assert one.choices[0].message.content == texts[1]
     assert three.usage.completion_tokens <= 3 * 8
     greedy = client.chat.completions.create(model=MODEL, messages=HI, n=2, max_tokens=8)

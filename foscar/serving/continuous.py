@@ -70,6 +70,7 @@ import math
 import os
 import queue
 import threading
+import uuid
 from functools import partial
 
 import torch
@@ -97,7 +98,7 @@ from .flashinfer_kv import (
     flashinfer_unavailable,
 )
 from .kv_spec import ResolvedKV, resolve_kv
-from .sampling import child_request_id
+from .sampling import child_request_id, is_child_request_id
 from .tp import rank_rotations, tp_size_of
 
 __all__ = [
@@ -302,6 +303,8 @@ class FoscarPagedCache(_TrackedCache, PagedAttentionCache):
             # hashing stays off (allow_block_sharing=False): foscar picks what is shared
             self.use_prefix_sharing = True
         self._rows: list[StepRow] | None = None  # the next forward's layout, in batch order
+        #: (parent, children) forked in the engine's blocks, their storage not yet copied
+        self._pending_forks: list[tuple] = []
         #: steps run through a CUDA graph (captured, or replayed)
         self.graph_steps = 0
 
@@ -349,6 +352,7 @@ class FoscarPagedCache(_TrackedCache, PagedAttentionCache):
     def free_all_requests(self, *args, **kwargs):
         result = super().free_all_requests(*args, **kwargs)
         self._rows = None
+        self._pending_forks = []
         self._slots.clear()
         self._prompts.clear()
         self.live_request_ids.clear()
@@ -374,8 +378,9 @@ class FoscarPagedCache(_TrackedCache, PagedAttentionCache):
                     donor, common = rid, n
         if donor is None:
             return 0
-        # the engine needs one prompt token left to prefill
-        length = self.paged.adopt_prefix(request_id, donor, min(common, len(prompt) - 1),
+        # the engine needs one prompt token left to prefill, and a request it forks two (it forks
+        # once all but the last are prefilled)
+        length = self.paged.adopt_prefix(request_id, donor, min(common, len(prompt) - 2),
                                          len(prompt))
         if length:
             pages = self.paged.cache.pages_of(request_id)
@@ -389,42 +394,57 @@ class FoscarPagedCache(_TrackedCache, PagedAttentionCache):
     # ------------------------------------------------------------------ forks
     # The engine forks a request with children once its prompt but the last token is prefilled
     # (parallel samples of one prompt): its block accounting gives each child fresh blocks, as
-    # many as the parent holds (foscar turns the engine's block sharing off), and foscar copies
-    # the parent's storage into them. The engine's own copy is skipped: its K/V tensors are one
-    # channel wide and never read.
+    # many as the parent holds (foscar turns the engine's block sharing off), then it copies the
+    # blocks on its compute stream. There, foscar copies the parent's storage into the child's
+    # blocks instead (the engine's K/V tensors are one channel wide and never read).
     def _free_slots(self) -> int:
         return max(0, self.paged.max_requests - len(self._slots))
 
     def prepare_fork_request(self, src_state, dst_req_ids, copy_src_and_dst):
         """transformers 5.25: fork ``src_state`` into as many of ``dst_req_ids`` as the blocks
-        and window slots hold; returns those ids (the engine prefills the others)."""
-        unused = {name: ([], []) for name in copy_src_and_dst}
+        and window slots hold; returns those ids (the engine prefills the others). Their storage
+        is copied in :meth:`perform_cache_copy`."""
         forked = super().prepare_fork_request(
-            src_state, list(dst_req_ids)[: self._free_slots()], unused)
-        self._fork_storage(src_state.request_id, forked)
+            src_state, list(dst_req_ids)[: self._free_slots()], copy_src_and_dst)
+        self._take_fork(src_state.request_id, forked)
         return forked
+
+    def perform_cache_copy(self, copy_src_and_dst) -> None:
+        """transformers 5.25, on the engine's compute stream: the forks' storage."""
+        self._run_forks()
 
     def compute_max_num_forks(self, source_request_id) -> int:
         """transformers 5.17: the children the blocks and the window slots hold."""
         return min(super().compute_max_num_forks(source_request_id), self._free_slots())
 
     def fork_request(self, source_request_id, destination_request_ids):
-        """transformers 5.17: fork the request's blocks, then its storage; no engine copy."""
-        super().fork_request(source_request_id, destination_request_ids)
-        self._fork_storage(source_request_id, destination_request_ids)
-        return [], []
+        """transformers 5.17: fork the request's blocks; its storage is copied in
+        :meth:`copy_cache`."""
+        copies = super().fork_request(source_request_id, destination_request_ids)
+        self._take_fork(source_request_id, destination_request_ids)
+        return copies
 
-    def _fork_storage(self, parent_id, children) -> None:
-        source = list(self._block_ids(parent_id))
-        for child in children:
-            blocks = list(self._block_ids(child))
-            if isinstance(self.paged, FlashInferPagedKV):
-                self.paged.fork(parent_id, child, source, blocks)
-            else:
-                self.paged.fork(parent_id, child, blocks)
-            self._slots.add(child)
-            if parent_id in self._prompts:
-                self._prompts[child] = self._prompts[parent_id]
+    def copy_cache(self, source_blocks, forked_blocks) -> None:
+        """transformers 5.17, on the engine's compute stream: the forks' storage."""
+        self._run_forks()
+
+    def _take_fork(self, parent_id, children) -> None:
+        """Children that now hold blocks and a window slot; their storage is copied next."""
+        self._slots.update(children)
+        self._pending_forks.append((parent_id, list(children)))
+
+    def _run_forks(self) -> None:
+        pending, self._pending_forks = self._pending_forks, []
+        for parent_id, children in pending:
+            source = list(self._block_ids(parent_id))
+            for child in children:
+                blocks = list(self._block_ids(child))
+                if isinstance(self.paged, FlashInferPagedKV):
+                    self.paged.fork(parent_id, child, source, blocks)
+                else:
+                    self.paged.fork(parent_id, child, blocks)
+                if parent_id in self._prompts:
+                    self._prompts[child] = self._prompts[parent_id]
 
     # ------------------------------------------------------------------ a step
     def extend_read_and_write_indices(self, request_id, past_length, query_length, read_index,
@@ -450,6 +470,7 @@ class FoscarPagedCache(_TrackedCache, PagedAttentionCache):
         """Start the step whose rows the engine named (``extend_read_and_write_indices``) for a
         forward of ``num_tokens`` packed tokens: the manager calls it before each forward, outside
         what a CUDA graph captures."""
+        self._run_forks()  # (an engine that forked without copying)
         if self._rows is not None:
             rows, self._rows = self._rows, None
             self.paged.begin_step(rows, num_tokens=num_tokens)
@@ -671,31 +692,39 @@ class FoscarBatchingManager(ContinuousBatchingManager):
         never hold (prompt plus ``max_new_tokens`` over the cache's tokens or the model's
         positions). ``num_children``: this request's forks in place of the manager-wide
         ``num_return_sequences - 1`` (parallel samples of its prompt, prefilled once; child
-        ``i``'s outputs come as :func:`foscar.serving.sampling.child_request_id`)."""
+        ``i``'s outputs come as :func:`foscar.serving.sampling.child_request_id`, so no
+        ``request_id`` may end as those do)."""
         if isinstance(input_ids, torch.Tensor):
             input_ids = input_ids.reshape(-1).tolist()
         new = self.generation_config.max_new_tokens if max_new_tokens is None else max_new_tokens
         self.check_request(len(input_ids), new)
+        if isinstance(request_id, str) and is_child_request_id(request_id):
+            raise ValueError(f"request_id {request_id!r} ends as the engine names a forked "
+                             "request's children (<request_id>__child#<i>); choose another")
         if num_children is None:
-            return super().add_request(input_ids, request_id, max_new_tokens, *args, **kwargs)
+            num_children = max(0, (getattr(self, "num_return_sequences", 1) or 1) - 1)
         if isinstance(num_children, bool) or not isinstance(num_children, int) or \
                 num_children < 0:
             raise ValueError(f"num_children must be an int >= 0, got {num_children!r}")
-        if request_id is None:
-            raise ValueError("num_children needs a request_id (its children are named after it)")
-        if num_children and len(input_ids) < 2:
-            # the engine forks once all of the prompt but its last token is prefilled, which a
-            # one-token prompt does not have: its children are requests of their own, named and
-            # seeded as forks are
-            for child in range(num_children):
-                super().add_request(input_ids, child_request_id(request_id, child),
-                                    max_new_tokens, *args, **kwargs)
-            num_children = 0
-        self.input_queue.children[request_id] = num_children
+        if num_children and request_id is None:
+            request_id = f"req_{uuid.uuid4().hex}"  # its children are named after it
+        # the engine forks once all of a prompt but its last token is prefilled, which a
+        # one-token prompt does not have: its children are requests of their own, named (and so
+        # seeded) as forks are
+        alone = num_children if len(input_ids) < 2 else 0
+        children = self.input_queue.children
+        ids = [request_id] + [child_request_id(request_id, i) for i in range(alone)]
+        for i, rid in enumerate(ids):
+            children[rid] = num_children - alone if i == 0 else 0
         try:
-            return super().add_request(input_ids, request_id, max_new_tokens, *args, **kwargs)
+            accepted = super().add_request(input_ids, request_id, max_new_tokens, *args,
+                                           **kwargs)
+            for rid in ids[1:] if accepted is not None else ():
+                super().add_request(input_ids, rid, max_new_tokens, *args, **kwargs)
+            return accepted
         finally:
-            self.input_queue.children.pop(request_id, None)
+            for rid in ids:
+                children.pop(rid, None)
 
     # ------------------------------------------------------------------ accounting
     @property

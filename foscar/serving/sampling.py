@@ -67,6 +67,7 @@ __all__ = [
     "apply_penalties",
     "sampling_key",
     "child_request_id",
+    "is_child_request_id",
     "request_seed",
     "SAMPLING_KWARGS",
     "HOST_KWARGS",
@@ -115,6 +116,11 @@ def child_request_id(request_id: str, child: int) -> str:
     """The id transformers' engine gives child ``child`` (0-based) of a forked request (its
     ``num_children``: parallel samples of one prompt, prefilled once)."""
     return f"{request_id}__child#{child}"
+
+
+def is_child_request_id(request_id: str) -> bool:
+    """Whether ``request_id`` ends as the engine names a forked request's children."""
+    return _CHILD_SUFFIX.search(request_id) is not None
 
 
 def request_seed(seed: int, request_id) -> int:
