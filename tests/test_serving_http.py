@@ -410,9 +410,11 @@ def test_metrics_count_requests_and_the_pool(served, client):
 # ---------------------------------------------------------------------------- under load
 async def _one(aclient, i: int, cancel: bool) -> str:
     """One request of the load test; its outcome: ``ok``, ``refused`` (429/503 with
-    Retry-After) or ``cancelled`` (by this client, midway)."""
+    Retry-After) or ``cancelled`` (by this client, midway). One in ten asks for two choices (a
+    fork; some of those are cancelled)."""
+    n = 2 if i % 10 == 1 else 1
     body = {"model": MODEL, "messages": [{"role": "user", "content": f"request {i}"}],
-            "max_tokens": 12, "logit_bias": {"257": -100}}
+            "max_tokens": 12, "logit_bias": {"257": -100}, "n": n}
     stream = i % 2 == 0
     try:
         if stream:
@@ -435,7 +437,7 @@ async def _one(aclient, i: int, cancel: bool) -> str:
                     await call
                 return "cancelled"
         answer = await call
-        assert answer.usage.completion_tokens == 12
+        assert answer.usage.completion_tokens == 12 * n and len(answer.choices) == n
         return "ok"
     except openai.APIStatusError as e:
         assert e.status_code in (429, 503), e
@@ -462,6 +464,7 @@ def test_256_concurrent_requests_are_each_answered_or_refused(served):
     client midway; afterwards nothing is in flight and the KV pool is empty. Three waves: the
     server's memory (this process's, with the client's) grows by little after the first."""
     outcomes, rss = [], []
+    forks = served.router.stats()["kv"]["forks"]
     for _ in range(3):
         outcomes.append(asyncio.run(_wave(served.url, 256)))
         stats = _wait_idle(served)
@@ -471,6 +474,7 @@ def test_256_concurrent_requests_are_each_answered_or_refused(served):
         assert len(wave) == 256 and set(wave) <= {"ok", "refused", "cancelled"}
         assert wave.count("ok") >= 32 and wave.count("refused") >= 1, wave
     assert stats["server"]["peak_in_flight"] <= 64 and stats["server"]["refused"] > 0
+    assert stats["kv"]["forks"] > forks  # requests of two choices were forked, the pool emptied
     assert len(served.state.sink) == 0
     assert rss[-1] - rss[1] < 40, rss
 
