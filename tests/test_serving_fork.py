@@ -193,3 +193,29 @@ def test_a_one_token_prompt_gets_its_children_as_requests_of_their_own(llama):
     assert answers[(2, "r")] == answers[(None, "r")]
     assert answers[(2, "r__child#0")] == answers[(None, "a6")]
     assert answers[(2, "r__child#1")] == answers[(None, "a7")]
+
+
+def test_a_request_waits_for_its_childrens_window_slots(llama):
+    """Three window slots, one held by a decoding request: a request of two children is admitted
+    once three are free (its children's reserved with its own), so both fork; without the
+    reservation one of them would find no slot at the fork and be prefilled again."""
+    from foscar.serving import build_manager
+
+    manager = build_manager(llama, KVS["int4"], num_blocks=64, block_size=16, max_new_tokens=6,
+                            max_requests=3)
+    manager.start()
+    try:
+        manager.add_request(PROMPT[:20], request_id="a", max_new_tokens=40, streaming=True)
+        manager.get_result(timeout=60)  # a decodes: one slot is held
+        manager.add_request(PROMPT, request_id="p", num_children=2)
+        done = {}
+        while len(done) < 4:
+            out = manager.get_result(timeout=60)
+            assert out is not None and out.error is None, out
+            if out.is_finished():
+                done[out.request_id] = out.generated_tokens
+        stats = manager.kv_stats()
+    finally:
+        manager.stop(block=True)
+    assert stats["forks"] == 2 and stats["restarts"] == 0
+    assert done["p"] == done["p__child#0"] == done["p__child#1"] and "a" in done

@@ -286,6 +286,9 @@ class FoscarPagedCache(_TrackedCache, PagedAttentionCache):
         ) if kv.flashinfer is None else _flashinfer_storage(settings, config, local_heads, self,
                                                              block_size)
         self._slots: set = set()  # requests admitted: each holds a window slot
+        #: the slots reserved for the children of a request not forked yet
+        self._reserved: dict = {}
+        self._scheduler = None  # watch_scheduler
         #: prefix sharing: the prompt of each request admitted since, to find a donor by
         self._prompts: dict = {}
         #: tokens requests started on by adopting another's pages (prefix sharing)
@@ -323,16 +326,43 @@ class FoscarPagedCache(_TrackedCache, PagedAttentionCache):
         return tuple(self._allocator.block_table.get(request_id, ()))
 
     # ------------------------------------------------------------------ admission and release
-    def _has_slot(self, request_id) -> bool:
-        return request_id in self._slots or len(self._slots) < self.paged.max_requests
+    # A request is admitted while a window slot is free for it, and, until it forks, for each of
+    # its children (the engine forks it once its prompt is prefilled: without a reserved slot a
+    # child would be prefilled again on its own whenever the slots are full).
+    def watch_scheduler(self, scheduler) -> None:
+        """The engine's scheduler of this cache's loop: the requests' states (their children)."""
+        self._scheduler = scheduler
+
+    def _children(self, request_id, state=None) -> list:
+        """The children of ``request_id`` that take a slot with it: those it will fork into
+        (none once it has forked), as many as the slots beside its own."""
+        if state is None and self._scheduler is not None:
+            state = self._scheduler.active_requests.get(request_id) or \
+                self._scheduler.waiting_requests.get(request_id)
+        count = min(getattr(state, "num_children", 0) or 0, self.paged.max_requests - 1)
+        return [child_request_id(request_id, i) for i in range(count)]
+
+    def _has_slot(self, request_id, state=None) -> bool:
+        if request_id in self._slots:
+            return True
+        wanted = 1 + sum(c not in self._slots for c in self._children(request_id, state))
+        return len(self._slots) + wanted <= self.paged.max_requests
+
+    def _take_slot(self, request_id, state=None) -> None:
+        if request_id not in self._slots:
+            self._slots.add(request_id)
+            children = [c for c in self._children(request_id, state) if c not in self._slots]
+            if children:
+                self._slots.update(children)
+                self._reserved[request_id] = children
 
     def can_store_request_tokens(self, state, request_len, *args, **kwargs) -> bool:
-        if not self._has_slot(state.request_id):
+        if not self._has_slot(state.request_id, state):
             return False
         ok = super().can_store_request_tokens(state, request_len, *args, **kwargs)
         dry_run = kwargs.get("dry_run", args[0] if args else False)
         if ok and not dry_run:
-            self._slots.add(state.request_id)
+            self._take_slot(state.request_id, state)
         return ok
 
     def allocate_blocks(self, n_blocks, request_id, *args, **kwargs):
@@ -340,11 +370,13 @@ class FoscarPagedCache(_TrackedCache, PagedAttentionCache):
             return None
         allocated = super().allocate_blocks(n_blocks, request_id, *args, **kwargs)
         if allocated is not None:
-            self._slots.add(request_id)
+            self._take_slot(request_id)
         return allocated
 
     def free_blocks(self, request_id, *args, **kwargs):
         self._slots.discard(request_id)
+        # a request that ends (or is preempted) before it forks gives its children's slots back
+        self._slots.difference_update(self._reserved.pop(request_id, ()))
         self._prompts.pop(request_id, None)
         self.paged.release(request_id)
         return super().free_blocks(request_id, *args, **kwargs)
@@ -354,6 +386,7 @@ class FoscarPagedCache(_TrackedCache, PagedAttentionCache):
         self._rows = None
         self._pending_forks = []
         self._slots.clear()
+        self._reserved.clear()
         self._prompts.clear()
         self.live_request_ids.clear()
         self.paged.release_all()
@@ -387,7 +420,7 @@ class FoscarPagedCache(_TrackedCache, PagedAttentionCache):
             self._allocator.block_table[request_id] = list(pages)
             for block in pages:
                 self._allocator.ledger.acquire(block)
-            self._slots.add(request_id)
+            self._take_slot(request_id)
             self.shared_tokens += length
         return length
 
@@ -397,15 +430,27 @@ class FoscarPagedCache(_TrackedCache, PagedAttentionCache):
     # many as the parent holds (foscar turns the engine's block sharing off), then it copies the
     # blocks on its compute stream. There, foscar copies the parent's storage into the child's
     # blocks instead (the engine's K/V tensors are one channel wide and never read).
-    def _free_slots(self) -> int:
-        return max(0, self.paged.max_requests - len(self._slots))
+    def _fork_room(self, parent_id, children) -> int:
+        """How many of ``children`` (in order) have a window slot: those reserved at the
+        parent's admission, then free ones."""
+        reserved = set(self._reserved.get(parent_id, ()))
+        free = max(0, self.paged.max_requests - len(self._slots))
+        room = 0
+        for child in children:
+            if child not in reserved:
+                if not free:
+                    break
+                free -= 1
+            room += 1
+        return room
 
     def prepare_fork_request(self, src_state, dst_req_ids, copy_src_and_dst):
         """transformers 5.25: fork ``src_state`` into as many of ``dst_req_ids`` as the blocks
         and window slots hold; returns those ids (the engine prefills the others). Their storage
         is copied in :meth:`perform_cache_copy`."""
-        forked = super().prepare_fork_request(
-            src_state, list(dst_req_ids)[: self._free_slots()], copy_src_and_dst)
+        ids = list(dst_req_ids)
+        ids = ids[: self._fork_room(src_state.request_id, ids)]
+        forked = super().prepare_fork_request(src_state, ids, copy_src_and_dst)
         self._take_fork(src_state.request_id, forked)
         return forked
 
@@ -414,8 +459,11 @@ class FoscarPagedCache(_TrackedCache, PagedAttentionCache):
         self._run_forks()
 
     def compute_max_num_forks(self, source_request_id) -> int:
-        """transformers 5.17: the children the blocks and the window slots hold."""
-        return min(super().compute_max_num_forks(source_request_id), self._free_slots())
+        """transformers 5.17: the children the blocks and the window slots hold (the engine
+        forks the first ones, in order)."""
+        room = len(self._reserved.get(source_request_id, ())) + max(
+            0, self.paged.max_requests - len(self._slots))
+        return min(super().compute_max_num_forks(source_request_id), room)
 
     def fork_request(self, source_request_id, destination_request_ids):
         """transformers 5.17: fork the request's blocks; its storage is copied in
@@ -429,7 +477,10 @@ class FoscarPagedCache(_TrackedCache, PagedAttentionCache):
         self._run_forks()
 
     def _take_fork(self, parent_id, children) -> None:
-        """Children that now hold blocks and a window slot; their storage is copied next."""
+        """Children that now hold blocks and a window slot; their storage is copied next.
+        Reserved children left out (the blocks did not hold them) keep their slots: the engine
+        prefills them as requests of their own."""
+        self._reserved.pop(parent_id, None)
         self._slots.update(children)
         self._pending_forks.append((parent_id, list(children)))
 
@@ -662,6 +713,7 @@ class FoscarBatchingManager(ContinuousBatchingManager):
         self._last_cache = processor.cache
         if isinstance(processor.cache, FoscarPagedCache):
             _hook_model_runner(processor.model_runner, processor.cache)
+            processor.cache.watch_scheduler(processor.scheduler)
         return processor
 
     # ------------------------------------------------------------------ requests
