@@ -56,18 +56,26 @@ def serve_requests(manager, requests, *, staggered=False, timeout=600.0):
 
     manager.start()
     deadline = time.monotonic() + timeout
+    done, seen = {}, set()  # finished outputs; requests that gave an output
+
+    def take(r) -> None:
+        if r is not None:
+            seen.add(r.request_id)
+            if r.is_finished():
+                done[r.request_id] = r
+
     try:
         ids = []
         for prompt, fields in requests:
             ids.append(manager.add_request(prompt, **fields))
-            while staggered and not (manager.cache and ids[-1] in manager.cache.live_request_ids):
+            # (a short request can finish between two looks: then it gave an output)
+            while staggered and ids[-1] not in seen and not (
+                manager.cache and ids[-1] in manager.cache.live_request_ids
+            ):
                 assert time.monotonic() < deadline
-                time.sleep(0.01)
-        done = {}
+                take(manager.get_result(timeout=0.01))
         while len(done) < len(ids) and time.monotonic() < deadline:
-            r = manager.get_result(timeout=1)
-            if r is not None and r.is_finished():
-                done[r.request_id] = r
+            take(manager.get_result(timeout=1))
     finally:
         manager.stop(block=True)
     assert set(done) == set(ids), "requests did not finish"
