@@ -233,19 +233,25 @@ def test_wide_quantum_shares_whole_groups_only():
 
 
 # ---------------------------------------------------------------------------- forks
-def _fork_into(cache, child, parent):
-    """Fork ``parent`` into a new sequence ``child`` holding as many fresh pages as the parent
-    holds (a serving engine's fork: fresh blocks, one per block of the parent)."""
-    pages = [p for p in cache.free_page_order()[::-1]][: len(cache.pages_of(parent))]
+def _fork_into(cache, child, parent, shared=False) -> int:
+    """Fork ``parent`` into a new sequence ``child`` (a serving engine's fork: a fresh block for
+    each block of the parent it does not share); ``shared``: share every page it may. Returns
+    the pages shared."""
+    length = cache.seq_len(parent)
+    share = cache.shareable_pages(parent, length, length) if shared else 0
+    pages = cache.free_page_order()[::-1][: len(cache.pages_of(parent)) - share]
     cache.add_sequence(child, pages=pages)
-    cache.fork(child, parent)
+    cache.fork(child, parent, share)
+    return share
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
 @pytest.mark.parametrize("length", [1, 5, 37, 64, 90])
-def test_fork_continues_as_the_parent_and_then_apart(name, length):
+@pytest.mark.parametrize("shared", [False, True])
+def test_fork_continues_as_the_parent_and_then_apart(name, length, shared):
     """A fork decodes bit for bit as its parent; after that each takes its own tokens, and each
-    decodes as a sequence that wrote its tokens alone (the other's writes never reach it)."""
+    decodes as a sequence that wrote its tokens alone (the other's writes never reach it), its
+    full quantized pages shared or copied."""
     fmt = FORMATS[name]
     gen = torch.Generator().manual_seed(length)
     k, v = _tokens(length, gen), _tokens(length, gen)
@@ -253,9 +259,15 @@ def test_fork_continues_as_the_parent_and_then_apart(name, length):
     for cache in (forked, parent_alone, child_alone):
         cache.add_sequence("a")
         _write(cache, "a", k, v)
-    _fork_into(forked, "b", "a")
+    share = _fork_into(forked, "b", "a", shared)
     assert forked.sequence_state("b").lengths == forked.sequence_state("a").lengths
-    assert not set(forked.pages_of("a")) & set(forked.pages_of("b"))
+    common = set(forked.pages_of("a")) & set(forked.pages_of("b"))
+    assert common == set(forked.pages_of("a")[:share])
+    assert all(forked.page_holders(p) == 2 for p in common)
+    if shared and length == 90:
+        # the full pages of its quantized history (whole quanta): 78, 90, 82 and 64 tokens
+        assert share == {"int4-windows": 4, "int2-no-windows": 5, "per-layer-sink": 5,
+                         "channel-v": 4}[name]
     _decode_equal([(forked, "a"), (forked, "b"), (parent_alone, "a"), (child_alone, "a")], 3, gen)
     # apart: a and b take different tokens, past the recent window and a demotion quantum
     for cache, sid in ((forked, "a"), (parent_alone, "a"), (forked, "b"), (child_alone, "a")):
@@ -267,9 +279,11 @@ def test_fork_continues_as_the_parent_and_then_apart(name, length):
     _decode_equal([(forked, "b"), (child_alone, "a")], 2, torch.Generator().manual_seed(7))
 
 
-def test_fork_of_a_sequence_that_adopted_pages():
+@pytest.mark.parametrize("shared", [False, True])
+def test_fork_of_a_sequence_that_adopted_pages(shared):
     """A fork of a sequence that adopted another's pages takes its history floor: it decodes as
-    its parent, and freeing the parent leaves the fork and the donor as they were."""
+    its parent, and freeing the parent leaves the fork and the donor as they were (the pages
+    the three share held by the other two)."""
     fmt = FORMATS["int4-windows"]
     gen = torch.Generator().manual_seed(3)
     k, v = _tokens(90, gen), _tokens(90, gen)
@@ -281,8 +295,9 @@ def test_fork_of_a_sequence_that_adopted_pages():
     cache.add_sequence("a")
     start = cache.adopt_prefix("a", "d", cache.shareable_pages("d", 80, 90))
     _write(cache, "a", k, v, start)
-    _fork_into(cache, "b", "a")
+    share = _fork_into(cache, "b", "a", shared)
     assert cache.sequence_state("b").history_floor == cache.sequence_state("a").history_floor > 0
+    assert [cache.page_holders(p) for p in cache.pages_of("b")[:share]] == [3] * share
     cache.free("a")
     _decode_equal([(cache, "b"), (cache, "d"), (alone, "a")], 4, gen)
 
@@ -301,6 +316,8 @@ def test_fork_refusals_change_nothing():
     _write(cache, "full", k[:3], v[:3])
     before = {sid: cache.sequence_state(sid) for sid in cache.sequences}
     pools = [t.clone() for st in cache.layers for t in st.tensors().values()]
+    with pytest.raises(ValueError, match="shared_pages must be <= 4"):
+        cache.fork("few", "a", 5)
     for seq_id, parent_id, message in [
         ("few", "a", "holds 4 pages; the fork copies 5"),
         ("full", "a", "must be empty"),

@@ -465,38 +465,54 @@ class QuantizedKVCache(PageTable):
         seq = self._lookup(seq_id, "seq_id")
         return max(-(-seq.quantized(n, self.windows) // self.page_size) for n in seq.lengths)
 
-    def fork(self, seq_id, parent_id) -> None:
+    def fork(self, seq_id, parent_id, shared_pages: int = 0) -> None:
         """Have empty live sequence ``seq_id`` continue from where live sequence ``parent_id``
         stands, a copy that from now on goes its own way (parallel samples of one prompt,
-        prefilled once): the parent's :meth:`history_pages` are copied into ``seq_id``'s first
-        pages, which it must hold already (:meth:`add_sequence`'s ``pages``: a serving engine
-        hands a fork fresh blocks), its BF16 sink and tail rows into ``seq_id``'s slot, and its
-        lengths and history floor are taken over, in every layer. Afterwards both decode as the
-        parent would have; neither reads the other's pages. Checked before anything changes;
-        plans of ``seq_id`` made before go stale."""
+        prefilled once): the parent's first ``shared_pages`` history pages are shared, counted,
+        not copied (full pages it has quantized in every layer, at most
+        :meth:`shareable_pages` of its own length), and the rest of its :meth:`history_pages`
+        are copied into the pages ``seq_id`` holds (:meth:`add_sequence`'s ``pages``: a serving
+        engine hands a fork fresh blocks), which then follow the shared ones; its BF16 sink and
+        tail rows are copied into ``seq_id``'s slot, and its lengths and history floor taken
+        over, in every layer. Afterwards both decode as the parent would have; neither writes a
+        page the other reads. Checked before anything changes; plans of ``seq_id`` made before
+        go stale."""
         seq = self._lookup(seq_id, "seq_id")
         parent = self._lookup(parent_id, "parent_id")
         if seq is parent:
             raise ValueError(f"parent_id {parent_id!r} is seq_id itself")
         if any(seq.lengths):
             raise ValueError(f"seq_id {seq_id!r} must be empty (no tokens) to fork into")
-        used = self.history_pages(parent_id)
-        if len(seq.pages) < used:
+        check_int(shared_pages, "shared_pages", low=0)
+        length = min(parent.lengths)
+        if shared_pages > self.shareable_pages(parent_id, length, length):
             raise ValueError(
-                f"seq_id {seq_id!r} holds {len(seq.pages)} pages; the fork copies {used} "
-                f"(parent {parent_id!r}'s quantized history): hand it at least that many"
+                f"shared_pages must be <= {self.shareable_pages(parent_id, length, length)} (the "
+                f"full pages parent {parent_id!r} has quantized in every layer), got "
+                f"{shared_pages}"
             )
-        if used:
-            src = torch.tensor(parent.pages[:used], device=self.device)
-            dst = torch.tensor(seq.pages[:used], device=self.device)
+        copied = self.history_pages(parent_id) - shared_pages
+        if len(seq.pages) < copied:
+            raise ValueError(
+                f"seq_id {seq_id!r} holds {len(seq.pages)} pages; the fork copies {copied} "
+                f"(parent {parent_id!r}'s quantized history beyond {shared_pages} shared "
+                "pages): hand it at least that many"
+            )
+        if copied:
+            src = torch.tensor(parent.pages[shared_pages:shared_pages + copied],
+                               device=self.device)
+            dst = torch.tensor(seq.pages[:copied], device=self.device)
         for st in self.layers:
-            if used:
+            if copied:
                 for pool in (st.k_words, st.k_scales, st.v_words, st.v_scales):
                     pool[dst] = pool[src]
             for window in (st.k_sink, st.v_sink, st.k_tail, st.v_tail):
                 window[seq.slot] = window[parent.slot]
+        shared = parent.pages[:shared_pages]
+        self.count_holder(shared)
+        seq.pages = shared + seq.pages
         seq.lengths = list(parent.lengths)
-        seq.history_floor = parent.history_floor
+        seq.history_floor = max(parent.history_floor, shared_pages * self.page_size)
         self._touch(range(self.num_layers))
         self._step_serial += 1
 

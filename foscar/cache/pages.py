@@ -374,10 +374,15 @@ class PageTable:
                 f"got {num_pages}"
             )
         shared = donor.pages[:num_pages]
-        for page in shared:
-            self._extra_holders[page] = self._extra_holders.get(page, 0) + 1
+        self.count_holder(shared)
         seq.pages = list(shared)
         seq.history_floor = num_pages * self.page_size
+
+    def count_holder(self, pages: Sequence[int]) -> None:
+        """One more sequence holds each of the held ``pages`` (the caller adds them to its list:
+        Note [shared prefixes])."""
+        for page in pages:
+            self._extra_holders[page] = self._extra_holders.get(page, 0) + 1
 
     def free(self, seq_id) -> None:
         """End a sequence: its pages and window slot return to the pool for reuse (and the plans

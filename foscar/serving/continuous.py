@@ -53,8 +53,10 @@ reuse. Checked on transformers 5.25 (its block ledger counts the shared blocks' 
 Parallel samples (``add_request(..., num_children=k)``, or the manager-wide
 ``num_return_sequences``): the engine prefills the prompt once, then forks the request into ``k``
 children named ``<request_id>__child#<i>``; a foscar cache copies the parent's pages and windows
-into each child's fresh blocks (:meth:`FoscarPagedCache.prepare_fork_request`), and each child
-draws with ``seed + i + 1`` (:mod:`foscar.serving.sampling`).
+into each child's fresh blocks (:meth:`FoscarPagedCache.prepare_fork_request`; with prefix
+sharing the parent's full quantized pages are shared instead), and each child draws with
+``seed + i + 1`` (:mod:`foscar.serving.sampling`). A request is admitted once window slots are
+free for it and its children.
 
 Switched off for foscar caches: the engine's own block sharing, the flash decode fast path (it
 writes the engine's K/V tensors), CPU offloading (it copies them) and asynchronous batching (a
@@ -90,14 +92,22 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     ) from e
 
 from ..attention import attach, attached
-from .core import PagedKV, StepRow, history_bytes_per_token, window_bytes_per_request
+from .core import PagedKV, StepRow
 from .flashinfer_kv import (
     FlashInferPagedKV,
     attention_description,
-    flashinfer_bytes_per_token,
     flashinfer_unavailable,
 )
 from .kv_spec import ResolvedKV, resolve_kv
+from .pool_sizes import (
+    DEFAULT_BLOCK_SIZE,
+    PoolSizes,
+    check_block_size,
+    check_sizes,
+    head_dim_of,
+    num_kv_heads_of,
+    size_pool,
+)
 from .sampling import child_request_id, is_child_request_id
 from .tp import rank_rotations, tp_size_of
 
@@ -112,14 +122,6 @@ __all__ = [
 
 #: the attention implementation the manager selects for a foscar cache
 ATTENTION_NAME = "foscar_paged"
-#: tokens per engine block and foscar page
-DEFAULT_BLOCK_SIZE = 64
-#: window slots when neither ``max_requests`` nor the engine's ``max_requests_per_batch`` is given
-DEFAULT_MAX_REQUESTS = 32
-#: memory for the cache when neither ``memory_bytes`` nor ``num_blocks`` is given: on a CPU a
-#: fixed size, on a GPU this share of the free memory after the model is loaded
-DEFAULT_CPU_MEMORY_BYTES = 256 << 20
-DEFAULT_GPU_MEMORY_SHARE = 0.5
 
 
 # ---------------------------------------------------------------------------- attention
@@ -271,7 +273,7 @@ class FoscarPagedCache(_TrackedCache, PagedAttentionCache):
             kv.formats,
             num_layers=len(kv.formats),
             num_kv_heads=local_heads,
-            head_dim=_head_dim(config),
+            head_dim=head_dim_of(config),
             num_blocks=self._physical_blocks(),
             block_size=block_size,
             max_requests=settings.max_requests,
@@ -448,11 +450,27 @@ class FoscarPagedCache(_TrackedCache, PagedAttentionCache):
         """transformers 5.25: fork ``src_state`` into as many of ``dst_req_ids`` as the blocks
         and window slots hold; returns those ids (the engine prefills the others). Their storage
         is copied in :meth:`perform_cache_copy`."""
+        parent = src_state.request_id
         ids = list(dst_req_ids)
-        ids = ids[: self._fork_room(src_state.request_id, ids)]
-        forked = super().prepare_fork_request(src_state, ids, copy_src_and_dst)
-        self._take_fork(src_state.request_id, forked)
+        ids = ids[: self._fork_room(parent, ids)]
+        shared = self._shared_fork_pages(parent)
+        if shared:
+            # the engine's block sharing is off (foscar picks what is shared): for this fork its
+            # allocator shares the parent's full quantized pages, counted in its ledger
+            self._allocator.count_shareable_blocks = lambda *args: shared
+        try:
+            forked = super().prepare_fork_request(src_state, ids, copy_src_and_dst)
+        finally:
+            vars(self._allocator).pop("count_shareable_blocks", None)
+        self._take_fork(parent, forked, shared)
         return forked
+
+    def _shared_fork_pages(self, parent_id) -> int:
+        """Pages a fork of ``parent_id`` shares: with prefix sharing, its full quantized pages
+        (:meth:`PagedKV.shareable_pages`); otherwise none (each child holds copies)."""
+        if not self._settings.prefix_sharing or not isinstance(self.paged, PagedKV):
+            return 0
+        return self.paged.shareable_pages(parent_id)
 
     def perform_cache_copy(self, copy_src_and_dst) -> None:
         """transformers 5.25, on the engine's compute stream: the forks' storage."""
@@ -469,31 +487,31 @@ class FoscarPagedCache(_TrackedCache, PagedAttentionCache):
         """transformers 5.17: fork the request's blocks; its storage is copied in
         :meth:`copy_cache`."""
         copies = super().fork_request(source_request_id, destination_request_ids)
-        self._take_fork(source_request_id, destination_request_ids)
+        self._take_fork(source_request_id, destination_request_ids, 0)
         return copies
 
     def copy_cache(self, source_blocks, forked_blocks) -> None:
         """transformers 5.17, on the engine's compute stream: the forks' storage."""
         self._run_forks()
 
-    def _take_fork(self, parent_id, children) -> None:
-        """Children that now hold blocks and a window slot; their storage is copied next.
-        Reserved children left out (the blocks did not hold them) keep their slots: the engine
-        prefills them as requests of their own."""
+    def _take_fork(self, parent_id, children, shared: int) -> None:
+        """Children that now hold blocks (the first ``shared`` the parent's) and a window slot;
+        their storage is copied next. Reserved children left out (the blocks did not hold them)
+        keep their slots: the engine prefills them as requests of their own."""
         self._reserved.pop(parent_id, None)
         self._slots.update(children)
-        self._pending_forks.append((parent_id, list(children)))
+        self._pending_forks.append((parent_id, list(children), shared))
 
     def _run_forks(self) -> None:
         pending, self._pending_forks = self._pending_forks, []
-        for parent_id, children in pending:
+        for parent_id, children, shared in pending:
             source = list(self._block_ids(parent_id))
             for child in children:
                 blocks = list(self._block_ids(child))
                 if isinstance(self.paged, FlashInferPagedKV):
                     self.paged.fork(parent_id, child, source, blocks)
                 else:
-                    self.paged.fork(parent_id, child, blocks)
+                    self.paged.fork(parent_id, child, blocks, shared)
                 if parent_id in self._prompts:
                     self._prompts[child] = self._prompts[parent_id]
 
@@ -539,11 +557,6 @@ class FoscarPagedCache(_TrackedCache, PagedAttentionCache):
         return out.unsqueeze(0)
 
 
-def _head_dim(config) -> int:
-    head_dim = getattr(config, "head_dim", None)
-    return head_dim if head_dim is not None else config.hidden_size // config.num_attention_heads
-
-
 def _flashinfer_storage(settings: _FoscarSettings, config, local_heads: int, cache,
                         block_size: int) -> FlashInferPagedKV:
     """The FlashInfer cache (:mod:`foscar.serving.flashinfer_kv`) in place of foscar's pool:
@@ -555,7 +568,7 @@ def _flashinfer_storage(settings: _FoscarSettings, config, local_heads: int, cac
         num_layers=text.num_hidden_layers,
         num_kv_heads=local_heads,
         num_q_heads=text.num_attention_heads // tp,
-        head_dim=_head_dim(text),
+        head_dim=head_dim_of(text),
         num_blocks=cache._physical_blocks(),
         block_size=block_size,
         device=cache.device,
@@ -639,21 +652,6 @@ class _ChildrenQueue(queue.Queue):
         super().put(item, *args, **kwargs)
 
 
-@dataclasses.dataclass(frozen=True)
-class PoolSizes:
-    """The sizes :func:`build_manager` chose (all per process)."""
-
-    kv: ResolvedKV
-    num_blocks: int
-    block_size: int
-    max_requests: int | None  # window slots (foscar only)
-    bytes_per_token: float  # stored bytes per token, all layers (history tokens for foscar)
-    window_bytes: int  # one request's BF16 windows, all layers (foscar; 0 for BF16)
-    bf16_bytes_per_token: int  # the same token in a BF16 cache
-    memory_bytes: int  # pages (+ windows): what the sizes cost
-    max_position: int | None
-
-
 class FoscarBatchingManager(ContinuousBatchingManager):
     """transformers' ``ContinuousBatchingManager`` with a foscar (or the engine's BF16) cache.
 
@@ -677,8 +675,8 @@ class FoscarBatchingManager(ContinuousBatchingManager):
             text = model.config.get_text_config()
             self._cache_class = FoscarPagedCache.bind(
                 _FoscarSettings(
-                    kv, plan.max_requests, _num_kv_heads(text), backend, window_dtype, cuda_graphs,
-                    prefix_sharing,
+                    kv, plan.max_requests, num_kv_heads_of(text), backend, window_dtype,
+                    cuda_graphs, prefix_sharing,
                 )
             )
 
@@ -853,11 +851,6 @@ class FoscarBatchingManager(ContinuousBatchingManager):
         return stats
 
 
-def _num_kv_heads(config) -> int:
-    heads = getattr(config, "num_key_value_heads", None)
-    return heads if heads is not None else config.num_attention_heads
-
-
 def _config_fields(cls) -> set:
     return {f.name for f in dataclasses.fields(cls)}
 
@@ -932,13 +925,13 @@ def build_manager(
     """
     text = model.config.get_text_config()
     resolved = resolve_kv(
-        kv, num_layers=text.num_hidden_layers, head_dim=_head_dim(text),
-        num_kv_heads=_num_kv_heads(text),
+        kv, num_layers=text.num_hidden_layers, head_dim=head_dim_of(text),
+        num_kv_heads=num_kv_heads_of(text),
     )
     if not resolved.is_bf16:
         _check_foscar_model(text, resolved)
     block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
-    _check_block_size(block_size, resolved)
+    check_block_size(block_size, resolved)
     if resolved.flashinfer is not None:
         reason = _flashinfer_refusal(model, backend)
         if reason is not None:
@@ -947,7 +940,7 @@ def build_manager(
         reason = _graph_refusal(model, resolved, backend, window_dtype, block_size)
         if reason is not None:
             raise ValueError(f"cuda_graphs=True with kv={resolved.label!r}: {reason}")
-    _check_sizes(memory_bytes=memory_bytes, num_blocks=num_blocks,
+    check_sizes(memory_bytes=memory_bytes, num_blocks=num_blocks,
                  max_batch_tokens=max_batch_tokens, max_requests=max_requests,
                  request_tokens=request_tokens)
     if prefix_sharing and not resolved.is_bf16:
@@ -959,7 +952,7 @@ def build_manager(
                 f"this is {_transformers_version()})"
             )
     requests_per_batch = generation_kwargs.pop("max_requests_per_batch", None)
-    plan = _size_pool(
+    plan = size_pool(
         model, resolved, memory_bytes=memory_bytes, num_blocks=num_blocks,
         block_size=block_size, max_requests=max_requests, request_tokens=request_tokens,
         requests_per_batch=requests_per_batch, window_dtype=window_dtype,
@@ -991,94 +984,6 @@ def _check_foscar_model(text, resolved: ResolvedKV) -> None:
             f"model has {sorted(layer_types)} layers"
             + (f" and a sliding window of {text.sliding_window}" if text.sliding_window else "")
         )
-
-
-def _check_block_size(block_size, resolved: ResolvedKV) -> None:
-    """Raise ``ValueError`` unless ``block_size`` is an int >= 4 (a power of two from 16 to 256
-    for a foscar cache)."""
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 4:
-        raise ValueError(f"block_size must be an int >= 4, got {block_size!r}")
-    power_of_two = block_size & (block_size - 1) == 0
-    if not resolved.is_bf16 and not (16 <= block_size <= 256 and power_of_two):
-        raise ValueError(
-            f"block_size must be a power of two from 16 to 256 for a foscar cache, got {block_size}"
-        )
-
-
-def _check_sizes(**sizes) -> None:
-    """Raise ``ValueError`` unless each of ``sizes`` is None or a positive int, and
-    ``memory_bytes`` and ``num_blocks`` are not both given."""
-    for name, value in sizes.items():
-        bad = isinstance(value, bool) or not isinstance(value, int) or value < 1
-        if value is not None and bad:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if sizes["memory_bytes"] is not None and sizes["num_blocks"] is not None:
-        raise ValueError("give memory_bytes or num_blocks, not both")
-
-
-def _size_pool(
-    model, resolved: ResolvedKV, *, memory_bytes: int | None, num_blocks: int | None,
-    block_size: int, max_requests: int | None, request_tokens: int | None,
-    requests_per_batch: int | None, window_dtype: torch.dtype,
-) -> PoolSizes:
-    """The engine's blocks (and foscar's window slots) for ``memory_bytes`` or ``num_blocks``
-    (:func:`build_manager` documents the defaults); raises ``ValueError`` if no block fits."""
-    text = model.config.get_text_config()
-    num_layers = text.num_hidden_layers
-    head_dim = _head_dim(text)
-    local_heads = _num_kv_heads(text) // tp_size_of(model)
-    bf16_per_token = 2 * num_layers * local_heads * head_dim * 2
-    if memory_bytes is None and num_blocks is None:
-        if model.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(model.device)
-            memory_bytes = int(free * DEFAULT_GPU_MEMORY_SHARE)
-        else:
-            memory_bytes = DEFAULT_CPU_MEMORY_BYTES
-
-    if resolved.is_bf16 or resolved.flashinfer is not None:
-        per_token = (
-            2 * num_layers * local_heads * head_dim * model.dtype.itemsize if resolved.is_bf16
-            else flashinfer_bytes_per_token(resolved.flashinfer, num_layers, local_heads,
-                                            head_dim)
-        )
-        if num_blocks is None:
-            num_blocks = memory_bytes // (per_token * block_size)
-        memory = num_blocks * block_size * per_token
-        slots, window = None, 0
-    else:
-        formats = resolved.formats
-        per_token = history_bytes_per_token(formats, local_heads, head_dim)
-        window = window_bytes_per_request(formats, local_heads, head_dim, window_dtype)
-        block = per_token * block_size
-        slots = max_requests or requests_per_batch or DEFAULT_MAX_REQUESTS
-        if num_blocks is not None and max_requests is None:
-            slots = min(slots, num_blocks)
-        if num_blocks is None:
-            if max_requests is None and request_tokens is not None:
-                # as many requests of request_tokens as the memory holds: each takes a window
-                # slot and a block for every block_size of its tokens
-                per_request = window + math.ceil(request_tokens / block_size) * block
-                slots = max(1, memory_bytes // per_request)
-            elif max_requests is None:
-                slots = max(1, min(slots, memory_bytes // (2 * window)))
-            num_blocks = (memory_bytes - slots * window) // block
-        memory = num_blocks * block + slots * window
-    if num_blocks < 1:
-        raise ValueError(
-            f"memory_bytes={memory_bytes} holds no block of {block_size} tokens"
-            + ("" if not window else f" beside {slots} window slots of {window} bytes")
-        )
-    return PoolSizes(
-        kv=resolved,
-        num_blocks=num_blocks,
-        block_size=block_size,
-        max_requests=slots,
-        bytes_per_token=per_token,
-        window_bytes=window,
-        bf16_bytes_per_token=bf16_per_token,
-        memory_bytes=memory,
-        max_position=getattr(text, "max_position_embeddings", None),
-    )
 
 
 def _generation_config(model, max_new_tokens: int, generation_kwargs: dict) -> GenerationConfig:
@@ -1153,8 +1058,8 @@ def _graph_refusal(
     text = model.config.get_text_config()
     layout = CacheLayout(
         formats=tuple(resolved.formats),
-        num_kv_heads=_num_kv_heads(text) // tp_size_of(model),
-        head_dim=_head_dim(text),
+        num_kv_heads=num_kv_heads_of(text) // tp_size_of(model),
+        head_dim=head_dim_of(text),
         page_size=block_size,
         window_dtype=window_dtype,
         device=model.device,

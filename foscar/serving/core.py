@@ -337,20 +337,29 @@ class PagedKV:
         self.peak_requests = max(self.peak_requests, len(self._lengths))
         return length
 
-    def fork(self, parent_id: Hashable, request_id: Hashable, block_ids: Sequence[int]) -> None:
-        """Start request ``request_id`` as a copy of live request ``parent_id`` on the fresh
-        engine blocks ``block_ids`` (as many as the parent holds): parallel samples of one
-        prompt, prefilled once (:meth:`foscar.QuantizedKVCache.fork`). Its next step's row has
-        the parent's ``past_length`` and lists ``block_ids`` first in its blocks."""
+    def fork(self, parent_id: Hashable, request_id: Hashable, block_ids: Sequence[int],
+             shared_pages: int = 0) -> None:
+        """Start request ``request_id`` as a copy of live request ``parent_id`` on the engine
+        blocks ``block_ids`` (as many as the parent holds): parallel samples of one prompt,
+        prefilled once (:meth:`foscar.QuantizedKVCache.fork`). The first ``shared_pages`` blocks
+        are the parent's own, shared (full quantized pages: at most :meth:`shareable_pages`), the
+        rest fresh. Its next step's row has the parent's ``past_length`` and lists ``block_ids``
+        first in its blocks."""
         if parent_id not in self._lengths:
             raise ValueError(f"parent_id {parent_id!r} is not a live request")
         if request_id in self._lengths:
             raise ValueError(f"request_id {request_id!r} is already a live request")
         if not self.num_free_slots:
             raise ValueError(f"all {self.max_requests} window slots are held (max_requests)")
-        self.cache.add_sequence(request_id, pages=block_ids)
+        block_ids = list(block_ids)
+        if block_ids[:shared_pages] != self.cache.pages_of(parent_id)[:shared_pages]:
+            raise ValueError(
+                f"block_ids must begin with the parent's {shared_pages} shared pages, got "
+                f"{block_ids[:shared_pages]}"
+            )
+        self.cache.add_sequence(request_id, pages=block_ids[shared_pages:])
         try:
-            self.cache.fork(request_id, parent_id)
+            self.cache.fork(request_id, parent_id, shared_pages)
         except ValueError:
             self.cache.free(request_id)
             raise
@@ -359,6 +368,12 @@ class PagedKV:
         self.forks += 1
         self.peak_requests = max(self.peak_requests, len(self._lengths))
         self.peak_pages = max(self.peak_pages, self.cache.num_pages - self.cache.num_free_pages)
+
+    def shareable_pages(self, parent_id: Hashable) -> int:
+        """Full pages live request ``parent_id`` has quantized in every layer, which a fork of
+        it may share (:meth:`fork`)."""
+        length = self._lengths[parent_id]
+        return self.cache.shareable_pages(parent_id, length, length)
 
     def _new_blocks(self, row: StepRow, held: list[int]) -> list[int]:
         """The blocks of ``row`` its sequence does not hold yet (``held`` must be a prefix)."""
