@@ -32,6 +32,18 @@ def llama(sampling_llama):
     return sampling_llama
 
 
+def _answers(manager, count: int, *, skip=()) -> dict:
+    """The next ``count`` answers ``manager`` finishes, by request id (``skip``: ids whose
+    outputs are passed over)."""
+    done = {}
+    while len(done) < count:
+        out = manager.get_result(timeout=60)
+        assert out is not None and out.error is None, out
+        if out.is_finished() and out.request_id not in skip:
+            done[out.request_id] = out.generated_tokens
+    return done
+
+
 def _run(model, kv: str, requests: list[tuple[str, int | None, dict]], **manager_args):
     """``requests``: ``(request_id, num_children, sampling)``; returns every answer by request id
     (children included) and the manager's kv_stats."""
@@ -48,12 +60,7 @@ def _run(model, kv: str, requests: list[tuple[str, int | None, dict]], **manager
         for request_id, children, sampling in requests:
             manager.add_request(PROMPT, request_id=request_id, num_children=children,
                                 **sampling)
-        done = {}
-        while len(done) < expected:
-            out = manager.get_result(timeout=60)
-            assert out is not None and out.error is None, out
-            if out.is_finished():
-                done[out.request_id] = out.generated_tokens
+        done = _answers(manager, expected)
         stats = manager.kv_stats()
         if kv != "bf16":
             stats["pool_empty"] = _pool_empties(manager.cache)
@@ -139,12 +146,7 @@ def test_manager_wide_samples_fork_each_request(llama, prompt):
     manager.start()
     try:
         first = manager.add_request(prompt)
-        done = {}
-        while len(done) < 3:
-            out = manager.get_result(timeout=60)
-            assert out is not None and out.error is None, out
-            if out.is_finished():
-                done[out.request_id] = out.generated_tokens
+        done = _answers(manager, 3)
         stats = manager.kv_stats()
     finally:
         manager.stop(block=True)
@@ -170,12 +172,7 @@ def test_a_request_that_adopts_a_prefix_still_forks(llama):
         manager.add_request(PROMPT, request_id="donor", max_new_tokens=150, streaming=True)
         manager.get_result(timeout=60)  # the donor's first token: it is decoding
         manager.add_request(PROMPT[:69], request_id="x", num_children=2)
-        done = {}
-        while len(done) < 3:
-            out = manager.get_result(timeout=60)
-            assert out is not None and out.error is None, out
-            if out.is_finished() and out.request_id != "donor":
-                done[out.request_id] = out.generated_tokens
+        done = _answers(manager, 3, skip={"donor"})
         stats = manager.kv_stats()
     finally:
         manager.stop(block=True)
@@ -201,11 +198,7 @@ def test_a_one_token_prompt_gets_its_children_as_requests_of_their_own(llama):
             if not children:
                 for request_id, seed in (("a6", 6), ("a7", 7)):
                     manager.add_request([9], request_id=request_id, temperature=1.0, seed=seed)
-            while len(answers) < 3 * (1 + (children is None)):
-                out = manager.get_result(timeout=60)
-                assert out is not None and out.error is None, out
-                if out.is_finished():
-                    answers[(children, out.request_id)] = out.generated_tokens
+            answers.update({(children, i): a for i, a in _answers(manager, 3).items()})
         finally:
             manager.stop(block=True)
     assert answers[(2, "r")] == answers[(None, "r")]
@@ -226,12 +219,7 @@ def test_a_request_waits_for_its_childrens_window_slots(llama):
         manager.add_request(PROMPT[:20], request_id="a", max_new_tokens=40, streaming=True)
         manager.get_result(timeout=60)  # a decodes: one slot is held
         manager.add_request(PROMPT, request_id="p", num_children=2)
-        done = {}
-        while len(done) < 4:
-            out = manager.get_result(timeout=60)
-            assert out is not None and out.error is None, out
-            if out.is_finished():
-                done[out.request_id] = out.generated_tokens
+        done = _answers(manager, 4)
         stats = manager.kv_stats()
     finally:
         manager.stop(block=True)
