@@ -241,3 +241,53 @@ def test_with_prefix_sharing_forks_share_the_parents_full_pages(llama):
     assert shared == copied and shared_stats["forks"] == copied_stats["forks"] == 2
     assert shared_stats["pool_empty"] and copied_stats["pool_empty"]
     assert shared_stats["peak_pages"] == copied_stats["peak_pages"] - 2 * 3
+
+
+def test_a_request_with_children_is_not_passed_over_for_slots(llama):
+    """Three window slots, two held: a request of two children needs all three, and the single
+    requests queued behind it wait beside the slots it waits for (before, each slot that freed
+    went to one of them, and it started last)."""
+    from foscar.serving import build_manager
+
+    manager = build_manager(llama, KVS["int4"], num_blocks=64, block_size=16, max_new_tokens=5,
+                            max_requests=3)
+    manager.start()
+    try:
+        for i in range(2):
+            manager.add_request(PROMPT[:20], request_id=f"s{i}", max_new_tokens=6 + 3 * i,
+                                streaming=True)
+        while manager.cache is None or len(manager.cache.paged.live_requests) < 2:
+            time.sleep(0.01)
+        manager.add_request(PROMPT, request_id="p", num_children=2)
+        for i in range(2, 12):
+            manager.add_request(PROMPT[:20], request_id=f"s{i}")
+        order = list(_answers(manager, 15))
+        stats = manager.kv_stats()
+    finally:
+        manager.stop(block=True)
+    assert order.index("p") < order.index("s11") and stats["forks"] == 2
+
+
+def test_children_the_blocks_cannot_fork_keep_their_slots(llama):
+    """Three window slots and 16 blocks, most held by a long request: the fork of a request
+    finds no blocks, so its reserved child is queued as a request of its own, holding its slot
+    while it runs; requests after them find the slots as they are (no step is refused)."""
+    from foscar.serving import build_manager
+
+    long_prompt = [(5 * i + 1) % 89 + 5 for i in range(100)]
+    manager = build_manager(llama, KVS["int4"], num_blocks=16, block_size=16, max_new_tokens=10,
+                            max_requests=3)
+    manager.start()
+    try:
+        manager.add_request(long_prompt, request_id="a", max_new_tokens=12, streaming=True)
+        manager.get_result(timeout=60)  # a decodes
+        manager.add_request(PROMPT, request_id="p", num_children=1, max_new_tokens=40)
+        done = _answers(manager, 1, skip={"a"})
+        assert set(done) == {"p"}  # the child, prefilled after p, is still running
+        for x in "xyz":
+            manager.add_request(PROMPT[:20], request_id=x, max_new_tokens=30)
+        done.update(_answers(manager, 4, skip={"a"}))
+        stats = manager.kv_stats()
+    finally:
+        manager.stop(block=True)
+    assert set(done) == {"p", "p__child#0", "x", "y", "z"} and stats["forks"] == 0

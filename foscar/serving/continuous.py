@@ -290,6 +290,8 @@ class FoscarPagedCache(_TrackedCache, PagedAttentionCache):
         self._slots: set = set()  # requests admitted: each holds a window slot
         #: the slots reserved for the children of a request not forked yet
         self._reserved: dict = {}
+        #: (request, slots it needs): the oldest request with children refused for slots
+        self._slot_waiter: tuple | None = None
         self._scheduler = None  # watch_scheduler
         #: prefix sharing: the prompt of each request admitted since, to find a donor by
         self._prompts: dict = {}
@@ -308,7 +310,8 @@ class FoscarPagedCache(_TrackedCache, PagedAttentionCache):
             # hashing stays off (allow_block_sharing=False): foscar picks what is shared
             self.use_prefix_sharing = True
         self._rows: list[StepRow] | None = None  # the next forward's layout, in batch order
-        #: (parent, children) forked in the engine's blocks, their storage not yet copied
+        #: (parent, children, pages they share) forked in the engine's blocks, their storage not
+        #: yet copied
         self._pending_forks: list[tuple] = []
         #: steps run through a CUDA graph (captured, or replayed)
         self.graph_steps = 0
@@ -344,13 +347,25 @@ class FoscarPagedCache(_TrackedCache, PagedAttentionCache):
         count = min(getattr(state, "num_children", 0) or 0, self.paged.max_requests - 1)
         return [child_request_id(request_id, i) for i in range(count)]
 
-    def _has_slot(self, request_id, state=None) -> bool:
+    def _has_slot(self, request_id, state=None, *, dry_run: bool = False) -> bool:
+        """Whether ``request_id`` may be admitted: it holds a slot, or slots are free for it and
+        its children. The oldest request with children that found too few free slots goes
+        first: newer ones are admitted only beside the slots it waits for (else, as slots free
+        one by one, single requests behind it would take each and it would never start)."""
         if request_id in self._slots:
             return True
         wanted = 1 + sum(c not in self._slots for c in self._children(request_id, state))
-        return len(self._slots) + wanted <= self.paged.max_requests
+        free = self.paged.max_requests - len(self._slots)
+        waiter = self._slot_waiter
+        if waiter is not None and waiter[0] != request_id:
+            return wanted + waiter[1] <= free
+        if wanted > free and wanted > 1 and not dry_run:
+            self._slot_waiter = (request_id, wanted)
+        return wanted <= free
 
     def _take_slot(self, request_id, state=None) -> None:
+        if self._slot_waiter is not None and self._slot_waiter[0] == request_id:
+            self._slot_waiter = None
         if request_id not in self._slots:
             self._slots.add(request_id)
             children = [c for c in self._children(request_id, state) if c not in self._slots]
@@ -359,10 +374,10 @@ class FoscarPagedCache(_TrackedCache, PagedAttentionCache):
                 self._reserved[request_id] = children
 
     def can_store_request_tokens(self, state, request_len, *args, **kwargs) -> bool:
-        if not self._has_slot(state.request_id, state):
+        dry_run = kwargs.get("dry_run", args[0] if args else False)
+        if not self._has_slot(state.request_id, state, dry_run=dry_run):
             return False
         ok = super().can_store_request_tokens(state, request_len, *args, **kwargs)
-        dry_run = kwargs.get("dry_run", args[0] if args else False)
         if ok and not dry_run:
             self._take_slot(state.request_id, state)
         return ok
@@ -376,6 +391,8 @@ class FoscarPagedCache(_TrackedCache, PagedAttentionCache):
         return allocated
 
     def free_blocks(self, request_id, *args, **kwargs):
+        if self._slot_waiter is not None and self._slot_waiter[0] == request_id:
+            self._slot_waiter = None  # cancelled while it waited for slots
         self._slots.discard(request_id)
         # a request that ends (or is preempted) before it forks gives its children's slots back
         self._slots.difference_update(self._reserved.pop(request_id, ()))
@@ -389,6 +406,7 @@ class FoscarPagedCache(_TrackedCache, PagedAttentionCache):
         self._pending_forks = []
         self._slots.clear()
         self._reserved.clear()
+        self._slot_waiter = None
         self._prompts.clear()
         self.live_request_ids.clear()
         self.paged.release_all()
@@ -432,27 +450,19 @@ class FoscarPagedCache(_TrackedCache, PagedAttentionCache):
     # many as the parent holds (foscar turns the engine's block sharing off), then it copies the
     # blocks on its compute stream. There, foscar copies the parent's storage into the child's
     # blocks instead (the engine's K/V tensors are one channel wide and never read).
-    def _fork_room(self, parent_id, children) -> int:
-        """How many of ``children`` (in order) have a window slot: those reserved at the
-        parent's admission, then free ones."""
-        reserved = set(self._reserved.get(parent_id, ()))
-        free = max(0, self.paged.max_requests - len(self._slots))
-        room = 0
-        for child in children:
-            if child not in reserved:
-                if not free:
-                    break
-                free -= 1
-            room += 1
-        return room
+    def _fork_room(self, parent_id) -> int:
+        """How many children of ``parent_id`` have a window slot, the first ones in order:
+        those reserved at its admission, then free ones. The reservation ends here: the engine
+        forks them or queues them as requests of their own (which keep the reserved slots)."""
+        reserved = self._reserved.pop(parent_id, ())
+        return len(reserved) + max(0, self.paged.max_requests - len(self._slots))
 
     def prepare_fork_request(self, src_state, dst_req_ids, copy_src_and_dst):
         """transformers 5.25: fork ``src_state`` into as many of ``dst_req_ids`` as the blocks
         and window slots hold; returns those ids (the engine prefills the others). Their storage
         is copied in :meth:`perform_cache_copy`."""
         parent = src_state.request_id
-        ids = list(dst_req_ids)
-        ids = ids[: self._fork_room(parent, ids)]
+        ids = list(dst_req_ids)[: self._fork_room(src_state.request_id)]
         shared = self._shared_fork_pages(parent)
         if shared:
             # the engine's block sharing is off (foscar picks what is shared): for this fork its
@@ -479,9 +489,8 @@ class FoscarPagedCache(_TrackedCache, PagedAttentionCache):
     def compute_max_num_forks(self, source_request_id) -> int:
         """transformers 5.17: the children the blocks and the window slots hold (the engine
         forks the first ones, in order)."""
-        room = len(self._reserved.get(source_request_id, ())) + max(
-            0, self.paged.max_requests - len(self._slots))
-        return min(super().compute_max_num_forks(source_request_id), room)
+        return min(super().compute_max_num_forks(source_request_id),
+                   self._fork_room(source_request_id))
 
     def fork_request(self, source_request_id, destination_request_ids):
         """transformers 5.17: fork the request's blocks; its storage is copied in
@@ -498,7 +507,6 @@ class FoscarPagedCache(_TrackedCache, PagedAttentionCache):
         """Children that now hold blocks (the first ``shared`` the parent's) and a window slot;
         their storage is copied next. Reserved children left out (the blocks did not hold them)
         keep their slots: the engine prefills them as requests of their own."""
-        self._reserved.pop(parent_id, None)
         self._slots.update(children)
         self._pending_forks.append((parent_id, list(children), shared))
 
