@@ -291,3 +291,27 @@ def test_children_the_blocks_cannot_fork_keep_their_slots(llama):
     finally:
         manager.stop(block=True)
     assert set(done) == {"p", "p__child#0", "x", "y", "z"} and stats["forks"] == 0
+
+
+def test_a_request_cancelled_while_it_waits_for_slots_stops_holding_them_back(llama):
+    """A request of two children waits for three window slots (two held by long requests);
+    cancelled, it no longer holds newer requests back: one behind it starts in the free slot."""
+    from foscar.serving import build_manager
+
+    manager = build_manager(llama, KVS["int4"], num_blocks=64, block_size=16, max_new_tokens=5,
+                            max_requests=3)
+    manager.start()
+    try:
+        for i in range(2):
+            manager.add_request(PROMPT[:20], request_id=f"s{i}", max_new_tokens=120,
+                                streaming=True)
+        while manager.cache is None or len(manager.cache.paged.live_requests) < 2:
+            time.sleep(0.01)
+        manager.add_request(PROMPT, request_id="p", num_children=2)
+        time.sleep(0.2)  # p is refused for slots, step after step
+        manager.cancel_request("p")
+        manager.add_request(PROMPT[:20], request_id="x", max_new_tokens=3)
+        order = list(_answers(manager, 3))
+    finally:
+        manager.stop(block=True)
+    assert order[0] == "x"  # before the long requests end
