@@ -22,7 +22,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 sys.path.insert(0, os.path.dirname(__file__))
 from extend_bench import SWEEP, formats  # noqa: E402
-from sass_count import compile_sm90, resources  # noqa: E402
+from sass_count import DECODE_POINTERS, compile_sm90, resources  # noqa: E402
 
 from foscar.backends.combine import has_window_program  # noqa: E402
 from foscar.backends.extend import ExtendConfig, extend_config, query_columns  # noqa: E402
@@ -30,22 +30,8 @@ from foscar.configs import column_widths  # noqa: E402
 from foscar.formats import KVFormat, QuantFormat  # noqa: E402
 from foscar.kernels import triton_extend as kern  # noqa: E402
 
-POINTERS = {
-    "q_ptr": "*bf16",
-    "k_chunk_ptr": "*bf16",
-    "v_chunk_ptr": "*bf16",
-    "k_sink_ptr": "*bf16",
-    "v_sink_ptr": "*bf16",
-    "k_tail_ptr": "*bf16",
-    "v_tail_ptr": "*bf16",
-    "k_words_ptr": "*i32",
-    "v_words_ptr": "*i32",
-    "k_scales_ptr": "*fp32",
-    "v_scales_ptr": "*fp32",
-    "o_ptr": "*bf16",
-    "o_part_ptr": "*fp32",
-    "lse_part_ptr": "*fp32",
-}
+#: the decode split kernel's pointers (the same pool, windows and partials), and the chunk's
+POINTERS = {**DECODE_POINTERS, "k_chunk_ptr": "*bf16", "v_chunk_ptr": "*bf16", "o_ptr": "*bf16"}
 
 
 def compile_extend(fmt, cfg: ExtendConfig, *, head_dim=128, ratio=4, page=64, direct=True):
