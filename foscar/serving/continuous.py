@@ -108,7 +108,7 @@ from .pool_sizes import (
     num_kv_heads_of,
     size_pool,
 )
-from .sampling import child_request_id, is_child_request_id
+from .sampling import child_request_ids, is_child_request_id
 from .tp import rank_rotations, tp_size_of
 
 __all__ = [
@@ -345,7 +345,7 @@ class FoscarPagedCache(_TrackedCache, PagedAttentionCache):
             state = self._scheduler.active_requests.get(request_id) or \
                 self._scheduler.waiting_requests.get(request_id)
         count = min(getattr(state, "num_children", 0) or 0, self.paged.max_requests - 1)
-        return [child_request_id(request_id, i) for i in range(count)]
+        return child_request_ids(request_id, count)
 
     def _has_slot(self, request_id, state=None, *, dry_run: bool = False) -> bool:
         """Whether ``request_id`` may be admitted: it holds a slot, or slots are free for it and
@@ -771,7 +771,7 @@ class FoscarBatchingManager(ContinuousBatchingManager):
         # seeded) as forks are
         alone = num_children if len(input_ids) < 2 else 0
         children = self.input_queue.children
-        ids = [request_id] + [child_request_id(request_id, i) for i in range(alone)]
+        ids = [request_id, *child_request_ids(request_id, alone)]
         for i, rid in enumerate(ids):
             children[rid] = num_children - alone if i == 0 else 0
         try:

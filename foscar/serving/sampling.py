@@ -67,6 +67,7 @@ __all__ = [
     "apply_penalties",
     "sampling_key",
     "child_request_id",
+    "child_request_ids",
     "is_child_request_id",
     "request_seed",
     "SAMPLING_KWARGS",
@@ -116,6 +117,11 @@ def child_request_id(request_id: str, child: int) -> str:
     """The id transformers' engine gives child ``child`` (0-based) of a forked request (its
     ``num_children``: parallel samples of one prompt, prefilled once)."""
     return f"{request_id}__child#{child}"
+
+
+def child_request_ids(request_id: str, count: int) -> list[str]:
+    """The ids of children ``0 .. count - 1`` of a forked request (:func:`child_request_id`)."""
+    return [child_request_id(request_id, i) for i in range(count)]
 
 
 def is_child_request_id(request_id: str) -> bool:

@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..sampling import child_request_id
+from ..sampling import child_request_ids
 from .answers import Choice, GenerationFailed, Job
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .models import (
@@ -252,7 +252,7 @@ def _start_job(state: ServingState, kind: str, request, prompts: list[list[int]]
             # one engine request a prompt, forked into its other n - 1 choices once its prompt
             # is prefilled (choice i draws with seed + i: foscar.serving.sampling)
             first = f"{job.request_id}-{p * request.n}"
-            ids = [first] + [child_request_id(first, i) for i in range(request.n - 1)]
+            ids = [first, *child_request_ids(first, request.n - 1)]
             for i, request_id in enumerate(ids):
                 choice = Choice(p * request.n + i, request_id, len(prompt), max_new,
                                 TextStream(state.tokenizer), StopText(stops), stop_ids,

@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 
-from ..sampling import child_request_id
+from ..sampling import child_request_ids
 
 __all__ = ["RequestRouter", "RequestError", "Busy", "EngineStopped", "STOPPED", "engine_error",
            "free_share"]
@@ -189,14 +189,14 @@ class RequestRouter:
         requests, told apart by ``request_id``). ``sampling``: the request's arguments of
         :func:`foscar.serving.sampling.enable_sampling` (none: greedy). ``num_children``: more
         samples of the prompt, prefilled once (foscar's managers fork the request; their ids are
-        :func:`foscar.serving.sampling.child_request_id`'s, each one more engine request).
+        :func:`foscar.serving.sampling.child_request_ids`, each one more engine request).
         Raises RequestError (400) for a request the engine refuses, EngineStopped when it cannot
         take it."""
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
         if outputs is None:
             outputs = asyncio.Queue()
-        ids = [request_id] + [child_request_id(request_id, i) for i in range(num_children)]
+        ids = [request_id, *child_request_ids(request_id, num_children)]
         children = {"num_children": num_children} if num_children else {}
         with self._lock:
             for i in ids:  # before add_request: an answer can come at once
