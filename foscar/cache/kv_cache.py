@@ -485,11 +485,11 @@ class QuantizedKVCache(PageTable):
             raise ValueError(f"seq_id {seq_id!r} must be empty (no tokens) to fork into")
         check_int(shared_pages, "shared_pages", low=0)
         length = min(parent.lengths)
-        if shared_pages > self.shareable_pages(parent_id, length, length):
+        shareable = self.shareable_pages(parent_id, length, length)
+        if shared_pages > shareable:
             raise ValueError(
-                f"shared_pages must be <= {self.shareable_pages(parent_id, length, length)} (the "
-                f"full pages parent {parent_id!r} has quantized in every layer), got "
-                f"{shared_pages}"
+                f"shared_pages must be <= {shareable} (the full pages parent {parent_id!r} has "
+                f"quantized in every layer), got {shared_pages}"
             )
         copied = self.history_pages(parent_id) - shared_pages
         if len(seq.pages) < copied:

@@ -462,7 +462,7 @@ class FoscarPagedCache(_TrackedCache, PagedAttentionCache):
         and window slots hold; returns those ids (the engine prefills the others). Their storage
         is copied in :meth:`perform_cache_copy`."""
         parent = src_state.request_id
-        ids = list(dst_req_ids)[: self._fork_room(src_state.request_id)]
+        ids = list(dst_req_ids)[: self._fork_room(parent)]
         shared = self._shared_fork_pages(parent)
         if shared:
             # the engine's block sharing is off (foscar picks what is shared): for this fork its

@@ -203,9 +203,9 @@ class FlashInferPagedKV:
             raise ValueError(f"source_blocks and block_ids must be as long, got "
                              f"{len(source_blocks)} and {len(block_ids)}")
         blocks = [*source_blocks, *block_ids]
-        if blocks and not 0 <= min(blocks) <= max(blocks) < self.scratch_page:
-            raise ValueError(f"block ids outside the pool's {self.scratch_page}")
         if blocks:
+            if not 0 <= min(blocks) <= max(blocks) < self.scratch_page:
+                raise ValueError(f"block ids outside the pool's {self.scratch_page}")
             src = torch.tensor(list(source_blocks), device=self.device)
             dst = torch.tensor(list(block_ids), device=self.device)
             for pages in self.k_pages + self.v_pages:
